@@ -1,0 +1,96 @@
+/* The CPU backend: host memory, OpenMP threads, a reusable workspace. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "../ops/op.h"
+#include "cpu.h"
+
+typedef struct cpu_ctx {
+  int threads;
+  void *ws;
+  size_t ws_size;
+} cpu_ctx;
+
+int moe_cpu_threads(const moe_backend *b) { return ((const cpu_ctx *)b->context)->threads; }
+
+void *moe_cpu_workspace(moe_backend *b, size_t bytes) {
+  cpu_ctx *ctx = b->context;
+  if (bytes <= ctx->ws_size) return ctx->ws;
+  size_t rounded = (bytes + 63) & ~(size_t)63;
+  if (rounded < bytes) return NULL;
+  void *p = aligned_alloc(64, rounded);
+  if (!p) return NULL;
+  free(ctx->ws);
+  ctx->ws = p;
+  ctx->ws_size = rounded;
+  return p;
+}
+
+static moe_status cpu_alloc(moe_backend *b, size_t n, void **out) {
+  (void)b;
+  size_t rounded = (n + 63) & ~(size_t)63;
+  if (rounded < n) return MOE_EOVERFLOW;
+  *out = aligned_alloc(64, rounded ? rounded : 64);
+  return *out ? MOE_OK : MOE_ENOMEM;
+}
+
+static void cpu_free(moe_backend *b, void *p) {
+  (void)b;
+  free(p);
+}
+
+static moe_status cpu_copy(moe_backend *b, void *dst, const void *src, size_t n) {
+  (void)b;
+  if (n) memcpy(dst, src, n);
+  return MOE_OK;
+}
+
+static moe_status cpu_sync(moe_backend *b) {
+  (void)b;
+  return MOE_OK;
+}
+
+static moe_status cpu_run(moe_backend *b, moe_call *c, moe_error *err) { return c->op->cpu(b, c, err); }
+
+static void cpu_destroy(moe_backend *b) {
+  cpu_ctx *ctx = b->context;
+  if (ctx) free(ctx->ws);
+  free(ctx);
+}
+
+static const struct moe_backend_i cpu_iface = {
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .copy_in = cpu_copy,
+    .copy_out = cpu_copy,
+    .synchronize = cpu_sync,
+    .run = cpu_run,
+    .destroy = cpu_destroy,
+};
+
+moe_status moe_backend_cpu_create(int threads, moe_backend **out, moe_error *err) {
+  moe_backend *b = calloc(1, sizeof *b);
+  cpu_ctx *ctx = calloc(1, sizeof *ctx);
+  if (!b || !ctx) {
+    free(b);
+    free(ctx);
+    return moe_fail(err, MOE_ENOMEM, "out of memory");
+  }
+#ifdef _OPENMP
+  if (threads <= 0) threads = omp_get_max_threads();
+#else
+  threads = 1;
+#endif
+  ctx->threads = threads;
+  b->iface = &cpu_iface;
+  b->kind = MOE_BACKEND_CPU;
+  b->device = -1;
+  b->context = ctx;
+  snprintf(b->name, sizeof b->name, "cpu (%d threads)", threads);
+  *out = b;
+  return MOE_OK;
+}

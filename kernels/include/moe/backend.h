@@ -1,0 +1,60 @@
+/* moe: backends (where ops run) and their interface.
+ *
+ * A backend is { iface, kind, device, context } (ggml's layout): the CPU
+ * backend and the GPU backend fill the same interface. A backend object is
+ * used by one thread at a time (one device worker owns it); create one per
+ * worker. */
+#ifndef MOE_BACKEND_H
+#define MOE_BACKEND_H
+
+#include <stddef.h>
+
+#include "moe/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct moe_backend moe_backend;
+typedef struct moe_call moe_call;
+
+typedef enum moe_backend_kind {
+  MOE_BACKEND_CPU = 0,
+  MOE_BACKEND_GPU = 1,
+} moe_backend_kind;
+
+struct moe_backend_i {
+  /* memory of this backend; host memory for the CPU backend */
+  moe_status (*alloc)(moe_backend *b, size_t nbytes, void **out);
+  void (*free)(moe_backend *b, void *ptr);
+  /* host -> backend and backend -> host, ordered on the backend's stream */
+  moe_status (*copy_in)(moe_backend *b, void *dst, const void *src, size_t nbytes);
+  moe_status (*copy_out)(moe_backend *b, void *dst, const void *src, size_t nbytes);
+  /* waits for everything queued on the backend */
+  moe_status (*synchronize)(moe_backend *b);
+  /* runs a prepared call whose tensors live in this backend's memory */
+  moe_status (*run)(moe_backend *b, moe_call *c, moe_error *err);
+  /* releases the context (not the moe_backend struct itself) */
+  void (*destroy)(moe_backend *b);
+};
+
+struct moe_backend {
+  const struct moe_backend_i *iface;
+  moe_backend_kind kind;
+  int device;    /* GPU ordinal; -1 for the CPU */
+  char name[64]; /* "cpu (2 threads)", "gpu0: NVIDIA H200" */
+  void *context;
+};
+
+/* threads <= 0: the OpenMP default (all cores). */
+moe_status moe_backend_cpu_create(int threads, moe_backend **out, moe_error *err);
+/* Number of usable GPUs (0 when the build has no GPU backend or none is
+ * present); *why (may be NULL) tells which, for the log. */
+int moe_backend_gpu_count(const char **why);
+moe_status moe_backend_gpu_create(int device, moe_backend **out, moe_error *err);
+void moe_backend_destroy(moe_backend *b);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,211 @@
+/* moe: scalar codecs of every number format in NUMERICS.md ("Common",
+ * "Narrow formats", the scale rules of "quant.mx").
+ *
+ * One definition for every backend: this header compiles as C (CPU backend)
+ * and as HIP/CUDA device code (GPU backend), so the bit-exact contract lives
+ * in one place. Integer arithmetic wherever rounding is specified, so no
+ * compiler flag (FMA contraction, flush-to-zero) can change a result; the few
+ * float operations here are single multiplies and divisions, which IEEE fixes. */
+#ifndef MOE_CODEC_H
+#define MOE_CODEC_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define MOE_HD __host__ __device__ static inline
+#else
+#define MOE_HD static inline
+#endif
+
+/* ---- fp32 bits ---------------------------------------------------------- */
+
+MOE_HD uint32_t moe_f32_bits(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+MOE_HD float moe_f32_from_bits(uint32_t u) {
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+MOE_HD bool moe_f32_isnan(float f) { return (moe_f32_bits(f) & 0x7FFFFFFFu) > 0x7F800000u; }
+MOE_HD bool moe_f32_isfinite(float f) { return (moe_f32_bits(f) & 0x7F800000u) != 0x7F800000u; }
+MOE_HD float moe_f32_abs(float f) { return moe_f32_from_bits(moe_f32_bits(f) & 0x7FFFFFFFu); }
+
+/* 2^e exactly, for e in [-149, 127] (subnormal powers included). */
+MOE_HD float moe_pow2f(int e) {
+  if (e >= -126) return moe_f32_from_bits((uint32_t)(e + 127) << 23);
+  return moe_f32_from_bits(1u << (e + 149));
+}
+
+/* Rounds the 24-bit significand `mant` right by `shift` bits: round to
+ * nearest, ties to even (half_up = false) or ties away from zero. */
+MOE_HD uint32_t moe_round_shift(uint32_t mant, int shift, bool half_up) {
+  if (shift <= 0) return mant << (-shift);
+  if (shift > 25) return 0; /* below half of the smallest step */
+  uint32_t n = mant >> shift;
+  uint32_t rem = mant & ((1u << shift) - 1u);
+  uint32_t half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (half_up || (n & 1u)))) n++;
+  return n;
+}
+
+/* ---- bf16 / fp16 -------------------------------------------------------- */
+
+MOE_HD float moe_bf16_to_f32(uint16_t h) { return moe_f32_from_bits((uint32_t)h << 16); }
+
+/* RNE; overflow rounds to inf; NaN -> 0x7FC0. */
+MOE_HD uint16_t moe_f32_to_bf16(float f) {
+  uint32_t u = moe_f32_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+MOE_HD float moe_f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  if (e == 0x1F) return moe_f32_from_bits(sign | 0x7F800000u | (m << 13));
+  if (e == 0) { /* zero or subnormal: m * 2^-24, exact in fp32 */
+    float v = (float)m * moe_pow2f(-24);
+    return sign ? -v : v;
+  }
+  return moe_f32_from_bits(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+/* RNE with subnormals; |x| >= 65520 -> inf; NaN -> 0x7E00. */
+MOE_HD uint16_t moe_f32_to_f16(float f) {
+  uint32_t u = moe_f32_bits(f);
+  uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return 0x7E00;
+  if (a >= 0x477FF000u) return sign | 0x7C00u;
+  if (a >= 0x38800000u) { /* normal in fp16: rebias, round off 13 bits */
+    uint32_t h = a - (112u << 23);
+    h += 0xFFFu + ((h >> 13) & 1u);
+    return sign | (uint16_t)(h >> 13);
+  }
+  uint32_t e = a >> 23;
+  if (e == 0) return sign; /* fp32 subnormal: far below fp16's half-step */
+  uint32_t mant = (a & 0x7FFFFFu) | 0x800000u;
+  return sign | (uint16_t)moe_round_shift(mant, (int)(126u - e), false);
+}
+
+/* ---- narrow floats: fp8 e4m3fn / e4m3fnuz / e5m2, fp4 e2m1 --------------- */
+
+typedef struct moe_narrow_fmt {
+  int mbits;          /* mantissa bits */
+  int bias;           /* exponent bias */
+  int bits;           /* code width: 8, or 4 for fp4 */
+  uint8_t max_mag;    /* magnitude code of the max finite value */
+  int16_t nan_code;   /* code produced for NaN; -1: format has none */
+  bool neg_zero;      /* false: -0 encodes as 0x00 (fnuz) */
+  bool inf_codes;     /* e5m2: exponent field all ones is inf/NaN on decode */
+  bool nan_is_max;    /* e4m3fn: magnitude 0x7F is NaN on decode */
+  bool nan_is_negzero;/* fnuz: 0x80 is NaN on decode */
+  float max_finite;
+  int emax;           /* floor(log2(max finite)): the MX emax */
+} moe_narrow_fmt;
+
+#define MOE_FMT_E4M3FN {3, 7, 8, 0x7E, 0x7F, true, false, true, false, 448.0f, 8}
+#define MOE_FMT_E4M3FNUZ {3, 8, 8, 0x7F, 0x80, false, false, false, true, 240.0f, 7}
+#define MOE_FMT_E5M2 {2, 15, 8, 0x7B, 0x7F, true, true, false, false, 57344.0f, 15}
+#define MOE_FMT_E2M1 {1, 1, 4, 0x7, -1, true, false, false, false, 6.0f, 2}
+
+/* fp32 -> narrow code: round to the format's grid (subnormals included;
+ * ties to even, or away from zero with half_up), then satfinite; NaN -> the
+ * NaN code (0 for fp4, which has none: MX handles NaN blocks before this). */
+MOE_HD uint8_t moe_f32_to_narrow(float f, const moe_narrow_fmt *fmt, bool half_up) {
+  uint32_t u = moe_f32_bits(f);
+  uint32_t a = u & 0x7FFFFFFFu;
+  uint8_t sign = (uint8_t)((u >> 31) << (fmt->bits - 1));
+  if (a > 0x7F800000u) return fmt->nan_code < 0 ? 0 : (uint8_t)fmt->nan_code;
+  uint32_t mag;
+  if (moe_f32_from_bits(a) > fmt->max_finite) {
+    mag = fmt->max_mag; /* inf too */
+  } else {
+    int ea = (int)(a >> 23) - 127;
+    int emin = 1 - fmt->bias;
+    int qe = (ea > emin ? ea : emin) - fmt->mbits; /* exponent of one step */
+    uint32_t mant = (a >> 23) ? ((a & 0x7FFFFFu) | 0x800000u) : 0u;
+    uint32_t n = moe_round_shift(mant, 23 + qe - ea, half_up);
+    mag = ((uint32_t)(qe - (emin - fmt->mbits)) << fmt->mbits) + n;
+    if (n == 0) mag = 0;
+    if (mag > fmt->max_mag) mag = fmt->max_mag;
+  }
+  if (mag == 0 && !fmt->neg_zero) return 0;
+  return (uint8_t)(sign | mag);
+}
+
+/* narrow code -> fp32, exact. */
+MOE_HD float moe_narrow_to_f32(uint8_t code, const moe_narrow_fmt *fmt) {
+  uint32_t sbit = 1u << (fmt->bits - 1);
+  uint32_t mag = code & (sbit - 1u);
+  bool neg = (code & sbit) != 0;
+  if (fmt->nan_is_negzero && code == 0x80) return moe_f32_from_bits(0x7FC00000u);
+  if (fmt->nan_is_max && mag == 0x7F) return moe_f32_from_bits(0x7FC00000u);
+  uint32_t e = mag >> fmt->mbits, m = mag & ((1u << fmt->mbits) - 1u);
+  if (fmt->inf_codes && e == (1u << (fmt->bits - 1 - fmt->mbits)) - 1u) {
+    float v = m ? moe_f32_from_bits(0x7FC00000u) : moe_f32_from_bits(0x7F800000u);
+    return (neg && !m) ? -v : v;
+  }
+  float v = e == 0 ? (float)m * moe_pow2f(1 - fmt->bias - fmt->mbits)
+                   : (float)((1u << fmt->mbits) + m) * moe_pow2f((int)e - fmt->bias - fmt->mbits);
+  return neg ? -v : v;
+}
+
+/* ---- int8 ---------------------------------------------------------------- */
+
+/* RNE, saturate to [-128, 127], NaN -> 0 (vLLM's behaviour). */
+MOE_HD int8_t moe_f32_to_int8(float f) {
+  if (moe_f32_isnan(f)) return 0;
+  if (f >= 127.0f) return 127;
+  if (f <= -128.0f) return -128;
+  uint32_t u = moe_f32_bits(f);
+  uint32_t a = u & 0x7FFFFFFFu;
+  int ea = (int)(a >> 23) - 127;
+  uint32_t mant = (a >> 23) ? ((a & 0x7FFFFFu) | 0x800000u) : 0u;
+  int n = (int)moe_round_shift(mant, 23 - ea, false); /* |f| < 128: shift >= 17 */
+  return (int8_t)((u >> 31) ? -n : n);
+}
+
+/* ---- MX block scales (NUMERICS.md "quant.mx") ----------------------------- */
+
+typedef enum moe_mx_rule {
+  MOE_MX_EVEN = 0,
+  MOE_MX_FLOOR,
+  MOE_MX_AMAX_UP,
+  MOE_MX_AMAX_DOWN,
+} moe_mx_rule;
+
+/* From a finite block amax: the e8m0 scale byte and the fp32 factor the
+ * elements are multiplied by before conversion. */
+MOE_HD uint8_t moe_mx_scale(float amax, moe_mx_rule rule, const moe_narrow_fmt *fmt, float *mult) {
+  uint32_t b = moe_f32_bits(amax);
+  if (rule == MOE_MX_EVEN || rule == MOE_MX_FLOOR) {
+    uint32_t r = ((rule == MOE_MX_EVEN) ? b + 0x200000u : b) & 0xFF800000u;
+    int e = (int)((r >> 23) & 0xFFu);
+    int unb = (e == 0) ? -127 : (e == 255) ? 127 : e - 127 - fmt->emax;
+    if (unb < -127) unb = -127;
+    if (unb > 127) unb = 127;
+    *mult = moe_pow2f(-unb);
+    return (uint8_t)(unb + 127);
+  }
+  float d = amax / fmt->max_finite;
+  uint32_t db = moe_f32_bits(d);
+  uint32_t xe = ((rule == MOE_MX_AMAX_UP) ? db + 0x7FFFFFu : db) & 0x7F800000u;
+  *mult = xe == 0 ? 0.0f : 1.0f / moe_f32_from_bits(xe);
+  return (uint8_t)(xe >> 23);
+}
+
+/* e8m0 byte -> its power of two (0xFF -> NaN). */
+MOE_HD float moe_e8m0_to_f32(uint8_t b) {
+  if (b == 0xFF) return moe_f32_from_bits(0x7FC00000u);
+  return moe_pow2f((int)b - 127);
+}
+
+#endif

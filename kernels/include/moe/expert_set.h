@@ -1,0 +1,118 @@
+/* moe: expert sets, the weights of one MoE layer (or a shard of its experts)
+ * served as one fused_moe model. On disk: a directory with config.json and
+ * one or more .safetensors files (docs/expert-set.md). */
+#ifndef MOE_EXPERT_SET_H
+#define MOE_EXPERT_SET_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "moe/ops.h"
+#include "moe/status.h"
+#include "moe/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum moe_scheme {
+  MOE_SCHEME_BF16 = 0, /* weights bf16 (activations bf16) */
+  MOE_SCHEME_FP16,     /* weights fp16 (activations fp16) */
+  MOE_SCHEME_WNA16,    /* int4/int8 weights, per-group scales, 16-bit activations */
+  MOE_SCHEME_COUNT
+} moe_scheme;
+
+typedef enum moe_activation {
+  MOE_ACT_SILU = 0,
+  MOE_ACT_GELU,
+  MOE_ACT_SWIGLU_OAI,
+  MOE_ACT_COUNT
+} moe_activation;
+
+typedef enum moe_scoring {
+  MOE_SCORING_SOFTMAX = 0,
+  MOE_SCORING_SIGMOID,
+  MOE_SCORING_COUNT
+} moe_scoring;
+
+/* Name tables (index = enum value), NULL-terminated, for parsing. */
+extern const char *const moe_scheme_names[];
+extern const char *const moe_activation_names[];
+extern const char *const moe_scoring_names[];
+
+/* Routing parameters of moe.topk (also the defaults of an expert set). */
+typedef struct moe_routing {
+  int64_t top_k;
+  moe_scoring scoring;
+  bool renormalize;
+  int64_t num_expert_group; /* <= 1: no grouping */
+  int64_t topk_group;
+  double routed_scaling_factor; /* default 1 */
+} moe_routing;
+
+typedef struct moe_expert_config {
+  moe_scheme scheme;
+  int64_t num_experts;        /* experts held here, E_local */
+  int64_t global_num_experts; /* E of the whole layer (>= offset + E_local) */
+  int64_t expert_offset;      /* first global expert id held here */
+  int64_t hidden_size;        /* H */
+  int64_t intermediate_size;  /* I */
+  moe_activation activation;
+  int bits;                   /* wna16: 4 or 8 */
+  int64_t group_size;         /* wna16: divides K of each GEMM; -1 = one group per row */
+  bool has_zero_points;       /* wna16 */
+  moe_routing routing;
+} moe_expert_config;
+
+/* Tensor slots of an expert set; names in moe_expert_tensor_names. */
+typedef enum moe_expert_tensor {
+  MOE_W13 = 0,     /* [E, 2I, H] bf16/fp16 */
+  MOE_W2,          /* [E, H, I] */
+  MOE_W13_QWEIGHT, /* wna16 */
+  MOE_W13_SCALES,
+  MOE_W13_QZEROS,
+  MOE_W2_QWEIGHT,
+  MOE_W2_SCALES,
+  MOE_W2_QZEROS,
+  MOE_CORRECTION_BIAS, /* optional F32 [E_global], used when routing here */
+  MOE_EXPERT_TENSOR_COUNT
+} moe_expert_tensor;
+
+extern const char *const moe_expert_tensor_names[];
+
+struct moe_expert_set {
+  char name[128];
+  moe_expert_config cfg;
+  moe_tensor t[MOE_EXPERT_TENSOR_COUNT]; /* data NULL when absent */
+  void *owner;                           /* mappings/buffers; NULL when borrowed */
+};
+
+/* Defaults: bf16, silu, routing softmax top_k 1 renormalize false,
+ * routed_scaling_factor 1, offset 0, group_size -1, no zero points. */
+void moe_expert_config_defaults(moe_expert_config *cfg);
+/* Parses config.json text into cfg (starting from the defaults). */
+moe_status moe_expert_config_parse(const char *json, moe_expert_config *cfg, moe_error *err);
+/* Serializes cfg as JSON (malloc'ed string; caller frees). */
+char *moe_expert_config_to_json(const moe_expert_config *cfg);
+
+/* Checks every tensor against the config (dtype, shape, presence), naming
+ * the tensor in err. */
+moe_status moe_expert_set_validate(const moe_expert_set *set, moe_error *err);
+
+/* Loads a directory (config.json + *.safetensors); data mmapped. */
+moe_status moe_expert_set_load(const char *dir, const char *name, moe_expert_set **out, moe_error *err);
+/* Builds a set that borrows the tensors named as in moe_expert_tensor_names
+ * (missing optional ones stay absent); validated. */
+moe_status moe_expert_set_from_tensors(const char *name, const moe_expert_config *cfg,
+                                       const moe_named_tensor *tensors, size_t n, moe_expert_set **out,
+                                       moe_error *err);
+void moe_expert_set_destroy(moe_expert_set *set);
+
+/* Writes a synthetic set with seeded random weights into `dir` (created). */
+moe_status moe_expert_set_write_random(const char *dir, const moe_expert_config *cfg, uint64_t seed,
+                                       moe_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

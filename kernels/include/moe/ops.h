@@ -1,0 +1,97 @@
+/* moe: the op table and the generic way to call an op.
+ *
+ * An op is called by name with named tensors and parameters, exactly as a
+ * KServe request carries them:
+ *
+ *   moe_call *c;
+ *   moe_op_prepare(moe_op_find("quant.mx"), in, n_in, &params, NULL, &c, &err);
+ *   for (i < moe_call_num_outputs(c)) allocate moe_call_output(c, i)->tensor
+ *   moe_call_run(c, backend, &err);
+ *   moe_call_destroy(c);
+ *
+ * prepare validates everything (dtype, rank, shapes, byte sizes, parameter
+ * values) before any work and names the offending field in err; it computes
+ * the output shapes. run only computes. */
+#ifndef MOE_OPS_H
+#define MOE_OPS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "moe/params.h"
+#include "moe/status.h"
+#include "moe/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct moe_named_tensor {
+  const char *name;
+  moe_tensor tensor;
+} moe_named_tensor;
+
+typedef struct moe_op moe_op;
+typedef struct moe_call moe_call;
+typedef struct moe_backend moe_backend;
+typedef struct moe_expert_set moe_expert_set;
+
+/* NULL when no op has that name. Expert-set models are called through the
+ * op "fused_moe" with the set passed to moe_op_prepare. */
+const moe_op *moe_op_find(const char *name);
+/* Iteration over the table (built-ins in a fixed order). */
+size_t moe_op_count(void);
+const moe_op *moe_op_at(size_t i);
+const char *moe_op_name(const moe_op *op);
+
+/* Static description of an op's interface, for ModelMetadata/ModelConfig. */
+typedef struct moe_op_io_desc {
+  const char *name;
+  bool optional;
+  const char *dtypes; /* comma-separated dtype names accepted / produced */
+} moe_op_io_desc;
+
+typedef struct moe_op_info {
+  const char *name;
+  const moe_op_io_desc *inputs;
+  size_t num_inputs;
+  const moe_op_io_desc *outputs;
+  size_t num_outputs;
+  /* True when row r of every output depends only on row r of the row-major
+   * inputs (merged along the first axis by the batcher). False e.g. for
+   * dynamic per-tensor quant, whose scale depends on the whole tensor. */
+  bool rows_independent;
+} moe_op_info;
+
+const moe_op_info *moe_op_describe(const moe_op *op);
+
+/* Validates inputs and params and creates a call whose outputs have their
+ * dtype, shape and nbytes set and data NULL. `set` is the expert set for
+ * "fused_moe" called as a loaded model (NULL: weights must be inputs). The
+ * input tensors' descriptors are copied; their data must stay valid until
+ * the call is run. */
+moe_status moe_op_prepare(const moe_op *op, const moe_named_tensor *inputs, size_t num_inputs,
+                          const moe_params *params, const moe_expert_set *set, moe_call **out,
+                          moe_error *err);
+size_t moe_call_num_outputs(const moe_call *c);
+/* Set ->tensor.data (and .nbytes, at least the size given) before running. */
+moe_named_tensor *moe_call_output(moe_call *c, size_t i);
+/* Input tensors may be rebound (e.g. to device copies) before running. */
+size_t moe_call_num_inputs(const moe_call *c);
+moe_named_tensor *moe_call_input(moe_call *c, size_t i);
+/* Runs on `b` (NULL: the default backend). Inputs and outputs must live in
+ * b's memory. */
+moe_status moe_call_run(moe_call *c, moe_backend *b, moe_error *err);
+void moe_call_destroy(moe_call *c);
+
+/* Convenience for host memory: prepare + allocate outputs (malloc; the caller
+ * frees each outputs[i].tensor.data and the array) + run on the CPU backend. */
+moe_status moe_run_host(const char *op, const moe_named_tensor *inputs, size_t num_inputs,
+                        const moe_params *params, const moe_expert_set *set, moe_named_tensor **outputs,
+                        size_t *num_outputs, moe_error *err);
+void moe_outputs_free(moe_named_tensor *outputs, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

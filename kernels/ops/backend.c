@@ -1,0 +1,24 @@
+/* Backend lifetime shared by every backend, and the GPU entry points of a
+ * build without a GPU backend. */
+#include <stdlib.h>
+
+#include "moe/backend.h"
+
+void moe_backend_destroy(moe_backend *b) {
+  if (!b) return;
+  if (b->iface && b->iface->destroy) b->iface->destroy(b);
+  free(b);
+}
+
+#ifndef MOE_HAVE_GPU
+int moe_backend_gpu_count(const char **why) {
+  if (why) *why = "this build has no GPU backend (no nvcc or hipcc found at configure time)";
+  return 0;
+}
+
+moe_status moe_backend_gpu_create(int device, moe_backend **out, moe_error *err) {
+  (void)device;
+  (void)out;
+  return moe_fail(err, MOE_EUNSUPPORTED, "this build has no GPU backend");
+}
+#endif

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Installs everything the build and the tests need, idempotently:
+# Debian packages (apt-get update once, then only what is missing) and the
+# PyPI packages of the test oracles into a project-local venv (.venv).
+# Usage: scripts/deps.sh [--no-python] [--gpu-tools]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_python=1
+want_hip=0
+for a in "$@"; do
+  case "$a" in
+    --no-python) want_python=0 ;;
+    --gpu-tools) want_hip=1 ;;
+    *) echo "deps.sh: unknown option $a" >&2; exit 2 ;;
+  esac
+done
+
+pkgs=(
+  build-essential cmake pkg-config
+  check libsubunit-dev                      # unit tests
+  libgrpc-dev protobuf-c-compiler libprotobuf-c-dev grpc-proto libprotobuf-dev protobuf-compiler
+  libuv1-dev libhttp-parser-dev             # event loop, HTTP side port
+  libcjson-dev libxxhash-dev libjemalloc-dev
+  python3 python3-venv python3-dev
+  valgrind
+)
+# AMD compile check: Debian's HIP toolchain.
+[ "$want_hip" = 1 ] && pkgs+=(hipcc libamdhip64-dev rocm-device-libs)
+
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+if [ "$want_python" = 1 ]; then
+  # Debian's python (not a pyenv one): the venv must match the system ABI.
+  py=/usr/bin/python3
+  if [ ! -x .venv/bin/python ]; then
+    "$py" -m venv .venv
+  fi
+  need=$(.venv/bin/python - <<'PY'
+import importlib.util as u
+mods = {"numpy": "numpy", "ml_dtypes": "ml_dtypes", "tritonclient": "tritonclient[grpc]",
+        "grpc": "grpcio"}
+print(" ".join(p for m, p in mods.items() if u.find_spec(m) is None))
+PY
+)
+  if [ -n "$need" ]; then
+    # shellcheck disable=SC2086
+    .venv/bin/pip install -q -r scripts/requirements-test.txt
+  fi
+fi
