@@ -7,4 +7,3 @@ static moe_status prepare(moe_call *c, const moe_params *p, moe_error *err) {
 }
 moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) { return MOE_EUNSUPPORTED; }
 const moe_op moe_op_fused_moe = {{"fused_moe", in, 1, out, 1, true}, prepare, moe_cpu_fused_moe, NULL};
-void moe_expert_set_destroy(moe_expert_set *set) { (void)set; }
