@@ -40,6 +40,8 @@ typedef struct moe_scaled_args {
   float dtype_max;      /* 448, 240, 127 */
   bool exact_division;  /* per_tensor: x / s instead of x * (1/s) */
   bool has_static_scale;/* per_tensor: `scale` input given */
+  float static_scale;   /* its value, read and checked (finite, > 0) by prepare;
+                           also the scale of dequant.per_tensor */
   bool has_scale_ub;    /* per_token */
   float scale_ub;
   moe_dtype out_dtype;  /* dequant: F32, F16 or BF16 */

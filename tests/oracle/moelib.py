@@ -57,10 +57,6 @@ def lib():
                                       C.c_void_p, C.POINTER(C.POINTER(NamedTensor)),
                                       C.POINTER(C.c_size_t), C.POINTER(Error)]
         _lib.moe_outputs_free.argtypes = [C.POINTER(NamedTensor), C.c_size_t]
-        _lib.moe_expert_set_load.restype = C.c_int
-        _lib.moe_expert_set_load.argtypes = [C.c_char_p, C.c_char_p, C.POINTER(C.c_void_p),
-                                             C.POINTER(Error)]
-        _lib.moe_expert_set_destroy.argtypes = [C.c_void_p]
     return _lib
 
 
@@ -143,6 +139,9 @@ class ExpertSet:
 
     def __init__(self, path, name="set"):
         L = lib()
+        L.moe_expert_set_load.restype = C.c_int
+        L.moe_expert_set_load.argtypes = [C.c_char_p, C.c_char_p, C.POINTER(C.c_void_p), C.POINTER(Error)]
+        L.moe_expert_set_destroy.argtypes = [C.c_void_p]
         self.ptr = C.c_void_p()
         err = Error()
         st = L.moe_expert_set_load(str(path).encode(), name.encode(), C.byref(self.ptr), C.byref(err))

@@ -11,7 +11,9 @@
  *
  * prepare validates everything (dtype, rank, shapes, byte sizes, parameter
  * values) before any work and names the offending field in err; it computes
- * the output shapes. run only computes. */
+ * the output shapes. run only computes. prepare reads the few small inputs
+ * whose values must be checked (static scales, topk ids), so call it on host
+ * data, then rebind inputs to device copies (moe_call_input) before running. */
 #ifndef MOE_OPS_H
 #define MOE_OPS_H
 

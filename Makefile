@@ -1,0 +1,42 @@
+# Thin wrapper over CMake: the two commands a user needs.
+#   make run   - install deps, build, write a demo model repository, start moed
+#   make test  - install deps, build, run every test (then again under ASan+UBSan)
+BUILD ?= build
+ASAN_BUILD ?= build-asan
+JOBS ?= $(shell nproc)
+DEMO ?= demo-models
+MOED_FLAGS ?=
+
+.PHONY: all deps build run test test-asan demo clean
+
+all: build
+
+deps:
+	bash scripts/deps.sh
+
+build: deps
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release
+	cmake --build $(BUILD) -j$(JOBS)
+
+# A small expert set for trying the service (docs/expert-set.md).
+demo: build
+	@[ -f $(DEMO)/demo/config.json ] || $(BUILD)/tools/moe-mkset --out $(DEMO)/demo --scheme bf16 \
+	  --experts 8 --hidden 256 --intermediate 128 --top-k 2 --seed 1
+
+run: demo
+	$(BUILD)/server/moed --model-repository $(DEMO) $(MOED_FLAGS)
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
+	$(MAKE) test-asan
+
+# The C tests again under AddressSanitizer + UndefinedBehaviorSanitizer (the
+# Python oracles load libmoe through ctypes and are run in the plain build).
+test-asan: deps
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DMOE_SANITIZE=ON
+	cmake --build $(ASAN_BUILD) -j$(JOBS)
+	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ctest --output-on-failure -j$(JOBS) -E '^oracle_'
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD)

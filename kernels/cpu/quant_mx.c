@@ -1,0 +1,90 @@
+/* CPU: quant.mx and dequant.mx (NUMERICS.md "quant.mx"), one 32-element
+ * block at a time; blocks are independent, so any thread split gives the
+ * same bits. */
+#include "../ops/op.h"
+#include "cpu.h"
+
+#define BLOCK 32
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* Quantizes one block: scale byte into *scale, codes into q (fp4: packed
+ * 16 bytes, low nibble = even element; fp8: 32 bytes). */
+ALWAYS_INLINE void quant_block(const void *x, moe_dtype xt, size_t base, const moe_mx_args *a, uint8_t *q,
+                               uint8_t *scale) {
+  float v[BLOCK];
+  float amax = 0.0f;
+  bool special = false;
+  for (int i = 0; i < BLOCK; i++) {
+    v[i] = moe_load_float(x, xt, base + (size_t)i);
+    float m = moe_f32_abs(v[i]);
+    special |= !moe_f32_isfinite(m);
+    amax = m > amax ? m : amax;
+  }
+  bool fp4 = a->qdtype == MOE_FP4_E2M1;
+  if (special) { /* OCP: a NaN scale makes the whole block NaN */
+    *scale = 0xFF;
+    for (int i = 0; i < (fp4 ? BLOCK / 2 : BLOCK); i++) q[i] = 0;
+    return;
+  }
+  float mult;
+  *scale = moe_mx_scale(amax, a->rule, &a->fmt, &mult);
+  if (fp4) {
+    for (int i = 0; i < BLOCK; i += 2)
+      q[i / 2] = (uint8_t)(moe_f32_to_narrow(v[i] * mult, &a->fmt, a->half_up) |
+                           (moe_f32_to_narrow(v[i + 1] * mult, &a->fmt, a->half_up) << 4));
+  } else {
+    for (int i = 0; i < BLOCK; i++) q[i] = moe_f32_to_narrow(v[i] * mult, &a->fmt, false);
+  }
+}
+
+moe_status moe_cpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err) {
+  const moe_mx_args *a = &c->args.mx;
+  const moe_tensor *x = &c->in[0].tensor;
+  size_t n = 0;
+  moe_tensor_numel(x, &n);
+  long blocks = (long)(n / BLOCK);
+  size_t qbytes = a->qdtype == MOE_FP4_E2M1 ? BLOCK / 2 : BLOCK;
+  uint8_t *q = c->out[0].tensor.data, *scales = c->out[1].tensor.data;
+#pragma omp parallel for num_threads(moe_cpu_threads(b)) schedule(static)
+  for (long blk = 0; blk < blocks; blk++) {
+    size_t base = (size_t)blk * BLOCK;
+    uint8_t *qb = q + (size_t)blk * qbytes;
+    switch (x->dtype) {
+    case MOE_F16: quant_block(x->data, MOE_F16, base, a, qb, &scales[blk]); break;
+    case MOE_BF16: quant_block(x->data, MOE_BF16, base, a, qb, &scales[blk]); break;
+    default: quant_block(x->data, MOE_F32, base, a, qb, &scales[blk]); break;
+    }
+  }
+  return MOE_OK;
+}
+
+ALWAYS_INLINE void dequant_block(const uint8_t *q, uint8_t sbyte, const moe_mx_args *a, size_t base,
+                                 moe_dtype yt, void *y) {
+  float scale = moe_e8m0_to_f32(sbyte);
+  bool fp4 = a->qdtype == MOE_FP4_E2M1;
+  for (int i = 0; i < BLOCK; i++) {
+    uint8_t code = fp4 ? (uint8_t)((q[i / 2] >> ((i & 1) * 4)) & 0xF) : q[i];
+    moe_store_float(y, yt, base + (size_t)i, moe_narrow_to_f32(code, &a->fmt) * scale);
+  }
+}
+
+moe_status moe_cpu_dequant_mx(moe_backend *b, moe_call *c, moe_error *err) {
+  const moe_mx_args *a = &c->args.mx;
+  size_t n = 0;
+  moe_tensor_numel(&c->in[0].tensor, &n);
+  long blocks = (long)(n / BLOCK);
+  size_t qbytes = a->qdtype == MOE_FP4_E2M1 ? BLOCK / 2 : BLOCK;
+  const uint8_t *q = c->in[0].tensor.data, *scales = c->in[1].tensor.data;
+  void *y = c->out[0].tensor.data;
+#pragma omp parallel for num_threads(moe_cpu_threads(b)) schedule(static)
+  for (long blk = 0; blk < blocks; blk++) {
+    const uint8_t *qb = q + (size_t)blk * qbytes;
+    size_t base = (size_t)blk * BLOCK;
+    switch (a->out_dtype) {
+    case MOE_F16: dequant_block(qb, scales[blk], a, base, MOE_F16, y); break;
+    case MOE_BF16: dequant_block(qb, scales[blk], a, base, MOE_BF16, y); break;
+    default: dequant_block(qb, scales[blk], a, base, MOE_F32, y); break;
+    }
+  }
+  return MOE_OK;
+}
