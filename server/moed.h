@@ -1,0 +1,237 @@
+/* moed: the server's internal interfaces, one section per file.
+ *
+ * Threads: the gRPC completion-queue thread (rpc.c), the libuv loop thread
+ * (main.c: timers, signals, HTTP, hand-offs), the device workers (devices.c).
+ * Hand-offs between them are queues; the shared counters are atomics. */
+#ifndef MOED_H
+#define MOED_H
+
+#include <grpc/grpc.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "moe/backend.h"
+#include "moe/expert_set.h"
+#include "moe/ops.h"
+
+#define MOED_VERSION "0.1.0"
+
+/* ---- config.c ------------------------------------------------------------- */
+
+typedef struct moed_config {
+  const char *address;          /* bind address, "0.0.0.0" */
+  int grpc_port;                /* 8001; 0 = pick a free one */
+  int http_port;                /* 8002; 0 = pick, -1 = off */
+  const char *model_repository; /* NULL: built-ins only */
+  int workers;                  /* device workers (CPU: backends) */
+  int threads_per_worker;       /* CPU backend threads; 0 = cores / workers */
+  size_t max_message_bytes;     /* gRPC send/receive limit */
+  size_t max_tensor_bytes;      /* per input tensor */
+  int64_t max_tokens;           /* rows of the first input per request */
+  int max_inflight;             /* admitted requests; beyond: UNAVAILABLE */
+  int request_slots;            /* armed accept slots per method */
+  int max_queue_size;           /* queued jobs per device queue */
+  double drain_timeout_s;       /* SIGTERM: wait for in-flight work */
+  int log_level;                /* 0 error, 1 warn, 2 info, 3 debug */
+  bool log_json;
+  const char *port_file;        /* write "grpc_port http_port" once bound (tests) */
+  size_t cache_bytes;           /* inline-weight device cache */
+} moed_config;
+
+/* 0: run; 1: exit 0 (--help); -1: bad flags (message printed). */
+int moed_config_parse(moed_config *cfg, int argc, char **argv);
+
+/* ---- log.c ---------------------------------------------------------------- */
+
+enum { MOED_LOG_ERROR = 0, MOED_LOG_WARN, MOED_LOG_INFO, MOED_LOG_DEBUG };
+void moed_log_init(int level, bool json);
+/* One line per event: `event` is a short key ("listening", "model_loaded"),
+ * the rest a printf message. */
+void moed_log(int level, const char *event, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* ---- status_map.c ---------------------------------------------------------- */
+
+grpc_status_code moed_status_from_moe(moe_status s);
+
+/* ---- rpc.c: gRPC core <-> libuv bridge ------------------------------------- */
+
+typedef enum moed_method {
+  MOED_M_SERVER_LIVE = 0,
+  MOED_M_SERVER_READY,
+  MOED_M_MODEL_READY,
+  MOED_M_SERVER_METADATA,
+  MOED_M_MODEL_METADATA,
+  MOED_M_MODEL_INFER,
+  MOED_M_MODEL_STREAM_INFER,
+  MOED_M_MODEL_CONFIG,
+  MOED_M_MODEL_STATISTICS,
+  MOED_M_REPOSITORY_INDEX,
+  MOED_M_REPOSITORY_LOAD,
+  MOED_M_REPOSITORY_UNLOAD,
+  MOED_M_HEALTH_CHECK,
+  MOED_M_HEALTH_WATCH,
+  MOED_M_EXPERT_UPLOAD,
+  MOED_M_COUNT
+} moed_method;
+
+typedef struct moed_rpc moed_rpc;
+
+/* One unit handed from the CQ thread to the loop: a unary call with its
+ * request, or one message of a stream (payload NULL: the client closed its
+ * side of the stream). The receiver owns `payload` and one reference on
+ * `rpc` (released by replying or with moed_rpc_release). */
+typedef struct moed_request {
+  struct moed_request *next;
+  moed_rpc *rpc;
+  moed_method method;
+  grpc_byte_buffer *payload;
+  uint64_t received_ns; /* monotonic */
+} moed_request;
+
+typedef struct moed_rpc_server moed_rpc_server;
+typedef void (*moed_request_fn)(moed_request *req, void *arg);
+
+/* Binds, registers the methods, starts the CQ thread; each request reaches
+ * `on_request` on the loop thread. *bound_port gets the port. */
+int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_request, void *arg,
+                   moed_rpc_server **out, int *bound_port);
+/* Calls accepted and not yet freed. */
+int moed_rpc_active(moed_rpc_server *s);
+/* Shutdown in steps driven by the loop (which keeps serving hand-offs
+ * meanwhile): stop accepting; cancel what is left; quiet = the server's
+ * shutdown finished and every call is freed; then destroy (joins the CQ
+ * thread, frees the server once the loop closed its handle). */
+void moed_rpc_shutdown(moed_rpc_server *s);
+void moed_rpc_cancel_all(moed_rpc_server *s);
+bool moed_rpc_quiet(moed_rpc_server *s);
+void moed_rpc_destroy(moed_rpc_server *s);
+
+/* Sends the response message (NULL: none) and the status; for a stream, the
+ * final status. Thread-safe; consumes the request's reference. `msg` NULL
+ * or a human message naming the offending field. */
+void moed_rpc_finish(moed_rpc *r, grpc_status_code code, const char *msg, grpc_byte_buffer *response);
+/* Streams: queues one message (sent in order, one write at a time). */
+void moed_rpc_stream_write(moed_rpc *r, grpc_byte_buffer *message);
+/* Streams: one request's work is done (pairs with each hand-off); when the
+ * client has closed and nothing is pending the stream ends with OK. */
+void moed_rpc_stream_done(moed_rpc *r);
+void moed_rpc_ref(moed_rpc *r);
+void moed_rpc_release(moed_rpc *r);
+bool moed_rpc_cancelled(const moed_rpc *r);
+/* Deadline as CLOCK_MONOTONIC ns (UINT64_MAX: none). */
+uint64_t moed_rpc_deadline_ns(const moed_rpc *r);
+/* Flattens a received byte buffer into one slice (caller unrefs). */
+grpc_slice moed_rpc_flatten(grpc_byte_buffer *bb);
+/* A byte buffer that takes ownership of a malloc'ed buffer. */
+grpc_byte_buffer *moed_rpc_buffer_take(void *data, size_t len);
+
+uint64_t moed_now_ns(void);
+
+/* ---- repository.c: models and their reference counts ----------------------- */
+
+#define MOED_HIST_BUCKETS 16
+
+typedef struct moed_hist {
+  _Atomic uint64_t le[MOED_HIST_BUCKETS]; /* counts per bucket (not cumulative) */
+  _Atomic uint64_t count, sum_ns;
+} moed_hist;
+
+typedef struct moed_model_stats {
+  _Atomic uint64_t success_count, success_ns, fail_count, fail_ns;
+  _Atomic uint64_t queue_count, queue_ns, compute_count, compute_ns;
+  _Atomic uint64_t inference_count, execution_count, last_inference_ms;
+  _Atomic uint64_t bytes_in, bytes_out;
+  moed_hist queue_hist, compute_hist, total_hist;
+} moed_model_stats;
+
+typedef struct moed_model {
+  char name[128];
+  const moe_op *op;     /* fused_moe for expert sets */
+  moe_expert_set *set;  /* NULL for built-ins (fused_moe: inline weights) */
+  bool builtin;
+  _Atomic int refs;     /* the repository's + one per request using it */
+  moed_model_stats *stats; /* shared by every load of the same name */
+} moed_model;
+
+typedef struct moed_repository moed_repository;
+
+int moed_repository_create(const char *dir, moed_repository **out);
+void moed_repository_destroy(moed_repository *r);
+/* Loads every subdirectory of the repository directory. */
+void moed_repository_load_all(moed_repository *r);
+/* NULL (and *status, *msg set) when absent. Caller releases. */
+moed_model *moed_repository_acquire(moed_repository *r, const char *name);
+void moed_model_release(moed_model *m);
+/* Loads `name` from the directory (reloads if loaded). */
+moe_status moed_repository_load(moed_repository *r, const char *name, moe_error *err);
+moe_status moed_repository_unload(moed_repository *r, const char *name, moe_error *err);
+/* Adds a set built elsewhere (ExpertStore upload); takes ownership. */
+moe_status moed_repository_add(moed_repository *r, moe_expert_set *set, bool replace, moe_error *err);
+
+typedef struct moed_index_entry {
+  char name[128];
+  const char *state; /* "READY", "UNAVAILABLE" */
+  char reason[256];
+} moed_index_entry;
+/* Every model known (loaded or present in the directory); malloc'ed. */
+size_t moed_repository_index(moed_repository *r, moed_index_entry **out);
+/* Stats of every loaded model; calls fn for each under the lock. */
+void moed_repository_foreach(moed_repository *r, void (*fn)(moed_model *m, void *arg), void *arg);
+
+void moed_hist_observe(moed_hist *h, uint64_t ns);
+extern const uint64_t moed_hist_bounds_ns[MOED_HIST_BUCKETS - 1];
+
+/* ---- devices.c: device queues (one worker per backend) --------------------- */
+
+typedef struct moed_devices moed_devices;
+typedef struct moed_job moed_job;
+typedef void (*moed_job_fn)(moed_job *job, moe_backend *b);
+
+struct moed_job {
+  moed_job *next;
+  moed_job_fn run;     /* on a worker thread */
+  moed_job_fn cancel;  /* instead of run when the queues stop (b NULL) */
+};
+
+int moed_devices_create(const moed_config *cfg, moed_devices **out);
+/* false when every queue is full (the caller answers UNAVAILABLE). */
+bool moed_devices_submit(moed_devices *d, moed_job *job);
+/* Runs what is queued, then joins the workers. */
+void moed_devices_destroy(moed_devices *d);
+const char *moed_devices_backend_name(moed_devices *d);
+/* True when the backend's memory is host memory (tensors need no copies). */
+bool moed_backend_is_host(const moe_backend *b);
+
+/* ---- handlers.c: the protocol ---------------------------------------------- */
+
+typedef struct moed_server {
+  const moed_config *cfg;
+  uv_loop_t *loop;
+  moed_rpc_server *rpc;
+  moed_repository *repo;
+  moed_devices *devices;
+  _Atomic bool ready;
+  _Atomic bool draining;
+  _Atomic int inflight; /* admitted infer requests not yet answered */
+  _Atomic uint64_t rejected;
+  struct moed_watch *watches; /* health Watch streams (loop thread) */
+  struct moed_upload *uploads;
+} moed_server;
+
+/* The loop's request callback (moed_request_fn). */
+void moed_handle_request(moed_request *req, void *server);
+/* Health status changed (drain): answers every Watch stream. */
+void moed_health_changed(moed_server *s);
+/* Ends every Watch stream (shutdown). */
+void moed_health_close(moed_server *s);
+
+/* ---- http.c: metrics and probes -------------------------------------------- */
+
+typedef struct moed_http moed_http;
+int moed_http_start(moed_server *s, const char *address, int port, moed_http **out, int *bound_port);
+void moed_http_stop(moed_http *h);
+
+#endif

@@ -1,0 +1,310 @@
+/* Quant ops through the generic op API: hand-computed cases from
+ * NUMERICS.md (ties, saturation, NaN, -0, scale rules) and every bad-input
+ * path (status + the offending field named). The exhaustive bit-exact sweep
+ * against an independent oracle lives in tests/oracle/. */
+#include <check.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe/codec.h"
+#include "moe/ops.h"
+
+/* ---- helpers ------------------------------------------------------------------ */
+
+static moe_named_tensor tensor(const char *name, moe_dtype dt, void *data, size_t nbytes, int ndim,
+                               const int64_t *shape) {
+  moe_named_tensor t = {name, {dt, ndim, {0}, data, nbytes}};
+  for (int i = 0; i < ndim; i++) t.tensor.shape[i] = shape[i];
+  return t;
+}
+
+static moe_param pstr(const char *name, const char *v) { return (moe_param){name, MOE_PARAM_STRING, v, 0, 0, 0}; }
+static moe_param pbool(const char *name, bool v) { return (moe_param){name, MOE_PARAM_BOOL, NULL, v, 0, 0}; }
+static moe_param pdbl(const char *name, double v) { return (moe_param){name, MOE_PARAM_DOUBLE, NULL, 0, 0, v}; }
+
+/* Runs op; returns status; outputs in *out (freed by caller). */
+static moe_status run(const char *op, moe_named_tensor *in, size_t nin, moe_param *p, size_t np,
+                      moe_named_tensor **out, size_t *nout, moe_error *err) {
+  moe_params params = {p, np};
+  memset(err, 0, sizeof *err);
+  return moe_run_host(op, in, nin, &params, NULL, out, nout, err);
+}
+
+static void expect_einval(const char *op, moe_named_tensor *in, size_t nin, moe_param *p, size_t np,
+                          const char *field) {
+  moe_named_tensor *out = NULL;
+  size_t nout = 0;
+  moe_error err;
+  moe_status s = run(op, in, nin, p, np, &out, &nout, &err);
+  ck_assert_int_eq(s, MOE_EINVAL);
+  ck_assert_msg(strstr(err.msg, field) != NULL, "message '%s' does not name '%s'", err.msg, field);
+  ck_assert_ptr_null(out);
+}
+
+/* ---- values ------------------------------------------------------------------- */
+
+START_TEST(fp4_ties_follow_rne) {
+  /* NUMERICS.md: 0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 2.5 -> 2, 5 -> 4; block
+   * amax 6 gives scale 2^0 under `even` for e2m1 (emax 2). */
+  float x[32] = {0.25f, 0.75f, 1.25f, 2.5f, 5.0f, 6.0f, -0.25f, -6.0f};
+  int64_t shape[1] = {32};
+  moe_named_tensor in[1] = {tensor("x", MOE_F32, x, sizeof x, 1, shape)};
+  moe_param p[1] = {pstr("format", "mxfp4")};
+  moe_named_tensor *out;
+  size_t n;
+  moe_error err;
+  ck_assert_int_eq(run("quant.mx", in, 1, p, 1, &out, &n, &err), MOE_OK);
+  const uint8_t *q = out[0].tensor.data, *s = out[1].tensor.data;
+  /* amax 6: bits(6) + 0x200000 keeps exponent 2 -> unb = 2 - 2 = 0 (7 would
+   * carry into exponent 3) */
+  ck_assert_uint_eq(s[0], 127);
+  /* codes: 0.25->0, 0.75->2 (1.0), 1.25->2, 2.5->4 (2.0), 5->6 (4.0), 6->7, -0.25->0x8 (-0), -6->0xF */
+  ck_assert_uint_eq(q[0], 0x20);
+  ck_assert_uint_eq(q[1], 0x42);
+  ck_assert_uint_eq(q[2], 0x76);
+  ck_assert_uint_eq(q[3], 0xF8);
+  moe_outputs_free(out, n);
+}
+END_TEST
+
+START_TEST(half_up_rounds_ties_away) {
+  float x[32] = {0.25f, 0.75f, 1.25f, 2.5f, 5.0f, 6.0f};
+  int64_t shape[1] = {32};
+  moe_named_tensor in[1] = {tensor("x", MOE_F32, x, sizeof x, 1, shape)};
+  moe_param p[2] = {pstr("format", "mxfp4"), pstr("element_rounding", "half_up")};
+  moe_named_tensor *out;
+  size_t n;
+  moe_error err;
+  ck_assert_int_eq(run("quant.mx", in, 1, p, 2, &out, &n, &err), MOE_OK);
+  const uint8_t *q = out[0].tensor.data;
+  /* 0.25->0.5 (1), 0.75->1.0 (2), 1.25->1.5 (3), 2.5->3 (5), 5->6 (7), 6->6 (7) */
+  ck_assert_uint_eq(q[0], 0x21);
+  ck_assert_uint_eq(q[1], 0x53);
+  ck_assert_uint_eq(q[2], 0x77);
+  moe_outputs_free(out, n);
+}
+END_TEST
+
+START_TEST(nan_block_gets_nan_scale) {
+  float x[64];
+  for (int i = 0; i < 64; i++) x[i] = (float)i;
+  x[40] = NAN;
+  int64_t shape[2] = {1, 64};
+  moe_named_tensor in[1] = {tensor("x", MOE_F32, x, sizeof x, 2, shape)};
+  moe_param p[1] = {pstr("format", "mxfp8_e4m3fn")};
+  moe_named_tensor *out;
+  size_t n;
+  moe_error err;
+  ck_assert_int_eq(run("quant.mx", in, 1, p, 1, &out, &n, &err), MOE_OK);
+  const uint8_t *q = out[0].tensor.data, *s = out[1].tensor.data;
+  ck_assert_uint_ne(s[0], 0xFF);
+  ck_assert_uint_eq(s[1], 0xFF);
+  for (int i = 32; i < 64; i++) ck_assert_uint_eq(q[i], 0);
+  moe_outputs_free(out, n);
+}
+END_TEST
+
+START_TEST(per_tensor_saturates_and_maps_nan) {
+  float x[6] = {1000.0f, -1000.0f, INFINITY, NAN, -0.0f, 464.0f};
+  float one = 1.0f;
+  int64_t shape[1] = {6}, sshape[1] = {1};
+  moe_named_tensor in[2] = {tensor("x", MOE_F32, x, sizeof x, 1, shape),
+                            tensor("scale", MOE_F32, &one, sizeof one, 1, sshape)};
+  const struct {
+    const char *dt;
+    uint8_t want[6];
+  } cases[] = {
+      /* e4m3fn: max 448 = 0x7E, NaN 0x7F, -0 kept, 464 is a tie -> even 448 */
+      {"fp8_e4m3fn", {0x7E, 0xFE, 0x7E, 0x7F, 0x80, 0x7E}},
+      /* e4m3fnuz: max 240 = 0x7F, NaN 0x80, -0 -> 0 */
+      {"fp8_e4m3fnuz", {0x7F, 0xFF, 0x7F, 0x80, 0x00, 0x7F}},
+      /* int8: saturate, NaN -> 0 */
+      {"int8", {127, 0x80, 127, 0, 0, 127}},
+  };
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    moe_param p[1] = {pstr("out_dtype", cases[k].dt)};
+    moe_named_tensor *out;
+    size_t n;
+    moe_error err;
+    ck_assert_int_eq(run("quant.per_tensor", in, 2, p, 1, &out, &n, &err), MOE_OK);
+    ck_assert_mem_eq(out[0].tensor.data, cases[k].want, 6);
+    ck_assert_float_eq(*(float *)out[1].tensor.data, 1.0f);
+    moe_outputs_free(out, n);
+  }
+}
+END_TEST
+
+START_TEST(dynamic_scale_is_amax_over_finite) {
+  float x[4] = {-896.0f, 2.0f, INFINITY, NAN};
+  int64_t shape[1] = {4};
+  moe_named_tensor in[1] = {tensor("x", MOE_F32, x, sizeof x, 1, shape)};
+  moe_named_tensor *out;
+  size_t n;
+  moe_error err;
+  ck_assert_int_eq(run("quant.per_tensor", in, 1, NULL, 0, &out, &n, &err), MOE_OK);
+  ck_assert_float_eq(*(float *)out[1].tensor.data, 2.0f); /* 896 / 448 */
+  const uint8_t *q = out[0].tensor.data;
+  ck_assert_uint_eq(q[0], 0xFE); /* -448 */
+  ck_assert_uint_eq(q[1], 0x38); /* 1.0 */
+  moe_outputs_free(out, n);
+  /* all zeros: s = 1 */
+  float z[3] = {0, -0.0f, 0};
+  in[0] = tensor("x", MOE_F32, z, sizeof z, 1, (int64_t[]){3});
+  ck_assert_int_eq(run("quant.per_tensor", in, 1, NULL, 0, &out, &n, &err), MOE_OK);
+  ck_assert_float_eq(*(float *)out[1].tensor.data, 1.0f);
+  moe_outputs_free(out, n);
+}
+END_TEST
+
+START_TEST(per_token_scale_ub_caps_amax) {
+  float x[2][4] = {{100.0f, 1.0f, 0, 0}, {1.0f, 0.5f, 0, 0}};
+  int64_t shape[2] = {2, 4};
+  moe_named_tensor in[1] = {tensor("x", MOE_F32, x, sizeof x, 2, shape)};
+  moe_param p[2] = {pstr("out_dtype", "int8"), pdbl("scale_ub", 12.7)};
+  moe_named_tensor *out;
+  size_t n;
+  moe_error err;
+  ck_assert_int_eq(run("quant.per_token", in, 1, p, 2, &out, &n, &err), MOE_OK);
+  const float *s = out[1].tensor.data;
+  ck_assert_int_eq(out[1].tensor.shape[0], 2);
+  ck_assert_int_eq(out[1].tensor.shape[1], 1);
+  ck_assert_float_eq(s[0], 12.7f / 127.0f);
+  ck_assert_float_eq(s[1], 1.0f / 127.0f);
+  const int8_t *q = out[0].tensor.data;
+  ck_assert_int_eq(q[0], 127); /* saturated by the cap */
+  ck_assert_int_eq(q[4], 127);
+  moe_outputs_free(out, n);
+}
+END_TEST
+
+START_TEST(dequant_mx_nan_scale_and_fp4_nibbles) {
+  uint8_t q[16] = {0x7F}, s[1] = {128}; /* element 0 = low nibble 0xF (-6), 1 = high 0x7 (6); scale 2 */
+  int64_t qs[1] = {16}, ss[1] = {1};
+  moe_named_tensor in[2] = {tensor("q", MOE_UINT8, q, sizeof q, 1, qs), tensor("scales", MOE_UINT8, s, 1, 1, ss)};
+  moe_param p[1] = {pstr("format", "mxfp4")};
+  moe_named_tensor *out;
+  size_t n;
+  moe_error err;
+  ck_assert_int_eq(run("dequant.mx", in, 2, p, 1, &out, &n, &err), MOE_OK);
+  const float *y = out[0].tensor.data;
+  ck_assert_int_eq(out[0].tensor.shape[0], 32);
+  ck_assert_float_eq(y[0], -12.0f);
+  ck_assert_float_eq(y[1], 12.0f);
+  ck_assert_float_eq(y[2], 0.0f);
+  moe_outputs_free(out, n);
+  s[0] = 0xFF;
+  ck_assert_int_eq(run("dequant.mx", in, 2, p, 1, &out, &n, &err), MOE_OK);
+  ck_assert(isnan(((float *)out[0].tensor.data)[0]));
+  moe_outputs_free(out, n);
+}
+END_TEST
+
+START_TEST(dequant_per_tensor_rounds_to_out_dtype) {
+  int8_t q[2] = {-128, 3};
+  float scale = 0.1f;
+  int64_t qs[1] = {2}, ss[1] = {1};
+  moe_named_tensor in[2] = {tensor("q", MOE_INT8, q, sizeof q, 1, qs),
+                            tensor("scale", MOE_F32, &scale, sizeof scale, 1, ss)};
+  moe_param p[1] = {pstr("out_dtype", "bf16")};
+  moe_named_tensor *out;
+  size_t n;
+  moe_error err;
+  ck_assert_int_eq(run("dequant.per_tensor", in, 2, p, 1, &out, &n, &err), MOE_OK);
+  const uint16_t *y = out[0].tensor.data;
+  ck_assert_uint_eq(y[0], moe_f32_to_bf16(-128.0f * 0.1f));
+  ck_assert_uint_eq(y[1], moe_f32_to_bf16(3.0f * 0.1f));
+  moe_outputs_free(out, n);
+}
+END_TEST
+
+/* ---- bad input ---------------------------------------------------------------------- */
+
+START_TEST(bad_inputs_are_named) {
+  float x[64] = {0};
+  uint16_t h[64] = {0};
+  int32_t ix[4] = {0};
+  int64_t s64[1] = {64}, s33[1] = {33}, s2[2] = {2, 32}, s1[1] = {1}, big[3] = {INT64_MAX / 2, 4, 4};
+  float zero = 0.0f, inf = INFINITY, nan = NAN, neg = -1.0f;
+
+  /* wrong dtype */
+  moe_named_tensor wrong_dt[1] = {tensor("x", MOE_INT32, ix, sizeof ix, 1, (int64_t[]){4})};
+  expect_einval("quant.per_tensor", wrong_dt, 1, NULL, 0, "x");
+  /* byte size not matching the shape */
+  moe_named_tensor short_buf[1] = {tensor("x", MOE_F32, x, 10, 1, s64)};
+  expect_einval("quant.per_token", short_buf, 1, NULL, 0, "x");
+  /* K not a multiple of 32 */
+  moe_named_tensor k33[1] = {tensor("x", MOE_F32, x, 33 * 4, 1, s33)};
+  expect_einval("quant.mx", k33, 1, NULL, 0, "K");
+  /* element count overflow */
+  moe_named_tensor huge[1] = {tensor("x", MOE_BF16, h, sizeof h, 3, big)};
+  expect_einval("quant.mx", huge, 1, NULL, 0, "x");
+  /* rank 0 where a last axis is needed */
+  moe_named_tensor scalar[1] = {tensor("x", MOE_F32, x, 4, 0, NULL)};
+  expect_einval("quant.per_token", scalar, 1, NULL, 0, "x");
+  /* static scales: zero, negative, inf, NaN, wrong count */
+  float *bad_scales[] = {&zero, &neg, &inf, &nan};
+  for (int i = 0; i < 4; i++) {
+    moe_named_tensor in[2] = {tensor("x", MOE_F32, x, sizeof x, 1, s64),
+                              tensor("scale", MOE_F32, bad_scales[i], 4, 1, s1)};
+    expect_einval("quant.per_tensor", in, 2, NULL, 0, "scale");
+    moe_named_tensor dq[2] = {tensor("q", MOE_UINT8, h, 64, 1, s64), tensor("scale", MOE_F32, bad_scales[i], 4, 1, s1)};
+    expect_einval("dequant.per_tensor", dq, 2, NULL, 0, "scale");
+  }
+  moe_named_tensor two_scales[2] = {tensor("x", MOE_F32, x, sizeof x, 1, s64),
+                                    tensor("scale", MOE_F32, x, 8, 1, (int64_t[]){2})};
+  expect_einval("quant.per_tensor", two_scales, 2, NULL, 0, "scale");
+  /* parameter values */
+  moe_named_tensor ok[1] = {tensor("x", MOE_F32, x, sizeof x, 2, s2)};
+  moe_param p1[1] = {pstr("out_dtype", "fp8_e5m2")};
+  expect_einval("quant.per_tensor", ok, 1, p1, 1, "out_dtype");
+  moe_param p2[2] = {pstr("format", "mxfp8_e4m3fn"), pstr("element_rounding", "half_up")};
+  expect_einval("quant.mx", ok, 1, p2, 2, "element_rounding");
+  moe_param p3[1] = {pstr("scale_rule", "nearest")};
+  expect_einval("quant.mx", ok, 1, p3, 1, "scale_rule");
+  moe_param p4[1] = {pstr("exact_division", "maybe")};
+  expect_einval("quant.per_tensor", ok, 1, p4, 1, "exact_division");
+  moe_param p5[1] = {pdbl("scale_ub", -1.0)};
+  expect_einval("quant.per_token", ok, 1, p5, 1, "scale_ub");
+  moe_param p6[1] = {pbool("format", true)};
+  expect_einval("quant.mx", ok, 1, p6, 1, "format");
+  /* unknown and missing inputs */
+  moe_named_tensor unknown[2] = {ok[0], tensor("y", MOE_F32, x, 4, 1, s1)};
+  expect_einval("quant.per_token", unknown, 2, NULL, 0, "y");
+  expect_einval("dequant.per_tensor", ok, 0, NULL, 0, "q");
+  /* dequant.mx: scales shape not matching q */
+  moe_named_tensor mismatch[2] = {tensor("q", MOE_UINT8, h, 64, 1, s64), tensor("scales", MOE_UINT8, h, 1, 1, s1)};
+  moe_param fp8[1] = {pstr("format", "mxfp8_e5m2")};
+  expect_einval("dequant.mx", mismatch, 2, fp8, 1, "scales");
+}
+END_TEST
+
+START_TEST(unknown_op_is_not_found) {
+  moe_named_tensor *out = NULL;
+  size_t n = 0;
+  moe_error err;
+  ck_assert_int_eq(run("quant.nope", NULL, 0, NULL, 0, &out, &n, &err), MOE_ENOTFOUND);
+  ck_assert_ptr_nonnull(strstr(err.msg, "quant.nope"));
+}
+END_TEST
+
+int main(void) {
+  Suite *s = suite_create("quant_ops");
+  TCase *tc = tcase_create("core");
+  tcase_add_test(tc, fp4_ties_follow_rne);
+  tcase_add_test(tc, half_up_rounds_ties_away);
+  tcase_add_test(tc, nan_block_gets_nan_scale);
+  tcase_add_test(tc, per_tensor_saturates_and_maps_nan);
+  tcase_add_test(tc, dynamic_scale_is_amax_over_finite);
+  tcase_add_test(tc, per_token_scale_ub_caps_amax);
+  tcase_add_test(tc, dequant_mx_nan_scale_and_fp4_nibbles);
+  tcase_add_test(tc, dequant_per_tensor_rounds_to_out_dtype);
+  tcase_add_test(tc, bad_inputs_are_named);
+  tcase_add_test(tc, unknown_op_is_not_found);
+  suite_add_tcase(s, tc);
+  SRunner *sr = srunner_create(s);
+  srunner_run_all(sr, CK_NORMAL);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
