@@ -2,16 +2,18 @@
 # Installs everything the build and the tests need, idempotently:
 # Debian packages (apt-get update once, then only what is missing) and the
 # PyPI packages of the test oracles into a project-local venv (.venv).
-# Usage: scripts/deps.sh [--no-python] [--gpu-tools]
+# Usage: scripts/deps.sh [--no-python] [--no-hip]
+# Debian's HIP toolchain is installed so that the AMD GPU path is compile-
+# checked everywhere (CI has no GPU); --no-hip skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 want_python=1
-want_hip=0
+want_hip=1
 for a in "$@"; do
   case "$a" in
     --no-python) want_python=0 ;;
-    --gpu-tools) want_hip=1 ;;
+    --no-hip) want_hip=0 ;;
     *) echo "deps.sh: unknown option $a" >&2; exit 2 ;;
   esac
 done

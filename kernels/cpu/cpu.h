@@ -6,6 +6,15 @@
 
 #include "moe/backend.h"
 
+/* Hot loops are compiled twice, for AVX2 and the x86-64 baseline, and the
+ * loader picks one (GNU ifunc): same source, same IEEE results, wider
+ * vectors where the machine has them. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(MOE_NO_CLONES)
+#define MOE_CPU_HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define MOE_CPU_HOT
+#endif
+
 /* Threads the op functions use (OpenMP num_threads). */
 int moe_cpu_threads(const moe_backend *b);
 /* A scratch buffer of at least `bytes` (64-byte aligned), owned by the

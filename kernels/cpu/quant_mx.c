@@ -5,6 +5,7 @@
 #include "cpu.h"
 
 #define BLOCK 32
+#define GROUP 512 /* blocks per OpenMP work item */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* Quantizes one block: scale byte into *scale, codes into q (fp4: packed
@@ -37,23 +38,33 @@ ALWAYS_INLINE void quant_block(const void *x, moe_dtype xt, size_t base, const m
   }
 }
 
-moe_status moe_cpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err) {
-  const moe_mx_args *a = &c->args.mx;
-  const moe_tensor *x = &c->in[0].tensor;
-  size_t n = 0;
-  moe_tensor_numel(x, &n);
-  long blocks = (long)(n / BLOCK);
+/* Blocks [b0, b1). */
+MOE_CPU_HOT static void quant_blocks(const moe_tensor *x, const moe_mx_args *a, size_t b0, size_t b1, uint8_t *q,
+                                     uint8_t *scales) {
   size_t qbytes = a->qdtype == MOE_FP4_E2M1 ? BLOCK / 2 : BLOCK;
-  uint8_t *q = c->out[0].tensor.data, *scales = c->out[1].tensor.data;
-#pragma omp parallel for num_threads(moe_cpu_threads(b)) schedule(static)
-  for (long blk = 0; blk < blocks; blk++) {
-    size_t base = (size_t)blk * BLOCK;
-    uint8_t *qb = q + (size_t)blk * qbytes;
+  for (size_t blk = b0; blk < b1; blk++) {
+    size_t base = blk * BLOCK;
+    uint8_t *qb = q + blk * qbytes;
     switch (x->dtype) {
     case MOE_F16: quant_block(x->data, MOE_F16, base, a, qb, &scales[blk]); break;
     case MOE_BF16: quant_block(x->data, MOE_BF16, base, a, qb, &scales[blk]); break;
     default: quant_block(x->data, MOE_F32, base, a, qb, &scales[blk]); break;
     }
+  }
+}
+
+moe_status moe_cpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err) {
+  const moe_mx_args *a = &c->args.mx;
+  const moe_tensor *x = &c->in[0].tensor;
+  size_t n = 0;
+  moe_tensor_numel(x, &n);
+  size_t blocks = n / BLOCK;
+  long groups = (long)((blocks + GROUP - 1) / GROUP);
+  uint8_t *q = c->out[0].tensor.data, *scales = c->out[1].tensor.data;
+#pragma omp parallel for num_threads(moe_cpu_threads(b)) schedule(static)
+  for (long g = 0; g < groups; g++) {
+    size_t b0 = (size_t)g * GROUP, b1 = b0 + GROUP < blocks ? b0 + GROUP : blocks;
+    quant_blocks(x, a, b0, b1, q, scales);
   }
   return MOE_OK;
 }
@@ -68,23 +79,32 @@ ALWAYS_INLINE void dequant_block(const uint8_t *q, uint8_t sbyte, const moe_mx_a
   }
 }
 
-moe_status moe_cpu_dequant_mx(moe_backend *b, moe_call *c, moe_error *err) {
-  const moe_mx_args *a = &c->args.mx;
-  size_t n = 0;
-  moe_tensor_numel(&c->in[0].tensor, &n);
-  long blocks = (long)(n / BLOCK);
+MOE_CPU_HOT static void dequant_blocks(const moe_mx_args *a, const uint8_t *q, const uint8_t *scales, size_t b0,
+                                       size_t b1, void *y) {
   size_t qbytes = a->qdtype == MOE_FP4_E2M1 ? BLOCK / 2 : BLOCK;
-  const uint8_t *q = c->in[0].tensor.data, *scales = c->in[1].tensor.data;
-  void *y = c->out[0].tensor.data;
-#pragma omp parallel for num_threads(moe_cpu_threads(b)) schedule(static)
-  for (long blk = 0; blk < blocks; blk++) {
-    const uint8_t *qb = q + (size_t)blk * qbytes;
-    size_t base = (size_t)blk * BLOCK;
+  for (size_t blk = b0; blk < b1; blk++) {
+    const uint8_t *qb = q + blk * qbytes;
+    size_t base = blk * BLOCK;
     switch (a->out_dtype) {
     case MOE_F16: dequant_block(qb, scales[blk], a, base, MOE_F16, y); break;
     case MOE_BF16: dequant_block(qb, scales[blk], a, base, MOE_BF16, y); break;
     default: dequant_block(qb, scales[blk], a, base, MOE_F32, y); break;
     }
+  }
+}
+
+moe_status moe_cpu_dequant_mx(moe_backend *b, moe_call *c, moe_error *err) {
+  const moe_mx_args *a = &c->args.mx;
+  size_t n = 0;
+  moe_tensor_numel(&c->in[0].tensor, &n);
+  size_t blocks = n / BLOCK;
+  long groups = (long)((blocks + GROUP - 1) / GROUP);
+  const uint8_t *q = c->in[0].tensor.data, *scales = c->in[1].tensor.data;
+  void *y = c->out[0].tensor.data;
+#pragma omp parallel for num_threads(moe_cpu_threads(b)) schedule(static)
+  for (long g = 0; g < groups; g++) {
+    size_t b0 = (size_t)g * GROUP, b1 = b0 + GROUP < blocks ? b0 + GROUP : blocks;
+    dequant_blocks(a, q, scales, b0, b1, y);
   }
   return MOE_OK;
 }

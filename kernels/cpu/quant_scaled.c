@@ -21,7 +21,7 @@ ALWAYS_INLINE float amax_range(const void *x, moe_dtype xt, size_t begin, size_t
   return m;
 }
 
-static float amax_of(const void *x, moe_dtype xt, size_t begin, size_t end) {
+MOE_CPU_HOT static float amax_of(const void *x, moe_dtype xt, size_t begin, size_t end) {
   switch (xt) {
   case MOE_F16: return amax_range(x, MOE_F16, begin, end);
   case MOE_BF16: return amax_range(x, MOE_BF16, begin, end);
@@ -29,27 +29,37 @@ static float amax_of(const void *x, moe_dtype xt, size_t begin, size_t end) {
   }
 }
 
-/* q[i] = cvt(x[i] * r) (fast) or cvt(x[i] / s) (exact) for i in [begin, end). */
-ALWAYS_INLINE void encode_range(const void *x, moe_dtype xt, size_t begin, size_t end, float s, float r,
-                                const moe_scaled_args *a, void *q) {
-  const moe_narrow_fmt fmt = a->fmt;
-  for (size_t i = begin; i < end; i++) {
-    float v = moe_load_float(x, xt, i);
-    float y = a->exact_division ? v / s : v * r;
-    if (a->qdtype == MOE_INT8)
-      ((int8_t *)q)[i] = moe_f32_to_int8(y);
-    else
-      ((uint8_t *)q)[i] = moe_f32_to_narrow(y, &fmt, false);
-  }
+/* buf[j] = x[i0 + j] * r (fast) or x[i0 + j] / s (exact), j < n. */
+ALWAYS_INLINE void scale_tile(const void *x, moe_dtype xt, size_t i0, size_t n, float s, float r, bool exact,
+                              float *buf) {
+  if (exact)
+    for (size_t j = 0; j < n; j++) buf[j] = moe_load_float(x, xt, i0 + j) / s;
+  else
+    for (size_t j = 0; j < n; j++) buf[j] = moe_load_float(x, xt, i0 + j) * r;
 }
 
-static void encode(const void *x, moe_dtype xt, size_t begin, size_t end, float s, const moe_scaled_args *a,
-                   void *q) {
-  float r = 1.0f / s; /* fast mode: one reciprocal, then multiplies */
-  switch (xt) {
-  case MOE_F16: encode_range(x, MOE_F16, begin, end, s, r, a, q); break;
-  case MOE_BF16: encode_range(x, MOE_BF16, begin, end, s, r, a, q); break;
-  default: encode_range(x, MOE_F32, begin, end, s, r, a, q); break;
+/* q[i] = cvt(scaled x[i]) for i in [begin, end), a tile at a time through an
+ * L1-resident buffer so that each loop is straight-line and vectorizes. */
+MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t end, float s,
+                               const moe_scaled_args *a, void *q) {
+  enum { TILE = 512 };
+  float buf[TILE];
+  const float r = 1.0f / s; /* fast mode: one reciprocal, then multiplies */
+  const moe_narrow_fmt fmt = a->fmt;
+  for (size_t i0 = begin; i0 < end; i0 += TILE) {
+    size_t n = end - i0 < TILE ? end - i0 : TILE;
+    switch (xt) {
+    case MOE_F16: scale_tile(x, MOE_F16, i0, n, s, r, a->exact_division, buf); break;
+    case MOE_BF16: scale_tile(x, MOE_BF16, i0, n, s, r, a->exact_division, buf); break;
+    default: scale_tile(x, MOE_F32, i0, n, s, r, a->exact_division, buf); break;
+    }
+    if (a->qdtype == MOE_INT8) {
+      int8_t *qi = (int8_t *)q + i0;
+      for (size_t j = 0; j < n; j++) qi[j] = moe_f32_to_int8(buf[j]);
+    } else {
+      uint8_t *qn = (uint8_t *)q + i0;
+      for (size_t j = 0; j < n; j++) qn[j] = moe_f32_to_narrow(buf[j], &fmt, false);
+    }
   }
 }
 
@@ -117,6 +127,14 @@ ALWAYS_INLINE void decode_range(const void *q, const moe_scaled_args *a, size_t 
   }
 }
 
+MOE_CPU_HOT static void decode(const void *q, const moe_scaled_args *a, size_t begin, size_t end, void *y) {
+  switch (a->out_dtype) {
+  case MOE_F16: decode_range(q, a, begin, end, MOE_F16, y); break;
+  case MOE_BF16: decode_range(q, a, begin, end, MOE_BF16, y); break;
+  default: decode_range(q, a, begin, end, MOE_F32, y); break;
+  }
+}
+
 moe_status moe_cpu_dequant_per_tensor(moe_backend *b, moe_call *c, moe_error *err) {
   const moe_scaled_args *a = &c->args.scaled;
   size_t n = 0;
@@ -127,11 +145,7 @@ moe_status moe_cpu_dequant_per_tensor(moe_backend *b, moe_call *c, moe_error *er
 #pragma omp parallel for num_threads(moe_cpu_threads(b)) schedule(static)
   for (long ch = 0; ch < chunks; ch++) {
     size_t begin = (size_t)ch * CHUNK, end = begin + CHUNK < n ? begin + CHUNK : n;
-    switch (a->out_dtype) {
-    case MOE_F16: decode_range(q, a, begin, end, MOE_F16, y); break;
-    case MOE_BF16: decode_range(q, a, begin, end, MOE_BF16, y); break;
-    default: decode_range(q, a, begin, end, MOE_F32, y); break;
-    }
+    decode(q, a, begin, end, y);
   }
   return MOE_OK;
 }

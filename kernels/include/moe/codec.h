@@ -118,27 +118,31 @@ typedef struct moe_narrow_fmt {
 
 /* fp32 -> narrow code: round to the format's grid (subnormals included;
  * ties to even, or away from zero with half_up), then satfinite; NaN -> the
- * NaN code (0 for fp4, which has none: MX handles NaN blocks before this). */
+ * NaN code (0 for fp4, which has none: MX handles NaN blocks before this).
+ * Branch-free with shifts by loop-invariant amounts, so a loop over it
+ * vectorizes: normal-range values round in the integer domain at bit
+ * 23 - mbits; values below the smallest normal are scaled by an exact power
+ * of two and rounded from their integer and fractional parts. */
 MOE_HD uint8_t moe_f32_to_narrow(float f, const moe_narrow_fmt *fmt, bool half_up) {
-  uint32_t u = moe_f32_bits(f);
-  uint32_t a = u & 0x7FFFFFFFu;
-  uint8_t sign = (uint8_t)((u >> 31) << (fmt->bits - 1));
-  if (a > 0x7F800000u) return fmt->nan_code < 0 ? 0 : (uint8_t)fmt->nan_code;
-  uint32_t mag;
-  if (moe_f32_from_bits(a) > fmt->max_finite) {
-    mag = fmt->max_mag; /* inf too */
-  } else {
-    int ea = (int)(a >> 23) - 127;
-    int emin = 1 - fmt->bias;
-    int qe = (ea > emin ? ea : emin) - fmt->mbits; /* exponent of one step */
-    uint32_t mant = (a >> 23) ? ((a & 0x7FFFFFu) | 0x800000u) : 0u;
-    uint32_t n = moe_round_shift(mant, 23 + qe - ea, half_up);
-    mag = ((uint32_t)(qe - (emin - fmt->mbits)) << fmt->mbits) + n;
-    if (n == 0) mag = 0;
-    if (mag > fmt->max_mag) mag = fmt->max_mag;
-  }
-  if (mag == 0 && !fmt->neg_zero) return 0;
-  return (uint8_t)(sign | mag);
+  const int emin = 1 - fmt->bias;
+  const int s = 23 - fmt->mbits;
+  const uint32_t u = moe_f32_bits(f);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  /* normal range: round off s bits, then rebias the exponent */
+  const uint32_t half = 1u << (s - 1);
+  const uint32_t rn = a + half - 1u + (((a >> s) & 1u) | (uint32_t)half_up);
+  const uint32_t mag_norm = (rn >> s) - ((uint32_t)(127 - fmt->bias) << fmt->mbits);
+  /* below the smallest normal: t = a / 2^(emin - mbits) exactly, round it */
+  const float t = moe_f32_from_bits(a) * moe_f32_from_bits((uint32_t)(127 + fmt->mbits - emin) << 23);
+  const uint32_t n = (uint32_t)(int32_t)t;
+  const float frac = t - (float)n;
+  const uint32_t up = (uint32_t)(frac > 0.5f) | ((uint32_t)(frac == 0.5f) & ((n & 1u) | (uint32_t)half_up));
+  const uint32_t min_normal = (uint32_t)(127 + emin) << 23;
+  uint32_t mag = a < min_normal ? n + up : mag_norm;
+  mag = moe_f32_from_bits(a) > fmt->max_finite ? fmt->max_mag : mag; /* inf too */
+  const uint32_t sign = ((uint32_t)(mag != 0u) | (uint32_t)fmt->neg_zero) * ((u >> 31) << (fmt->bits - 1));
+  const uint32_t nan = fmt->nan_code < 0 ? 0u : (uint32_t)fmt->nan_code;
+  return (uint8_t)(a > 0x7F800000u ? nan : (sign | mag));
 }
 
 /* narrow code -> fp32, exact. */
@@ -160,17 +164,15 @@ MOE_HD float moe_narrow_to_f32(uint8_t code, const moe_narrow_fmt *fmt) {
 
 /* ---- int8 ---------------------------------------------------------------- */
 
-/* RNE, saturate to [-128, 127], NaN -> 0 (vLLM's behaviour). */
+/* RNE, saturate to [-128, 127], NaN -> 0 (vLLM's behaviour). After the
+ * clamp |v| <= 128, so adding and removing 1.5 * 2^23 rounds to an integer
+ * in one IEEE add (RNE) - branch-free, so loops over it vectorize. */
 MOE_HD int8_t moe_f32_to_int8(float f) {
-  if (moe_f32_isnan(f)) return 0;
-  if (f >= 127.0f) return 127;
-  if (f <= -128.0f) return -128;
-  uint32_t u = moe_f32_bits(f);
-  uint32_t a = u & 0x7FFFFFFFu;
-  int ea = (int)(a >> 23) - 127;
-  uint32_t mant = (a >> 23) ? ((a & 0x7FFFFFu) | 0x800000u) : 0u;
-  int n = (int)moe_round_shift(mant, 23 - ea, false); /* |f| < 128: shift >= 17 */
-  return (int8_t)((u >> 31) ? -n : n);
+  float v = f > 127.0f ? 127.0f : f;
+  v = v < -128.0f ? -128.0f : v;
+  v = moe_f32_isnan(f) ? 0.0f : v;
+  const float magic = 12582912.0f;
+  return (int8_t)(int32_t)((v + magic) - magic);
 }
 
 /* ---- MX block scales (NUMERICS.md "quant.mx") ----------------------------- */

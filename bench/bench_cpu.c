@@ -1,0 +1,294 @@
+/* CPU benchmark of every op (BENCH.md): bytes moved / time as GB/s and the
+ * ratio to this machine's memcpy bandwidth measured in the same run with the
+ * same thread count. Not a test: prints a markdown table for bench/RESULTS.md.
+ *
+ *   moe-bench-cpu [--quick] [--threads N]
+ */
+#include <getopt.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "moe/backend.h"
+#include "moe/codec.h"
+#include "moe/expert_set.h"
+#include "moe/ops.h"
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* splitmix64: seeded, cheap, good enough for benchmark data. */
+static uint64_t mix(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static void *xalloc(size_t n) {
+  void *p = aligned_alloc(64, (n + 63) & ~(size_t)63);
+  if (!p) {
+    fprintf(stderr, "out of memory (%zu bytes)\n", n);
+    exit(1);
+  }
+  return p;
+}
+
+/* bf16 values ~ U(-a, a); written in parallel so pages land on all threads */
+static uint16_t *random_bf16(size_t n, float a, uint64_t seed) {
+  uint16_t *p = xalloc(n * 2);
+#pragma omp parallel for schedule(static)
+  for (size_t i = 0; i < n; i++) {
+    float u = (float)(mix(seed + i) >> 40) * (1.0f / 16777216.0f);
+    p[i] = moe_f32_to_bf16((2.0f * u - 1.0f) * a);
+  }
+  return p;
+}
+
+static uint8_t *random_bytes(size_t n, uint64_t seed) {
+  uint8_t *p = xalloc(n);
+#pragma omp parallel for schedule(static)
+  for (size_t i = 0; i < n; i++) p[i] = (uint8_t)(mix(seed + i) >> 56);
+  return p;
+}
+
+/* ---- ceiling ------------------------------------------------------------------ */
+
+static double memcpy_gbs(size_t bytes, int threads) {
+  char *a = xalloc(bytes), *b = xalloc(bytes);
+  memset(a, 1, bytes);
+  memset(b, 2, bytes);
+  double best[5];
+  for (int r = 0; r < 5; r++) {
+    double t0 = now();
+#pragma omp parallel num_threads(threads)
+    {
+      int t = omp_get_thread_num(), n = omp_get_num_threads();
+      size_t lo = bytes / (size_t)n * (size_t)t, hi = t == n - 1 ? bytes : bytes / (size_t)n * (size_t)(t + 1);
+      memcpy(b + lo, a + lo, hi - lo);
+    }
+    best[r] = now() - t0;
+  }
+  qsort(best, 5, sizeof best[0], cmp_double);
+  free(a);
+  free(b);
+  return 2.0 * (double)bytes / best[2] / 1e9; /* read + write */
+}
+
+/* ---- timing an op ------------------------------------------------------------------ */
+
+/* Median seconds of `c` on `b`, after one warm-up, at least `min_runs` and
+ * about one second in all. */
+static double time_call(moe_call *c, moe_backend *b, int min_runs) {
+  moe_error err;
+  if (moe_call_run(c, b, &err)) {
+    fprintf(stderr, "run failed: %s\n", err.msg);
+    exit(1);
+  }
+  double t[64];
+  int n = 0;
+  double start = now();
+  while (n < 64 && (n < min_runs || now() - start < 1.0)) {
+    double t0 = now();
+    moe_call_run(c, b, &err);
+    t[n++] = now() - t0;
+  }
+  qsort(t, (size_t)n, sizeof t[0], cmp_double);
+  return t[n / 2];
+}
+
+/* Prepares `op`, allocates its outputs, times it; returns seconds; *out_bytes
+ * gets the output bytes. */
+static double bench_op(const char *op, moe_named_tensor *in, size_t nin, moe_param *p, size_t np,
+                       const moe_expert_set *set, moe_backend *b, size_t *out_bytes) {
+  moe_params params = {p, np};
+  moe_call *c;
+  moe_error err;
+  if (moe_op_prepare(moe_op_find(op), in, nin, &params, set, &c, &err)) {
+    fprintf(stderr, "%s: %s\n", op, err.msg);
+    exit(1);
+  }
+  *out_bytes = 0;
+  for (size_t i = 0; i < moe_call_num_outputs(c); i++) {
+    moe_named_tensor *o = moe_call_output(c, i);
+    o->tensor.data = xalloc(o->tensor.nbytes ? o->tensor.nbytes : 1);
+    memset(o->tensor.data, 0, o->tensor.nbytes);
+    *out_bytes += o->tensor.nbytes;
+  }
+  double t = time_call(c, b, 3);
+  for (size_t i = 0; i < moe_call_num_outputs(c); i++) free(moe_call_output(c, i)->tensor.data);
+  moe_call_destroy(c);
+  return t;
+}
+
+static moe_param pstr(const char *n, const char *v) { return (moe_param){n, MOE_PARAM_STRING, v, 0, 0, 0}; }
+
+/* ---- quant ops ------------------------------------------------------------------------ */
+
+static void bench_quant(moe_backend *b, double ceiling, size_t mib) {
+  int64_t k = 7168, m = (int64_t)(mib << 20) / 2 / k;
+  size_t n = (size_t)(m * k);
+  uint16_t *x = random_bf16(n, 4.0f, 1);
+  float one = 0.05f;
+  int64_t shape[2] = {m, k}, sshape[1] = {1};
+  moe_named_tensor in[2] = {{"x", {MOE_BF16, 2, {m, k}, x, n * 2}}, {"scale", {MOE_F32, 1, {1}, &one, 4}}};
+  (void)shape;
+  (void)sshape;
+  const struct {
+    const char *label, *op;
+    int nin;
+    moe_param p[3];
+    int np;
+  } cases[] = {
+      {"per_tensor static fp8", "quant.per_tensor", 2, {pstr("out_dtype", "fp8_e4m3fn")}, 1},
+      {"per_tensor static int8", "quant.per_tensor", 2, {pstr("out_dtype", "int8")}, 1},
+      {"per_tensor dynamic fp8", "quant.per_tensor", 1, {pstr("out_dtype", "fp8_e4m3fn")}, 1},
+      {"per_token fp8", "quant.per_token", 1, {pstr("out_dtype", "fp8_e4m3fn")}, 1},
+      {"mxfp8 e4m3fn", "quant.mx", 1, {pstr("format", "mxfp8_e4m3fn")}, 1},
+      {"mxfp4", "quant.mx", 1, {pstr("format", "mxfp4")}, 1},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    size_t ob;
+    moe_param p[3];
+    memcpy(p, cases[i].p, sizeof p);
+    double t = bench_op(cases[i].op, in, (size_t)cases[i].nin, p, (size_t)cases[i].np, NULL, b, &ob);
+    /* dynamic per-tensor reads the input twice when it does not fit on chip */
+    double bytes = (double)(n * 2 + ob);
+    double gbs = bytes / t / 1e9;
+    printf("| %s | bf16 [%lld, %lld] %zu MiB | %.3f ms | %.2f GB/s | %.0f%% |\n", cases[i].label, (long long)m,
+           (long long)k, mib, t * 1e3, gbs, 100.0 * gbs / ceiling);
+  }
+  free(x);
+}
+
+/* ---- fused_moe ---------------------------------------------------------------------------- */
+
+typedef struct layer {
+  const char *name;
+  int64_t e, k, h, i;
+} layer;
+
+static void bench_fused(moe_backend *b, double ceiling, const layer *L, bool wna16, const int *tokens, int nt) {
+  moe_expert_config cfg;
+  moe_expert_config_defaults(&cfg);
+  cfg.scheme = wna16 ? MOE_SCHEME_WNA16 : MOE_SCHEME_BF16;
+  cfg.num_experts = cfg.global_num_experts = L->e;
+  cfg.hidden_size = L->h;
+  cfg.intermediate_size = L->i;
+  cfg.routing.top_k = L->k;
+  cfg.bits = 4;
+  cfg.group_size = 128;
+  size_t e = (size_t)L->e, h = (size_t)L->h, in = (size_t)L->i;
+  moe_named_tensor t[6];
+  size_t nt_w = 0;
+  void *bufs[6] = {0};
+  if (!wna16) {
+    bufs[0] = random_bf16(e * 2 * in * h, 0.03f, 11);
+    bufs[1] = random_bf16(e * h * in, 0.03f, 12);
+    t[nt_w++] = (moe_named_tensor){"w13", {MOE_BF16, 3, {L->e, 2 * L->i, L->h}, bufs[0], e * 2 * in * h * 2}};
+    t[nt_w++] = (moe_named_tensor){"w2", {MOE_BF16, 3, {L->e, L->h, L->i}, bufs[1], e * h * in * 2}};
+  } else {
+    bufs[0] = random_bytes(e * 2 * in * h / 2, 21);
+    bufs[1] = random_bf16(e * 2 * in * (h / 128), 0.004f, 22);
+    bufs[2] = random_bytes(e * h * in / 2, 23);
+    bufs[3] = random_bf16(e * h * (in / 128), 0.004f, 24);
+    t[nt_w++] = (moe_named_tensor){"w13_qweight", {MOE_UINT8, 3, {L->e, 2 * L->i, L->h / 2}, bufs[0], e * 2 * in * h / 2}};
+    t[nt_w++] = (moe_named_tensor){"w13_scales", {MOE_BF16, 3, {L->e, 2 * L->i, L->h / 128}, bufs[1], e * 2 * in * (h / 128) * 2}};
+    t[nt_w++] = (moe_named_tensor){"w2_qweight", {MOE_UINT8, 3, {L->e, L->h, L->i / 2}, bufs[2], e * h * in / 2}};
+    t[nt_w++] = (moe_named_tensor){"w2_scales", {MOE_BF16, 3, {L->e, L->h, L->i / 128}, bufs[3], e * h * (in / 128) * 2}};
+  }
+  moe_expert_set *set;
+  moe_error err;
+  if (moe_expert_set_from_tensors(L->name, &cfg, t, nt_w, &set, &err)) {
+    fprintf(stderr, "expert set: %s\n", err.msg);
+    exit(1);
+  }
+  double w_per_expert = wna16 ? (double)(3 * in * h) / 2 + (double)(3 * in * h / 128) * 2 : (double)(3 * in * h) * 2;
+  for (int ti = 0; ti < nt; ti++) {
+    int64_t T = tokens[ti];
+    size_t tk = (size_t)T * (size_t)L->k;
+    uint16_t *x = random_bf16((size_t)T * h, 1.0f, 31);
+    int32_t *ids = xalloc(tk * 4);
+    float *w = xalloc(tk * 4);
+    char *used = calloc(e, 1);
+    for (size_t r = 0; r < (size_t)T; r++) /* k distinct experts per token, uniform */
+      for (size_t j = 0; j < (size_t)L->k; j++) {
+        int32_t id;
+        bool dup;
+        uint64_t s = r * 131 + j;
+        do {
+          id = (int32_t)(mix(s++ * 7919) % e);
+          dup = false;
+          for (size_t q = 0; q < j; q++) dup |= ids[r * (size_t)L->k + q] == id;
+        } while (dup);
+        ids[r * (size_t)L->k + j] = id;
+        w[r * (size_t)L->k + j] = 1.0f / (float)L->k;
+        used[id] = 1;
+      }
+    size_t n_used = 0;
+    for (size_t q = 0; q < e; q++) n_used += used[q];
+    moe_named_tensor inputs[3] = {
+        {"hidden_states", {MOE_BF16, 2, {T, L->h}, x, (size_t)T * h * 2}},
+        {"topk_ids", {MOE_INT32, 2, {T, L->k}, ids, tk * 4}},
+        {"topk_weights", {MOE_F32, 2, {T, L->k}, w, tk * 4}},
+    };
+    size_t ob;
+    double sec = bench_op("fused_moe", inputs, 3, NULL, 0, set, b, &ob);
+    double bytes = w_per_expert * (double)n_used + (double)(T * L->h * 2) * 2 + (double)tk * 8;
+    double flops = 2.0 * (double)T * (double)L->k * (double)(h * 2 * in + in * h);
+    double gbs = bytes / sec / 1e9;
+    printf("| %s | %s | %lld | %.3f ms | %.2f GB/s | %.0f%% | %.1f GFLOP/s |\n", L->name,
+           wna16 ? "wna16 int4 g128" : "bf16", (long long)T, sec * 1e3, gbs, 100.0 * gbs / ceiling, flops / sec / 1e9);
+    fflush(stdout);
+    free(x);
+    free(ids);
+    free(w);
+    free(used);
+  }
+  moe_expert_set_destroy(set);
+  for (int q = 0; q < 6; q++) free(bufs[q]);
+}
+
+int main(int argc, char **argv) {
+  int threads = 0, quick = 0;
+  static const struct option opts[] = {{"threads", required_argument, 0, 't'}, {"quick", no_argument, 0, 'q'},
+                                       {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
+  for (int ch; (ch = getopt_long(argc, argv, "t:qh", opts, NULL)) != -1;) {
+    if (ch == 't') threads = atoi(optarg);
+    else if (ch == 'q') quick = 1;
+    else {
+      printf("usage: %s [--threads N] [--quick]\n", argv[0]);
+      return ch == 'h' ? 0 : 2;
+    }
+  }
+  moe_backend *b;
+  moe_error err;
+  if (moe_backend_cpu_create(threads, &b, &err)) return 1;
+  int nthreads = omp_get_max_threads();
+  if (threads > 0) nthreads = threads;
+  omp_set_num_threads(nthreads);
+  double ceiling = memcpy_gbs((size_t)1 << 30, nthreads);
+  printf("backend: %s; memcpy ceiling (1 GiB, read+write): %.2f GB/s\n\n", b->name, ceiling);
+  printf("| op | input | median | GB/s | %% of memcpy |\n|---|---|---|---|---|\n");
+  bench_quant(b, ceiling, 64);
+  printf("\n| layer | scheme | T | median | weight GB/s | %% of memcpy | GFLOP/s |\n|---|---|---|---|---|---|---|\n");
+  static const layer qwen = {"qwen3-30b-a3b", 128, 8, 2048, 768}, mixtral = {"mixtral-8x7b", 8, 2, 4096, 14336};
+  static const int toks[] = {1, 16, 256};
+  int nt = quick ? 2 : 3;
+  bench_fused(b, ceiling, &qwen, true, toks, nt);
+  bench_fused(b, ceiling, &qwen, false, toks, nt);
+  bench_fused(b, ceiling, &mixtral, true, toks, nt);
+  bench_fused(b, ceiling, &mixtral, false, toks, nt);
+  moe_backend_destroy(b);
+  return 0;
+}
