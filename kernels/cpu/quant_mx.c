@@ -13,29 +13,31 @@
 ALWAYS_INLINE void quant_block(const void *x, moe_dtype xt, size_t base, const moe_mx_args *a, uint8_t *q,
                                uint8_t *scale) {
   float v[BLOCK];
-  float amax = 0.0f;
-  bool special = false;
+  uint32_t amax_bits = 0; /* integer max: vectorizes, orders like the values */
   for (int i = 0; i < BLOCK; i++) {
     v[i] = moe_load_float(x, xt, base + (size_t)i);
-    float m = moe_f32_abs(v[i]);
-    special |= !moe_f32_isfinite(m);
-    amax = m > amax ? m : amax;
+    uint32_t m = moe_f32_bits(v[i]) & 0x7FFFFFFFu;
+    amax_bits = m > amax_bits ? m : amax_bits;
   }
+  float amax = moe_f32_from_bits(amax_bits);
   bool fp4 = a->qdtype == MOE_FP4_E2M1;
-  if (special) { /* OCP: a NaN scale makes the whole block NaN */
+  if (amax_bits >= 0x7F800000u) { /* NaN or inf: OCP's NaN scale makes the whole block NaN */
     *scale = 0xFF;
     for (int i = 0; i < (fp4 ? BLOCK / 2 : BLOCK); i++) q[i] = 0;
     return;
   }
+  /* locals, not loads through `a`: byte stores to q may alias *a, which
+   * would keep the loops below from vectorizing */
+  const moe_narrow_fmt fmt = a->fmt;
+  const bool half_up = a->half_up;
   float mult;
-  *scale = moe_mx_scale(amax, a->rule, &a->fmt, &mult);
-  if (fp4) {
-    for (int i = 0; i < BLOCK; i += 2)
-      q[i / 2] = (uint8_t)(moe_f32_to_narrow(v[i] * mult, &a->fmt, a->half_up) |
-                           (moe_f32_to_narrow(v[i + 1] * mult, &a->fmt, a->half_up) << 4));
-  } else {
-    for (int i = 0; i < BLOCK; i++) q[i] = moe_f32_to_narrow(v[i] * mult, &a->fmt, false);
-  }
+  *scale = moe_mx_scale(amax, a->rule, &fmt, &mult);
+  uint8_t codes[BLOCK];
+  for (int i = 0; i < BLOCK; i++) codes[i] = moe_f32_to_narrow(v[i] * mult, &fmt, half_up);
+  if (fp4)
+    for (int i = 0; i < BLOCK / 2; i++) q[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
+  else
+    for (int i = 0; i < BLOCK; i++) q[i] = codes[i];
 }
 
 /* Blocks [b0, b1). */
