@@ -228,6 +228,17 @@ void moed_health_changed(moed_server *s);
 /* Ends every Watch stream (shutdown). */
 void moed_health_close(moed_server *s);
 
+/* ---- infer.c: ModelInfer on a worker ----------------------------------------- */
+
+/* Decodes, validates, runs and encodes one request (ModelInferResponse, or
+ * ModelStreamInferResponse with `stream`). Non-OK: msg names the field;
+ * *response NULL. `id` gets the request id (for stream errors). */
+grpc_status_code moed_infer_execute(moed_server *srv, moe_backend *b, moed_rpc *rpc, grpc_byte_buffer *payload,
+                                    uint64_t received_ns, bool stream, grpc_byte_buffer **response, char *msg,
+                                    size_t msg_cap, char *id, size_t id_cap);
+/* "FP32", "BF16", ...; narrow formats: "UINT8". */
+const char *moed_kserve_datatype(moe_dtype t);
+
 /* ---- http.c: metrics and probes -------------------------------------------- */
 
 typedef struct moed_http moed_http;

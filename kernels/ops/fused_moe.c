@@ -1,9 +1,234 @@
-/* PLACEHOLDER: replaced by the fused_moe implementation. */
+/* fused_moe: the op table entry and its validation (NUMERICS.md "fused_moe").
+ *
+ * Called two ways: as a loaded expert set (moe_op_prepare's `set`), or as
+ * the built-in model "fused_moe" with the weights as inputs, from which
+ * prepare builds a set that borrows them (c->owned_set). Either way the
+ * request carries hidden_states and either router_logits (routed here with
+ * the set's routing config, which request parameters override) or
+ * topk_ids + topk_weights.
+ *
+ * prepare reads topk_ids (host memory at that point) to reject ids outside
+ * [0, E): a backend that copies inputs to its device does so after prepare. */
+#include <string.h>
+
 #include "op.h"
-static const moe_op_io_desc in[] = {{"hidden_states", false, "fp16,bf16"}};
-static const moe_op_io_desc out[] = {{"output", false, "fp16,bf16"}};
-static moe_status prepare(moe_call *c, const moe_params *p, moe_error *err) {
-  return moe_fail(err, MOE_EUNSUPPORTED, "fused_moe: not implemented yet");
+#include "routing.h"
+
+/* Inputs: the weight slots follow moe_expert_tensor's order, so input
+ * IN_WEIGHTS + s is expert tensor s (correction_bias included). */
+enum {
+  IN_HIDDEN = 0,
+  IN_LOGITS,
+  IN_IDS,
+  IN_TOPK_WEIGHTS,
+  IN_WEIGHTS,
+  IN_BIAS = IN_WEIGHTS + MOE_CORRECTION_BIAS,
+  IN_ALL
+};
+/* correction_bias as an inline input needs a 13th input slot. */
+#define IN_COUNT (IN_ALL <= MOE_OP_MAX_IO ? IN_ALL : IN_BIAS)
+
+static const moe_op_io_desc fused_inputs[IN_ALL] = {
+    [IN_HIDDEN] = {"hidden_states", false, "fp16,bf16"},
+    [IN_LOGITS] = {"router_logits", true, "fp32,fp16,bf16"},
+    [IN_IDS] = {"topk_ids", true, "int32"},
+    [IN_TOPK_WEIGHTS] = {"topk_weights", true, "fp32"},
+    [IN_WEIGHTS + MOE_W13] = {"w13", true, "fp16,bf16"},
+    [IN_WEIGHTS + MOE_W2] = {"w2", true, "fp16,bf16"},
+    [IN_WEIGHTS + MOE_W13_QWEIGHT] = {"w13_qweight", true, "uint8"},
+    [IN_WEIGHTS + MOE_W13_SCALES] = {"w13_scales", true, "fp32,fp16,bf16"},
+    [IN_WEIGHTS + MOE_W13_QZEROS] = {"w13_qzeros", true, "uint8"},
+    [IN_WEIGHTS + MOE_W2_QWEIGHT] = {"w2_qweight", true, "uint8"},
+    [IN_WEIGHTS + MOE_W2_SCALES] = {"w2_scales", true, "fp32,fp16,bf16"},
+    [IN_WEIGHTS + MOE_W2_QZEROS] = {"w2_qzeros", true, "uint8"},
+    [IN_BIAS] = {"correction_bias", true, "fp32"},
+};
+static const moe_op_io_desc fused_outputs[] = {{"output", false, "fp16,bf16"}};
+
+static const moe_tensor *weight_in(const moe_call *c, moe_expert_tensor slot) {
+  return IN_WEIGHTS + (size_t)slot < IN_COUNT ? moe_call_in(c, IN_WEIGHTS + (size_t)slot) : NULL;
 }
-moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) { return MOE_EUNSUPPORTED; }
-const moe_op moe_op_fused_moe = {{"fused_moe", in, 1, out, 1, true}, prepare, moe_cpu_fused_moe, NULL};
+
+/* Checks a rank-3 weight input before its shape is read. */
+static moe_status weight_rank3(const moe_tensor *t, const char *name, moe_error *err) {
+  return moe_check_shape(t, name, 3, 3, err);
+}
+
+/* Inline weights: the config follows from the tensors' shapes and dtypes,
+ * the parameters scheme/bits/group_size/activation may state it (and are
+ * then checked against them by the set's validation). */
+static moe_status build_inline_set(moe_call *c, const moe_params *p, moe_error *err) {
+  const moe_tensor *w13 = weight_in(c, MOE_W13);
+  const moe_tensor *q13 = weight_in(c, MOE_W13_QWEIGHT), *q2 = weight_in(c, MOE_W2_QWEIGHT);
+  const moe_tensor *s13 = weight_in(c, MOE_W13_SCALES);
+  moe_expert_config cfg;
+  moe_expert_config_defaults(&cfg);
+  moe_status s;
+  if (!w13 && !q13)
+    return moe_fail(err, MOE_EINVAL,
+                    "w13: missing (model fused_moe takes its weights as inputs: w13 + w2, or w13_qweight + "
+                    "w13_scales + w2_qweight + w2_scales for wna16)");
+  int scheme = q13 ? MOE_SCHEME_WNA16 : (w13->dtype == MOE_F16 ? MOE_SCHEME_FP16 : MOE_SCHEME_BF16);
+  int activation = MOE_ACT_SILU;
+  if ((s = moe_params_choice(p, "scheme", moe_scheme_names, &scheme, err))) return s;
+  if ((s = moe_params_choice(p, "activation", moe_activation_names, &activation, err))) return s;
+  cfg.scheme = (moe_scheme)scheme;
+  cfg.activation = (moe_activation)activation;
+  const moe_tensor *first = cfg.scheme == MOE_SCHEME_WNA16 ? q13 : w13;
+  const char *first_name = cfg.scheme == MOE_SCHEME_WNA16 ? "w13_qweight" : "w13";
+  if (!first) return moe_fail(err, MOE_EINVAL, "%s: missing (scheme %s)", first_name, moe_scheme_names[scheme]);
+  if ((s = weight_rank3(first, first_name, err))) return s;
+  if (first->shape[1] % 2 != 0)
+    return moe_fail(err, MOE_EINVAL, "%s: dimension 1 is 2I (gate and up rows), got odd %lld", first_name,
+                    (long long)first->shape[1]);
+  cfg.num_experts = cfg.global_num_experts = first->shape[0];
+  cfg.intermediate_size = first->shape[1] / 2;
+  if (cfg.scheme != MOE_SCHEME_WNA16) {
+    cfg.hidden_size = w13->shape[2];
+  } else {
+    /* H is W2's row count; the last axis of w13_qweight then tells the bits */
+    if (!q2) return moe_fail(err, MOE_EINVAL, "w2_qweight: missing (scheme wna16)");
+    if ((s = weight_rank3(q2, "w2_qweight", err))) return s;
+    cfg.hidden_size = q2->shape[1];
+    int64_t bits = q13->shape[2] == cfg.hidden_size ? 8 : 4;
+    if ((s = moe_params_int(p, "bits", &bits, err))) return s;
+    if (bits != 4 && bits != 8) return moe_fail(err, MOE_EINVAL, "bits: must be 4 or 8, got %lld", (long long)bits);
+    cfg.bits = (int)bits;
+    /* group size from the scales' group count unless stated */
+    if (s13 && s13->ndim == 3 && s13->shape[2] > 0 && cfg.hidden_size % s13->shape[2] == 0)
+      cfg.group_size = s13->shape[2] == 1 ? -1 : cfg.hidden_size / s13->shape[2];
+    if ((s = moe_params_int(p, "group_size", &cfg.group_size, err))) return s;
+    cfg.has_zero_points = weight_in(c, MOE_W13_QZEROS) != NULL || weight_in(c, MOE_W2_QZEROS) != NULL;
+  }
+  /* routing comes from the request's parameters (see fused_prepare) */
+  moe_named_tensor tensors[MOE_EXPERT_TENSOR_COUNT];
+  size_t n = 0;
+  for (int slot = 0; slot < MOE_EXPERT_TENSOR_COUNT; slot++) {
+    const moe_tensor *t = weight_in(c, (moe_expert_tensor)slot);
+    if (t) tensors[n++] = (moe_named_tensor){moe_expert_tensor_names[slot], *t};
+  }
+  return moe_expert_set_from_tensors("fused_moe", &cfg, tensors, n, &c->owned_set, err);
+}
+
+/* A loaded set fixes its weights: inline weights or a contradicting
+ * weight parameter are mistakes, not overrides. */
+static moe_status check_loaded_set(const moe_call *c, const moe_expert_set *set, const moe_params *p,
+                                   moe_error *err) {
+  const moe_expert_config *cfg = &set->cfg;
+  moe_status s;
+  for (size_t i = IN_WEIGHTS; i < IN_COUNT; i++)
+    if (moe_call_in(c, i))
+      return moe_fail(err, MOE_EINVAL, "%s: expert set '%s' holds its own weights; inline weights are for model "
+                      "fused_moe", c->op->info.inputs[i].name, set->name);
+  int scheme = (int)cfg->scheme, activation = (int)cfg->activation;
+  int64_t bits = cfg->bits, group_size = cfg->group_size;
+  if ((s = moe_params_choice(p, "scheme", moe_scheme_names, &scheme, err))) return s;
+  if ((s = moe_params_choice(p, "activation", moe_activation_names, &activation, err))) return s;
+  if ((s = moe_params_int(p, "bits", &bits, err))) return s;
+  if ((s = moe_params_int(p, "group_size", &group_size, err))) return s;
+  const char *what = scheme != (int)cfg->scheme ? "scheme"
+                     : activation != (int)cfg->activation ? "activation"
+                     : bits != cfg->bits ? "bits"
+                     : group_size != cfg->group_size ? "group_size"
+                                                      : NULL;
+  if (what) return moe_fail(err, MOE_EINVAL, "%s: differs from expert set '%s'", what, set->name);
+  return MOE_OK;
+}
+
+/* hidden_states: 16-bit, the dtype the scheme computes in, [T, H]. */
+static moe_status check_hidden(const moe_tensor *x, const moe_expert_config *cfg, moe_error *err) {
+  static const moe_dtype act_types[] = {MOE_BF16, MOE_F16, MOE_DTYPE_INVALID};
+  moe_status s;
+  if (x->dtype == MOE_F32 && cfg->scheme == MOE_SCHEME_WNA16)
+    return moe_fail(err, MOE_EINVAL, "hidden_states: dtype fp32; scheme wna16 takes 16-bit activations only "
+                    "(fp16 or bf16)");
+  if ((s = moe_check_dtype(x, "hidden_states", act_types, err))) return s;
+  if ((cfg->scheme == MOE_SCHEME_BF16 && x->dtype != MOE_BF16) ||
+      (cfg->scheme == MOE_SCHEME_FP16 && x->dtype != MOE_F16))
+    return moe_fail(err, MOE_EINVAL, "hidden_states: dtype %s; scheme %s computes in %s", moe_dtype_name(x->dtype),
+                    moe_scheme_names[cfg->scheme], cfg->scheme == MOE_SCHEME_BF16 ? "bf16" : "fp16");
+  if ((s = moe_check_shape(x, "hidden_states", 2, 2, err))) return s;
+  if (x->shape[1] != cfg->hidden_size)
+    return moe_fail(err, MOE_EINVAL, "hidden_states: shape [%lld, %lld], the experts' hidden size is %lld",
+                    (long long)x->shape[0], (long long)x->shape[1], (long long)cfg->hidden_size);
+  return MOE_OK;
+}
+
+/* topk_ids INT32 [T, k] with every id in [0, E), topk_weights F32 [T, k]. */
+static moe_status check_ids(const moe_tensor *ids, const moe_tensor *w, int64_t tokens, int64_t experts,
+                            moe_error *err) {
+  static const moe_dtype id_types[] = {MOE_INT32, MOE_DTYPE_INVALID};
+  static const moe_dtype weight_types[] = {MOE_F32, MOE_DTYPE_INVALID};
+  moe_status s;
+  if (!ids) return moe_fail(err, MOE_EINVAL, "topk_ids: missing (topk_weights given)");
+  if (!w) return moe_fail(err, MOE_EINVAL, "topk_weights: missing (topk_ids given)");
+  if ((s = moe_check_dtype(ids, "topk_ids", id_types, err))) return s;
+  if ((s = moe_check_shape(ids, "topk_ids", 2, 2, err))) return s;
+  if ((s = moe_check_dtype(w, "topk_weights", weight_types, err))) return s;
+  if ((s = moe_check_shape(w, "topk_weights", 2, 2, err))) return s;
+  if (ids->shape[0] != tokens)
+    return moe_fail(err, MOE_EINVAL, "topk_ids: %lld rows, hidden_states has %lld tokens", (long long)ids->shape[0],
+                    (long long)tokens);
+  if (ids->shape[1] < 1) return moe_fail(err, MOE_EINVAL, "topk_ids: [T, k] with k = 0");
+  if (w->shape[0] != ids->shape[0] || w->shape[1] != ids->shape[1])
+    return moe_fail(err, MOE_EINVAL, "topk_weights: shape [%lld, %lld], topk_ids is [%lld, %lld]",
+                    (long long)w->shape[0], (long long)w->shape[1], (long long)ids->shape[0],
+                    (long long)ids->shape[1]);
+  const int32_t *id = ids->data;
+  const size_t n = (size_t)ids->shape[0] * (size_t)ids->shape[1]; /* fits: the tensor's bytes were checked */
+  for (size_t i = 0; i < n; i++)
+    if (id[i] < 0 || id[i] >= experts)
+      return moe_fail(err, MOE_EINVAL, "topk_ids: id %d at [%zu, %zu] is outside [0, %lld)", id[i],
+                      i / (size_t)ids->shape[1], i % (size_t)ids->shape[1], (long long)experts);
+  return MOE_OK;
+}
+
+static moe_status fused_prepare(moe_call *c, const moe_params *p, moe_error *err) {
+  static const moe_dtype logit_types[] = {MOE_F32, MOE_F16, MOE_BF16, MOE_DTYPE_INVALID};
+  moe_fused_args *a = &c->args.fused;
+  const moe_tensor *x = moe_call_in(c, IN_HIDDEN), *logits = moe_call_in(c, IN_LOGITS);
+  const moe_tensor *ids = moe_call_in(c, IN_IDS), *w = moe_call_in(c, IN_TOPK_WEIGHTS);
+  moe_status s;
+  if (a->set) {
+    if ((s = check_loaded_set(c, a->set, p, err))) return s;
+  } else {
+    if ((s = build_inline_set(c, p, err))) return s;
+    a->set = c->owned_set;
+  }
+  const moe_expert_config *cfg = &a->set->cfg;
+  if ((s = check_hidden(x, cfg, err))) return s;
+  a->act = x->dtype;
+  a->tokens = x->shape[0];
+  if (logits && (ids || w))
+    return moe_fail(err, MOE_EINVAL, "router_logits: give router_logits or topk_ids + topk_weights, not both");
+  if (!logits && !ids && !w)
+    return moe_fail(err, MOE_EINVAL, "router_logits: missing (or topk_ids + topk_weights)");
+  a->route = logits != NULL;
+  if (a->route) {
+    if ((s = moe_check_dtype(logits, "router_logits", logit_types, err))) return s;
+    if ((s = moe_check_shape(logits, "router_logits", 2, 2, err))) return s;
+    if (logits->shape[0] != a->tokens || logits->shape[1] != cfg->global_num_experts)
+      return moe_fail(err, MOE_EINVAL, "router_logits: shape [%lld, %lld], expected [%lld, %lld] (tokens, experts)",
+                      (long long)logits->shape[0], (long long)logits->shape[1], (long long)a->tokens,
+                      (long long)cfg->global_num_experts);
+    /* inline weights carry no routing config: top_k must be stated */
+    if (c->owned_set && !moe_params_has(p, "top_k"))
+      return moe_fail(err, MOE_EINVAL, "top_k: required parameter with router_logits and inline weights");
+    a->routing = cfg->routing;
+    if ((s = moe_routing_params(p, &a->routing, err))) return s;
+    if ((s = moe_routing_check(&a->routing, cfg->global_num_experts, err))) return s;
+    a->top_k = a->routing.top_k;
+  } else {
+    if ((s = check_ids(ids, w, a->tokens, cfg->global_num_experts, err))) return s;
+    a->top_k = ids->shape[1];
+  }
+  const int64_t shape[2] = {a->tokens, cfg->hidden_size};
+  return moe_call_set_output(c, 0, x->dtype, 2, shape, err);
+}
+
+const moe_op moe_op_fused_moe = {
+    .info = {"fused_moe", fused_inputs, IN_COUNT, fused_outputs, 1, true},
+    .prepare = fused_prepare,
+    .cpu = moe_cpu_fused_moe,
+    .gpu = NULL, /* until kernels/gpu has fused_moe */
+};

@@ -1,9 +1,94 @@
-/* PLACEHOLDER: replaced by the topk implementation. */
+/* moe.topk: the op table entry and its validation (NUMERICS.md "moe.topk").
+ * The routing parameters are parsed and checked here for fused_moe too. */
+#include <math.h>
+
 #include "op.h"
-static const moe_op_io_desc in[] = {{"router_logits", false, "fp32,fp16,bf16"}, {"correction_bias", true, "fp32"}};
-static const moe_op_io_desc out[] = {{"topk_ids", false, "int32"}, {"topk_weights", false, "fp32"}};
-static moe_status prepare(moe_call *c, const moe_params *p, moe_error *err) {
-  return moe_fail(err, MOE_EUNSUPPORTED, "moe.topk: not implemented yet");
+#include "routing.h"
+
+enum { IN_LOGITS = 0, IN_BIAS, IN_COUNT };
+enum { OUT_IDS = 0, OUT_WEIGHTS, OUT_COUNT };
+
+static const moe_op_io_desc topk_inputs[IN_COUNT] = {
+    [IN_LOGITS] = {"router_logits", false, "fp32,fp16,bf16"},
+    [IN_BIAS] = {"correction_bias", true, "fp32"},
+};
+static const moe_op_io_desc topk_outputs[OUT_COUNT] = {
+    [OUT_IDS] = {"topk_ids", false, "int32"},
+    [OUT_WEIGHTS] = {"topk_weights", false, "fp32"},
+};
+
+moe_status moe_routing_params(const moe_params *p, moe_routing *r, moe_error *err) {
+  int scoring = (int)r->scoring;
+  moe_status s;
+  if ((s = moe_params_int(p, "top_k", &r->top_k, err))) return s;
+  if ((s = moe_params_choice(p, "scoring", moe_scoring_names, &scoring, err))) return s;
+  r->scoring = (moe_scoring)scoring;
+  if ((s = moe_params_bool(p, "renormalize", &r->renormalize, err))) return s;
+  if ((s = moe_params_int(p, "num_expert_group", &r->num_expert_group, err))) return s;
+  if ((s = moe_params_int(p, "topk_group", &r->topk_group, err))) return s;
+  return moe_params_double(p, "routed_scaling_factor", &r->routed_scaling_factor, err);
 }
-moe_status moe_cpu_topk(moe_backend *b, moe_call *c, moe_error *err) { return MOE_EUNSUPPORTED; }
-const moe_op moe_op_topk = {{"moe.topk", in, 2, out, 2, true}, prepare, moe_cpu_topk, NULL};
+
+moe_status moe_routing_check(const moe_routing *r, int64_t num_experts, moe_error *err) {
+  const long long e = (long long)num_experts;
+  if ((unsigned)r->scoring >= MOE_SCORING_COUNT)
+    return moe_fail(err, MOE_EINVAL, "scoring: value %d out of range", (int)r->scoring);
+  if (r->top_k < 1 || r->top_k > num_experts)
+    return moe_fail(err, MOE_EINVAL, "top_k: must be in [1, %lld] (the number of experts), got %lld", e,
+                    (long long)r->top_k);
+  if (r->num_expert_group < 0 || r->num_expert_group > num_experts)
+    return moe_fail(err, MOE_EINVAL, "num_expert_group: must be in [0, %lld] (the number of experts), got %lld",
+                    e, (long long)r->num_expert_group);
+  if (r->num_expert_group > 1) { /* 0 and 1 both mean: no grouping */
+    const int64_t groups = r->num_expert_group, per_group = num_experts / groups;
+    if (num_experts % groups != 0)
+      return moe_fail(err, MOE_EINVAL, "num_expert_group: %lld does not divide the %lld experts",
+                      (long long)groups, e);
+    if (r->topk_group < 1 || r->topk_group > groups)
+      return moe_fail(err, MOE_EINVAL, "topk_group: must be in [1, num_expert_group = %lld], got %lld",
+                      (long long)groups, (long long)r->topk_group);
+    if (r->top_k > r->topk_group * per_group) /* both <= E: no overflow */
+      return moe_fail(err, MOE_EINVAL, "top_k: %lld exceeds the %lld experts of the topk_group = %lld kept groups",
+                      (long long)r->top_k, (long long)(r->topk_group * per_group), (long long)r->topk_group);
+  }
+  /* applied as an fp32 factor: it must stay finite there */
+  if (!(r->routed_scaling_factor > 0.0) || !isfinite((float)r->routed_scaling_factor))
+    return moe_fail(err, MOE_EINVAL, "routed_scaling_factor: must be > 0 and finite in fp32, got %g",
+                    r->routed_scaling_factor);
+  return MOE_OK;
+}
+
+static moe_status topk_prepare(moe_call *c, const moe_params *p, moe_error *err) {
+  static const moe_dtype logit_types[] = {MOE_F32, MOE_F16, MOE_BF16, MOE_DTYPE_INVALID};
+  static const moe_dtype bias_types[] = {MOE_F32, MOE_DTYPE_INVALID};
+  moe_topk_args *a = &c->args.topk;
+  const moe_tensor *logits = moe_call_in(c, IN_LOGITS), *bias = moe_call_in(c, IN_BIAS);
+  moe_status s;
+  if ((s = moe_check_dtype(logits, "router_logits", logit_types, err))) return s;
+  if ((s = moe_check_shape(logits, "router_logits", 2, 2, err))) return s;
+  const int64_t tokens = logits->shape[0], experts = logits->shape[1];
+  if (experts < 1) return moe_fail(err, MOE_EINVAL, "router_logits: [T, E] with E = 0 experts");
+  if (bias) {
+    if ((s = moe_check_dtype(bias, "correction_bias", bias_types, err))) return s;
+    if ((s = moe_check_shape(bias, "correction_bias", 1, 1, err))) return s;
+    if (bias->shape[0] != experts)
+      return moe_fail(err, MOE_EINVAL, "correction_bias: shape [%lld], router_logits has %lld experts",
+                      (long long)bias->shape[0], (long long)experts);
+  }
+  if (!moe_params_has(p, "top_k")) return moe_fail(err, MOE_EINVAL, "top_k: required parameter missing");
+  moe_routing r = {.top_k = 0, .scoring = MOE_SCORING_SOFTMAX, .routed_scaling_factor = 1.0};
+  if ((s = moe_routing_params(p, &r, err))) return s;
+  if ((s = moe_routing_check(&r, experts, err))) return s;
+  a->routing = r;
+  a->has_bias = bias != NULL;
+  const int64_t shape[2] = {tokens, r.top_k};
+  if ((s = moe_call_set_output(c, OUT_IDS, MOE_INT32, 2, shape, err))) return s;
+  return moe_call_set_output(c, OUT_WEIGHTS, MOE_F32, 2, shape, err);
+}
+
+const moe_op moe_op_topk = {
+    .info = {"moe.topk", topk_inputs, IN_COUNT, topk_outputs, OUT_COUNT, true},
+    .prepare = topk_prepare,
+    .cpu = moe_cpu_topk,
+    .gpu = NULL, /* until kernels/gpu has moe.topk */
+};

@@ -92,8 +92,12 @@ struct moe_expert_set {
 void moe_expert_config_defaults(moe_expert_config *cfg);
 /* Parses config.json text into cfg (starting from the defaults). */
 moe_status moe_expert_config_parse(const char *json, moe_expert_config *cfg, moe_error *err);
-/* Serializes cfg as JSON (malloc'ed string; caller frees). */
+/* Serializes cfg as JSON (malloc'ed string; caller frees). NULL when out of
+ * memory or an enum is out of range. */
 char *moe_expert_config_to_json(const moe_expert_config *cfg);
+/* Checks the config's ranges and their consistency (what parse checks after
+ * reading the keys), naming the offending key in err. */
+moe_status moe_expert_config_validate(const moe_expert_config *cfg, moe_error *err);
 
 /* Checks every tensor against the config (dtype, shape, presence), naming
  * the tensor in err. */

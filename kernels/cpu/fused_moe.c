@@ -1,0 +1,397 @@
+/* fused_moe on the CPU (NUMERICS.md "fused_moe"). One pipeline for every
+ * weight format (kernels/cpu/weight_format.h):
+ *
+ *   route (when router_logits are given)
+ *   -> group the (token, k) pairs by expert (counting sort)
+ *   -> per (expert, tile of I): dequantize a strip of W13, gate_up GEMM,
+ *      activation                                       (phase 1)
+ *   -> per (expert, tile of H): dequantize a strip of W2, down GEMM, times
+ *      the routed weight                                 (phase 2)
+ *   -> per token: the sum over its k experts in k order (phase 3).
+ *
+ * Summation order, fixed whatever the batch: each GEMM output is a dot
+ * product over j kept in LANES partial sums (lane l takes j = l, l + LANES,
+ * l + 2 LANES, ... in ascending order), then combined pairwise (lane l with
+ * l + 8, then + 4, + 2, + 1). A token's dot products read only its own row
+ * and the weights, and one code path serves 1 token or 1000 per expert: the
+ * same bits alone or in any batch. The lanes are plain arrays, so vector
+ * width (and the ISA clone picked) never changes a result. */
+#include <math.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "../ops/op.h"
+#include "cpu.h"
+#include "topk.h"
+#include "weight_format.h"
+
+#define LANES 16
+#define MR 4     /* token rows per dot block */
+#define NR 4     /* weight rows per dot block */
+#define STRIP 32 /* weight rows one work item dequantizes: a multiple of NR, even */
+#define HALF (STRIP / 2)
+/* Tokens are processed in chunks whose activation buffers stay near this
+ * size; a token's result does not depend on the chunking. */
+#define CHUNK_BYTES ((size_t)64 << 20)
+
+/* ---- the dot kernels ------------------------------------------------------------ */
+
+/* Combines LANES partial sums in the fixed pairwise order. */
+MOE_CPU_INLINE float lanes_sum(const float *a) {
+  float b[8], c[4];
+  for (int l = 0; l < 8; l++) b[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; l++) c[l] = b[l] + b[l + 4];
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* out[m * NR + r] = x[m] . w[r] over kp columns (a multiple of LANES; the
+ * padding is zero in both), for the NR rows of w (stride ldw) and MR token
+ * rows (dot_rows4, sharing each weight load) or one (dot_rows1). Both do the
+ * same element-wise lane arithmetic, written out per token row so that the
+ * accumulators stay in registers; the lane loops vectorize without
+ * reassociation, and each (token, output) gets identical bits from either. */
+static MOE_CPU_CLONES void dot_rows4(const float *const *x, const float *w, size_t ldw, int64_t kp, float *out) {
+  float a0[NR][LANES] = {{0}}, a1[NR][LANES] = {{0}}, a2[NR][LANES] = {{0}}, a3[NR][LANES] = {{0}};
+  for (int64_t j = 0; j < kp; j += LANES) {
+    const float *x0 = x[0] + j, *x1 = x[1] + j, *x2 = x[2] + j, *x3 = x[3] + j;
+    for (int r = 0; r < NR; r++) {
+      const float *wr = w + (size_t)r * ldw + j;
+      for (int l = 0; l < LANES; l++) {
+        a0[r][l] += x0[l] * wr[l];
+        a1[r][l] += x1[l] * wr[l];
+        a2[r][l] += x2[l] * wr[l];
+        a3[r][l] += x3[l] * wr[l];
+      }
+    }
+  }
+  for (int r = 0; r < NR; r++) {
+    out[0 * NR + r] = lanes_sum(a0[r]);
+    out[1 * NR + r] = lanes_sum(a1[r]);
+    out[2 * NR + r] = lanes_sum(a2[r]);
+    out[3 * NR + r] = lanes_sum(a3[r]);
+  }
+}
+
+static MOE_CPU_CLONES void dot_rows1(const float *const *x, const float *w, size_t ldw, int64_t kp, float *out) {
+  float a0[NR][LANES] = {{0}};
+  for (int64_t j = 0; j < kp; j += LANES) {
+    const float *x0 = x[0] + j;
+    for (int r = 0; r < NR; r++) {
+      const float *wr = w + (size_t)r * ldw + j;
+      for (int l = 0; l < LANES; l++) a0[r][l] += x0[l] * wr[l];
+    }
+  }
+  for (int r = 0; r < NR; r++) out[r] = lanes_sum(a0[r]);
+}
+
+/* tile[m * STRIP + n] = x[m] . strip[n] for every strip row n. */
+static void strip_gemm(int mr, const float *const *x, const float *strip, size_t ld, int64_t kp, float *tile) {
+  float out[MR * NR];
+  for (int n0 = 0; n0 < STRIP; n0 += NR) {
+    (mr == MR ? dot_rows4 : dot_rows1)(x, strip + (size_t)n0 * ld, ld, kp, out);
+    for (int m = 0; m < mr; m++)
+      for (int r = 0; r < NR; r++) tile[m * STRIP + n0 + r] = out[m * NR + r];
+  }
+}
+
+/* ---- the pipeline's state ------------------------------------------------------- */
+
+typedef struct work_item {
+  int64_t expert; /* local index */
+  int64_t n0;     /* first intermediate unit (phase 1) or hidden unit (phase 2) */
+} work_item;
+
+typedef struct fused_ctx {
+  const moe_expert_set *set;
+  moe_weight_matrix w13, w2;
+  moe_activation activation;
+  moe_dtype act;
+  int64_t hidden, inter, hidden_p, inter_p; /* H, I and both padded to LANES */
+  int64_t top_k, local_experts, expert_offset;
+  const moe_tensor *x; /* hidden_states [T, H] */
+  moe_tensor *out;     /* output [T, H] */
+  const int32_t *ids;  /* [T, k], global expert ids */
+  const float *weights;
+  /* the chunk being processed: tokens [t0, t0 + tokens) */
+  int64_t t0, tokens;
+  float *xf;          /* [tokens, hidden_p]: hidden_states in fp32, zero-padded */
+  int32_t *expert_of; /* [tokens * k]: local expert of each slot, -1 when not here */
+  int32_t *order;     /* [tokens * k]: slots grouped by expert */
+  int64_t *start;     /* [local_experts + 1]: each expert's range in order[] */
+  int64_t *cursor;    /* [local_experts] */
+  float *a;           /* [tokens * k, inter_p]: activations, rows in order[] order */
+  float *y;           /* [tokens * k, hidden]: act(routed expert output), rows by slot */
+  work_item *items1, *items2;
+  int64_t n_items1, n_items2;
+} fused_ctx;
+
+/* ---- phase 1: gate_up GEMM and activation --------------------------------------- */
+
+static inline float act_round(float v, moe_dtype act) { return moe_round_to(v, act); }
+
+/* a = act(act(f(g)) * u), or swiglu_oai; g and u already act-rounded. */
+static inline float activate(moe_activation fn, float g, float u, moe_dtype act) {
+  switch (fn) {
+  case MOE_ACT_GELU: /* exact (erf) form */
+    return act_round(act_round(0.5f * g * (1.0f + erff(g * 0.70710678118654752f)), act) * u, act);
+  case MOE_ACT_SWIGLU_OAI: /* comparisons written so that NaN passes through */
+    g = g > 7.0f ? 7.0f : g;
+    u = u > 7.0f ? 7.0f : (u < -7.0f ? -7.0f : u);
+    return act_round((u + 1.0f) * g * (1.0f / (1.0f + expf(-(1.702f * g)))), act);
+  default: /* silu */
+    return act_round(act_round(g / (1.0f + expf(-g)), act) * u, act);
+  }
+}
+
+/* Zeroes what the dot kernels read beyond the dequantized values: padding
+ * columns of the rows in use and whole rows that are not. */
+static void strip_pad(float *strip, size_t ld, int64_t cols, const bool *used) {
+  for (int r = 0; r < STRIP; r++) {
+    float *row = strip + (size_t)r * ld;
+    if (used[r])
+      memset(row + cols, 0, (ld - (size_t)cols) * sizeof(float));
+    else
+      memset(row, 0, ld * sizeof(float));
+  }
+}
+
+static void gate_up_item(const fused_ctx *f, const work_item *it, float *strip, float *tile) {
+  const moe_weight_matrix *w = &f->w13;
+  const int64_t i0 = it->n0, ni = f->inter - i0 < HALF ? f->inter - i0 : HALF;
+  const bool interleaved = f->activation == MOE_ACT_SWIGLU_OAI; /* gate at even rows of W13 */
+  const size_t ld = (size_t)f->hidden_p;
+  bool used[STRIP] = {false};
+  if (interleaved) {
+    w->fmt->dequant(w, it->expert, 2 * i0, 2 * ni, 0, f->hidden, strip, ld);
+    for (int64_t r = 0; r < 2 * ni; r++) used[r] = true;
+  } else { /* gate rows to strip rows [0, HALF), up rows to [HALF, STRIP) */
+    w->fmt->dequant(w, it->expert, i0, ni, 0, f->hidden, strip, ld);
+    w->fmt->dequant(w, it->expert, f->inter + i0, ni, 0, f->hidden, strip + HALF * ld, ld);
+    for (int64_t r = 0; r < ni; r++) used[r] = used[HALF + r] = true;
+  }
+  strip_pad(strip, ld, f->hidden, used);
+  const int64_t begin = f->start[it->expert], end = f->start[it->expert + 1];
+  for (int64_t p = begin; p < end;) {
+    const int mr = end - p >= MR ? MR : 1;
+    const float *x[MR];
+    for (int m = 0; m < mr; m++) x[m] = f->xf + (size_t)(f->order[p + m] / f->top_k) * ld;
+    strip_gemm(mr, x, strip, ld, f->hidden_p, tile);
+    for (int m = 0; m < mr; m++) {
+      const float *t = tile + m * STRIP;
+      float *a = f->a + (size_t)(p + m) * (size_t)f->inter_p + i0;
+      for (int64_t i = 0; i < ni; i++) {
+        const float g = act_round(t[interleaved ? 2 * i : i], f->act);
+        const float u = act_round(t[interleaved ? 2 * i + 1 : HALF + i], f->act);
+        a[i] = activate(f->activation, g, u, f->act);
+      }
+      if (i0 + ni == f->inter) /* the down GEMM reads the padding */
+        memset(a + ni, 0, (size_t)(f->inter_p - f->inter) * sizeof(float));
+    }
+    p += mr;
+  }
+}
+
+/* ---- phase 2: down GEMM times the routed weight ------------------------------------ */
+
+static void down_item(const fused_ctx *f, const work_item *it, float *strip, float *tile) {
+  const moe_weight_matrix *w = &f->w2;
+  const int64_t h0 = it->n0, nh = f->hidden - h0 < STRIP ? f->hidden - h0 : STRIP;
+  const size_t ld = (size_t)f->inter_p;
+  bool used[STRIP] = {false};
+  w->fmt->dequant(w, it->expert, h0, nh, 0, f->inter, strip, ld);
+  for (int64_t r = 0; r < nh; r++) used[r] = true;
+  strip_pad(strip, ld, f->inter, used);
+  const int64_t begin = f->start[it->expert], end = f->start[it->expert + 1];
+  for (int64_t p = begin; p < end;) {
+    const int mr = end - p >= MR ? MR : 1;
+    const float *x[MR];
+    for (int m = 0; m < mr; m++) x[m] = f->a + (size_t)(p + m) * ld;
+    strip_gemm(mr, x, strip, ld, f->inter_p, tile);
+    for (int m = 0; m < mr; m++) {
+      const int64_t slot = f->order[p + m];
+      const float rw = f->weights[f->t0 * f->top_k + slot];
+      float *y = f->y + (size_t)slot * (size_t)f->hidden + h0;
+      for (int64_t r = 0; r < nh; r++) y[r] = act_round(tile[m * STRIP + r] * rw, f->act);
+    }
+    p += mr;
+  }
+}
+
+/* ---- phase 0 and 3: conversion in, the sum over k out ------------------------------ */
+
+static void convert_token(const fused_ctx *f, int64_t tl) {
+  float *row = f->xf + (size_t)tl * (size_t)f->hidden_p;
+  const size_t base = (size_t)(f->t0 + tl) * (size_t)f->hidden;
+  for (int64_t j = 0; j < f->hidden; j++) row[j] = moe_load_float(f->x->data, f->act, base + (size_t)j);
+  memset(row + f->hidden, 0, (size_t)(f->hidden_p - f->hidden) * sizeof(float));
+}
+
+/* out = act(sum over k of y_k) in fp32, k in the order given; experts held
+ * elsewhere contribute nothing. */
+static void sum_token(const fused_ctx *f, int64_t tl, float *acc) {
+  const int64_t h = f->hidden;
+  memset(acc, 0, (size_t)h * sizeof(float));
+  for (int64_t kk = 0; kk < f->top_k; kk++) {
+    const int64_t slot = tl * f->top_k + kk;
+    if (f->expert_of[slot] < 0) continue;
+    const float *y = f->y + (size_t)slot * (size_t)h;
+    for (int64_t j = 0; j < h; j++) acc[j] += y[j];
+  }
+  const size_t base = (size_t)(f->t0 + tl) * (size_t)h;
+  for (int64_t j = 0; j < h; j++) moe_store_float(f->out->data, f->act, base + (size_t)j, acc[j]);
+}
+
+/* Counting sort of the chunk's slots by local expert, and the work lists. */
+static void group_by_expert(fused_ctx *f) {
+  const int64_t slots = f->tokens * f->top_k, ne = f->local_experts;
+  memset(f->start, 0, (size_t)(ne + 1) * sizeof(int64_t));
+  for (int64_t s = 0; s < slots; s++) {
+    const int64_t le = (int64_t)f->ids[f->t0 * f->top_k + s] - f->expert_offset;
+    f->expert_of[s] = le >= 0 && le < ne ? (int32_t)le : -1;
+    if (f->expert_of[s] >= 0) f->start[le + 1]++;
+  }
+  for (int64_t e = 0; e < ne; e++) f->start[e + 1] += f->start[e];
+  memcpy(f->cursor, f->start, (size_t)ne * sizeof(int64_t));
+  for (int64_t s = 0; s < slots; s++)
+    if (f->expert_of[s] >= 0) f->order[f->cursor[f->expert_of[s]]++] = (int32_t)s;
+  f->n_items1 = f->n_items2 = 0;
+  for (int64_t e = 0; e < ne; e++) {
+    if (f->start[e + 1] == f->start[e]) continue;
+    for (int64_t i0 = 0; i0 < f->inter; i0 += HALF) f->items1[f->n_items1++] = (work_item){e, i0};
+    for (int64_t h0 = 0; h0 < f->hidden; h0 += STRIP) f->items2[f->n_items2++] = (work_item){e, h0};
+  }
+}
+
+/* ---- workspace -------------------------------------------------------------------- */
+
+/* Offsets into one workspace, 64-byte aligned, overflow-checked. */
+typedef struct ws_plan {
+  size_t size;
+  bool overflow;
+} ws_plan;
+
+static size_t ws_take(ws_plan *p, size_t count, size_t elem) {
+  size_t bytes, off = p->size;
+  if (!moe_mul_size(count, elem, &bytes) || !moe_add_size(bytes, 63, &bytes) ||
+      !moe_add_size(p->size, bytes & ~(size_t)63, &p->size))
+    p->overflow = true;
+  return off;
+}
+
+static inline int thread_id(void) {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
+  const moe_fused_args *args = &c->args.fused;
+  const moe_expert_config *cfg = &args->set->cfg;
+  fused_ctx f = {
+      .set = args->set,
+      .activation = cfg->activation,
+      .act = args->act,
+      .hidden = cfg->hidden_size,
+      .inter = cfg->intermediate_size,
+      .hidden_p = round_up(cfg->hidden_size, LANES),
+      .inter_p = round_up(cfg->intermediate_size, LANES),
+      .top_k = args->top_k,
+      .local_experts = cfg->num_experts,
+      .expert_offset = cfg->expert_offset,
+      .x = moe_call_in(c, 0),
+      .out = &c->out[0].tensor,
+  };
+  const int64_t tokens = args->tokens, k = args->top_k;
+  if (tokens == 0) return MOE_OK;
+  moe_weight_matrix_init(args->set, MOE_W13, f.act, &f.w13);
+  moe_weight_matrix_init(args->set, MOE_W2, f.act, &f.w2);
+
+  /* chunk: tokens whose activation buffers fit CHUNK_BYTES (at least one) */
+  size_t per_slot, per_token;
+  if (!moe_add_size((size_t)f.inter_p, (size_t)f.hidden, &per_slot) || !moe_mul_size(per_slot, 4, &per_slot) ||
+      !moe_add_size(per_slot, 16, &per_slot) || !moe_mul_size(per_slot, (size_t)k, &per_token) ||
+      !moe_add_size(per_token, (size_t)f.hidden_p * 4, &per_token))
+    return moe_fail(err, MOE_EOVERFLOW, "fused_moe: workspace size overflows");
+  int64_t chunk = (int64_t)(CHUNK_BYTES / per_token);
+  if (chunk < 1) chunk = 1;
+  if (chunk > tokens) chunk = tokens;
+
+  int threads = moe_cpu_threads(b);
+  const int64_t kp_max = f.hidden_p > f.inter_p ? f.hidden_p : f.inter_p;
+  const size_t chunk_slots = (size_t)chunk * (size_t)k, ne = (size_t)f.local_experts;
+  const size_t route_scratch = args->route ? (moe_cpu_route_scratch_bytes(cfg->global_num_experts) + 63) & ~(size_t)63 : 0;
+  ws_plan thread_plan = {0}; /* each thread's part */
+  const size_t o_strip = ws_take(&thread_plan, (size_t)STRIP * (size_t)kp_max, sizeof(float)); /* also phase 3's row */
+  const size_t o_tile = ws_take(&thread_plan, MR * STRIP, sizeof(float));
+  const size_t o_route = ws_take(&thread_plan, 1, route_scratch);
+  const size_t per_thread = thread_plan.size;
+
+  ws_plan p = {0};
+  const size_t o_ids = ws_take(&p, args->route ? (size_t)tokens * (size_t)k : 0, sizeof(int32_t));
+  const size_t o_w = ws_take(&p, args->route ? (size_t)tokens * (size_t)k : 0, sizeof(float));
+  const size_t o_xf = ws_take(&p, (size_t)chunk * (size_t)f.hidden_p, sizeof(float));
+  const size_t o_expert_of = ws_take(&p, chunk_slots, sizeof(int32_t));
+  const size_t o_order = ws_take(&p, chunk_slots, sizeof(int32_t));
+  const size_t o_start = ws_take(&p, ne + 1, sizeof(int64_t));
+  const size_t o_cursor = ws_take(&p, ne, sizeof(int64_t));
+  const size_t o_a = ws_take(&p, chunk_slots * (size_t)f.inter_p, sizeof(float));
+  const size_t o_y = ws_take(&p, chunk_slots * (size_t)f.hidden, sizeof(float));
+  const size_t o_items1 = ws_take(&p, ne * (size_t)((f.inter + HALF - 1) / HALF), sizeof(work_item));
+  const size_t o_items2 = ws_take(&p, ne * (size_t)((f.hidden + STRIP - 1) / STRIP), sizeof(work_item));
+  const size_t o_threads = ws_take(&p, (size_t)threads, per_thread);
+  if (p.overflow || thread_plan.overflow) return moe_fail(err, MOE_EOVERFLOW, "fused_moe: workspace size overflows");
+  unsigned char *ws = moe_cpu_workspace(b, p.size);
+  if (!ws) return moe_fail(err, MOE_ENOMEM, "fused_moe: out of memory for %zu bytes of workspace", p.size);
+  f.xf = (float *)(ws + o_xf);
+  f.expert_of = (int32_t *)(ws + o_expert_of);
+  f.order = (int32_t *)(ws + o_order);
+  f.start = (int64_t *)(ws + o_start);
+  f.cursor = (int64_t *)(ws + o_cursor);
+  f.a = (float *)(ws + o_a);
+  f.y = (float *)(ws + o_y);
+  f.items1 = (work_item *)(ws + o_items1);
+  f.items2 = (work_item *)(ws + o_items2);
+  unsigned char *thread_ws = ws + o_threads;
+
+  if (args->route) { /* router_logits: each token routed on its own */
+    const moe_tensor *logits = moe_call_in(c, 1);
+    const moe_tensor *bias = &args->set->t[MOE_CORRECTION_BIAS];
+    int32_t *ids = (int32_t *)(ws + o_ids);
+    float *w = (float *)(ws + o_w);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tokens > 1)
+    for (int64_t t = 0; t < tokens; t++)
+      moe_cpu_route_row(&args->routing, logits, t, bias->data,
+                        thread_ws + (size_t)thread_id() * per_thread + o_route,
+                        ids + t * k, w + t * k);
+    f.ids = ids;
+    f.weights = w;
+  } else {
+    f.ids = moe_call_in(c, 2)->data;
+    f.weights = moe_call_in(c, 3)->data;
+  }
+
+  for (f.t0 = 0; f.t0 < tokens; f.t0 += chunk) {
+    f.tokens = tokens - f.t0 < chunk ? tokens - f.t0 : chunk;
+    group_by_expert(&f);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+      unsigned char *mine = thread_ws + (size_t)thread_id() * per_thread;
+      float *strip = (float *)(mine + o_strip), *tile = (float *)(mine + o_tile);
+#pragma omp for schedule(static)
+      for (int64_t tl = 0; tl < f.tokens; tl++) convert_token(&f, tl);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < f.n_items1; i++) gate_up_item(&f, &f.items1[i], strip, tile);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < f.n_items2; i++) down_item(&f, &f.items2[i], strip, tile);
+#pragma omp for schedule(static)
+      for (int64_t tl = 0; tl < f.tokens; tl++) sum_token(&f, tl, strip);
+    }
+  }
+  return MOE_OK;
+}

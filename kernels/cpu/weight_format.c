@@ -1,0 +1,143 @@
+/* The weight formats of fused_moe on the CPU (NUMERICS.md "fused_moe",
+ * weights): bf16/fp16 values, and wna16 int4/int8 codes with per-group
+ * scales and optional zero points, w = act((q - z) * scale). */
+#include <string.h>
+
+#include "../ops/op.h"
+#include "weight_format.h"
+
+/* Set data may sit at any byte offset (safetensors offsets are not aligned). */
+MOE_CPU_INLINE uint16_t load_u16(const uint8_t *p) {
+  uint16_t v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+MOE_CPU_INLINE const uint8_t *row_ptr(const moe_weight_matrix *m, int64_t e, int64_t n) {
+  return m->data + ((size_t)e * (size_t)m->rows + (size_t)n) * m->row_bytes;
+}
+
+/* ---- bf16 / fp16: the weights are already in the activation dtype ---------- */
+
+static MOE_CPU_CLONES void dequant_bf16(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
+                                        int64_t k0, int64_t ncols, float *dst, size_t ld) {
+  for (int64_t r = 0; r < nrows; r++) {
+    const uint8_t *src = row_ptr(m, e, n0 + r) + (size_t)k0 * 2;
+    float *d = dst + (size_t)r * ld;
+    for (int64_t j = 0; j < ncols; j++) d[j] = moe_bf16_to_f32(load_u16(src + 2 * j));
+  }
+}
+
+static MOE_CPU_CLONES void dequant_fp16(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
+                                        int64_t k0, int64_t ncols, float *dst, size_t ld) {
+  for (int64_t r = 0; r < nrows; r++) {
+    const uint8_t *src = row_ptr(m, e, n0 + r) + (size_t)k0 * 2;
+    float *d = dst + (size_t)r * ld;
+    for (int64_t j = 0; j < ncols; j++) d[j] = moe_f16_to_f32(load_u16(src + 2 * j));
+  }
+}
+
+/* ---- wna16 ------------------------------------------------------------------- */
+
+/* act() in place. The bf16 rounding is branch-free and vectorizes; the fp16
+ * one (subnormal and overflow paths) stays scalar. */
+MOE_CPU_INLINE void round_to_act(float *v, int64_t n, moe_dtype act) {
+  if (act == MOE_BF16)
+    for (int64_t j = 0; j < n; j++) v[j] = moe_bf16_to_f32(moe_f32_to_bf16(v[j]));
+  else
+    for (int64_t j = 0; j < n; j++) v[j] = moe_round_to(v[j], act);
+}
+
+/* Zero point of row n, group g: int4 packs two rows per byte (low nibble =
+ * even row); without zero points the code's midpoint (8 or 128). */
+MOE_CPU_INLINE float zero_point(const moe_weight_matrix *m, int bits, int64_t e, int64_t n, int64_t g) {
+  if (!m->zeros) return bits == 4 ? 8.0f : 128.0f;
+  if (bits == 4) {
+    uint8_t b = m->zeros[((size_t)e * (size_t)(m->rows / 2) + (size_t)(n / 2)) * (size_t)m->groups + (size_t)g];
+    return (float)((n & 1) ? b >> 4 : b & 15);
+  }
+  return (float)m->zeros[((size_t)e * (size_t)m->rows + (size_t)n) * (size_t)m->groups + (size_t)g];
+}
+
+/* One code of a row: int4 packed along the row (low nibble = even column). */
+MOE_CPU_INLINE float code_at(const uint8_t *q, int bits, int64_t j) {
+  if (bits == 4) return (float)((q[j >> 1] >> ((j & 1) << 2)) & 15);
+  return (float)q[j];
+}
+
+/* The two wna16 formats differ only in `bits`, a constant after inlining, so
+ * each gets its own straight loop. */
+MOE_CPU_INLINE void dequant_wna16(const moe_weight_matrix *m, int bits, int64_t e, int64_t n0, int64_t nrows,
+                                 int64_t k0, int64_t ncols, float *dst, size_t ld) {
+  for (int64_t r = 0; r < nrows; r++) {
+    const int64_t n = n0 + r;
+    const uint8_t *q = row_ptr(m, e, n);
+    const size_t scale_row = ((size_t)e * (size_t)m->rows + (size_t)n) * (size_t)m->groups;
+    float *d = dst + (size_t)r * ld - k0; /* d[j] for j in [k0, k0 + ncols) */
+    for (int64_t j = k0; j < k0 + ncols;) {
+      const int64_t g = j / m->group;
+      int64_t end = (g + 1) * m->group;
+      if (end > k0 + ncols) end = k0 + ncols;
+      const float s = moe_load_float(m->scales, m->scale_dtype, scale_row + (size_t)g);
+      const float z = zero_point(m, bits, e, n, g);
+      /* float(q) - float(z) is exact; one rounding for the product */
+      if (bits == 4 && ((j | end) & 1) == 0) { /* whole bytes: both nibbles per step, vectorizes */
+        const uint8_t *qb = q + j / 2;
+        float *dd = d + j;
+        for (int64_t i = 0; i < (end - j) / 2; i++) {
+          dd[2 * i] = ((float)(qb[i] & 15) - z) * s;
+          dd[2 * i + 1] = ((float)(qb[i] >> 4) - z) * s;
+        }
+      } else {
+        for (int64_t jj = j; jj < end; jj++) d[jj] = (code_at(q, bits, jj) - z) * s;
+      }
+      j = end;
+    }
+    round_to_act(d + k0, ncols, m->act);
+  }
+}
+
+static MOE_CPU_CLONES void dequant_int4(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
+                                        int64_t k0, int64_t ncols, float *dst, size_t ld) {
+  dequant_wna16(m, 4, e, n0, nrows, k0, ncols, dst, ld);
+}
+
+static MOE_CPU_CLONES void dequant_int8(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
+                                        int64_t k0, int64_t ncols, float *dst, size_t ld) {
+  dequant_wna16(m, 8, e, n0, nrows, k0, ncols, dst, ld);
+}
+
+/* ---- the table ------------------------------------------------------------------ */
+
+static const moe_weight_format format_bf16 = {"bf16", dequant_bf16};
+static const moe_weight_format format_fp16 = {"fp16", dequant_fp16};
+static const moe_weight_format format_int4 = {"wna16 int4", dequant_int4};
+static const moe_weight_format format_int8 = {"wna16 int8", dequant_int8};
+
+void moe_weight_matrix_init(const moe_expert_set *set, moe_expert_tensor which, moe_dtype act,
+                            moe_weight_matrix *m) {
+  const moe_expert_config *cfg = &set->cfg;
+  const bool w13 = which == MOE_W13;
+  memset(m, 0, sizeof *m);
+  m->rows = w13 ? 2 * cfg->intermediate_size : cfg->hidden_size;
+  m->cols = w13 ? cfg->hidden_size : cfg->intermediate_size;
+  m->act = act;
+  if (cfg->scheme != MOE_SCHEME_WNA16) {
+    const moe_tensor *t = &set->t[w13 ? MOE_W13 : MOE_W2];
+    m->fmt = t->dtype == MOE_F16 ? &format_fp16 : &format_bf16;
+    m->data = t->data;
+    m->row_bytes = (size_t)m->cols * 2;
+    return;
+  }
+  const moe_tensor *q = &set->t[w13 ? MOE_W13_QWEIGHT : MOE_W2_QWEIGHT];
+  const moe_tensor *s = &set->t[w13 ? MOE_W13_SCALES : MOE_W2_SCALES];
+  const moe_tensor *z = &set->t[w13 ? MOE_W13_QZEROS : MOE_W2_QZEROS];
+  m->fmt = cfg->bits == 4 ? &format_int4 : &format_int8;
+  m->data = q->data;
+  m->row_bytes = (size_t)(cfg->bits == 4 ? m->cols / 2 : m->cols);
+  m->scales = s->data;
+  m->scale_dtype = s->dtype;
+  m->zeros = cfg->has_zero_points ? z->data : NULL;
+  m->group = cfg->group_size == -1 ? m->cols : cfg->group_size;
+  m->groups = m->cols / m->group;
+}

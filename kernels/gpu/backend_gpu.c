@@ -1,0 +1,340 @@
+/* The GPU backend: one device, one stream, a caching device memory pool (no
+ * device malloc per call in steady state), pinned host staging buffers for
+ * the copies. Fills the same struct moe_backend_i as the CPU backend
+ * (kernels/cpu/backend.c). HIP runtime names; hip_compat.h maps them to CUDA
+ * on NVIDIA. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../ops/op.h"
+#include "gpu.h"
+
+/* ---- device memory pool ---------------------------------------------------
+ * Size classes: four per power of two from 512 B up (at most 25% slack).
+ * Freed blocks go back to their class's list and are reused by later allocs;
+ * every block lives on the backend's one stream, so a block reused after a
+ * free is ordered after the work that used it. */
+
+#define POOL_CLASSES (4 * 64)
+#define STAGE_CHUNK ((size_t)16 << 20)
+
+typedef struct pool_node {
+  void *ptr;
+  struct pool_node *next;
+} pool_node;
+
+typedef struct live_slot {
+  void *ptr; /* NULL: empty */
+  int cls;
+} live_slot;
+
+typedef struct gpu_ctx {
+  int device;
+  int sm_count;
+  hipStream_t stream;
+  pool_node *free_list[POOL_CLASSES];
+  live_slot *live; /* open addressing, power-of-two capacity */
+  size_t live_cap, live_count;
+  size_t pool_bytes; /* held from the device, in use or cached */
+  void *ws;          /* workspace, from the pool */
+  size_t ws_size;
+  void *stage[2]; /* pinned host staging, STAGE_CHUNK each */
+  hipEvent_t stage_done[2];
+} gpu_ctx;
+
+moe_status moe_gpu_check(hipError_t e, const char *what, moe_error *err) {
+  if (e == hipSuccess) return MOE_OK;
+  return moe_fail(err, MOE_EDEVICE, "%s: %s", what, hipGetErrorString(e));
+}
+
+static int size_class(size_t n, size_t *class_bytes) {
+  size_t want = n < 512 ? 512 : n;
+  int p = 63 - __builtin_clzll((unsigned long long)want); /* 2^p <= want */
+  for (int q = 0; q < 4; q++) {
+    size_t sz = ((size_t)1 << p) + (p >= 2 ? (((size_t)1 << (p - 2)) * (size_t)q) : 0);
+    if (sz >= want) {
+      *class_bytes = sz;
+      return 4 * p + q;
+    }
+  }
+  if (p + 1 >= 64) return -1;
+  *class_bytes = (size_t)1 << (p + 1);
+  return 4 * (p + 1);
+}
+
+static size_t hash_ptr(const void *p, size_t cap) {
+  uint64_t x = (uint64_t)(uintptr_t)p;
+  x ^= x >> 29;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 32;
+  return (size_t)x & (cap - 1);
+}
+
+static moe_status live_insert(gpu_ctx *ctx, void *ptr, int cls);
+
+static moe_status live_grow(gpu_ctx *ctx) {
+  size_t ncap = ctx->live_cap ? ctx->live_cap * 2 : 256;
+  live_slot *old = ctx->live;
+  size_t ocap = ctx->live_cap;
+  ctx->live = calloc(ncap, sizeof *ctx->live);
+  if (!ctx->live) {
+    ctx->live = old;
+    return MOE_ENOMEM;
+  }
+  ctx->live_cap = ncap;
+  ctx->live_count = 0;
+  for (size_t i = 0; i < ocap; i++)
+    if (old[i].ptr) live_insert(ctx, old[i].ptr, old[i].cls);
+  free(old);
+  return MOE_OK;
+}
+
+static moe_status live_insert(gpu_ctx *ctx, void *ptr, int cls) {
+  if ((ctx->live_count + 1) * 2 > ctx->live_cap) {
+    moe_status s = live_grow(ctx);
+    if (s) return s;
+  }
+  size_t i = hash_ptr(ptr, ctx->live_cap);
+  while (ctx->live[i].ptr) i = (i + 1) & (ctx->live_cap - 1);
+  ctx->live[i].ptr = ptr;
+  ctx->live[i].cls = cls;
+  ctx->live_count++;
+  return MOE_OK;
+}
+
+/* Removes ptr; its class, or -1 when ptr is not a live block of this pool. */
+static int live_remove(gpu_ctx *ctx, void *ptr) {
+  if (!ctx->live_cap) return -1;
+  size_t i = hash_ptr(ptr, ctx->live_cap);
+  while (ctx->live[i].ptr && ctx->live[i].ptr != ptr) i = (i + 1) & (ctx->live_cap - 1);
+  if (!ctx->live[i].ptr) return -1;
+  int cls = ctx->live[i].cls;
+  ctx->live[i].ptr = NULL;
+  ctx->live_count--;
+  /* re-seat the rest of the cluster (linear probing deletion) */
+  for (size_t j = (i + 1) & (ctx->live_cap - 1); ctx->live[j].ptr; j = (j + 1) & (ctx->live_cap - 1)) {
+    live_slot s = ctx->live[j];
+    ctx->live[j].ptr = NULL;
+    ctx->live_count--;
+    live_insert(ctx, s.ptr, s.cls);
+  }
+  return cls;
+}
+
+/* Returns every cached (free) block to the device. */
+static void pool_trim(gpu_ctx *ctx) {
+  hipStreamSynchronize(ctx->stream);
+  for (int c = 0; c < POOL_CLASSES; c++) {
+    while (ctx->free_list[c]) {
+      pool_node *n = ctx->free_list[c];
+      ctx->free_list[c] = n->next;
+      hipFree(n->ptr);
+      free(n);
+    }
+  }
+}
+
+static moe_status gpu_alloc(moe_backend *b, size_t nbytes, void **out) {
+  gpu_ctx *ctx = b->context;
+  size_t sz;
+  int cls = size_class(nbytes, &sz);
+  if (cls < 0 || cls >= POOL_CLASSES) return MOE_EOVERFLOW;
+  void *p = NULL;
+  if (ctx->free_list[cls]) {
+    pool_node *n = ctx->free_list[cls];
+    ctx->free_list[cls] = n->next;
+    p = n->ptr;
+    free(n);
+  } else {
+    if (hipSetDevice(ctx->device) != hipSuccess) return MOE_EDEVICE;
+    if (hipMalloc(&p, sz) != hipSuccess) {
+      hipGetLastError();
+      pool_trim(ctx);
+      if (hipMalloc(&p, sz) != hipSuccess) {
+        hipGetLastError();
+        return MOE_ENOMEM;
+      }
+    }
+    ctx->pool_bytes += sz;
+  }
+  if (live_insert(ctx, p, cls) != MOE_OK) {
+    hipFree(p);
+    return MOE_ENOMEM;
+  }
+  *out = p;
+  return MOE_OK;
+}
+
+static void gpu_free(moe_backend *b, void *ptr) {
+  gpu_ctx *ctx = b->context;
+  if (!ptr) return;
+  int cls = live_remove(ctx, ptr);
+  if (cls < 0) return; /* not ours */
+  pool_node *n = malloc(sizeof *n);
+  if (!n) { /* cannot cache it: give it back */
+    hipStreamSynchronize(ctx->stream);
+    hipFree(ptr);
+    return;
+  }
+  n->ptr = ptr;
+  n->next = ctx->free_list[cls];
+  ctx->free_list[cls] = n;
+}
+
+void *moe_gpu_workspace(moe_backend *b, size_t bytes) {
+  gpu_ctx *ctx = b->context;
+  if (bytes <= ctx->ws_size && ctx->ws) return ctx->ws;
+  void *p;
+  if (gpu_alloc(b, bytes, &p) != MOE_OK) return NULL;
+  if (ctx->ws) gpu_free(b, ctx->ws); /* stream-ordered reuse: safe */
+  ctx->ws = p;
+  ctx->ws_size = bytes;
+  return p;
+}
+
+hipStream_t moe_gpu_stream(moe_backend *b) { return ((gpu_ctx *)b->context)->stream; }
+int moe_gpu_sm_count(const moe_backend *b) { return ((const gpu_ctx *)b->context)->sm_count; }
+
+moe_status moe_gpu_enter(moe_backend *b, moe_error *err) {
+  return moe_gpu_check(hipSetDevice(((gpu_ctx *)b->context)->device), "hipSetDevice", err);
+}
+
+/* ---- copies through pinned staging ----------------------------------------
+ * Pageable host memory cannot be copied asynchronously; two pinned chunks
+ * alternate so that the host memcpy of one overlaps the DMA of the other. */
+
+static moe_status gpu_copy_in(moe_backend *b, void *dst, const void *src, size_t n) {
+  gpu_ctx *ctx = b->context;
+  for (size_t off = 0, k = 0; off < n; off += STAGE_CHUNK, k++) {
+    int i = (int)(k & 1);
+    size_t len = n - off < STAGE_CHUNK ? n - off : STAGE_CHUNK;
+    if (hipEventSynchronize(ctx->stage_done[i]) != hipSuccess) return MOE_EDEVICE;
+    memcpy(ctx->stage[i], (const char *)src + off, len);
+    if (hipMemcpyAsync((char *)dst + off, ctx->stage[i], len, hipMemcpyHostToDevice, ctx->stream) != hipSuccess)
+      return MOE_EDEVICE;
+    if (hipEventRecord(ctx->stage_done[i], ctx->stream) != hipSuccess) return MOE_EDEVICE;
+  }
+  return MOE_OK;
+}
+
+/* Completes before returning: dst is filled. */
+static moe_status gpu_copy_out(moe_backend *b, void *dst, const void *src, size_t n) {
+  gpu_ctx *ctx = b->context;
+  size_t prev_off = 0, prev_len = 0;
+  int prev = -1;
+  for (size_t off = 0, k = 0; off < n; off += STAGE_CHUNK, k++) {
+    int i = (int)(k & 1);
+    size_t len = n - off < STAGE_CHUNK ? n - off : STAGE_CHUNK;
+    if (hipEventSynchronize(ctx->stage_done[i]) != hipSuccess) return MOE_EDEVICE;
+    if (hipMemcpyAsync(ctx->stage[i], (const char *)src + off, len, hipMemcpyDeviceToHost, ctx->stream) !=
+        hipSuccess)
+      return MOE_EDEVICE;
+    if (hipEventRecord(ctx->stage_done[i], ctx->stream) != hipSuccess) return MOE_EDEVICE;
+    if (prev >= 0) {
+      if (hipEventSynchronize(ctx->stage_done[prev]) != hipSuccess) return MOE_EDEVICE;
+      memcpy((char *)dst + prev_off, ctx->stage[prev], prev_len);
+    }
+    prev = i;
+    prev_off = off;
+    prev_len = len;
+  }
+  if (prev >= 0) {
+    if (hipEventSynchronize(ctx->stage_done[prev]) != hipSuccess) return MOE_EDEVICE;
+    memcpy((char *)dst + prev_off, ctx->stage[prev], prev_len);
+  }
+  return MOE_OK;
+}
+
+static moe_status gpu_sync(moe_backend *b) {
+  gpu_ctx *ctx = b->context;
+  return hipStreamSynchronize(ctx->stream) == hipSuccess ? MOE_OK : MOE_EDEVICE;
+}
+
+static moe_status gpu_run(moe_backend *b, moe_call *c, moe_error *err) {
+  if (!c->op->gpu)
+    return moe_fail(err, MOE_EUNSUPPORTED, "%s: no GPU kernel in this build", c->op->info.name);
+  moe_status s = moe_gpu_enter(b, err);
+  if (s) return s;
+  return c->op->gpu(b, c, err);
+}
+
+static void gpu_destroy(moe_backend *b) {
+  gpu_ctx *ctx = b->context;
+  if (!ctx) return;
+  hipSetDevice(ctx->device);
+  if (ctx->stream) hipStreamSynchronize(ctx->stream);
+  for (size_t i = 0; i < ctx->live_cap; i++)
+    if (ctx->live[i].ptr) hipFree(ctx->live[i].ptr);
+  free(ctx->live);
+  pool_trim(ctx);
+  for (int i = 0; i < 2; i++) {
+    if (ctx->stage[i]) hipHostFree(ctx->stage[i]);
+    if (ctx->stage_done[i]) hipEventDestroy(ctx->stage_done[i]);
+  }
+  if (ctx->stream) hipStreamDestroy(ctx->stream);
+  free(ctx);
+  b->context = NULL;
+}
+
+static const struct moe_backend_i gpu_iface = {
+    .alloc = gpu_alloc,
+    .free = gpu_free,
+    .copy_in = gpu_copy_in,
+    .copy_out = gpu_copy_out,
+    .synchronize = gpu_sync,
+    .run = gpu_run,
+    .destroy = gpu_destroy,
+};
+
+int moe_backend_gpu_count(const char **why) {
+  int n = 0;
+  hipError_t e = hipGetDeviceCount(&n);
+  if (e != hipSuccess || n <= 0) {
+    hipGetLastError();
+    if (why) *why = "no GPU (" MOE_VENDOR " runtime finds no device)";
+    return 0;
+  }
+  if (why) *why = "GPU backend (" MOE_VENDOR ")";
+  return n;
+}
+
+moe_status moe_backend_gpu_create(int device, moe_backend **out, moe_error *err) {
+  int n = moe_backend_gpu_count(NULL);
+  if (device < 0 || device >= n)
+    return moe_fail(err, MOE_EINVAL, "gpu %d: no such device (%d present)", device, n);
+  moe_backend *b = calloc(1, sizeof *b);
+  gpu_ctx *ctx = calloc(1, sizeof *ctx);
+  moe_status s = MOE_OK;
+  if (!b || !ctx) {
+    free(b);
+    free(ctx);
+    return moe_fail(err, MOE_ENOMEM, "out of memory");
+  }
+  ctx->device = device;
+  b->iface = &gpu_iface;
+  b->kind = MOE_BACKEND_GPU;
+  b->device = device;
+  b->context = ctx;
+  hipDeviceProp_t prop;
+  if ((s = moe_gpu_check(hipSetDevice(device), "hipSetDevice", err))) goto fail;
+  if ((s = moe_gpu_check(hipGetDeviceProperties(&prop, device), "hipGetDeviceProperties", err))) goto fail;
+  ctx->sm_count = prop.multiProcessorCount > 0 ? prop.multiProcessorCount : 1;
+  snprintf(b->name, sizeof b->name, "gpu%d: %.48s", device, prop.name);
+  if ((s = moe_gpu_check(hipStreamCreateWithFlags(&ctx->stream, hipStreamNonBlocking), "stream", err))) goto fail;
+  for (int i = 0; i < 2; i++) {
+    if ((s = moe_gpu_check(hipHostMalloc(&ctx->stage[i], STAGE_CHUNK, hipHostMallocDefault), "pinned staging",
+                           err)))
+      goto fail;
+    if ((s = moe_gpu_check(hipEventCreateWithFlags(&ctx->stage_done[i], hipEventDisableTiming), "event", err)))
+      goto fail;
+    /* recorded once so that the first wait on it returns at once */
+    if ((s = moe_gpu_check(hipEventRecord(ctx->stage_done[i], ctx->stream), "event", err))) goto fail;
+  }
+  *out = b;
+  return MOE_OK;
+fail:
+  moe_backend_destroy(b);
+  return s;
+}

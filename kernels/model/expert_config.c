@@ -1,0 +1,356 @@
+/* An expert set's config.json: defaults, parsing, validation, serializing,
+ * and the name tables of the set's enums and tensor slots
+ * (docs/expert-set.md lists the keys). */
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "moe/expert_set.h"
+
+const char *const moe_scheme_names[] = {"bf16", "fp16", "wna16", NULL};
+const char *const moe_activation_names[] = {"silu", "gelu", "swiglu_oai", NULL};
+const char *const moe_scoring_names[] = {"softmax", "sigmoid", NULL};
+const char *const moe_expert_tensor_names[] = {
+    "w13",        "w2",        "w13_qweight", "w13_scales",      "w13_qzeros",
+    "w2_qweight", "w2_scales", "w2_qzeros",   "correction_bias", NULL};
+
+/* Sizes and expert counts beyond this are corruption, not a model; the cap
+ * also keeps products such as 2 * I far from int64 overflow. */
+#define CFG_MAX_DIM ((int64_t)INT32_MAX)
+/* JSON numbers are doubles: integers beyond 2^53 are not exact. */
+#define CFG_MAX_JSON_INT 9007199254740992.0
+
+/* ---- defaults and validation ------------------------------------------------- */
+
+void moe_expert_config_defaults(moe_expert_config *cfg) {
+  memset(cfg, 0, sizeof *cfg);
+  cfg->scheme = MOE_SCHEME_BF16;
+  cfg->activation = MOE_ACT_SILU;
+  cfg->bits = 0; /* no quantized weights: bf16/fp16 */
+  cfg->group_size = -1;
+  cfg->has_zero_points = false;
+  cfg->expert_offset = 0;
+  cfg->routing.top_k = 1;
+  cfg->routing.scoring = MOE_SCORING_SOFTMAX;
+  cfg->routing.renormalize = false;
+  cfg->routing.num_expert_group = 1;
+  cfg->routing.topk_group = 1;
+  cfg->routing.routed_scaling_factor = 1.0;
+}
+
+static moe_status check_dim(const char *key, int64_t v, moe_error *err) {
+  if (v < 1 || v > CFG_MAX_DIM)
+    return moe_fail(err, MOE_EINVAL, "%s: must be in [1, %lld], got %lld", key, (long long)CFG_MAX_DIM,
+                    (long long)v);
+  return MOE_OK;
+}
+
+static moe_status check_quant(const moe_expert_config *c, moe_error *err) {
+  if (c->scheme != MOE_SCHEME_WNA16) {
+    /* a quantization key on a 16-bit set is a mistake, not a no-op */
+    if (c->bits != 0)
+      return moe_fail(err, MOE_EINVAL, "bits: only scheme wna16 has quantized weights (scheme is %s)",
+                      moe_scheme_names[c->scheme]);
+    if (c->group_size != -1)
+      return moe_fail(err, MOE_EINVAL, "group_size: only scheme wna16 has groups (scheme is %s)",
+                      moe_scheme_names[c->scheme]);
+    if (c->has_zero_points)
+      return moe_fail(err, MOE_EINVAL, "has_zero_points: only scheme wna16 has zero points (scheme is %s)",
+                      moe_scheme_names[c->scheme]);
+    return MOE_OK;
+  }
+  if (c->bits != 4 && c->bits != 8)
+    return moe_fail(err, MOE_EINVAL, "bits: must be 4 or 8 for scheme wna16, got %d", c->bits);
+  int64_t g = c->group_size;
+  if (g != -1 && (g < 1 || c->hidden_size % g != 0 || c->intermediate_size % g != 0))
+    return moe_fail(
+        err, MOE_EINVAL,
+        "group_size: must be -1 or a positive divisor of hidden_size (%lld) and intermediate_size "
+        "(%lld), got %lld",
+        (long long)c->hidden_size, (long long)c->intermediate_size, (long long)g);
+  /* int4 codes are packed two per byte along K, zero points along N */
+  if (c->bits == 4 && c->hidden_size % 2 != 0)
+    return moe_fail(err, MOE_EINVAL, "hidden_size: must be even for 4-bit weights, got %lld",
+                    (long long)c->hidden_size);
+  if (c->bits == 4 && c->intermediate_size % 2 != 0)
+    return moe_fail(err, MOE_EINVAL, "intermediate_size: must be even for 4-bit weights, got %lld",
+                    (long long)c->intermediate_size);
+  return MOE_OK;
+}
+
+static moe_status check_routing(const moe_expert_config *c, moe_error *err) {
+  const moe_routing *r = &c->routing;
+  int64_t e = c->global_num_experts;
+  if ((unsigned)r->scoring >= MOE_SCORING_COUNT)
+    return moe_fail(err, MOE_EINVAL, "scoring: value %d out of range", (int)r->scoring);
+  if (r->top_k < 1 || r->top_k > e)
+    return moe_fail(err, MOE_EINVAL, "top_k: must be in [1, global_num_experts = %lld], got %lld",
+                    (long long)e, (long long)r->top_k);
+  if (r->num_expert_group < 0 || r->num_expert_group > e)
+    return moe_fail(err, MOE_EINVAL, "num_expert_group: must be in [0, global_num_experts = %lld], got %lld",
+                    (long long)e, (long long)r->num_expert_group);
+  if (r->topk_group < 0)
+    return moe_fail(err, MOE_EINVAL, "topk_group: must be >= 0, got %lld", (long long)r->topk_group);
+  if (r->num_expert_group > 1) { /* grouped routing (NUMERICS.md "moe.topk") */
+    int64_t groups = r->num_expert_group;
+    if (e % groups != 0)
+      return moe_fail(err, MOE_EINVAL, "num_expert_group: %lld does not divide global_num_experts (%lld)",
+                      (long long)groups, (long long)e);
+    if (r->topk_group < 1 || r->topk_group > groups)
+      return moe_fail(err, MOE_EINVAL, "topk_group: must be in [1, num_expert_group = %lld], got %lld",
+                      (long long)groups, (long long)r->topk_group);
+    if (r->top_k > r->topk_group * (e / groups))
+      return moe_fail(err, MOE_EINVAL, "top_k: %lld exceeds the %lld experts in the topk_group best groups",
+                      (long long)r->top_k, (long long)(r->topk_group * (e / groups)));
+  }
+  if (!isfinite(r->routed_scaling_factor) || !(r->routed_scaling_factor > 0.0))
+    return moe_fail(err, MOE_EINVAL, "routed_scaling_factor: must be finite and > 0, got %g",
+                    r->routed_scaling_factor);
+  return MOE_OK;
+}
+
+moe_status moe_expert_config_validate(const moe_expert_config *c, moe_error *err) {
+  if (!c) return moe_fail(err, MOE_EINVAL, "config: missing");
+  if ((unsigned)c->scheme >= MOE_SCHEME_COUNT)
+    return moe_fail(err, MOE_EINVAL, "scheme: value %d out of range", (int)c->scheme);
+  if ((unsigned)c->activation >= MOE_ACT_COUNT)
+    return moe_fail(err, MOE_EINVAL, "activation: value %d out of range", (int)c->activation);
+  moe_status s;
+  if ((s = check_dim("num_experts", c->num_experts, err))) return s;
+  if ((s = check_dim("global_num_experts", c->global_num_experts, err))) return s;
+  if ((s = check_dim("hidden_size", c->hidden_size, err))) return s;
+  if ((s = check_dim("intermediate_size", c->intermediate_size, err))) return s;
+  if (c->expert_offset < 0 || c->expert_offset > CFG_MAX_DIM)
+    return moe_fail(err, MOE_EINVAL, "expert_offset: must be in [0, %lld], got %lld", (long long)CFG_MAX_DIM,
+                    (long long)c->expert_offset);
+  if (c->expert_offset + c->num_experts > c->global_num_experts) /* both capped: no overflow */
+    return moe_fail(err, MOE_EINVAL,
+                    "global_num_experts: %lld is less than expert_offset + num_experts = %lld + %lld",
+                    (long long)c->global_num_experts, (long long)c->expert_offset, (long long)c->num_experts);
+  if ((s = check_quant(c, err))) return s;
+  return check_routing(c, err);
+}
+
+/* ---- parsing ------------------------------------------------------------------------ */
+
+enum cfg_key {
+  K_SCHEME,
+  K_NUM_EXPERTS,
+  K_GLOBAL_NUM_EXPERTS,
+  K_EXPERT_OFFSET,
+  K_HIDDEN_SIZE,
+  K_INTERMEDIATE_SIZE,
+  K_ACTIVATION,
+  K_BITS,
+  K_GROUP_SIZE,
+  K_HAS_ZERO_POINTS,
+  K_TOP_K,
+  K_SCORING,
+  K_RENORMALIZE,
+  K_NUM_EXPERT_GROUP,
+  K_TOPK_GROUP,
+  K_ROUTED_SCALING_FACTOR,
+  K_COUNT
+};
+
+static const char *const cfg_keys[K_COUNT] = {
+    [K_SCHEME] = "scheme",
+    [K_NUM_EXPERTS] = "num_experts",
+    [K_GLOBAL_NUM_EXPERTS] = "global_num_experts",
+    [K_EXPERT_OFFSET] = "expert_offset",
+    [K_HIDDEN_SIZE] = "hidden_size",
+    [K_INTERMEDIATE_SIZE] = "intermediate_size",
+    [K_ACTIVATION] = "activation",
+    [K_BITS] = "bits",
+    [K_GROUP_SIZE] = "group_size",
+    [K_HAS_ZERO_POINTS] = "has_zero_points",
+    [K_TOP_K] = "top_k",
+    [K_SCORING] = "scoring",
+    [K_RENORMALIZE] = "renormalize",
+    [K_NUM_EXPERT_GROUP] = "num_expert_group",
+    [K_TOPK_GROUP] = "topk_group",
+    [K_ROUTED_SCALING_FACTOR] = "routed_scaling_factor",
+};
+
+static moe_status json_int(const cJSON *v, const char *key, int64_t *out, moe_error *err) {
+  double d = cJSON_IsNumber(v) ? v->valuedouble : NAN;
+  /* range first: converting NaN or a huge double to int64 is undefined */
+  if (!(d >= -CFG_MAX_JSON_INT && d <= CFG_MAX_JSON_INT) || (double)(int64_t)d != d)
+    return moe_fail(err, MOE_EINVAL, "%s: must be an integer", key);
+  *out = (int64_t)d;
+  return MOE_OK;
+}
+
+static moe_status json_bool(const cJSON *v, const char *key, bool *out, moe_error *err) {
+  if (!cJSON_IsBool(v)) return moe_fail(err, MOE_EINVAL, "%s: must be true or false", key);
+  *out = cJSON_IsTrue(v);
+  return MOE_OK;
+}
+
+static moe_status json_double(const cJSON *v, const char *key, double *out, moe_error *err) {
+  if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble))
+    return moe_fail(err, MOE_EINVAL, "%s: must be a finite number", key);
+  *out = v->valuedouble;
+  return MOE_OK;
+}
+
+static moe_status json_choice(const cJSON *v, const char *key, const char *const *names, int *out,
+                              moe_error *err) {
+  if (cJSON_IsString(v) && v->valuestring)
+    for (int i = 0; names[i]; i++)
+      if (strcmp(names[i], v->valuestring) == 0) {
+        *out = i;
+        return MOE_OK;
+      }
+  char list[128] = "";
+  size_t used = 0;
+  for (int i = 0; names[i] && used < sizeof list; i++)
+    used += (size_t)snprintf(list + used, sizeof list - used, "%s%s", i ? ", " : "", names[i]);
+  return moe_fail(err, MOE_EINVAL, "%s: must be one of %s", key, list);
+}
+
+/* Stores one key's value into cfg. */
+static moe_status parse_key(enum cfg_key k, const cJSON *v, moe_expert_config *cfg, moe_error *err) {
+  const char *key = cfg_keys[k];
+  moe_routing *r = &cfg->routing;
+  moe_status s = MOE_OK;
+  int choice = 0;
+  int64_t i64 = 0;
+  switch (k) {
+  case K_SCHEME:
+    if (!(s = json_choice(v, key, moe_scheme_names, &choice, err))) cfg->scheme = (moe_scheme)choice;
+    break;
+  case K_ACTIVATION:
+    if (!(s = json_choice(v, key, moe_activation_names, &choice, err)))
+      cfg->activation = (moe_activation)choice;
+    break;
+  case K_SCORING:
+    if (!(s = json_choice(v, key, moe_scoring_names, &choice, err))) r->scoring = (moe_scoring)choice;
+    break;
+  case K_NUM_EXPERTS: s = json_int(v, key, &cfg->num_experts, err); break;
+  case K_GLOBAL_NUM_EXPERTS: s = json_int(v, key, &cfg->global_num_experts, err); break;
+  case K_EXPERT_OFFSET: s = json_int(v, key, &cfg->expert_offset, err); break;
+  case K_HIDDEN_SIZE: s = json_int(v, key, &cfg->hidden_size, err); break;
+  case K_INTERMEDIATE_SIZE: s = json_int(v, key, &cfg->intermediate_size, err); break;
+  case K_BITS:
+    if (!(s = json_int(v, key, &i64, err))) {
+      if (i64 != 4 && i64 != 8)
+        return moe_fail(err, MOE_EINVAL, "bits: must be 4 or 8, got %lld", (long long)i64);
+      cfg->bits = (int)i64;
+    }
+    break;
+  case K_GROUP_SIZE: s = json_int(v, key, &cfg->group_size, err); break;
+  case K_HAS_ZERO_POINTS: s = json_bool(v, key, &cfg->has_zero_points, err); break;
+  case K_TOP_K: s = json_int(v, key, &r->top_k, err); break;
+  case K_RENORMALIZE: s = json_bool(v, key, &r->renormalize, err); break;
+  case K_NUM_EXPERT_GROUP: s = json_int(v, key, &r->num_expert_group, err); break;
+  case K_TOPK_GROUP: s = json_int(v, key, &r->topk_group, err); break;
+  case K_ROUTED_SCALING_FACTOR: s = json_double(v, key, &r->routed_scaling_factor, err); break;
+  case K_COUNT: break;
+  }
+  return s;
+}
+
+moe_status moe_expert_config_parse(const char *json, moe_expert_config *cfg, moe_error *err) {
+  moe_status s = MOE_OK;
+  cJSON *root = NULL;
+  moe_expert_config c;
+  bool seen[K_COUNT] = {false};
+  moe_expert_config_defaults(&c);
+  if (!json) return moe_fail(err, MOE_EINVAL, "config: no text");
+  const char *end = NULL;
+  root = cJSON_ParseWithOpts(json, &end, 0);
+  if (!root) {
+    s = moe_fail(err, MOE_EINVAL, "config: not valid JSON (at byte %td)", end ? end - json : 0);
+    goto fail;
+  }
+  while (*end == ' ' || *end == '\t' || *end == '\n' || *end == '\r')
+    end++;
+  if (*end) {
+    s = moe_fail(err, MOE_EINVAL, "config: trailing text after the JSON object (at byte %td)", end - json);
+    goto fail;
+  }
+  if (!cJSON_IsObject(root)) {
+    s = moe_fail(err, MOE_EINVAL, "config: not a JSON object");
+    goto fail;
+  }
+  for (const cJSON *it = root->child; it; it = it->next) {
+    int k = 0;
+    while (k < K_COUNT && strcmp(cfg_keys[k], it->string) != 0)
+      k++;
+    if (k == K_COUNT) { /* a typo must not silently fall back to a default */
+      s = moe_fail(err, MOE_EINVAL, "%s: unknown key in an expert-set config", it->string);
+      goto fail;
+    }
+    if (seen[k]) {
+      s = moe_fail(err, MOE_EINVAL, "%s: key given twice", it->string);
+      goto fail;
+    }
+    seen[k] = true;
+    s = parse_key((enum cfg_key)k, it, &c, err);
+    if (s) goto fail;
+  }
+  static const enum cfg_key required[] = {K_NUM_EXPERTS, K_HIDDEN_SIZE, K_INTERMEDIATE_SIZE};
+  for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
+    if (!seen[required[i]]) {
+      s = moe_fail(err, MOE_EINVAL, "%s: required key missing", cfg_keys[required[i]]);
+      goto fail;
+    }
+  if (!seen[K_GLOBAL_NUM_EXPERTS]) c.global_num_experts = c.num_experts; /* an unsharded set */
+  s = moe_expert_config_validate(&c, err);
+  if (s) goto fail;
+  *cfg = c;
+fail:
+  cJSON_Delete(root);
+  return s;
+}
+
+/* ---- serializing -------------------------------------------------------------------- */
+
+/* snprintf semantics: the length the JSON needs, written when it fits. */
+static int format_config(char *buf, size_t cap, const moe_expert_config *c) {
+  const moe_routing *r = &c->routing;
+  char quant[160] = "";
+  if (c->scheme == MOE_SCHEME_WNA16)
+    snprintf(quant, sizeof quant, "  \"bits\": %d,\n  \"group_size\": %lld,\n  \"has_zero_points\": %s,\n",
+             c->bits, (long long)c->group_size, c->has_zero_points ? "true" : "false");
+  /* %.17g: the double reads back exactly */
+  return snprintf(buf, cap,
+                  "{\n"
+                  "  \"scheme\": \"%s\",\n"
+                  "  \"num_experts\": %lld,\n"
+                  "  \"global_num_experts\": %lld,\n"
+                  "  \"expert_offset\": %lld,\n"
+                  "  \"hidden_size\": %lld,\n"
+                  "  \"intermediate_size\": %lld,\n"
+                  "  \"activation\": \"%s\",\n"
+                  "%s"
+                  "  \"top_k\": %lld,\n"
+                  "  \"scoring\": \"%s\",\n"
+                  "  \"renormalize\": %s,\n"
+                  "  \"num_expert_group\": %lld,\n"
+                  "  \"topk_group\": %lld,\n"
+                  "  \"routed_scaling_factor\": %.17g\n"
+                  "}\n",
+                  moe_scheme_names[c->scheme], (long long)c->num_experts, (long long)c->global_num_experts,
+                  (long long)c->expert_offset, (long long)c->hidden_size, (long long)c->intermediate_size,
+                  moe_activation_names[c->activation], quant, (long long)r->top_k,
+                  moe_scoring_names[r->scoring], r->renormalize ? "true" : "false",
+                  (long long)r->num_expert_group, (long long)r->topk_group, r->routed_scaling_factor);
+}
+
+char *moe_expert_config_to_json(const moe_expert_config *cfg) {
+  if (!cfg || (unsigned)cfg->scheme >= MOE_SCHEME_COUNT || (unsigned)cfg->activation >= MOE_ACT_COUNT ||
+      (unsigned)cfg->routing.scoring >= MOE_SCORING_COUNT)
+    return NULL;
+  /* every field is bounded (ints of 20 digits, %.17g, short names): the
+   * text always fits, the check only guards the reasoning */
+  char buf[1024];
+  int n = format_config(buf, sizeof buf, cfg);
+  if (n < 0 || (size_t)n >= sizeof buf) return NULL;
+  return strdup(buf);
+}

@@ -1,0 +1,160 @@
+/* config: command-line flags (getopt_long), with MOED_* environment
+ * variables as defaults for the ones Kubernetes users set. Flags win. */
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "moed.h"
+
+static const char usage[] =
+    "usage: moed [options]\n"
+    "  --address ADDR            bind address (MOED_ADDRESS, default 0.0.0.0)\n"
+    "  --grpc-port N             gRPC port (MOED_GRPC_PORT, default 8001; 0 = any free)\n"
+    "  --http-port N             metrics/health HTTP port (MOED_HTTP_PORT, default 8002; -1 = off)\n"
+    "  --model-repository DIR    expert sets, one per subdirectory (MOED_MODEL_REPOSITORY)\n"
+    "  --workers N               device workers on the CPU backend (MOED_WORKERS, default 2)\n"
+    "  --threads-per-worker N    CPU threads per worker (MOED_THREADS_PER_WORKER, 0 = cores/workers)\n"
+    "  --max-message-bytes N     gRPC send/receive limit (MOED_MAX_MESSAGE_BYTES, default 1 GiB)\n"
+    "  --max-tensor-bytes N      per input tensor (default 1 GiB)\n"
+    "  --max-tokens N            rows per request (default 1048576)\n"
+    "  --max-inflight N          admitted requests, beyond: UNAVAILABLE (MOED_MAX_INFLIGHT, default 1024)\n"
+    "  --max-queue-size N        queued jobs per device queue (default 1024)\n"
+    "  --request-slots N         armed accepts per method (default 16)\n"
+    "  --drain-timeout SECONDS   SIGTERM: wait for in-flight work (MOED_DRAIN_TIMEOUT, default 30)\n"
+    "  --cache-bytes N           inline-weight device cache (default 1 GiB)\n"
+    "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
+    "  --log-json                JSON log lines (MOED_LOG_JSON=1)\n"
+    "  --port-file PATH          write \"GRPC_PORT HTTP_PORT\" once listening (tests)\n"
+    "  --help                    this text\n";
+
+enum {
+  OPT_ADDRESS = 256, OPT_GRPC_PORT, OPT_HTTP_PORT, OPT_REPO, OPT_WORKERS, OPT_TPW, OPT_MAX_MSG, OPT_MAX_TENSOR,
+  OPT_MAX_TOKENS, OPT_MAX_INFLIGHT, OPT_MAX_QUEUE, OPT_SLOTS, OPT_DRAIN, OPT_CACHE, OPT_LOG_LEVEL, OPT_LOG_JSON,
+  OPT_PORT_FILE, OPT_HELP,
+};
+
+static const struct option options[] = {
+    {"address", required_argument, NULL, OPT_ADDRESS},
+    {"grpc-port", required_argument, NULL, OPT_GRPC_PORT},
+    {"http-port", required_argument, NULL, OPT_HTTP_PORT},
+    {"model-repository", required_argument, NULL, OPT_REPO},
+    {"workers", required_argument, NULL, OPT_WORKERS},
+    {"threads-per-worker", required_argument, NULL, OPT_TPW},
+    {"max-message-bytes", required_argument, NULL, OPT_MAX_MSG},
+    {"max-tensor-bytes", required_argument, NULL, OPT_MAX_TENSOR},
+    {"max-tokens", required_argument, NULL, OPT_MAX_TOKENS},
+    {"max-inflight", required_argument, NULL, OPT_MAX_INFLIGHT},
+    {"max-queue-size", required_argument, NULL, OPT_MAX_QUEUE},
+    {"request-slots", required_argument, NULL, OPT_SLOTS},
+    {"drain-timeout", required_argument, NULL, OPT_DRAIN},
+    {"cache-bytes", required_argument, NULL, OPT_CACHE},
+    {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
+    {"log-json", no_argument, NULL, OPT_LOG_JSON},
+    {"port-file", required_argument, NULL, OPT_PORT_FILE},
+    {"help", no_argument, NULL, OPT_HELP},
+    {NULL, 0, NULL, 0},
+};
+
+static bool parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
+  char *end;
+  errno = 0;
+  long long v = strtoll(s, &end, 10);
+  if (errno || end == s || *end || v < lo || v > hi) return false;
+  *out = v;
+  return true;
+}
+
+static bool parse_level(const char *s, int *out) {
+  static const char *const names[] = {"error", "warn", "info", "debug"};
+  for (int i = 0; i < 4; i++)
+    if (strcmp(s, names[i]) == 0) {
+      *out = i;
+      return true;
+    }
+  return false;
+}
+
+/* Applies one option's value; false with a message when it does not parse. */
+static bool apply(moed_config *c, int opt, const char *v, const char *src) {
+  int64_t n = 0;
+  bool ok = true;
+  switch (opt) {
+  case OPT_ADDRESS: c->address = v; break;
+  case OPT_GRPC_PORT: ok = parse_i64(v, 0, 65535, &n) && (c->grpc_port = (int)n, true); break;
+  case OPT_HTTP_PORT: ok = parse_i64(v, -1, 65535, &n) && (c->http_port = (int)n, true); break;
+  case OPT_REPO: c->model_repository = v; break;
+  case OPT_WORKERS: ok = parse_i64(v, 1, 1024, &n) && (c->workers = (int)n, true); break;
+  case OPT_TPW: ok = parse_i64(v, 0, 4096, &n) && (c->threads_per_worker = (int)n, true); break;
+  case OPT_MAX_MSG: ok = parse_i64(v, 1024, INT32_MAX, &n) && (c->max_message_bytes = (size_t)n, true); break;
+  case OPT_MAX_TENSOR: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_tensor_bytes = (size_t)n, true); break;
+  case OPT_MAX_TOKENS: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_tokens = n, true); break;
+  case OPT_MAX_INFLIGHT: ok = parse_i64(v, 1, 1 << 24, &n) && (c->max_inflight = (int)n, true); break;
+  case OPT_MAX_QUEUE: ok = parse_i64(v, 1, 1 << 24, &n) && (c->max_queue_size = (int)n, true); break;
+  case OPT_SLOTS: ok = parse_i64(v, 1, 4096, &n) && (c->request_slots = (int)n, true); break;
+  case OPT_DRAIN: {
+    char *end;
+    double d = strtod(v, &end);
+    ok = end != v && !*end && d >= 0 && d < 86400;
+    if (ok) c->drain_timeout_s = d;
+    break;
+  }
+  case OPT_CACHE: ok = parse_i64(v, 0, INT64_MAX, &n) && (c->cache_bytes = (size_t)n, true); break;
+  case OPT_LOG_LEVEL: ok = parse_level(v, &c->log_level); break;
+  case OPT_LOG_JSON: c->log_json = !v || strcmp(v, "0") != 0; break;
+  case OPT_PORT_FILE: c->port_file = v; break;
+  }
+  if (!ok) fprintf(stderr, "moed: bad value '%s' for %s\n", v, src);
+  return ok;
+}
+
+static const struct { const char *env; int opt; } env_map[] = {
+    {"MOED_ADDRESS", OPT_ADDRESS},         {"MOED_GRPC_PORT", OPT_GRPC_PORT},
+    {"MOED_HTTP_PORT", OPT_HTTP_PORT},     {"MOED_MODEL_REPOSITORY", OPT_REPO},
+    {"MOED_WORKERS", OPT_WORKERS},         {"MOED_THREADS_PER_WORKER", OPT_TPW},
+    {"MOED_MAX_MESSAGE_BYTES", OPT_MAX_MSG}, {"MOED_MAX_INFLIGHT", OPT_MAX_INFLIGHT},
+    {"MOED_DRAIN_TIMEOUT", OPT_DRAIN},     {"MOED_LOG_LEVEL", OPT_LOG_LEVEL},
+    {"MOED_LOG_JSON", OPT_LOG_JSON},
+};
+
+int moed_config_parse(moed_config *c, int argc, char **argv) {
+  *c = (moed_config){
+      .address = "0.0.0.0",
+      .grpc_port = 8001,
+      .http_port = 8002,
+      .workers = 2,
+      .max_message_bytes = (size_t)1 << 30,
+      .max_tensor_bytes = (size_t)1 << 30,
+      .max_tokens = 1 << 20,
+      .max_inflight = 1024,
+      .request_slots = 16,
+      .max_queue_size = 1024,
+      .drain_timeout_s = 30,
+      .log_level = MOED_LOG_INFO,
+      .cache_bytes = (size_t)1 << 30,
+  };
+  for (size_t i = 0; i < sizeof env_map / sizeof env_map[0]; i++) {
+    const char *v = getenv(env_map[i].env);
+    if (v && *v && !apply(c, env_map[i].opt, v, env_map[i].env)) return -1;
+  }
+  optind = 1;
+  int opt;
+  while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
+    if (opt == OPT_HELP || opt == 'h') {
+      fputs(usage, stdout);
+      return 1;
+    }
+    if (opt == '?') {
+      fputs(usage, stderr);
+      return -1;
+    }
+    if (!apply(c, opt, optarg, argv[optind - 1])) return -1;
+  }
+  if (optind < argc) {
+    fprintf(stderr, "moed: unexpected argument '%s'\n", argv[optind]);
+    return -1;
+  }
+  return 0;
+}

@@ -1,0 +1,123 @@
+/* devices: the device queues. Each worker thread owns one backend (a CPU
+ * backend now; a GPU backend per device later, through the same interface)
+ * and runs jobs from a bounded queue. Only moed_devices_create knows which
+ * backend kind it builds. */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "moed.h"
+
+typedef struct worker {
+  moed_devices *d;
+  pthread_t thread;
+  moe_backend *backend;
+} worker;
+
+struct moed_devices {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  moed_job *head, *tail;
+  int queued, max_queued;
+  bool stopping;
+  worker *workers;
+  int num_workers;
+};
+
+bool moed_backend_is_host(const moe_backend *b) { return b->kind == MOE_BACKEND_CPU; }
+
+static void *worker_main(void *arg) {
+  worker *w = arg;
+  moed_devices *d = w->d;
+  pthread_mutex_lock(&d->mu);
+  for (;;) {
+    while (!d->head && !d->stopping) pthread_cond_wait(&d->cv, &d->mu);
+    moed_job *job = d->head;
+    if (!job) break; /* stopping and nothing left */
+    d->head = job->next;
+    if (!d->head) d->tail = NULL;
+    d->queued--;
+    pthread_mutex_unlock(&d->mu);
+    job->next = NULL;
+    job->run(job, w->backend);
+    pthread_mutex_lock(&d->mu);
+  }
+  pthread_mutex_unlock(&d->mu);
+  return NULL;
+}
+
+int moed_devices_create(const moed_config *cfg, moed_devices **out) {
+  moed_devices *d = calloc(1, sizeof *d);
+  if (!d) return -1;
+  pthread_mutex_init(&d->mu, NULL);
+  pthread_cond_init(&d->cv, NULL);
+  d->max_queued = cfg->max_queue_size;
+  d->workers = calloc((size_t)cfg->workers, sizeof *d->workers);
+  if (!d->workers) goto fail;
+  int threads = cfg->threads_per_worker;
+  if (threads <= 0) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    threads = (int)(cores / cfg->workers);
+    if (threads < 1) threads = 1;
+  }
+  for (int i = 0; i < cfg->workers; i++) {
+    worker *w = &d->workers[i];
+    moe_error err = {{0}};
+    w->d = d;
+    if (moe_backend_cpu_create(threads, &w->backend, &err) != MOE_OK) {
+      moed_log(MOED_LOG_ERROR, "backend_failed", "worker %d: %s", i, err.msg);
+      goto fail;
+    }
+    if (pthread_create(&w->thread, NULL, worker_main, w) != 0) {
+      moe_backend_destroy(w->backend);
+      w->backend = NULL;
+      goto fail;
+    }
+    d->num_workers++;
+  }
+  moed_log(MOED_LOG_INFO, "devices", "%d workers on %s", d->num_workers, d->workers[0].backend->name);
+  *out = d;
+  return 0;
+fail:
+  moed_devices_destroy(d);
+  return -1;
+}
+
+bool moed_devices_submit(moed_devices *d, moed_job *job) {
+  pthread_mutex_lock(&d->mu);
+  if (d->queued >= d->max_queued || d->stopping) {
+    pthread_mutex_unlock(&d->mu);
+    return false;
+  }
+  job->next = NULL;
+  if (d->tail)
+    d->tail->next = job;
+  else
+    d->head = job;
+  d->tail = job;
+  d->queued++;
+  pthread_cond_signal(&d->cv);
+  pthread_mutex_unlock(&d->mu);
+  return true;
+}
+
+const char *moed_devices_backend_name(moed_devices *d) {
+  return d->num_workers ? d->workers[0].backend->name : "none";
+}
+
+void moed_devices_destroy(moed_devices *d) {
+  if (!d) return;
+  pthread_mutex_lock(&d->mu);
+  d->stopping = true;
+  pthread_cond_broadcast(&d->cv);
+  pthread_mutex_unlock(&d->mu);
+  for (int i = 0; i < d->num_workers; i++) {
+    pthread_join(d->workers[i].thread, NULL);
+    moe_backend_destroy(d->workers[i].backend);
+  }
+  free(d->workers);
+  pthread_cond_destroy(&d->cv);
+  pthread_mutex_destroy(&d->mu);
+  free(d);
+}

@@ -1,0 +1,641 @@
+/* handlers: the protocol. Each request arrives here on the loop thread;
+ * small RPCs are answered at once, inference and repository changes become
+ * jobs on the device queues. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "expert_store.pb-c.h"
+#include "grpc/health/v1/health.pb-c.h"
+#include "grpc_service.pb-c.h"
+#include "moed.h"
+
+/* ---- message helpers ------------------------------------------------------------- */
+
+static grpc_byte_buffer *pack(const ProtobufCMessage *m) {
+  size_t n = protobuf_c_message_get_packed_size(m);
+  uint8_t *buf = malloc(n ? n : 1);
+  if (!buf) return NULL;
+  protobuf_c_message_pack(m, buf);
+  return moed_rpc_buffer_take(buf, n);
+}
+
+static ProtobufCMessage *unpack(const ProtobufCMessageDescriptor *d, grpc_byte_buffer *payload) {
+  grpc_slice s = moed_rpc_flatten(payload);
+  ProtobufCMessage *m = protobuf_c_message_unpack(d, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+  grpc_slice_unref(s);
+  return m;
+}
+
+static void reply(moed_request *req, const ProtobufCMessage *m) {
+  grpc_byte_buffer *bb = pack(m);
+  if (!bb)
+    moed_rpc_finish(req->rpc, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory", NULL);
+  else
+    moed_rpc_finish(req->rpc, GRPC_STATUS_OK, NULL, bb);
+}
+
+static void reply_error(moed_request *req, grpc_status_code code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void reply_error(moed_request *req, grpc_status_code code, const char *fmt, ...) {
+  char msg[600];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  moed_rpc_finish(req->rpc, code, msg, NULL);
+}
+
+static const char *version_ok(const char *v) { return (!v || !*v || strcmp(v, "1") == 0) ? NULL : v; }
+
+/* ---- health and server metadata ------------------------------------------------------ */
+
+static void server_metadata(moed_request *req) {
+  static char *extensions[] = {"model_repository", "statistics", "grpc_health", "moe_expert_store"};
+  Inference__ServerMetadataResponse r = INFERENCE__SERVER_METADATA_RESPONSE__INIT;
+  r.name = "moed";
+  r.version = MOED_VERSION;
+  r.n_extensions = sizeof extensions / sizeof extensions[0];
+  r.extensions = extensions;
+  reply(req, &r.base);
+}
+
+/* Health service names: "" = live, "moed" and the inference service = ready. */
+static int health_status(moed_server *s, const char *service) {
+  if (!service || !*service) return GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
+  if (strcmp(service, "moed") == 0 || strcmp(service, "inference.GRPCInferenceService") == 0)
+    return atomic_load(&s->ready) ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING
+                                  : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING;
+  return -1;
+}
+
+typedef struct moed_watch {
+  struct moed_watch *next;
+  moed_rpc *rpc;
+  char service[128];
+  int last;
+} moed_watch;
+
+static void watch_send(moed_watch *w, int status) {
+  Grpc__Health__V1__HealthCheckResponse r = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+  r.status = (Grpc__Health__V1__HealthCheckResponse__ServingStatus)status;
+  grpc_byte_buffer *bb = pack(&r.base);
+  if (bb) moed_rpc_stream_write(w->rpc, bb);
+  w->last = status;
+}
+
+void moed_health_changed(moed_server *s) {
+  for (moed_watch **pp = &s->watches; *pp;) {
+    moed_watch *w = *pp;
+    if (moed_rpc_cancelled(w->rpc)) { /* the client went away: drop it */
+      *pp = w->next;
+      moed_rpc_finish(w->rpc, GRPC_STATUS_CANCELLED, "cancelled", NULL);
+      free(w);
+      continue;
+    }
+    int st = health_status(s, w->service);
+    if (st < 0) st = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN;
+    if (st != w->last) watch_send(w, st);
+    pp = &w->next;
+  }
+}
+
+void moed_health_close(moed_server *s) {
+  while (s->watches) {
+    moed_watch *w = s->watches;
+    s->watches = w->next;
+    moed_rpc_finish(w->rpc, GRPC_STATUS_UNAVAILABLE, "server shutting down", NULL);
+    free(w);
+  }
+}
+
+static void health(moed_server *s, moed_request *req, bool watch) {
+  Grpc__Health__V1__HealthCheckRequest *in =
+      (Grpc__Health__V1__HealthCheckRequest *)unpack(&grpc__health__v1__health_check_request__descriptor, req->payload);
+  if (!in) {
+    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid HealthCheckRequest message");
+    return;
+  }
+  int st = health_status(s, in->service);
+  if (!watch) {
+    if (st < 0) {
+      reply_error(req, GRPC_STATUS_NOT_FOUND, "service: unknown service '%s'", in->service);
+    } else {
+      Grpc__Health__V1__HealthCheckResponse r = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
+      r.status = (Grpc__Health__V1__HealthCheckResponse__ServingStatus)st;
+      reply(req, &r.base);
+    }
+  } else {
+    moed_watch *w = calloc(1, sizeof *w);
+    if (!w) {
+      reply_error(req, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory");
+    } else { /* the watch keeps the request's reference until it ends */
+      w->rpc = req->rpc;
+      snprintf(w->service, sizeof w->service, "%s", in->service ? in->service : "");
+      watch_send(w, st < 0 ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVICE_UNKNOWN : st);
+      w->next = s->watches;
+      s->watches = w;
+    }
+  }
+  protobuf_c_message_free_unpacked(&in->base, NULL);
+}
+
+/* ---- model metadata and config ------------------------------------------------------------ */
+
+static bool is_weight_input(const char *name) { return strncmp(name, "w13", 3) == 0 || strncmp(name, "w2", 2) == 0; }
+
+/* The first dtype of a comma-separated list, as a KServe datatype. */
+static const char *first_datatype(const char *list) {
+  char first[32];
+  size_t n = strcspn(list, ",");
+  if (n >= sizeof first) n = sizeof first - 1;
+  memcpy(first, list, n);
+  first[n] = 0;
+  moe_dtype t = moe_dtype_from_name(first);
+  return t == MOE_DTYPE_INVALID ? "UINT8" : moed_kserve_datatype(t);
+}
+
+static int config_type(const char *kserve) {
+  static const struct { const char *n; int t; } map[] = {
+      {"FP32", INFERENCE__DATA_TYPE__TYPE_FP32}, {"FP16", INFERENCE__DATA_TYPE__TYPE_FP16},
+      {"BF16", INFERENCE__DATA_TYPE__TYPE_BF16}, {"UINT8", INFERENCE__DATA_TYPE__TYPE_UINT8},
+      {"INT8", INFERENCE__DATA_TYPE__TYPE_INT8}, {"INT32", INFERENCE__DATA_TYPE__TYPE_INT32},
+  };
+  for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
+    if (strcmp(map[i].n, kserve) == 0) return map[i].t;
+  return INFERENCE__DATA_TYPE__TYPE_INVALID;
+}
+
+#define MAX_IO 16
+
+typedef struct io_list {
+  const moe_op_io_desc *d[MAX_IO];
+  size_t n;
+} io_list;
+
+/* The inputs a model shows: an expert set hides its weight inputs. */
+static void model_io(const moed_model *m, bool inputs, io_list *out) {
+  const moe_op_info *info = moe_op_describe(m->op);
+  const moe_op_io_desc *v = inputs ? info->inputs : info->outputs;
+  size_t n = inputs ? info->num_inputs : info->num_outputs;
+  out->n = 0;
+  for (size_t i = 0; i < n && out->n < MAX_IO; i++)
+    if (!(inputs && m->set && is_weight_input(v[i].name))) out->d[out->n++] = &v[i];
+}
+
+static moed_model *model_or_reply(moed_server *s, moed_request *req, const char *name, const char *version) {
+  moed_model *m = moed_repository_acquire(s->repo, name);
+  if (!m) {
+    reply_error(req, GRPC_STATUS_NOT_FOUND, "name: model '%s' not found", name ? name : "");
+    return NULL;
+  }
+  if (version_ok(version)) {
+    reply_error(req, GRPC_STATUS_NOT_FOUND, "version: model '%s' has no version '%s'", m->name, version);
+    moed_model_release(m);
+    return NULL;
+  }
+  return m;
+}
+
+static void model_ready(moed_server *s, moed_request *req) {
+  Inference__ModelReadyRequest *in =
+      (Inference__ModelReadyRequest *)unpack(&inference__model_ready_request__descriptor, req->payload);
+  if (!in) {
+    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid ModelReadyRequest message");
+    return;
+  }
+  moed_model *m = moed_repository_acquire(s->repo, in->name);
+  Inference__ModelReadyResponse r = INFERENCE__MODEL_READY_RESPONSE__INIT;
+  r.ready = m && !version_ok(in->version) && atomic_load(&s->ready);
+  moed_model_release(m);
+  reply(req, &r.base);
+  protobuf_c_message_free_unpacked(&in->base, NULL);
+}
+
+static void model_metadata(moed_server *s, moed_request *req) {
+  Inference__ModelMetadataRequest *in =
+      (Inference__ModelMetadataRequest *)unpack(&inference__model_metadata_request__descriptor, req->payload);
+  if (!in) {
+    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid ModelMetadataRequest message");
+    return;
+  }
+  moed_model *m = model_or_reply(s, req, in->name, in->version);
+  if (m) {
+    io_list ins, outs;
+    model_io(m, true, &ins);
+    model_io(m, false, &outs);
+    Inference__ModelMetadataResponse__TensorMetadata tm[2 * MAX_IO], *tin[MAX_IO], *tout[MAX_IO];
+    static int64_t any_shape[] = {-1};
+    for (size_t i = 0; i < ins.n + outs.n; i++) {
+      const moe_op_io_desc *d = i < ins.n ? ins.d[i] : outs.d[i - ins.n];
+      inference__model_metadata_response__tensor_metadata__init(&tm[i]);
+      tm[i].name = (char *)d->name;
+      tm[i].datatype = (char *)first_datatype(d->dtypes);
+      tm[i].n_shape = 1; /* any rank: the op checks it */
+      tm[i].shape = any_shape;
+      if (i < ins.n)
+        tin[i] = &tm[i];
+      else
+        tout[i - ins.n] = &tm[i];
+    }
+    static char *versions[] = {"1"};
+    Inference__ModelMetadataResponse r = INFERENCE__MODEL_METADATA_RESPONSE__INIT;
+    r.name = m->name;
+    r.n_versions = 1;
+    r.versions = versions;
+    r.platform = "moed";
+    r.n_inputs = ins.n;
+    r.inputs = tin;
+    r.n_outputs = outs.n;
+    r.outputs = tout;
+    reply(req, &r.base);
+    moed_model_release(m);
+  }
+  protobuf_c_message_free_unpacked(&in->base, NULL);
+}
+
+static void model_config(moed_server *s, moed_request *req) {
+  Inference__ModelConfigRequest *in =
+      (Inference__ModelConfigRequest *)unpack(&inference__model_config_request__descriptor, req->payload);
+  if (!in) {
+    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid ModelConfigRequest message");
+    return;
+  }
+  moed_model *m = model_or_reply(s, req, in->name, in->version);
+  if (m) {
+    io_list ins, outs;
+    model_io(m, true, &ins);
+    model_io(m, false, &outs);
+    Inference__ModelInput mi[MAX_IO], *pmi[MAX_IO];
+    Inference__ModelOutput mo[MAX_IO], *pmo[MAX_IO];
+    static int64_t any_dims[] = {-1};
+    for (size_t i = 0; i < ins.n; i++) {
+      inference__model_input__init(&mi[i]);
+      mi[i].name = (char *)ins.d[i]->name;
+      mi[i].data_type = (Inference__DataType)config_type(first_datatype(ins.d[i]->dtypes));
+      mi[i].n_dims = 1;
+      mi[i].dims = any_dims;
+      mi[i].optional = ins.d[i]->optional || (m->op == moe_op_find("fused_moe") &&
+                                              strcmp(ins.d[i]->name, "hidden_states") != 0);
+      pmi[i] = &mi[i];
+    }
+    for (size_t i = 0; i < outs.n; i++) {
+      inference__model_output__init(&mo[i]);
+      mo[i].name = (char *)outs.d[i]->name;
+      mo[i].data_type = (Inference__DataType)config_type(first_datatype(outs.d[i]->dtypes));
+      mo[i].n_dims = 1;
+      mo[i].dims = any_dims;
+      pmo[i] = &mo[i];
+    }
+    Inference__ModelParameter pv[2];
+    Inference__ModelConfig__ParametersEntry pe[2], *ppe[2];
+    size_t np = 0;
+    char *json = m->set ? moe_expert_config_to_json(&m->set->cfg) : NULL;
+    inference__model_parameter__init(&pv[np]);
+    inference__model_config__parameters_entry__init(&pe[np]);
+    pv[np].string_value = moe_op_describe(m->op)->rows_independent ? "true" : "false";
+    pe[np].key = "rows_independent";
+    pe[np].value = &pv[np];
+    ppe[np] = &pe[np];
+    np++;
+    if (json) {
+      inference__model_parameter__init(&pv[np]);
+      inference__model_config__parameters_entry__init(&pe[np]);
+      pv[np].string_value = json;
+      pe[np].key = "expert_set_config";
+      pe[np].value = &pv[np];
+      ppe[np] = &pe[np];
+      np++;
+    }
+    Inference__ModelConfig cfg = INFERENCE__MODEL_CONFIG__INIT;
+    cfg.name = m->name;
+    cfg.platform = "moed";
+    cfg.backend = "moed";
+    cfg.max_batch_size = 0; /* shapes carry the token axis themselves */
+    cfg.n_input = ins.n;
+    cfg.input = pmi;
+    cfg.n_output = outs.n;
+    cfg.output = pmo;
+    cfg.n_parameters = np;
+    cfg.parameters = ppe;
+    Inference__ModelConfigResponse r = INFERENCE__MODEL_CONFIG_RESPONSE__INIT;
+    r.config = &cfg;
+    reply(req, &r.base);
+    free(json);
+    moed_model_release(m);
+  }
+  protobuf_c_message_free_unpacked(&in->base, NULL);
+}
+
+/* ---- statistics --------------------------------------------------------------------------- */
+
+typedef struct stats_out {
+  const char *only; /* NULL: every model */
+  Inference__ModelStatistics *v;
+  Inference__StatisticDuration *d;
+  Inference__InferStatistics *is;
+  size_t n, cap;
+} stats_out;
+
+static void dur(Inference__StatisticDuration *d, uint64_t count, uint64_t ns) {
+  inference__statistic_duration__init(d);
+  d->count = count;
+  d->ns = ns;
+}
+
+static void collect_stats(moed_model *m, void *arg) {
+  stats_out *o = arg;
+  if ((o->only && strcmp(o->only, m->name) != 0) || o->n == o->cap) return;
+  const moed_model_stats *st = m->stats;
+  Inference__ModelStatistics *ms = &o->v[o->n];
+  Inference__InferStatistics *is = &o->is[o->n];
+  Inference__StatisticDuration *d = &o->d[o->n * 6];
+  inference__model_statistics__init(ms);
+  inference__infer_statistics__init(is);
+  ms->name = m->name;
+  ms->version = "1";
+  ms->last_inference = atomic_load(&st->last_inference_ms);
+  ms->inference_count = atomic_load(&st->inference_count);
+  ms->execution_count = atomic_load(&st->execution_count);
+  dur(&d[0], atomic_load(&st->success_count), atomic_load(&st->success_ns));
+  dur(&d[1], atomic_load(&st->fail_count), atomic_load(&st->fail_ns));
+  dur(&d[2], atomic_load(&st->queue_count), atomic_load(&st->queue_ns));
+  dur(&d[3], 0, 0);
+  dur(&d[4], atomic_load(&st->compute_count), atomic_load(&st->compute_ns));
+  dur(&d[5], 0, 0);
+  is->success = &d[0];
+  is->fail = &d[1];
+  is->queue = &d[2];
+  is->compute_input = &d[3];
+  is->compute_infer = &d[4];
+  is->compute_output = &d[5];
+  ms->inference_stats = is;
+  o->n++;
+}
+
+static void count_models(moed_model *m, void *arg) {
+  (void)m;
+  (*(size_t *)arg)++;
+}
+
+static void model_statistics(moed_server *s, moed_request *req) {
+  Inference__ModelStatisticsRequest *in =
+      (Inference__ModelStatisticsRequest *)unpack(&inference__model_statistics_request__descriptor, req->payload);
+  if (!in) {
+    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid ModelStatisticsRequest message");
+    return;
+  }
+  stats_out o = {0};
+  o.only = in->name && *in->name ? in->name : NULL;
+  moed_repository_foreach(s->repo, count_models, &o.cap);
+  o.cap += 8; /* models loaded meanwhile are left out */
+  o.v = calloc(o.cap, sizeof *o.v);
+  o.is = calloc(o.cap, sizeof *o.is);
+  o.d = calloc(o.cap * 6, sizeof *o.d);
+  Inference__ModelStatistics **pv = calloc(o.cap, sizeof *pv);
+  if (!o.v || !o.is || !o.d || !pv) {
+    reply_error(req, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory");
+    goto done;
+  }
+  moed_repository_foreach(s->repo, collect_stats, &o);
+  if (o.only && o.n == 0) {
+    reply_error(req, GRPC_STATUS_NOT_FOUND, "name: model '%s' not found", o.only);
+    goto done;
+  }
+  for (size_t i = 0; i < o.n; i++) pv[i] = &o.v[i];
+  Inference__ModelStatisticsResponse r = INFERENCE__MODEL_STATISTICS_RESPONSE__INIT;
+  r.n_model_stats = o.n;
+  r.model_stats = pv;
+  reply(req, &r.base);
+done:
+  free(pv);
+  free(o.v);
+  free(o.is);
+  free(o.d);
+  protobuf_c_message_free_unpacked(&in->base, NULL);
+}
+
+/* ---- repository ---------------------------------------------------------------------------- */
+
+static void repository_index(moed_server *s, moed_request *req) {
+  Inference__RepositoryIndexRequest *in =
+      (Inference__RepositoryIndexRequest *)unpack(&inference__repository_index_request__descriptor, req->payload);
+  if (!in) {
+    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid RepositoryIndexRequest message");
+    return;
+  }
+  moed_index_entry *e = NULL;
+  size_t n = moed_repository_index(s->repo, &e);
+  Inference__RepositoryIndexResponse__ModelIndex *mi = calloc(n ? n : 1, sizeof *mi);
+  Inference__RepositoryIndexResponse__ModelIndex **pmi = calloc(n ? n : 1, sizeof *pmi);
+  if (!mi || !pmi) {
+    reply_error(req, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory");
+  } else {
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+      if (in->ready && strcmp(e[i].state, "READY") != 0) continue;
+      inference__repository_index_response__model_index__init(&mi[k]);
+      mi[k].name = e[i].name;
+      mi[k].version = "1";
+      mi[k].state = (char *)e[i].state;
+      mi[k].reason = e[i].reason;
+      pmi[k] = &mi[k];
+      k++;
+    }
+    Inference__RepositoryIndexResponse r = INFERENCE__REPOSITORY_INDEX_RESPONSE__INIT;
+    r.n_models = k;
+    r.models = pmi;
+    reply(req, &r.base);
+  }
+  free(mi);
+  free(pmi);
+  free(e);
+  protobuf_c_message_free_unpacked(&in->base, NULL);
+}
+
+/* ---- jobs on the device queues -------------------------------------------------------------- */
+
+typedef struct request_job {
+  moed_job job;
+  moed_server *srv;
+  moed_request *req;
+} request_job;
+
+static void job_free(request_job *j) {
+  if (j->req->payload) grpc_byte_buffer_destroy(j->req->payload);
+  free(j->req);
+  free(j);
+}
+
+static void infer_done(moed_server *s) { atomic_fetch_sub(&s->inflight, 1); }
+
+static void infer_run(moed_job *job, moe_backend *b) {
+  request_job *j = (request_job *)job;
+  moed_request *req = j->req;
+  grpc_byte_buffer *resp = NULL;
+  char msg[600], id[256];
+  bool stream = req->method == MOED_M_MODEL_STREAM_INFER;
+  grpc_status_code code =
+      moed_infer_execute(j->srv, b, req->rpc, req->payload, req->received_ns, stream, &resp, msg, sizeof msg, id, sizeof id);
+  if (!stream) {
+    moed_rpc_finish(req->rpc, code, msg, resp);
+  } else {
+    if (code != GRPC_STATUS_OK) { /* an error answers that request; the stream goes on */
+      Inference__ModelStreamInferResponse r = INFERENCE__MODEL_STREAM_INFER_RESPONSE__INIT;
+      Inference__ModelInferResponse ir = INFERENCE__MODEL_INFER_RESPONSE__INIT;
+      ir.id = id;
+      r.error_message = msg;
+      r.infer_response = &ir;
+      resp = pack(&r.base);
+    }
+    if (resp) moed_rpc_stream_write(req->rpc, resp);
+    moed_rpc_stream_done(req->rpc);
+  }
+  infer_done(j->srv);
+  job_free(j);
+}
+
+static void infer_cancel(moed_job *job, moe_backend *b) {
+  (void)b;
+  request_job *j = (request_job *)job;
+  if (j->req->method == MOED_M_MODEL_STREAM_INFER)
+    moed_rpc_stream_done(j->req->rpc);
+  else
+    moed_rpc_finish(j->req->rpc, GRPC_STATUS_UNAVAILABLE, "server shutting down", NULL);
+  infer_done(j->srv);
+  job_free(j);
+}
+
+static void repo_change_run(moed_job *job, moe_backend *b) {
+  (void)b;
+  request_job *j = (request_job *)job;
+  moed_request *req = j->req;
+  bool load = req->method == MOED_M_REPOSITORY_LOAD;
+  moe_error err = {{0}};
+  moe_status st;
+  ProtobufCMessage *m = unpack(load ? &inference__repository_model_load_request__descriptor
+                                    : &inference__repository_model_unload_request__descriptor,
+                               req->payload);
+  if (!m) {
+    moed_rpc_finish(req->rpc, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid repository request message", NULL);
+    goto done;
+  }
+  const char *name = load ? ((Inference__RepositoryModelLoadRequest *)m)->model_name
+                          : ((Inference__RepositoryModelUnloadRequest *)m)->model_name;
+  st = load ? moed_repository_load(j->srv->repo, name, &err) : moed_repository_unload(j->srv->repo, name, &err);
+  if (st != MOE_OK) {
+    moed_rpc_finish(req->rpc, moed_status_from_moe(st), err.msg, NULL);
+  } else if (load) {
+    Inference__RepositoryModelLoadResponse r = INFERENCE__REPOSITORY_MODEL_LOAD_RESPONSE__INIT;
+    moed_rpc_finish(req->rpc, GRPC_STATUS_OK, NULL, pack(&r.base));
+  } else {
+    Inference__RepositoryModelUnloadResponse r = INFERENCE__REPOSITORY_MODEL_UNLOAD_RESPONSE__INIT;
+    moed_rpc_finish(req->rpc, GRPC_STATUS_OK, NULL, pack(&r.base));
+  }
+  protobuf_c_message_free_unpacked(m, NULL);
+done:
+  job_free(j);
+}
+
+static void repo_change_cancel(moed_job *job, moe_backend *b) {
+  (void)b;
+  request_job *j = (request_job *)job;
+  moed_rpc_finish(j->req->rpc, GRPC_STATUS_UNAVAILABLE, "server shutting down", NULL);
+  job_free(j);
+}
+
+/* Queues req as a job; on refusal answers it (UNAVAILABLE) and frees it. */
+static void submit(moed_server *s, moed_request *req, moed_job_fn run, moed_job_fn cancel, bool counted) {
+  bool stream = req->method == MOED_M_MODEL_STREAM_INFER;
+  const char *why = NULL;
+  if (atomic_load(&s->draining))
+    why = "server is shutting down";
+  else if (counted && atomic_fetch_add(&s->inflight, 1) >= s->cfg->max_inflight) {
+    atomic_fetch_sub(&s->inflight, 1);
+    why = "too many requests in flight";
+  }
+  request_job *j = why ? NULL : calloc(1, sizeof *j);
+  if (!why && !j) {
+    if (counted) atomic_fetch_sub(&s->inflight, 1);
+    why = "server out of memory";
+  }
+  if (j) {
+    j->job.run = run;
+    j->job.cancel = cancel;
+    j->srv = s;
+    j->req = req;
+    if (moed_devices_submit(s->devices, &j->job)) return;
+    free(j);
+    if (counted) atomic_fetch_sub(&s->inflight, 1);
+    why = "device queue full";
+  }
+  atomic_fetch_add(&s->rejected, 1);
+  if (stream) {
+    Inference__ModelStreamInferResponse r = INFERENCE__MODEL_STREAM_INFER_RESPONSE__INIT;
+    char msg[64];
+    snprintf(msg, sizeof msg, "UNAVAILABLE: %s", why);
+    r.error_message = msg;
+    grpc_byte_buffer *bb = pack(&r.base);
+    if (bb) moed_rpc_stream_write(req->rpc, bb);
+    moed_rpc_stream_done(req->rpc);
+  } else {
+    moed_rpc_finish(req->rpc, GRPC_STATUS_UNAVAILABLE, why, NULL);
+  }
+  if (req->payload) grpc_byte_buffer_destroy(req->payload);
+  free(req);
+}
+
+/* ---- dispatch -------------------------------------------------------------------------------- */
+
+void moed_handle_request(moed_request *req, void *arg) {
+  moed_server *s = arg;
+  bool keep = false; /* the request was handed on (a job owns it) */
+  switch (req->method) {
+  case MOED_M_SERVER_LIVE: {
+    Inference__ServerLiveResponse r = INFERENCE__SERVER_LIVE_RESPONSE__INIT;
+    r.live = true;
+    reply(req, &r.base);
+    break;
+  }
+  case MOED_M_SERVER_READY: {
+    Inference__ServerReadyResponse r = INFERENCE__SERVER_READY_RESPONSE__INIT;
+    r.ready = atomic_load(&s->ready);
+    reply(req, &r.base);
+    break;
+  }
+  case MOED_M_MODEL_READY: model_ready(s, req); break;
+  case MOED_M_SERVER_METADATA: server_metadata(req); break;
+  case MOED_M_MODEL_METADATA: model_metadata(s, req); break;
+  case MOED_M_MODEL_CONFIG: model_config(s, req); break;
+  case MOED_M_MODEL_STATISTICS: model_statistics(s, req); break;
+  case MOED_M_REPOSITORY_INDEX: repository_index(s, req); break;
+  case MOED_M_HEALTH_CHECK: health(s, req, false); break;
+  case MOED_M_HEALTH_WATCH: health(s, req, true); break;
+  case MOED_M_MODEL_INFER:
+    submit(s, req, infer_run, infer_cancel, true);
+    keep = true;
+    break;
+  case MOED_M_MODEL_STREAM_INFER:
+    if (!req->payload) { /* the client closed its side */
+      moed_rpc_stream_done(req->rpc);
+      break;
+    }
+    submit(s, req, infer_run, infer_cancel, true);
+    keep = true;
+    break;
+  case MOED_M_REPOSITORY_LOAD:
+  case MOED_M_REPOSITORY_UNLOAD:
+    submit(s, req, repo_change_run, repo_change_cancel, false);
+    keep = true;
+    break;
+  case MOED_M_EXPERT_UPLOAD:
+    moed_rpc_finish(req->rpc, GRPC_STATUS_UNIMPLEMENTED, "ExpertStore.Upload: not implemented yet", NULL);
+    break;
+  default: moed_rpc_finish(req->rpc, GRPC_STATUS_UNIMPLEMENTED, "unknown method", NULL); break;
+  }
+  if (!keep) {
+    if (req->payload) grpc_byte_buffer_destroy(req->payload);
+    free(req);
+  }
+}

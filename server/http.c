@@ -1,0 +1,294 @@
+/* http: the side port on the loop: Prometheus /metrics and the Kubernetes
+ * probes /v2/health/live and /v2/health/ready. One request per connection
+ * (Connection: close), parsed by http-parser. */
+#include <http_parser.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moed.h"
+
+struct moed_http {
+  moed_server *srv;
+  uv_tcp_t tcp;
+};
+
+typedef struct conn {
+  uv_tcp_t tcp;
+  moed_http *h;
+  http_parser parser;
+  char url[256];
+  size_t url_len;
+  bool responded;
+} conn;
+
+typedef struct wbuf {
+  char *p;
+  size_t len, cap;
+  bool oom;
+} wbuf;
+
+static void wb_printf(wbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void wb_printf(wbuf *b, const char *fmt, ...) {
+  if (b->oom) return;
+  for (;;) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
+    va_end(ap);
+    if (n < 0) {
+      b->oom = true;
+      return;
+    }
+    if ((size_t)n < b->cap - b->len) {
+      b->len += (size_t)n;
+      return;
+    }
+    size_t cap = b->cap * 2 + (size_t)n + 1;
+    char *g = realloc(b->p, cap);
+    if (!g) {
+      b->oom = true;
+      return;
+    }
+    b->p = g;
+    b->cap = cap;
+  }
+}
+
+/* ---- /metrics ------------------------------------------------------------------ */
+
+static void hist(wbuf *b, const char *metric, const char *model, const moed_hist *h) {
+  uint64_t cum = 0;
+  for (int i = 0; i < MOED_HIST_BUCKETS; i++) {
+    cum += atomic_load(&h->le[i]);
+    if (i < MOED_HIST_BUCKETS - 1)
+      wb_printf(b, "%s_bucket{model=\"%s\",le=\"%g\"} %llu\n", metric, model, (double)moed_hist_bounds_ns[i] / 1e9,
+                (unsigned long long)cum);
+    else
+      wb_printf(b, "%s_bucket{model=\"%s\",le=\"+Inf\"} %llu\n", metric, model, (unsigned long long)cum);
+  }
+  wb_printf(b, "%s_sum{model=\"%s\"} %.9f\n", metric, model, (double)atomic_load(&h->sum_ns) / 1e9);
+  wb_printf(b, "%s_count{model=\"%s\"} %llu\n", metric, model, (unsigned long long)atomic_load(&h->count));
+}
+
+typedef struct metrics_pass {
+  wbuf *b;
+  int section;
+} metrics_pass;
+
+static void model_metrics(moed_model *m, void *arg) {
+  metrics_pass *p = arg;
+  const moed_model_stats *st = m->stats;
+  wbuf *b = p->b;
+  switch (p->section) {
+  case 0:
+    wb_printf(b, "moed_requests_total{model=\"%s\",outcome=\"success\"} %llu\n", m->name,
+              (unsigned long long)atomic_load(&st->success_count));
+    wb_printf(b, "moed_requests_total{model=\"%s\",outcome=\"failure\"} %llu\n", m->name,
+              (unsigned long long)atomic_load(&st->fail_count));
+    break;
+  case 1: hist(b, "moed_queue_seconds", m->name, &st->queue_hist); break;
+  case 2: hist(b, "moed_compute_seconds", m->name, &st->compute_hist); break;
+  case 3: hist(b, "moed_request_seconds", m->name, &st->total_hist); break;
+  case 4:
+    wb_printf(b, "moed_bytes_in_total{model=\"%s\"} %llu\n", m->name, (unsigned long long)atomic_load(&st->bytes_in));
+    break;
+  case 5:
+    wb_printf(b, "moed_bytes_out_total{model=\"%s\"} %llu\n", m->name,
+              (unsigned long long)atomic_load(&st->bytes_out));
+    break;
+  }
+}
+
+static void render_metrics(moed_server *s, wbuf *b) {
+  static const char *const heads[] = {
+      "# HELP moed_requests_total Inference requests by model and outcome.\n# TYPE moed_requests_total counter\n",
+      "# HELP moed_queue_seconds Time from arrival to the start of compute.\n# TYPE moed_queue_seconds histogram\n",
+      "# HELP moed_compute_seconds Time running the op.\n# TYPE moed_compute_seconds histogram\n",
+      "# HELP moed_request_seconds Time from arrival to response.\n# TYPE moed_request_seconds histogram\n",
+      "# HELP moed_bytes_in_total Input tensor bytes received.\n# TYPE moed_bytes_in_total counter\n",
+      "# HELP moed_bytes_out_total Output tensor bytes sent.\n# TYPE moed_bytes_out_total counter\n",
+  };
+  for (int sec = 0; sec < 6; sec++) {
+    wb_printf(b, "%s", heads[sec]);
+    metrics_pass p = {b, sec};
+    moed_repository_foreach(s->repo, model_metrics, &p);
+  }
+  wb_printf(b, "# HELP moed_inflight_requests Admitted inference requests not yet answered.\n"
+               "# TYPE moed_inflight_requests gauge\nmoed_inflight_requests %d\n",
+            atomic_load(&s->inflight));
+  wb_printf(b, "# HELP moed_rejected_total Requests refused (limits, drain).\n"
+               "# TYPE moed_rejected_total counter\nmoed_rejected_total %llu\n",
+            (unsigned long long)atomic_load(&s->rejected));
+  wb_printf(b, "# HELP moed_ready Whether the server accepts inference.\n# TYPE moed_ready gauge\nmoed_ready %d\n",
+            atomic_load(&s->ready) ? 1 : 0);
+}
+
+/* ---- connections -------------------------------------------------------------- */
+
+static void on_closed(uv_handle_t *h) { free(h->data); }
+
+static void close_conn(conn *c) {
+  if (!uv_is_closing((uv_handle_t *)&c->tcp)) uv_close((uv_handle_t *)&c->tcp, on_closed);
+}
+
+typedef struct write_req {
+  uv_write_t w;
+  char *buf;
+  conn *c;
+} write_req;
+
+static void on_written(uv_write_t *w, int status) {
+  (void)status;
+  write_req *wr = (write_req *)w;
+  close_conn(wr->c);
+  free(wr->buf);
+  free(wr);
+}
+
+static void respond(conn *c, int code, const char *reason, const char *ctype, const char *body, size_t len) {
+  wbuf b = {0};
+  c->responded = true;
+  wb_printf(&b, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n", code,
+            reason, ctype, len);
+  if (!b.oom && len) {
+    char *g = realloc(b.p, b.len + len);
+    if (!g) {
+      b.oom = true;
+    } else {
+      b.p = g;
+      memcpy(b.p + b.len, body, len);
+      b.len += len;
+    }
+  }
+  write_req *wr = b.oom ? NULL : malloc(sizeof *wr);
+  if (!wr) {
+    free(b.p);
+    close_conn(c);
+    return;
+  }
+  wr->buf = b.p;
+  wr->c = c;
+  uv_buf_t ub = uv_buf_init(b.p, (unsigned)b.len);
+  if (uv_write(&wr->w, (uv_stream_t *)&c->tcp, &ub, 1, on_written) != 0) {
+    free(wr->buf);
+    free(wr);
+    close_conn(c);
+  }
+}
+
+static int on_url(http_parser *p, const char *at, size_t len) {
+  conn *c = p->data;
+  size_t room = sizeof c->url - 1 - c->url_len;
+  if (len > room) len = room;
+  memcpy(c->url + c->url_len, at, len);
+  c->url_len += len;
+  c->url[c->url_len] = 0;
+  return 0;
+}
+
+static int on_message_complete(http_parser *p) {
+  conn *c = p->data;
+  moed_server *s = c->h->srv;
+  char *q = strchr(c->url, '?');
+  if (q) *q = 0;
+  if (p->method != HTTP_GET) {
+    respond(c, 405, "Method Not Allowed", "text/plain", "GET only\n", 9);
+  } else if (strcmp(c->url, "/metrics") == 0) {
+    wbuf b = {0};
+    render_metrics(s, &b);
+    if (b.oom)
+      respond(c, 500, "Internal Server Error", "text/plain", "out of memory\n", 14);
+    else
+      respond(c, 200, "OK", "text/plain; version=0.0.4", b.p, b.len);
+    free(b.p);
+  } else if (strcmp(c->url, "/v2/health/live") == 0) {
+    respond(c, 200, "OK", "text/plain", "", 0);
+  } else if (strcmp(c->url, "/v2/health/ready") == 0) {
+    if (atomic_load(&s->ready))
+      respond(c, 200, "OK", "text/plain", "", 0);
+    else
+      respond(c, 503, "Service Unavailable", "text/plain", "", 0);
+  } else {
+    respond(c, 404, "Not Found", "text/plain", "not found\n", 10);
+  }
+  return 1; /* one request per connection: stop parsing */
+}
+
+static const http_parser_settings settings = {
+    .on_url = on_url,
+    .on_message_complete = on_message_complete,
+};
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+  (void)h;
+  buf->base = malloc(suggested);
+  buf->len = buf->base ? suggested : 0;
+}
+
+static void on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
+  conn *c = st->data;
+  if (n > 0 && !c->responded) {
+    size_t used = http_parser_execute(&c->parser, &settings, buf->base, (size_t)n);
+    if (!c->responded && (c->parser.http_errno != HPE_OK || used != (size_t)n)) {
+      uv_read_stop(st);
+      respond(c, 400, "Bad Request", "text/plain", "bad request\n", 12);
+    } else if (c->responded) {
+      uv_read_stop(st);
+    }
+  } else if (n < 0) {
+    if (!c->responded) close_conn(c);
+  }
+  free(buf->base);
+}
+
+static void on_connection(uv_stream_t *server, int status) {
+  moed_http *h = server->data;
+  if (status < 0) return;
+  conn *c = calloc(1, sizeof *c);
+  if (!c) return;
+  c->h = h;
+  uv_tcp_init(server->loop, &c->tcp);
+  c->tcp.data = c;
+  if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0) {
+    close_conn(c);
+    return;
+  }
+  http_parser_init(&c->parser, HTTP_REQUEST);
+  c->parser.data = c;
+  uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+}
+
+int moed_http_start(moed_server *s, const char *address, int port, moed_http **out, int *bound_port) {
+  moed_http *h = calloc(1, sizeof *h);
+  if (!h) return -1;
+  h->srv = s;
+  struct sockaddr_storage addr;
+  if (uv_ip4_addr(address, port, (struct sockaddr_in *)&addr) != 0 &&
+      uv_ip6_addr(address, port, (struct sockaddr_in6 *)&addr) != 0) {
+    free(h);
+    return -1;
+  }
+  uv_tcp_init(s->loop, &h->tcp);
+  h->tcp.data = h;
+  int rc = uv_tcp_bind(&h->tcp, (const struct sockaddr *)&addr, 0);
+  if (rc == 0) rc = uv_listen((uv_stream_t *)&h->tcp, 128, on_connection);
+  if (rc != 0) {
+    moed_log(MOED_LOG_ERROR, "bind_failed", "http %s:%d: %s", address, port, uv_strerror(rc));
+    moed_http_stop(h);
+    return -1;
+  }
+  struct sockaddr_storage name;
+  int len = sizeof name;
+  uv_tcp_getsockname(&h->tcp, (struct sockaddr *)&name, &len);
+  *bound_port = ntohs(((struct sockaddr_in *)&name)->sin_port);
+  *out = h;
+  return 0;
+}
+
+static void on_listener_closed(uv_handle_t *hd) { free(hd->data); }
+
+void moed_http_stop(moed_http *h) {
+  if (h) uv_close((uv_handle_t *)&h->tcp, on_listener_closed);
+}

@@ -1,0 +1,594 @@
+/* rpc: bridges gRPC core to the libuv loop, and does nothing else.
+ *
+ * One completion-queue thread runs every call's small state machine
+ * (accept, receive, send completions). Each request crosses to the loop once
+ * (an MPSC list + uv_async), never once per tag: handing every tag over costs
+ * ~40% of small-call throughput. Responses are started from whichever thread
+ * has them (grpc_call_start_batch is thread-safe); their completions come
+ * back here. */
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "moed.h"
+
+/* ---- method table ----------------------------------------------------------- */
+
+typedef struct method_desc {
+  const char *path;
+  bool read_stream;  /* client streams: payload read message by message */
+  bool write_stream; /* server streams */
+} method_desc;
+
+static const method_desc methods[MOED_M_COUNT] = {
+    [MOED_M_SERVER_LIVE] = {"/inference.GRPCInferenceService/ServerLive", false, false},
+    [MOED_M_SERVER_READY] = {"/inference.GRPCInferenceService/ServerReady", false, false},
+    [MOED_M_MODEL_READY] = {"/inference.GRPCInferenceService/ModelReady", false, false},
+    [MOED_M_SERVER_METADATA] = {"/inference.GRPCInferenceService/ServerMetadata", false, false},
+    [MOED_M_MODEL_METADATA] = {"/inference.GRPCInferenceService/ModelMetadata", false, false},
+    [MOED_M_MODEL_INFER] = {"/inference.GRPCInferenceService/ModelInfer", false, false},
+    [MOED_M_MODEL_STREAM_INFER] = {"/inference.GRPCInferenceService/ModelStreamInfer", true, true},
+    [MOED_M_MODEL_CONFIG] = {"/inference.GRPCInferenceService/ModelConfig", false, false},
+    [MOED_M_MODEL_STATISTICS] = {"/inference.GRPCInferenceService/ModelStatistics", false, false},
+    [MOED_M_REPOSITORY_INDEX] = {"/inference.GRPCInferenceService/RepositoryIndex", false, false},
+    [MOED_M_REPOSITORY_LOAD] = {"/inference.GRPCInferenceService/RepositoryModelLoad", false, false},
+    [MOED_M_REPOSITORY_UNLOAD] = {"/inference.GRPCInferenceService/RepositoryModelUnload", false, false},
+    [MOED_M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", false, false},
+    [MOED_M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", false, true},
+    [MOED_M_EXPERT_UPLOAD] = {"/moe.v1.ExpertStore/Upload", true, false},
+};
+
+/* ---- types -------------------------------------------------------------------- */
+
+typedef enum tag_kind { TAG_ACCEPT, TAG_GENERIC, TAG_CLOSE, TAG_WRITE, TAG_RECV, TAG_FINISH, TAG_SHUTDOWN } tag_kind;
+
+typedef struct rpc_tag {
+  tag_kind kind;
+  void *ptr;
+} rpc_tag;
+
+/* An armed request for one registered method; re-armed on every accept. */
+typedef struct accept_slot {
+  rpc_tag tag;
+  moed_method method;
+  void *registered;
+  grpc_call *call;
+  gpr_timespec deadline;
+  grpc_metadata_array md;
+  grpc_byte_buffer *payload;
+} accept_slot;
+
+/* The slot for methods nobody registered: answered UNIMPLEMENTED. */
+typedef struct generic_slot {
+  rpc_tag tag;
+  grpc_call *call;
+  grpc_call_details details;
+  grpc_metadata_array md;
+} generic_slot;
+
+typedef struct out_msg {
+  struct out_msg *next;
+  grpc_byte_buffer *bb;
+} out_msg;
+
+struct moed_rpc {
+  moed_rpc_server *srv;
+  grpc_call *call;
+  moed_method method;
+  uint64_t deadline_ns;
+  _Atomic int refs;
+  _Atomic bool cancelled;
+  int close_cancelled; /* written by RECV_CLOSE_ON_SERVER */
+  rpc_tag close_tag, write_tag, recv_tag, finish_tag;
+
+  pthread_mutex_t mu; /* the send side and stream bookkeeping below */
+  bool md_sent;
+  bool writing;  /* one write batch in flight */
+  out_msg *wq_head, *wq_tail;
+  grpc_byte_buffer *writing_bb;
+  bool finishing; /* final status requested */
+  bool finished;  /* final status batch started */
+  grpc_status_code fin_code;
+  grpc_slice fin_details;
+  grpc_byte_buffer *fin_msg;
+  bool read_done;
+  int pending; /* stream hand-offs not yet done */
+  grpc_byte_buffer *recv_bb;
+};
+
+struct moed_rpc_server {
+  grpc_server *server;
+  grpc_completion_queue *cq;
+  pthread_t thread;
+  bool thread_started;
+  uv_async_t async;
+  moed_request_fn on_request;
+  void *arg;
+
+  pthread_mutex_t q_mu; /* the hand-off list (many producers, the loop consumes) */
+  moed_request *q_head, *q_tail;
+
+  accept_slot *slots;
+  size_t num_slots;
+  generic_slot generic;
+  rpc_tag shutdown_tag;
+  _Atomic bool shutting_down;
+  _Atomic bool shutdown_done;
+  _Atomic int live_calls;
+};
+
+uint64_t moed_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* ---- hand-off to the loop --------------------------------------------------------- */
+
+static void handoff(moed_rpc_server *s, moed_rpc *r, grpc_byte_buffer *payload) {
+  moed_request *req = calloc(1, sizeof *req);
+  if (!req) { /* cannot even queue it: answer here */
+    if (payload) grpc_byte_buffer_destroy(payload);
+    moed_rpc_finish(r, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory", NULL);
+    return;
+  }
+  req->rpc = r;
+  req->method = r->method;
+  req->payload = payload;
+  req->received_ns = moed_now_ns();
+  pthread_mutex_lock(&s->q_mu);
+  if (s->q_tail)
+    s->q_tail->next = req;
+  else
+    s->q_head = req;
+  s->q_tail = req;
+  pthread_mutex_unlock(&s->q_mu);
+  uv_async_send(&s->async);
+}
+
+static void on_async(uv_async_t *h) {
+  moed_rpc_server *s = h->data;
+  pthread_mutex_lock(&s->q_mu);
+  moed_request *req = s->q_head;
+  s->q_head = s->q_tail = NULL;
+  pthread_mutex_unlock(&s->q_mu);
+  while (req) {
+    moed_request *next = req->next;
+    req->next = NULL;
+    s->on_request(req, s->arg);
+    req = next;
+  }
+}
+
+/* ---- call objects ---------------------------------------------------------------- */
+
+static void start_batch(moed_rpc *r, const grpc_op *ops, size_t n, rpc_tag *tag) {
+  atomic_fetch_add(&r->refs, 1);
+  grpc_call_error e = grpc_call_start_batch(r->call, ops, n, tag, NULL);
+  if (e != GRPC_CALL_OK) {
+    /* a programming error in the state machine; keep the call collectable */
+    moed_log(MOED_LOG_ERROR, "start_batch", "grpc_call_start_batch: %d", (int)e);
+    atomic_fetch_sub(&r->refs, 1);
+  }
+}
+
+void moed_rpc_ref(moed_rpc *r) { atomic_fetch_add(&r->refs, 1); }
+
+void moed_rpc_release(moed_rpc *r) {
+  if (atomic_fetch_sub(&r->refs, 1) != 1) return;
+  moed_rpc_server *s = r->srv;
+  for (out_msg *m = r->wq_head; m;) {
+    out_msg *next = m->next;
+    grpc_byte_buffer_destroy(m->bb);
+    free(m);
+    m = next;
+  }
+  if (r->writing_bb) grpc_byte_buffer_destroy(r->writing_bb);
+  if (r->fin_msg) grpc_byte_buffer_destroy(r->fin_msg);
+  if (r->recv_bb) grpc_byte_buffer_destroy(r->recv_bb);
+  grpc_slice_unref(r->fin_details);
+  grpc_call_unref(r->call);
+  pthread_mutex_destroy(&r->mu);
+  free(r);
+  atomic_fetch_sub(&s->live_calls, 1);
+}
+
+bool moed_rpc_cancelled(const moed_rpc *r) { return atomic_load(&r->cancelled); }
+uint64_t moed_rpc_deadline_ns(const moed_rpc *r) { return r->deadline_ns; }
+
+static uint64_t deadline_to_ns(gpr_timespec d) {
+  if (gpr_time_cmp(d, gpr_inf_future(d.clock_type)) == 0) return UINT64_MAX;
+  gpr_timespec m = gpr_convert_clock_type(d, GPR_CLOCK_MONOTONIC);
+  if (m.tv_sec < 0) return 0;
+  /* gpr's monotonic clock is CLOCK_MONOTONIC on Linux, as moed_now_ns */
+  return (uint64_t)m.tv_sec * 1000000000u + (uint64_t)m.tv_nsec;
+}
+
+/* Starts the final batch; r->mu held, nothing being written. */
+static void start_finish_locked(moed_rpc *r) {
+  grpc_op ops[3];
+  size_t n = 0;
+  memset(ops, 0, sizeof ops);
+  if (!r->md_sent) {
+    ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
+    n++;
+    r->md_sent = true;
+  }
+  if (r->fin_msg) {
+    ops[n].op = GRPC_OP_SEND_MESSAGE;
+    ops[n].data.send_message.send_message = r->fin_msg;
+    n++;
+  }
+  ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+  ops[n].data.send_status_from_server.status = r->fin_code;
+  ops[n].data.send_status_from_server.status_details = &r->fin_details;
+  n++;
+  r->finished = true;
+  start_batch(r, ops, n, &r->finish_tag);
+}
+
+/* Starts the next queued write; r->mu held, nothing being written. */
+static void start_write_locked(moed_rpc *r) {
+  out_msg *m = r->wq_head;
+  r->wq_head = m->next;
+  if (!r->wq_head) r->wq_tail = NULL;
+  r->writing_bb = m->bb;
+  free(m);
+  grpc_op ops[2];
+  size_t n = 0;
+  memset(ops, 0, sizeof ops);
+  if (!r->md_sent) {
+    ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
+    n++;
+    r->md_sent = true;
+  }
+  ops[n].op = GRPC_OP_SEND_MESSAGE;
+  ops[n].data.send_message.send_message = r->writing_bb;
+  n++;
+  r->writing = true;
+  start_batch(r, ops, n, &r->write_tag);
+}
+
+void moed_rpc_finish(moed_rpc *r, grpc_status_code code, const char *msg, grpc_byte_buffer *response) {
+  pthread_mutex_lock(&r->mu);
+  if (r->method < MOED_M_COUNT && methods[r->method].read_stream) r->pending--;
+  if (r->finishing) { /* a stream already ended (error or cancel): drop */
+    pthread_mutex_unlock(&r->mu);
+    if (response) grpc_byte_buffer_destroy(response);
+    moed_rpc_release(r);
+    return;
+  }
+  r->finishing = true;
+  r->fin_code = code;
+  r->fin_details = grpc_slice_from_copied_string(msg ? msg : "");
+  r->fin_msg = response;
+  if (!r->writing) start_finish_locked(r);
+  pthread_mutex_unlock(&r->mu);
+  moed_rpc_release(r);
+}
+
+void moed_rpc_stream_write(moed_rpc *r, grpc_byte_buffer *message) {
+  out_msg *m = malloc(sizeof *m);
+  pthread_mutex_lock(&r->mu);
+  if (!m || r->finishing) {
+    pthread_mutex_unlock(&r->mu);
+    free(m);
+    grpc_byte_buffer_destroy(message);
+    return;
+  }
+  m->next = NULL;
+  m->bb = message;
+  if (r->wq_tail)
+    r->wq_tail->next = m;
+  else
+    r->wq_head = m;
+  r->wq_tail = m;
+  if (!r->writing) start_write_locked(r);
+  pthread_mutex_unlock(&r->mu);
+}
+
+/* r->mu held: ends a read stream whose reads and work are all done. */
+static void maybe_end_stream_locked(moed_rpc *r) {
+  if (r->read_done && r->pending == 0 && !r->finishing) {
+    r->finishing = true;
+    r->fin_code = GRPC_STATUS_OK;
+    r->fin_details = grpc_empty_slice();
+    if (!r->writing) start_finish_locked(r);
+  }
+}
+
+void moed_rpc_stream_done(moed_rpc *r) {
+  pthread_mutex_lock(&r->mu);
+  r->pending--;
+  maybe_end_stream_locked(r);
+  pthread_mutex_unlock(&r->mu);
+  moed_rpc_release(r);
+}
+
+grpc_slice moed_rpc_flatten(grpc_byte_buffer *bb) {
+  grpc_byte_buffer_reader rd;
+  if (!bb || !grpc_byte_buffer_reader_init(&rd, bb)) return grpc_empty_slice();
+  grpc_slice s = grpc_byte_buffer_reader_readall(&rd);
+  grpc_byte_buffer_reader_destroy(&rd);
+  return s;
+}
+
+grpc_byte_buffer *moed_rpc_buffer_take(void *data, size_t len) {
+  grpc_slice s = grpc_slice_new(data ? data : malloc(1), len, free);
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
+  grpc_slice_unref(s);
+  return bb;
+}
+
+/* ---- the completion-queue thread ---------------------------------------------- */
+
+static void arm_slot(moed_rpc_server *s, accept_slot *slot) {
+  if (atomic_load(&s->shutting_down)) return;
+  slot->call = NULL;
+  slot->payload = NULL;
+  grpc_metadata_array_init(&slot->md);
+  grpc_byte_buffer **payload = methods[slot->method].read_stream ? NULL : &slot->payload;
+  grpc_call_error e = grpc_server_request_registered_call(s->server, slot->registered, &slot->call, &slot->deadline,
+                                                          &slot->md, payload, s->cq, s->cq, &slot->tag);
+  if (e != GRPC_CALL_OK) moed_log(MOED_LOG_ERROR, "arm_slot", "request_registered_call: %d", (int)e);
+}
+
+static void arm_generic(moed_rpc_server *s) {
+  if (atomic_load(&s->shutting_down)) return;
+  generic_slot *g = &s->generic;
+  g->call = NULL;
+  grpc_call_details_init(&g->details);
+  grpc_metadata_array_init(&g->md);
+  grpc_server_request_call(s->server, &g->call, &g->details, &g->md, s->cq, s->cq, &g->tag);
+}
+
+static moed_rpc *rpc_new(moed_rpc_server *s, grpc_call *call, moed_method method, gpr_timespec deadline) {
+  moed_rpc *r = calloc(1, sizeof *r);
+  if (!r) return NULL;
+  r->srv = s;
+  r->call = call;
+  r->method = method;
+  r->deadline_ns = deadline_to_ns(deadline);
+  atomic_init(&r->refs, 1);
+  pthread_mutex_init(&r->mu, NULL);
+  r->fin_details = grpc_empty_slice();
+  r->close_tag = (rpc_tag){TAG_CLOSE, r};
+  r->write_tag = (rpc_tag){TAG_WRITE, r};
+  r->recv_tag = (rpc_tag){TAG_RECV, r};
+  r->finish_tag = (rpc_tag){TAG_FINISH, r};
+  atomic_fetch_add(&s->live_calls, 1);
+  /* Started first and alone: it completes when the client cancels, which is
+   * how queued work learns that nobody waits for it. */
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+  op.data.recv_close_on_server.cancelled = &r->close_cancelled;
+  start_batch(r, &op, 1, &r->close_tag);
+  return r;
+}
+
+static void start_recv(moed_rpc *r) {
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_MESSAGE;
+  op.data.recv_message.recv_message = &r->recv_bb;
+  start_batch(r, &op, 1, &r->recv_tag);
+}
+
+static void on_accept(moed_rpc_server *s, accept_slot *slot, bool ok) {
+  if (!ok) { /* shutdown */
+    grpc_metadata_array_destroy(&slot->md);
+    if (slot->payload) grpc_byte_buffer_destroy(slot->payload);
+    return;
+  }
+  grpc_call *call = slot->call;
+  grpc_byte_buffer *payload = slot->payload;
+  gpr_timespec deadline = slot->deadline;
+  grpc_metadata_array_destroy(&slot->md);
+  arm_slot(s, slot); /* the slot is free again before we work on the call */
+
+  moed_rpc *r = rpc_new(s, call, slot->method, deadline);
+  if (!r) {
+    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory", NULL);
+    grpc_call_unref(call);
+    if (payload) grpc_byte_buffer_destroy(payload);
+    return;
+  }
+  if (methods[slot->method].read_stream) {
+    start_recv(r);
+    moed_rpc_release(r); /* the receive batch holds it from here */
+    return;
+  }
+  handoff(s, r, payload); /* the creation reference travels with it */
+}
+
+static void on_recv(moed_rpc *r, bool ok) {
+  grpc_byte_buffer *bb = r->recv_bb;
+  r->recv_bb = NULL;
+  if (!ok && bb) {
+    grpc_byte_buffer_destroy(bb);
+    bb = NULL;
+  }
+  if (!ok) atomic_store(&r->cancelled, true);
+  pthread_mutex_lock(&r->mu);
+  r->pending++;
+  if (!bb) r->read_done = true;
+  pthread_mutex_unlock(&r->mu);
+  moed_rpc_ref(r); /* for the hand-off */
+  handoff(r->srv, r, bb);
+  if (bb) start_recv(r);
+}
+
+static void on_write(moed_rpc *r, bool ok) {
+  pthread_mutex_lock(&r->mu);
+  grpc_byte_buffer_destroy(r->writing_bb);
+  r->writing_bb = NULL;
+  r->writing = false;
+  if (r->wq_head && ok && !atomic_load(&r->cancelled))
+    start_write_locked(r);
+  else if (r->finishing && !r->finished)
+    start_finish_locked(r);
+  pthread_mutex_unlock(&r->mu);
+}
+
+static void on_generic(moed_rpc_server *s, bool ok) {
+  generic_slot *g = &s->generic;
+  grpc_call *call = g->call;
+  grpc_call_details_destroy(&g->details);
+  grpc_metadata_array_destroy(&g->md);
+  if (!ok) return;
+  arm_generic(s);
+  moed_rpc *r = rpc_new(s, call, MOED_M_COUNT, gpr_inf_future(GPR_CLOCK_REALTIME));
+  if (!r) {
+    grpc_call_cancel_with_status(call, GRPC_STATUS_UNIMPLEMENTED, "unknown method", NULL);
+    grpc_call_unref(call);
+    return;
+  }
+  moed_rpc_finish(r, GRPC_STATUS_UNIMPLEMENTED, "unknown method", NULL);
+}
+
+static void *cq_thread(void *arg) {
+  moed_rpc_server *s = arg;
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
+    if (ev.type != GRPC_OP_COMPLETE) continue;
+    rpc_tag *tag = ev.tag;
+    bool ok = ev.success != 0;
+    switch (tag->kind) {
+    case TAG_ACCEPT: on_accept(s, tag->ptr, ok); break;
+    case TAG_GENERIC: on_generic(s, ok); break;
+    case TAG_SHUTDOWN: atomic_store(&s->shutdown_done, true); break;
+    case TAG_CLOSE: {
+      moed_rpc *r = tag->ptr;
+      if (!ok || r->close_cancelled) atomic_store(&r->cancelled, true);
+      moed_rpc_release(r);
+      break;
+    }
+    case TAG_RECV: on_recv(tag->ptr, ok); moed_rpc_release(tag->ptr); break;
+    case TAG_WRITE: on_write(tag->ptr, ok); moed_rpc_release(tag->ptr); break;
+    case TAG_FINISH: moed_rpc_release(tag->ptr); break;
+    }
+  }
+  return NULL;
+}
+
+/* ---- start / stop ------------------------------------------------------------- */
+
+int moed_rpc_active(moed_rpc_server *s) { return atomic_load(&s->live_calls); }
+
+int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_request, void *arg,
+                   moed_rpc_server **out, int *bound_port) {
+  moed_rpc_server *s = calloc(1, sizeof *s);
+  if (!s) return -1;
+  s->on_request = on_request;
+  s->arg = arg;
+  pthread_mutex_init(&s->q_mu, NULL);
+  s->shutdown_tag = (rpc_tag){TAG_SHUTDOWN, s};
+  s->generic.tag = (rpc_tag){TAG_GENERIC, s};
+
+  int max_msg = cfg->max_message_bytes > (size_t)INT32_MAX ? INT32_MAX : (int)cfg->max_message_bytes;
+  grpc_arg args[3];
+  memset(args, 0, sizeof args);
+  args[0].type = GRPC_ARG_INTEGER;
+  args[0].key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
+  args[0].value.integer = max_msg;
+  args[1].type = GRPC_ARG_INTEGER;
+  args[1].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
+  args[1].value.integer = max_msg;
+  args[2].type = GRPC_ARG_INTEGER;
+  args[2].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
+  args[2].value.integer = 0; /* a second moed on the same port must fail, not share */
+  grpc_channel_args chargs = {3, args};
+
+  s->server = grpc_server_create(&chargs, NULL);
+  s->cq = grpc_completion_queue_create_for_next(NULL);
+  grpc_server_register_completion_queue(s->server, s->cq, NULL);
+
+  size_t per = cfg->request_slots > 0 ? (size_t)cfg->request_slots : 1;
+  s->num_slots = per * MOED_M_COUNT;
+  s->slots = calloc(s->num_slots, sizeof *s->slots);
+  if (!s->slots) goto fail;
+  for (int m = 0; m < MOED_M_COUNT; m++) {
+    grpc_server_register_method_payload_handling ph =
+        methods[m].read_stream ? GRPC_SRM_PAYLOAD_NONE : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER;
+    void *reg = grpc_server_register_method(s->server, methods[m].path, NULL, ph, 0);
+    if (!reg) goto fail;
+    for (size_t i = 0; i < per; i++) {
+      accept_slot *slot = &s->slots[(size_t)m * per + i];
+      slot->tag = (rpc_tag){TAG_ACCEPT, slot};
+      slot->method = (moed_method)m;
+      slot->registered = reg;
+    }
+  }
+
+  char addr[300];
+  snprintf(addr, sizeof addr, "%s:%d", cfg->address, cfg->grpc_port);
+  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  int port = grpc_server_add_http2_port(s->server, addr, creds);
+  grpc_server_credentials_release(creds);
+  if (port <= 0) {
+    moed_log(MOED_LOG_ERROR, "bind_failed", "cannot listen on %s", addr);
+    goto fail;
+  }
+  grpc_server_start(s->server);
+  for (size_t i = 0; i < s->num_slots; i++) arm_slot(s, &s->slots[i]);
+  arm_generic(s);
+
+  uv_async_init(loop, &s->async, on_async);
+  s->async.data = s;
+  if (pthread_create(&s->thread, NULL, cq_thread, s) != 0) goto fail_async;
+  s->thread_started = true;
+  *bound_port = port;
+  *out = s;
+  return 0;
+fail_async:
+  uv_close((uv_handle_t *)&s->async, NULL);
+fail:
+  /* the server never started or has no calls: plain teardown */
+  if (s->server) {
+    grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
+    grpc_server_cancel_all_calls(s->server);
+    grpc_completion_queue_shutdown(s->cq);
+    while (grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type != GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_server_destroy(s->server);
+    grpc_completion_queue_destroy(s->cq);
+  }
+  free(s->slots);
+  pthread_mutex_destroy(&s->q_mu);
+  free(s);
+  return -1;
+}
+
+void moed_rpc_shutdown(moed_rpc_server *s) {
+  if (atomic_exchange(&s->shutting_down, true)) return;
+  grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
+}
+
+void moed_rpc_cancel_all(moed_rpc_server *s) { grpc_server_cancel_all_calls(s->server); }
+
+bool moed_rpc_quiet(moed_rpc_server *s) {
+  return atomic_load(&s->shutdown_done) && atomic_load(&s->live_calls) == 0;
+}
+
+static void on_async_closed(uv_handle_t *h) {
+  moed_rpc_server *s = h->data;
+  pthread_mutex_destroy(&s->q_mu);
+  free(s);
+}
+
+void moed_rpc_destroy(moed_rpc_server *s) {
+  grpc_completion_queue_shutdown(s->cq);
+  if (s->thread_started) pthread_join(s->thread, NULL);
+  grpc_server_destroy(s->server);
+  grpc_completion_queue_destroy(s->cq);
+  free(s->slots);
+  uv_close((uv_handle_t *)&s->async, on_async_closed);
+}
