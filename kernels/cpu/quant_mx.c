@@ -33,7 +33,10 @@ ALWAYS_INLINE void quant_block(const void *x, moe_dtype xt, size_t base, const m
   float mult;
   *scale = moe_mx_scale(amax, a->rule, &fmt, &mult);
   uint8_t codes[BLOCK];
-  for (int i = 0; i < BLOCK; i++) codes[i] = moe_f32_to_narrow(v[i] * mult, &fmt, half_up);
+  if (fp4) /* the compare-count encoder; the generic one gives the same codes */
+    for (int i = 0; i < BLOCK; i++) codes[i] = moe_f32_to_e2m1(v[i] * mult, half_up);
+  else
+    for (int i = 0; i < BLOCK; i++) codes[i] = moe_f32_to_narrow(v[i] * mult, &fmt, half_up);
   if (fp4)
     for (int i = 0; i < BLOCK / 2; i++) q[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
   else

@@ -123,7 +123,26 @@ typedef struct moe_narrow_fmt {
  * vectorizes: normal-range values round in the integer domain at bit
  * 23 - mbits; values below the smallest normal are scaled by an exact power
  * of two and rounded from their integer and fractional parts. */
+/* fp32 -> fp4 e2m1 by counting the rounding boundaries |f| passes: with
+ * only eight magnitudes this is seven compares instead of the generic
+ * integer rounding. A boundary that is a tie counts when |f| reaches it if
+ * the tie goes up (to the even code, or always with half_up), else only when
+ * |f| exceeds it. NaN passes none (code 0); sign kept (-0 -> 0x8). */
+MOE_HD uint8_t moe_f32_to_e2m1(float f, bool half_up) {
+  const float a = moe_f32_abs(f);
+  const uint32_t h = (uint32_t)half_up;
+  uint32_t mag = (uint32_t)(a > 0.25f) | ((uint32_t)(a == 0.25f) & h); /* 0 | 0.5: tie to even 0 */
+  mag += (uint32_t)(a >= 0.75f);                                      /* 0.5 | 1: tie to even 1 */
+  mag += (uint32_t)(a > 1.25f) | ((uint32_t)(a == 1.25f) & h);        /* 1 | 1.5: tie to 1 */
+  mag += (uint32_t)(a >= 1.75f);                                      /* 1.5 | 2: tie to 2 */
+  mag += (uint32_t)(a > 2.5f) | ((uint32_t)(a == 2.5f) & h);          /* 2 | 3: tie to 2 */
+  mag += (uint32_t)(a >= 3.5f);                                       /* 3 | 4: tie to 4 */
+  mag += (uint32_t)(a > 5.0f) | ((uint32_t)(a == 5.0f) & h);          /* 4 | 6: tie to 4 */
+  return (uint8_t)(((moe_f32_bits(f) >> 31) << 3) | mag);
+}
+
 MOE_HD uint8_t moe_f32_to_narrow(float f, const moe_narrow_fmt *fmt, bool half_up) {
+  if (fmt->bits == 4) return moe_f32_to_e2m1(f, half_up);
   const int emin = 1 - fmt->bias;
   const int s = 23 - fmt->mbits;
   const uint32_t u = moe_f32_bits(f);
