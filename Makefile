@@ -3,11 +3,12 @@
 #   make test  - install deps, build, run every test (then again under ASan+UBSan)
 BUILD ?= build
 ASAN_BUILD ?= build-asan
+HIP_BUILD ?= build-hip
 JOBS ?= $(shell nproc)
 DEMO ?= demo-models
 MOED_FLAGS ?=
 
-.PHONY: all deps build run test test-asan demo clean
+.PHONY: all deps build run test test-asan build-hip demo clean
 
 all: build
 
@@ -29,6 +30,15 @@ run: demo
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 	$(MAKE) test-asan
+	$(MAKE) build-hip
+
+# The default build takes nvcc when present (the NVIDIA path); the AMD path
+# is compile-checked in a build of its own (one GPU backend per build).
+build-hip: deps
+	@if command -v hipcc >/dev/null; then \
+	  cmake -S . -B $(HIP_BUILD) -DMOE_GPU=HIP -DMOE_BUILD_SERVER=OFF && \
+	  cmake --build $(HIP_BUILD) -j$(JOBS) --target moe moe_shared; \
+	else echo "build-hip: skipped: hipcc not installed (scripts/deps.sh installs it)"; fi
 
 # The C tests again under AddressSanitizer + UndefinedBehaviorSanitizer (the
 # Python oracles load libmoe through ctypes and are run in the plain build).
@@ -39,4 +49,4 @@ test-asan: deps
 	  ctest --output-on-failure -j$(JOBS) -E '^oracle_'
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(HIP_BUILD)
