@@ -43,7 +43,7 @@ build-hip: deps
 # The C tests again under AddressSanitizer + UndefinedBehaviorSanitizer (the
 # Python oracles load libmoe through ctypes and are run in the plain build).
 test-asan: deps
-	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DMOE_SANITIZE=ON
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DMOE_SANITIZE=ON -DMOE_GPU=OFF
 	cmake --build $(ASAN_BUILD) -j$(JOBS)
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j$(JOBS) -E '^oracle_'

@@ -4,12 +4,14 @@
  *   moec [-a HOST:PORT] models
  *   moec [-a HOST:PORT] infer -m MODEL --input NAME=FILE.npy[:DATATYPE] ...
  *        [--param KEY=VALUE ...] [--output-dir DIR] [--timeout-ms N]
+ *   moec [-a HOST:PORT] upload DIR [--name NAME] [--replace] [--chunk-bytes N]
  *
  * Inputs are sent as raw_input_contents; the KServe datatype follows the
  * npy dtype (<f4 FP32, <f2 FP16, |u1 UINT8, |i1 INT8, <i4 INT32) or the
  * :DATATYPE suffix (BF16 data are stored in .npy files as <u2). Outputs are
  * written as DIR/NAME.npy (BF16 as <u2; narrow formats as |u1 bytes, their
  * real format printed). */
+#include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
 #include <grpc/grpc.h>
@@ -20,8 +22,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <xxhash.h>
+
+#include "expert_store.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "grpc_service.pb-c.h"
+#include "moe/ops.h"
+#include "moe/safetensors.h"
 #include "npy.h"
 
 #define MAX_TENSORS 16
@@ -31,6 +38,16 @@ typedef struct client {
   grpc_completion_queue *cq;
   int timeout_ms;
 } client;
+
+static grpc_slice moec_flatten(grpc_byte_buffer *bb) {
+  grpc_byte_buffer_reader rd;
+  grpc_slice all = grpc_empty_slice();
+  if (bb && grpc_byte_buffer_reader_init(&rd, bb)) {
+    all = grpc_byte_buffer_reader_readall(&rd);
+    grpc_byte_buffer_reader_destroy(&rd);
+  }
+  return all;
+}
 
 /* One unary call. Returns the gRPC status; *resp unpacked on OK. */
 static grpc_status_code unary(client *c, const char *method, const ProtobufCMessage *req,
@@ -292,11 +309,221 @@ done:
   return rc;
 }
 
+/* ---- upload: moe.v1.ExpertStore.Upload (client streaming) ------------------------ */
+
+typedef struct upload_call {
+  client *c;
+  grpc_call *call;
+  bool broken; /* a send failed: the server ended the call, its status tells why */
+  XXH3_state_t *hash;
+  uint64_t bytes;
+  size_t chunk;
+} upload_call;
+
+static bool ops_wait(upload_call *u, const grpc_op *ops, size_t n, void *tag) {
+  if (grpc_call_start_batch(u->call, ops, n, tag, NULL) != GRPC_CALL_OK) return false;
+  return grpc_completion_queue_pluck(u->c->cq, tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).success != 0;
+}
+
+static bool send_msg(upload_call *u, const Moe__V1__UploadRequest *m) {
+  if (u->broken) return false;
+  size_t n = moe__v1__upload_request__get_packed_size(m);
+  grpc_slice s = grpc_slice_malloc(n);
+  moe__v1__upload_request__pack(m, GRPC_SLICE_START_PTR(s));
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
+  grpc_slice_unref(s);
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_SEND_MESSAGE;
+  op.data.send_message.send_message = bb;
+  u->broken = !ops_wait(u, &op, 1, (void *)2);
+  grpc_byte_buffer_destroy(bb);
+  return !u->broken;
+}
+
+/* One tensor in chunks: the first carries its TensorHeader. */
+static bool send_tensor(upload_call *u, const char *name, const moe_tensor *t) {
+  Moe__V1__TensorHeader th = MOE__V1__TENSOR_HEADER__INIT;
+  th.name = (char *)name;
+  th.dtype = (char *)moe_dtype_name(t->dtype);
+  th.n_shape = (size_t)t->ndim;
+  th.shape = (int64_t *)t->shape;
+  th.nbytes = t->nbytes;
+  size_t off = 0;
+  do {
+    size_t n = t->nbytes - off < u->chunk ? t->nbytes - off : u->chunk;
+    Moe__V1__UploadChunk ch = MOE__V1__UPLOAD_CHUNK__INIT;
+    ch.tensor = off == 0 ? &th : NULL;
+    ch.data.data = (uint8_t *)t->data + off;
+    ch.data.len = n;
+    Moe__V1__UploadRequest m = MOE__V1__UPLOAD_REQUEST__INIT;
+    m.part_case = MOE__V1__UPLOAD_REQUEST__PART_CHUNK;
+    m.chunk = &ch;
+    if (!send_msg(u, &m)) return false;
+    XXH3_64bits_update(u->hash, ch.data.data, n);
+    u->bytes += n;
+    off += n;
+  } while (off < t->nbytes);
+  return true;
+}
+
+static int st_filter(const struct dirent *e) {
+  size_t n = strlen(e->d_name);
+  return e->d_name[0] != '.' && n > 12 && strcmp(e->d_name + n - 12, ".safetensors") == 0;
+}
+
+static char *read_text(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  char *buf = NULL;
+  long n = -1;
+  if (fseek(f, 0, SEEK_END) == 0 && (n = ftell(f)) >= 0 && fseek(f, 0, SEEK_SET) == 0 && (buf = malloc((size_t)n + 1)) &&
+      fread(buf, 1, (size_t)n, f) == (size_t)n) {
+    buf[n] = 0;
+  } else {
+    free(buf);
+    buf = NULL;
+  }
+  fclose(f);
+  return buf;
+}
+
+static int cmd_upload(client *c, const char *dir, const char *name, bool replace, size_t chunk) {
+  char path[4096];
+  struct dirent **files = NULL;
+  int nfiles = -1, rc = 1;
+  moe_safetensors *st = NULL;
+  upload_call u = {c, NULL, false, XXH3_createState(), 0, chunk};
+  snprintf(path, sizeof path, "%s/config.json", dir);
+  char *config = read_text(path);
+  if (!config) {
+    fprintf(stderr, "moec: cannot read %s\n", path);
+    goto done;
+  }
+  if ((nfiles = scandir(dir, &files, st_filter, alphasort)) < 0) {
+    fprintf(stderr, "moec: cannot list %s: %s\n", dir, strerror(errno));
+    goto done;
+  }
+  char model[256];
+  if (name) {
+    snprintf(model, sizeof model, "%s", name);
+  } else { /* the directory's name */
+    const char *end = dir + strlen(dir);
+    while (end > dir && end[-1] == '/') end--;
+    const char *start = end;
+    while (start > dir && start[-1] != '/') start--;
+    int len = end - start < (int)sizeof model - 1 ? (int)(end - start) : (int)sizeof model - 1;
+    snprintf(model, sizeof model, "%.*s", len, start);
+  }
+  XXH3_64bits_reset(u.hash);
+  gpr_timespec deadline = c->timeout_ms > 0 ? gpr_time_add(gpr_now(GPR_CLOCK_REALTIME),
+                                                           gpr_time_from_millis(c->timeout_ms, GPR_TIMESPAN))
+                                            : gpr_inf_future(GPR_CLOCK_REALTIME);
+  grpc_slice method = grpc_slice_from_static_string("/moe.v1.ExpertStore/Upload");
+  u.call = grpc_channel_create_call(c->ch, NULL, GRPC_PROPAGATE_DEFAULTS, c->cq, method, NULL, deadline, NULL);
+  grpc_slice_unref(method);
+  grpc_metadata_array md, trailing;
+  grpc_metadata_array_init(&md);
+  grpc_metadata_array_init(&trailing);
+  grpc_status_code status = GRPC_STATUS_UNKNOWN;
+  grpc_slice details = grpc_empty_slice();
+  grpc_byte_buffer *recv = NULL;
+  grpc_op ops[3];
+  memset(ops, 0, sizeof ops);
+  /* the status is asked for at once, so that a server that stops the
+   * upload early is heard even while sends fail */
+  ops[0].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  ops[0].data.recv_status_on_client.trailing_metadata = &trailing;
+  ops[0].data.recv_status_on_client.status = &status;
+  ops[0].data.recv_status_on_client.status_details = &details;
+  grpc_call_start_batch(u.call, ops, 1, (void *)9, NULL);
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  u.broken = !ops_wait(&u, ops, 1, (void *)1);
+
+  Moe__V1__UploadHeader h = MOE__V1__UPLOAD_HEADER__INIT;
+  h.name = model;
+  h.config_json = config;
+  h.replace = replace;
+  Moe__V1__UploadRequest m = MOE__V1__UPLOAD_REQUEST__INIT;
+  m.part_case = MOE__V1__UPLOAD_REQUEST__PART_HEADER;
+  m.header = &h;
+  bool ok = send_msg(&u, &m);
+  for (int f = 0; ok && f < nfiles; f++) {
+    moe_error err = {{0}};
+    snprintf(path, sizeof path, "%s/%s", dir, files[f]->d_name);
+    if (moe_safetensors_open(path, &st, &err) != MOE_OK) {
+      fprintf(stderr, "moec: %s: %s\n", path, err.msg);
+      ok = false;
+      grpc_call_cancel(u.call, NULL);
+      break;
+    }
+    for (size_t i = 0; ok && i < moe_safetensors_count(st); i++) {
+      moe_tensor t;
+      const char *tn = moe_safetensors_name(st, i);
+      if (moe_safetensors_get(st, tn, &t, &err) != MOE_OK) {
+        fprintf(stderr, "moec: %s: %s\n", path, err.msg);
+        ok = false;
+        grpc_call_cancel(u.call, NULL);
+        break;
+      }
+      ok = send_tensor(&u, tn, &t);
+    }
+    moe_safetensors_close(st);
+    st = NULL;
+  }
+  if (!u.broken) {
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[1].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[1].data.recv_initial_metadata.recv_initial_metadata = &md;
+    ops[2].op = GRPC_OP_RECV_MESSAGE;
+    ops[2].data.recv_message.recv_message = &recv;
+    ops_wait(&u, ops, 3, (void *)3);
+  }
+  grpc_completion_queue_pluck(c->cq, (void *)9, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  if (status != GRPC_STATUS_OK) {
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%.*s", (int)GRPC_SLICE_LENGTH(details), (const char *)GRPC_SLICE_START_PTR(details));
+    report("Upload", status, msg);
+  } else if (ok && recv) {
+    grpc_slice all = moec_flatten(recv);
+    Moe__V1__UploadResponse *r = moe__v1__upload_response__unpack(NULL, GRPC_SLICE_LENGTH(all), GRPC_SLICE_START_PTR(all));
+    grpc_slice_unref(all);
+    uint64_t mine = XXH3_64bits_digest(u.hash);
+    if (!r) {
+      fprintf(stderr, "moec: Upload: malformed response\n");
+    } else if (r->bytes != u.bytes || r->checksum != mine) {
+      fprintf(stderr, "moec: Upload: server got %llu bytes xxh3 %016llx, sent %llu bytes xxh3 %016llx\n",
+              (unsigned long long)r->bytes, (unsigned long long)r->checksum, (unsigned long long)u.bytes,
+              (unsigned long long)mine);
+    } else {
+      printf("uploaded %s: %llu bytes, xxh3 %016llx (verified)\n", r->name, (unsigned long long)r->bytes,
+             (unsigned long long)r->checksum);
+      rc = 0;
+    }
+    if (r) moe__v1__upload_response__free_unpacked(r, NULL);
+  }
+  if (recv) grpc_byte_buffer_destroy(recv);
+  grpc_slice_unref(details);
+  grpc_metadata_array_destroy(&md);
+  grpc_metadata_array_destroy(&trailing);
+  grpc_call_unref(u.call);
+done:
+  for (int f = 0; f < nfiles; f++) free(files[f]);
+  free(files);
+  free(config);
+  XXH3_freeState(u.hash);
+  return rc;
+}
+
 static void usage(FILE *f) {
   fputs("usage: moec [-a HOST:PORT] [--timeout-ms N] COMMAND\n"
         "  health                      liveness, readiness, server metadata\n"
         "  models                      the repository index\n"
         "  infer -m MODEL --input NAME=FILE.npy[:DATATYPE]... [--param K=V]... [--output-dir DIR]\n"
+        "  upload DIR [--name NAME] [--replace] [--chunk-bytes N]\n"
+        "                              stream an expert set (config.json + *.safetensors) to ExpertStore\n"
         "env: MOEC_ADDRESS (default localhost:8001)\n",
         f);
 }
@@ -306,15 +533,20 @@ int main(int argc, char **argv) {
   const char *model = NULL, *out_dir = ".";
   char *inputs[MAX_TENSORS], *params[MAX_TENSORS * 2];
   int n_in = 0, n_params = 0, timeout_ms = 0;
+  const char *name = NULL;
+  bool replace = false;
+  size_t chunk = (size_t)4 << 20;
   static const struct option opts[] = {
       {"address", required_argument, NULL, 'a'}, {"model", required_argument, NULL, 'm'},
       {"input", required_argument, NULL, 'i'},   {"param", required_argument, NULL, 'p'},
       {"output-dir", required_argument, NULL, 'o'}, {"timeout-ms", required_argument, NULL, 't'},
+      {"name", required_argument, NULL, 'n'},   {"replace", no_argument, NULL, 'r'},
+      {"chunk-bytes", required_argument, NULL, 'c'},
       {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0},
   };
   int opt;
   /* GNU getopt permutes: the command word may stand anywhere */
-  while ((opt = getopt_long(argc, argv, "a:m:i:p:o:t:h", opts, NULL)) != -1) {
+  while ((opt = getopt_long(argc, argv, "a:m:i:p:o:t:n:rc:h", opts, NULL)) != -1) {
     switch (opt) {
     case 'a': addr = optarg; break;
     case 'm': model = optarg; break;
@@ -328,6 +560,15 @@ int main(int argc, char **argv) {
       break;
     case 'o': out_dir = optarg; break;
     case 't': timeout_ms = atoi(optarg); break;
+    case 'n': name = optarg; break;
+    case 'r': replace = true; break;
+    case 'c': {
+      char *end;
+      unsigned long long v = strtoull(optarg, &end, 10);
+      if (*end || v < 1 || v > (1u << 30)) return fprintf(stderr, "moec: --chunk-bytes 1..1073741824\n"), 2;
+      chunk = (size_t)v;
+      break;
+    }
     case 'h': usage(stdout); return 0;
     default: usage(stderr); return 2;
     }
@@ -359,6 +600,13 @@ int main(int argc, char **argv) {
       rc = 2;
     } else {
       rc = cmd_infer(&c, model, inputs, n_in, params, n_params, out_dir);
+    }
+  } else if (strcmp(cmd, "upload") == 0) {
+    if (optind + 1 >= argc) {
+      fprintf(stderr, "moec: upload needs DIR\n");
+      rc = 2;
+    } else {
+      rc = cmd_upload(&c, argv[optind + 1], name, replace, chunk);
     }
   } else {
     fprintf(stderr, "moec: unknown command '%s'\n", cmd);

@@ -24,7 +24,13 @@ static const char usage[] =
     "  --max-queue-size N        queued jobs per device queue (default 1024)\n"
     "  --request-slots N         armed accepts per method (default 16)\n"
     "  --drain-timeout SECONDS   SIGTERM: wait for in-flight work (MOED_DRAIN_TIMEOUT, default 30)\n"
-    "  --cache-bytes N           inline-weight device cache (default 1 GiB)\n"
+    "  --cache-bytes N           inline fused_moe weight cache on the device (MOED_CACHE_BYTES, default 1 GiB; 0 = off)\n"
+    "  --cache-host              use that cache on host backends too (they read request bytes in place)\n"
+    "  --max-batch-tokens N      rows merged into one call for row-independent ops (MOED_MAX_BATCH_TOKENS,\n"
+    "                            default 4096; 0 = no batching)\n"
+    "  --max-queue-delay-us N    longest wait for a batch to fill (MOED_MAX_QUEUE_DELAY_US, default 0 =\n"
+    "                            merge what arrives together; rounded up to ms)\n"
+    "  --max-upload-bytes N      tensor bytes per ExpertStore upload (default 64 GiB)\n"
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
     "  --log-json                JSON log lines (MOED_LOG_JSON=1)\n"
     "  --port-file PATH          write \"GRPC_PORT HTTP_PORT\" once listening (tests)\n"
@@ -33,7 +39,7 @@ static const char usage[] =
 enum {
   OPT_ADDRESS = 256, OPT_GRPC_PORT, OPT_HTTP_PORT, OPT_REPO, OPT_WORKERS, OPT_TPW, OPT_MAX_MSG, OPT_MAX_TENSOR,
   OPT_MAX_TOKENS, OPT_MAX_INFLIGHT, OPT_MAX_QUEUE, OPT_SLOTS, OPT_DRAIN, OPT_CACHE, OPT_LOG_LEVEL, OPT_LOG_JSON,
-  OPT_PORT_FILE, OPT_HELP,
+  OPT_PORT_FILE, OPT_HELP, OPT_CACHE_HOST, OPT_BATCH_TOKENS, OPT_QUEUE_DELAY, OPT_MAX_UPLOAD,
 };
 
 static const struct option options[] = {
@@ -54,6 +60,10 @@ static const struct option options[] = {
     {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
     {"log-json", no_argument, NULL, OPT_LOG_JSON},
     {"port-file", required_argument, NULL, OPT_PORT_FILE},
+    {"cache-host", no_argument, NULL, OPT_CACHE_HOST},
+    {"max-batch-tokens", required_argument, NULL, OPT_BATCH_TOKENS},
+    {"max-queue-delay-us", required_argument, NULL, OPT_QUEUE_DELAY},
+    {"max-upload-bytes", required_argument, NULL, OPT_MAX_UPLOAD},
     {"help", no_argument, NULL, OPT_HELP},
     {NULL, 0, NULL, 0},
 };
@@ -105,6 +115,10 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_LOG_LEVEL: ok = parse_level(v, &c->log_level); break;
   case OPT_LOG_JSON: c->log_json = !v || strcmp(v, "0") != 0; break;
   case OPT_PORT_FILE: c->port_file = v; break;
+  case OPT_CACHE_HOST: c->cache_host = true; break;
+  case OPT_BATCH_TOKENS: ok = parse_i64(v, 0, INT32_MAX, &n) && (c->max_batch_tokens = n, true); break;
+  case OPT_QUEUE_DELAY: ok = parse_i64(v, 0, 60000000, &n) && (c->max_queue_delay_us = n, true); break;
+  case OPT_MAX_UPLOAD: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_upload_bytes = (size_t)n, true); break;
   }
   if (!ok) fprintf(stderr, "moed: bad value '%s' for %s\n", v, src);
   return ok;
@@ -116,7 +130,8 @@ static const struct { const char *env; int opt; } env_map[] = {
     {"MOED_WORKERS", OPT_WORKERS},         {"MOED_THREADS_PER_WORKER", OPT_TPW},
     {"MOED_MAX_MESSAGE_BYTES", OPT_MAX_MSG}, {"MOED_MAX_INFLIGHT", OPT_MAX_INFLIGHT},
     {"MOED_DRAIN_TIMEOUT", OPT_DRAIN},     {"MOED_LOG_LEVEL", OPT_LOG_LEVEL},
-    {"MOED_LOG_JSON", OPT_LOG_JSON},
+    {"MOED_LOG_JSON", OPT_LOG_JSON},       {"MOED_CACHE_BYTES", OPT_CACHE},
+    {"MOED_MAX_BATCH_TOKENS", OPT_BATCH_TOKENS}, {"MOED_MAX_QUEUE_DELAY_US", OPT_QUEUE_DELAY},
 };
 
 int moed_config_parse(moed_config *c, int argc, char **argv) {
@@ -134,6 +149,8 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .drain_timeout_s = 30,
       .log_level = MOED_LOG_INFO,
       .cache_bytes = (size_t)1 << 30,
+      .max_batch_tokens = 4096,
+      .max_upload_bytes = (size_t)64 << 30,
   };
   for (size_t i = 0; i < sizeof env_map / sizeof env_map[0]; i++) {
     const char *v = getenv(env_map[i].env);

@@ -335,6 +335,8 @@ typedef struct stats_out {
   Inference__ModelStatistics *v;
   Inference__StatisticDuration *d;
   Inference__InferStatistics *is;
+  Inference__InferBatchStatistics *bs, **pbs; /* MOED_BATCH_STATS per model */
+  Inference__StatisticDuration *bd;           /* 3 per batch statistic */
   size_t n, cap;
 } stats_out;
 
@@ -371,6 +373,27 @@ static void collect_stats(moed_model *m, void *arg) {
   is->compute_infer = &d[4];
   is->compute_output = &d[5];
   ms->inference_stats = is;
+  /* executions per batch size (requests merged into one call) */
+  Inference__InferBatchStatistics *bs = &o->bs[o->n * MOED_BATCH_STATS];
+  Inference__InferBatchStatistics **pbs = &o->pbs[o->n * MOED_BATCH_STATS];
+  Inference__StatisticDuration *bd = &o->bd[o->n * MOED_BATCH_STATS * 3];
+  size_t nb = 0;
+  for (size_t i = 0; i < MOED_BATCH_STATS; i++) {
+    uint64_t count = atomic_load(&st->batch_count[i]);
+    if (!count) continue;
+    inference__infer_batch_statistics__init(&bs[nb]);
+    bs[nb].batch_size = i + 1;
+    dur(&bd[nb * 3], 0, 0);
+    dur(&bd[nb * 3 + 1], count, atomic_load(&st->batch_ns[i]));
+    dur(&bd[nb * 3 + 2], 0, 0);
+    bs[nb].compute_input = &bd[nb * 3];
+    bs[nb].compute_infer = &bd[nb * 3 + 1];
+    bs[nb].compute_output = &bd[nb * 3 + 2];
+    pbs[nb] = &bs[nb];
+    nb++;
+  }
+  ms->n_batch_stats = nb;
+  ms->batch_stats = pbs;
   o->n++;
 }
 
@@ -393,8 +416,11 @@ static void model_statistics(moed_server *s, moed_request *req) {
   o.v = calloc(o.cap, sizeof *o.v);
   o.is = calloc(o.cap, sizeof *o.is);
   o.d = calloc(o.cap * 6, sizeof *o.d);
+  o.bs = calloc(o.cap * MOED_BATCH_STATS, sizeof *o.bs);
+  o.pbs = calloc(o.cap * MOED_BATCH_STATS, sizeof *o.pbs);
+  o.bd = calloc(o.cap * MOED_BATCH_STATS * 3, sizeof *o.bd);
   Inference__ModelStatistics **pv = calloc(o.cap, sizeof *pv);
-  if (!o.v || !o.is || !o.d || !pv) {
+  if (!o.v || !o.is || !o.d || !o.bs || !o.pbs || !o.bd || !pv) {
     reply_error(req, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory");
     goto done;
   }
@@ -413,6 +439,9 @@ done:
   free(o.v);
   free(o.is);
   free(o.d);
+  free(o.bs);
+  free(o.pbs);
+  free(o.bd);
   protobuf_c_message_free_unpacked(&in->base, NULL);
 }
 
@@ -456,6 +485,11 @@ static void repository_index(moed_server *s, moed_request *req) {
 
 /* ---- jobs on the device queues -------------------------------------------------------------- */
 
+/* Messages up to this size are decoded on the loop (microseconds), so the
+ * batcher sees their model and shapes; larger ones are decoded on a worker
+ * and run alone (they fill a batch by themselves). */
+#define LOOP_DECODE_MAX ((size_t)1 << 20)
+
 typedef struct request_job {
   moed_job job;
   moed_server *srv;
@@ -466,45 +500,6 @@ static void job_free(request_job *j) {
   if (j->req->payload) grpc_byte_buffer_destroy(j->req->payload);
   free(j->req);
   free(j);
-}
-
-static void infer_done(moed_server *s) { atomic_fetch_sub(&s->inflight, 1); }
-
-static void infer_run(moed_job *job, moe_backend *b) {
-  request_job *j = (request_job *)job;
-  moed_request *req = j->req;
-  grpc_byte_buffer *resp = NULL;
-  char msg[600], id[256];
-  bool stream = req->method == MOED_M_MODEL_STREAM_INFER;
-  grpc_status_code code =
-      moed_infer_execute(j->srv, b, req->rpc, req->payload, req->received_ns, stream, &resp, msg, sizeof msg, id, sizeof id);
-  if (!stream) {
-    moed_rpc_finish(req->rpc, code, msg, resp);
-  } else {
-    if (code != GRPC_STATUS_OK) { /* an error answers that request; the stream goes on */
-      Inference__ModelStreamInferResponse r = INFERENCE__MODEL_STREAM_INFER_RESPONSE__INIT;
-      Inference__ModelInferResponse ir = INFERENCE__MODEL_INFER_RESPONSE__INIT;
-      ir.id = id;
-      r.error_message = msg;
-      r.infer_response = &ir;
-      resp = pack(&r.base);
-    }
-    if (resp) moed_rpc_stream_write(req->rpc, resp);
-    moed_rpc_stream_done(req->rpc);
-  }
-  infer_done(j->srv);
-  job_free(j);
-}
-
-static void infer_cancel(moed_job *job, moe_backend *b) {
-  (void)b;
-  request_job *j = (request_job *)job;
-  if (j->req->method == MOED_M_MODEL_STREAM_INFER)
-    moed_rpc_stream_done(j->req->rpc);
-  else
-    moed_rpc_finish(j->req->rpc, GRPC_STATUS_UNAVAILABLE, "server shutting down", NULL);
-  infer_done(j->srv);
-  job_free(j);
 }
 
 static void repo_change_run(moed_job *job, moe_backend *b) {
@@ -545,33 +540,10 @@ static void repo_change_cancel(moed_job *job, moe_backend *b) {
   job_free(j);
 }
 
-/* Queues req as a job; on refusal answers it (UNAVAILABLE) and frees it. */
-static void submit(moed_server *s, moed_request *req, moed_job_fn run, moed_job_fn cancel, bool counted) {
-  bool stream = req->method == MOED_M_MODEL_STREAM_INFER;
-  const char *why = NULL;
-  if (atomic_load(&s->draining))
-    why = "server is shutting down";
-  else if (counted && atomic_fetch_add(&s->inflight, 1) >= s->cfg->max_inflight) {
-    atomic_fetch_sub(&s->inflight, 1);
-    why = "too many requests in flight";
-  }
-  request_job *j = why ? NULL : calloc(1, sizeof *j);
-  if (!why && !j) {
-    if (counted) atomic_fetch_sub(&s->inflight, 1);
-    why = "server out of memory";
-  }
-  if (j) {
-    j->job.run = run;
-    j->job.cancel = cancel;
-    j->srv = s;
-    j->req = req;
-    if (moed_devices_submit(s->devices, &j->job)) return;
-    free(j);
-    if (counted) atomic_fetch_sub(&s->inflight, 1);
-    why = "device queue full";
-  }
+/* Answers a request refused before admission (UNAVAILABLE) and frees it. */
+static void refuse(moed_server *s, moed_request *req, const char *why) {
   atomic_fetch_add(&s->rejected, 1);
-  if (stream) {
+  if (req->method == MOED_M_MODEL_STREAM_INFER) {
     Inference__ModelStreamInferResponse r = INFERENCE__MODEL_STREAM_INFER_RESPONSE__INIT;
     char msg[64];
     snprintf(msg, sizeof msg, "UNAVAILABLE: %s", why);
@@ -584,6 +556,40 @@ static void submit(moed_server *s, moed_request *req, moed_job_fn run, moed_job_
   }
   if (req->payload) grpc_byte_buffer_destroy(req->payload);
   free(req);
+}
+
+/* Repository changes run on a worker (loading maps and checks files). */
+static void submit_repo_change(moed_server *s, moed_request *req) {
+  if (atomic_load(&s->draining)) return refuse(s, req, "server is shutting down");
+  request_job *j = calloc(1, sizeof *j);
+  if (!j) return refuse(s, req, "server out of memory");
+  j->job.run = repo_change_run;
+  j->job.cancel = repo_change_cancel;
+  j->srv = s;
+  j->req = req;
+  if (moed_devices_submit(s->devices, &j->job)) return;
+  free(j);
+  refuse(s, req, "device queue full");
+}
+
+/* Admission (drain, in-flight limit), then decode here and batch, or hand
+ * a large message to a worker undecoded. */
+static void infer(moed_server *s, moed_request *req) {
+  if (atomic_load(&s->draining)) return refuse(s, req, "server is shutting down");
+  if (atomic_fetch_add(&s->inflight, 1) >= s->cfg->max_inflight) {
+    atomic_fetch_sub(&s->inflight, 1);
+    return refuse(s, req, "too many requests in flight");
+  }
+  /* admitted: from here infer.c answers it and drops the in-flight count */
+  if (req->payload && grpc_byte_buffer_length(req->payload) > LOOP_DECODE_MAX) return moed_infer_dispatch_raw(s, req);
+  moed_infer_req *r = moed_infer_decode(s, req);
+  if (!r) return;
+  if (moed_infer_failed(r))
+    moed_infer_run(s, NULL, &r, 1); /* only answers it */
+  else if (moed_infer_batch_rows(r) > 0)
+    moed_batcher_submit(s->batcher, r);
+  else
+    moed_infer_dispatch(s, &r, 1);
 }
 
 /* ---- dispatch -------------------------------------------------------------------------------- */
@@ -613,7 +619,7 @@ void moed_handle_request(moed_request *req, void *arg) {
   case MOED_M_HEALTH_CHECK: health(s, req, false); break;
   case MOED_M_HEALTH_WATCH: health(s, req, true); break;
   case MOED_M_MODEL_INFER:
-    submit(s, req, infer_run, infer_cancel, true);
+    infer(s, req);
     keep = true;
     break;
   case MOED_M_MODEL_STREAM_INFER:
@@ -621,16 +627,17 @@ void moed_handle_request(moed_request *req, void *arg) {
       moed_rpc_stream_done(req->rpc);
       break;
     }
-    submit(s, req, infer_run, infer_cancel, true);
+    infer(s, req);
     keep = true;
     break;
   case MOED_M_REPOSITORY_LOAD:
   case MOED_M_REPOSITORY_UNLOAD:
-    submit(s, req, repo_change_run, repo_change_cancel, false);
+    submit_repo_change(s, req);
     keep = true;
     break;
   case MOED_M_EXPERT_UPLOAD:
-    moed_rpc_finish(req->rpc, GRPC_STATUS_UNIMPLEMENTED, "ExpertStore.Upload: not implemented yet", NULL);
+    moed_upload_handle(s, req);
+    keep = true;
     break;
   default: moed_rpc_finish(req->rpc, GRPC_STATUS_UNIMPLEMENTED, "unknown method", NULL); break;
   }

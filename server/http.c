@@ -121,6 +121,21 @@ static void render_metrics(moed_server *s, wbuf *b) {
   wb_printf(b, "# HELP moed_rejected_total Requests refused (limits, drain).\n"
                "# TYPE moed_rejected_total counter\nmoed_rejected_total %llu\n",
             (unsigned long long)atomic_load(&s->rejected));
+  if (s->weights) {
+    moed_weight_cache_stats cs;
+    moed_weight_cache_stats_get(s->weights, &cs);
+    wb_printf(b,
+              "# HELP moed_weight_cache_hits_total Inline fused_moe weight sets found on the device.\n"
+              "# TYPE moed_weight_cache_hits_total counter\nmoed_weight_cache_hits_total %llu\n"
+              "# HELP moed_weight_cache_misses_total Inline weight sets copied to the device.\n"
+              "# TYPE moed_weight_cache_misses_total counter\nmoed_weight_cache_misses_total %llu\n"
+              "# HELP moed_weight_cache_evictions_total Weight sets evicted (least recently used).\n"
+              "# TYPE moed_weight_cache_evictions_total counter\nmoed_weight_cache_evictions_total %llu\n"
+              "# HELP moed_weight_cache_bytes Bytes held by the weight cache.\n"
+              "# TYPE moed_weight_cache_bytes gauge\nmoed_weight_cache_bytes %llu\n",
+              (unsigned long long)cs.hits, (unsigned long long)cs.misses, (unsigned long long)cs.evictions,
+              (unsigned long long)cs.bytes);
+  }
   wb_printf(b, "# HELP moed_ready Whether the server accepts inference.\n# TYPE moed_ready gauge\nmoed_ready %d\n",
             atomic_load(&s->ready) ? 1 : 0);
 }

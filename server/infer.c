@@ -1,10 +1,15 @@
 /* infer: ModelInfer and ModelStreamInfer requests, from the wire to an op
- * call and back, run on a device worker.
+ * call and back.
+ *
+ * Decoding (moed_infer_decode) runs on the loop for small messages (so the
+ * batcher can see model, parameters and shapes) and on a worker for large
+ * ones; running (moed_infer_run) always on a worker.
  *
  * Every size a request declares (shape, byte counts, element counts) is
  * untrusted: products are overflow-checked before anything is allocated.
- * Host-memory backends read the request's bytes in place and their outputs
- * are handed to gRPC as slices without a copy. */
+ * raw_input_contents are located in the received bytes and read in place
+ * (protobuf-c would copy them); host-memory backends compute on them
+ * directly and their outputs are handed to gRPC as slices without a copy. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +20,8 @@
 #include "moed.h"
 
 #define MAX_INPUTS 16
+#define MAX_PARAMS 64
+#define MAX_SMALL_INPUT 4096 /* rank <= 1 inputs of a batch must be byte-equal: bounded */
 
 /* ---- the datatype table: KServe name <-> moe dtype ---------------------------- */
 
@@ -41,55 +48,145 @@ const char *moed_kserve_datatype(moe_dtype t) {
   return "UINT8"; /* narrow formats travel as bytes */
 }
 
-/* ---- one request's state ----------------------------------------------------------- */
+/* ---- a decoded request --------------------------------------------------------------- */
 
-typedef struct infer_ctx {
-  moed_server *srv;
-  moe_backend *b;
-  Inference__ModelInferRequest *req;
+struct moed_infer_req {
+  moed_request *req;
+  grpc_slice flat;                    /* the message bytes; raw inputs point here */
+  Inference__ModelInferRequest *msg;  /* everything but raw_input_contents */
+  ProtobufCBinaryData *raw;           /* raw_input_contents, in place in `flat` */
+  size_t n_raw;
   moed_model *model;
-  moe_call *call;
-  void *owned[MAX_INPUTS];     /* converted typed contents (host) */
-  void *device_in[MAX_INPUTS]; /* device copies of inputs (non-host backends) */
-  void *outputs[MAX_INPUTS];   /* output buffers (backend memory) */
-  void *host_out[MAX_INPUTS];  /* host copies (non-host backends) */
-  size_t num_out;
-  char msg[600];
-  uint64_t bytes_in, bytes_out;
-} infer_ctx;
+  moe_named_tensor in[MAX_INPUTS];
+  size_t n_in;
+  moe_param params[MAX_PARAMS];
+  size_t n_params;
+  void *owned[MAX_INPUTS];            /* converted typed contents */
+  int64_t rows;                       /* batch rows; 0 = never batched */
+  uint8_t *key;                       /* batch key (see batch_key) */
+  size_t key_len;
+  grpc_status_code code;              /* decode failure */
+  char err[600];
+  uint64_t bytes_in;
+};
 
-static void ctx_cleanup(infer_ctx *c) {
-  for (size_t i = 0; i < MAX_INPUTS; i++) {
-    free(c->owned[i]);
-    if (c->device_in[i]) c->b->iface->free(c->b, c->device_in[i]);
-    if (c->outputs[i]) {
-      if (moed_backend_is_host(c->b))
-        free(c->outputs[i]);
-      else
-        c->b->iface->free(c->b, c->outputs[i]);
-    }
-    free(c->host_out[i]);
-  }
-  moe_call_destroy(c->call);
-  if (c->req) inference__model_infer_request__free_unpacked(c->req, NULL);
-  moed_model_release(c->model);
-}
-
-static grpc_status_code fail(infer_ctx *c, grpc_status_code code, const char *fmt, ...)
+static grpc_status_code failf(char *buf, grpc_status_code code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-static grpc_status_code fail(infer_ctx *c, grpc_status_code code, const char *fmt, ...) {
+static grpc_status_code failf(char *buf, grpc_status_code code, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(c->msg, sizeof c->msg, fmt, ap);
+  vsnprintf(buf, 600, fmt, ap);
   va_end(ap);
   return code;
+}
+#define fail(r, code, ...) failf((r)->err, code, __VA_ARGS__)
+
+static void req_free(moed_infer_req *r) {
+  if (!r) return;
+  for (size_t i = 0; i < MAX_INPUTS; i++) free(r->owned[i]);
+  free(r->raw);
+  free(r->key);
+  if (r->msg) inference__model_infer_request__free_unpacked(r->msg, NULL);
+  grpc_slice_unref(r->flat);
+  moed_model_release(r->model);
+  if (r->req->payload) grpc_byte_buffer_destroy(r->req->payload);
+  free(r->req);
+  free(r);
+}
+
+bool moed_infer_failed(const moed_infer_req *r) { return r->code != GRPC_STATUS_OK; }
+int64_t moed_infer_batch_rows(const moed_infer_req *r) { return r->code ? 0 : r->rows; }
+
+bool moed_infer_same_batch(const moed_infer_req *a, const moed_infer_req *b) {
+  return a->model == b->model && a->key_len == b->key_len && memcmp(a->key, b->key, a->key_len) == 0;
+}
+
+/* ---- the wire: raw contents located in place ----------------------------------------- */
+
+static bool read_varint(const uint8_t *p, size_t n, size_t *pos, uint64_t *out) {
+  uint64_t v = 0;
+  for (int shift = 0; shift < 64; shift += 7) {
+    if (*pos >= n) return false;
+    uint8_t b = p[(*pos)++];
+    v |= (uint64_t)(b & 0x7F) << shift;
+    if (!(b & 0x80)) {
+      *out = v;
+      return true;
+    }
+  }
+  return false;
+}
+
+/* Walks the top-level fields of a ModelInferRequest: raw_input_contents
+ * (field 7) are recorded in place, the other fields' bytes are copied to
+ * `rest` (small: names, shapes, parameters) for protobuf-c. With rest NULL,
+ * only counts. false: not a well-formed message. */
+static bool split_raw(const uint8_t *p, size_t n, uint8_t *rest, size_t *rest_len, ProtobufCBinaryData *raw,
+                      size_t *n_raw) {
+  size_t pos = 0, rl = 0, nr = 0;
+  while (pos < n) {
+    size_t start = pos;
+    uint64_t tag, v;
+    if (!read_varint(p, n, &pos, &tag) || (tag >> 3) == 0 || (tag >> 3) > UINT32_MAX) return false;
+    uint32_t wt = (uint32_t)(tag & 7);
+    switch (wt) {
+    case 0:
+      if (!read_varint(p, n, &pos, &v)) return false;
+      break;
+    case 1:
+      if (n - pos < 8) return false;
+      pos += 8;
+      break;
+    case 5:
+      if (n - pos < 4) return false;
+      pos += 4;
+      break;
+    case 2:
+      if (!read_varint(p, n, &pos, &v) || v > n - pos) return false;
+      if ((tag >> 3) == 7) {
+        if (raw) raw[nr] = (ProtobufCBinaryData){(size_t)v, (uint8_t *)p + pos};
+        nr++;
+        pos += (size_t)v;
+        continue;
+      }
+      pos += (size_t)v;
+      break;
+    default: return false; /* groups and reserved wire types: not this message */
+    }
+    if ((tag >> 3) == 7) return false; /* raw contents must be length-delimited */
+    if (rest) memcpy(rest + rl, p + start, pos - start);
+    rl += pos - start;
+  }
+  *rest_len = rl;
+  *n_raw = nr;
+  return true;
+}
+
+static grpc_status_code unpack_message(moed_infer_req *r) {
+  const uint8_t *p = GRPC_SLICE_START_PTR(r->flat);
+  size_t n = GRPC_SLICE_LENGTH(r->flat), rest_len = 0, n_raw = 0;
+  if (!split_raw(p, n, NULL, &rest_len, NULL, &n_raw))
+    return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid ModelInferRequest message");
+  uint8_t *rest = malloc(rest_len ? rest_len : 1);
+  r->raw = calloc(n_raw ? n_raw : 1, sizeof *r->raw);
+  if (!rest || !r->raw) {
+    free(rest);
+    return fail(r, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory");
+  }
+  split_raw(p, n, rest, &rest_len, r->raw, &n_raw);
+  r->n_raw = n_raw;
+  r->msg = inference__model_infer_request__unpack(NULL, rest_len, rest);
+  free(rest);
+  if (!r->msg) return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid ModelInferRequest message");
+  return GRPC_STATUS_OK;
 }
 
 /* ---- decoding ---------------------------------------------------------------------- */
 
 /* Element count and byte size of a wire-declared shape, overflow-checked. */
-static grpc_status_code check_shape(infer_ctx *c, size_t i, const Inference__ModelInferRequest__InferInputTensor *t,
-                                    const wire_type *wt, moe_tensor *out, size_t *numel) {
+static grpc_status_code check_shape(moed_infer_req *c, const moed_config *cfg, size_t i,
+                                    const Inference__ModelInferRequest__InferInputTensor *t, const wire_type *wt,
+                                    moe_tensor *out, size_t *numel) {
   if (t->n_shape > MOE_MAX_DIMS)
     return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': rank %zu exceeds %d", i, t->name, t->n_shape,
                 MOE_MAX_DIMS);
@@ -105,14 +202,14 @@ static grpc_status_code check_shape(infer_ctx *c, size_t i, const Inference__Mod
   size_t bytes;
   if (!moe_mul_size(n, wt->size, &bytes))
     return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': byte size overflows", i, t->name);
-  if (bytes > c->srv->cfg->max_tensor_bytes)
+  if (bytes > cfg->max_tensor_bytes)
     return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': %zu bytes exceed the limit of %zu", i, t->name,
-                bytes, c->srv->cfg->max_tensor_bytes);
+                bytes, cfg->max_tensor_bytes);
   int64_t rows = 1;
   for (size_t d = 0; d + 1 < t->n_shape; d++) rows *= t->shape[d]; /* <= n: no overflow */
-  if (t->n_shape >= 2 && rows > c->srv->cfg->max_tokens)
+  if (t->n_shape >= 2 && rows > cfg->max_tokens)
     return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': %lld rows exceed max tokens %lld", i, t->name,
-                (long long)rows, (long long)c->srv->cfg->max_tokens);
+                (long long)rows, (long long)cfg->max_tokens);
   out->dtype = wt->dtype;
   out->ndim = (int32_t)t->n_shape;
   out->nbytes = bytes;
@@ -121,8 +218,9 @@ static grpc_status_code check_shape(infer_ctx *c, size_t i, const Inference__Mod
 }
 
 /* The typed `contents` of input i, converted to the storage type. */
-static grpc_status_code typed_contents(infer_ctx *c, size_t i, const Inference__ModelInferRequest__InferInputTensor *t,
-                                       moe_tensor *out, size_t numel) {
+static grpc_status_code typed_contents(moed_infer_req *c, size_t i,
+                                       const Inference__ModelInferRequest__InferInputTensor *t, moe_tensor *out,
+                                       size_t numel) {
   const Inference__InferTensorContents *tc = t->contents;
   size_t have = 0;
   const char *field = "";
@@ -171,13 +269,13 @@ static grpc_status_code typed_contents(infer_ctx *c, size_t i, const Inference__
   return GRPC_STATUS_OK;
 }
 
-static grpc_status_code decode_inputs(infer_ctx *c, moe_named_tensor *in, size_t *n_in) {
-  const Inference__ModelInferRequest *r = c->req;
+static grpc_status_code decode_inputs(moed_infer_req *c, const moed_config *cfg) {
+  const Inference__ModelInferRequest *r = c->msg;
   if (r->n_inputs > MAX_INPUTS)
     return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs: %zu given, at most %d", r->n_inputs, MAX_INPUTS);
-  if (r->n_raw_input_contents && r->n_raw_input_contents != r->n_inputs)
-    return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "raw_input_contents: %zu given for %zu inputs",
-                r->n_raw_input_contents, r->n_inputs);
+  if (c->n_raw && c->n_raw != r->n_inputs)
+    return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "raw_input_contents: %zu given for %zu inputs", c->n_raw,
+                r->n_inputs);
   for (size_t i = 0; i < r->n_inputs; i++) {
     const Inference__ModelInferRequest__InferInputTensor *t = r->inputs[i];
     if (!t->name || !*t->name) return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu]: name is empty", i);
@@ -185,35 +283,36 @@ static grpc_status_code decode_inputs(infer_ctx *c, moe_named_tensor *in, size_t
     if (!wt)
       return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': datatype '%s' not supported", i, t->name,
                   t->datatype);
-    memset(&in[i], 0, sizeof in[i]);
-    in[i].name = t->name;
+    memset(&c->in[i], 0, sizeof c->in[i]);
+    c->in[i].name = t->name;
     size_t numel = 0;
-    grpc_status_code code = check_shape(c, i, t, wt, &in[i].tensor, &numel);
+    grpc_status_code code = check_shape(c, cfg, i, t, wt, &c->in[i].tensor, &numel);
     if (code) return code;
-    if (r->n_raw_input_contents) {
-      const ProtobufCBinaryData *raw = &r->raw_input_contents[i];
-      if (raw->len != in[i].tensor.nbytes)
+    if (c->n_raw) {
+      const ProtobufCBinaryData *raw = &c->raw[i];
+      if (raw->len != c->in[i].tensor.nbytes)
         return fail(c, GRPC_STATUS_INVALID_ARGUMENT,
                     "inputs[%zu] '%s': raw_input_contents[%zu] has %zu bytes, shape and %s need %zu", i, t->name, i,
-                    raw->len, t->datatype, in[i].tensor.nbytes);
-      in[i].tensor.data = raw->data;
+                    raw->len, t->datatype, c->in[i].tensor.nbytes);
+      c->in[i].tensor.data = raw->data;
     } else if (t->contents) {
-      code = typed_contents(c, i, t, &in[i].tensor, numel);
+      code = typed_contents(c, i, t, &c->in[i].tensor, numel);
       if (code) return code;
     } else if (numel) {
       return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': no data (raw_input_contents or contents)", i,
                   t->name);
     }
-    c->bytes_in += in[i].tensor.nbytes;
+    c->bytes_in += c->in[i].tensor.nbytes;
   }
-  *n_in = r->n_inputs;
+  c->n_in = r->n_inputs;
   return GRPC_STATUS_OK;
 }
 
-static grpc_status_code decode_params(infer_ctx *c, moe_param *p, size_t *n) {
-  const Inference__ModelInferRequest *r = c->req;
-  if (r->n_parameters > 64)
-    return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters: %zu given, at most 64", r->n_parameters);
+static grpc_status_code decode_params(moed_infer_req *c) {
+  const Inference__ModelInferRequest *r = c->msg;
+  moe_param *p = c->params;
+  if (r->n_parameters > MAX_PARAMS)
+    return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters: %zu given, at most %d", r->n_parameters, MAX_PARAMS);
   for (size_t i = 0; i < r->n_parameters; i++) {
     const Inference__ModelInferRequest__ParametersEntry *e = r->parameters[i];
     memset(&p[i], 0, sizeof p[i]);
@@ -234,8 +333,234 @@ static grpc_status_code decode_params(infer_ctx *c, moe_param *p, size_t *n) {
     default: return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters['%s']: no value", e->key);
     }
   }
-  *n = r->n_parameters;
+  c->n_params = r->n_parameters;
   return GRPC_STATUS_OK;
+}
+
+/* ---- the batch key ------------------------------------------------------------------------ */
+
+typedef struct keybuf {
+  uint8_t *p;
+  size_t len, cap;
+  bool oom;
+} keybuf;
+
+static void kb_put(keybuf *k, const void *data, size_t n) {
+  if (k->oom) return;
+  if (n > SIZE_MAX / 2 - k->len) {
+    k->oom = true;
+    return;
+  }
+  if (k->len + n > k->cap) {
+    size_t cap = (k->len + n) * 2 + 64;
+    uint8_t *g = realloc(k->p, cap);
+    if (!g) {
+      k->oom = true;
+      return;
+    }
+    k->p = g;
+    k->cap = cap;
+  }
+  memcpy(k->p + k->len, data, n);
+  k->len += n;
+}
+
+static void kb_str(keybuf *k, const char *s) { kb_put(k, s ? s : "", strlen(s ? s : "") + 1); }
+
+static int cmp_param(const void *a, const void *b) {
+  return strcmp((*(const moe_param *const *)a)->name, (*(const moe_param *const *)b)->name);
+}
+static int cmp_input(const void *a, const void *b) {
+  return strcmp((*(const moe_named_tensor *const *)a)->name, (*(const moe_named_tensor *const *)b)->name);
+}
+
+/* Whether r may be merged with others along the first axis, and the key
+ * that must be equal for two requests to merge: the parameters (sorted by
+ * name), each input's name, dtype and trailing dims (sorted by name), and
+ * the bytes of inputs of rank <= 1 (a static scale, a bias: shared by the
+ * whole batch, so they must be the same). Rows = the first dim shared by
+ * every input of rank >= 2. The op library guarantees that such an op's row
+ * r depends on row r of its inputs only (moe_op_info.rows_independent). */
+static void batch_key(moed_infer_req *r, const moed_config *cfg) {
+  const moed_model *m = r->model;
+  if (cfg->max_batch_tokens <= 0 || !moe_op_describe(m->op)->rows_independent) return;
+  if (m->builtin && m->op == moe_op_find("fused_moe")) return; /* inline weights: a batch per weight set */
+  int64_t rows = 0;
+  const moe_named_tensor *ins[MAX_INPUTS];
+  const moe_param *ps[MAX_PARAMS];
+  for (size_t i = 0; i < r->n_in; i++) {
+    const moe_tensor *t = &r->in[i].tensor;
+    for (size_t j = 0; j < i; j++)
+      if (strcmp(r->in[j].name, r->in[i].name) == 0) return; /* ambiguous: the op will say so */
+    if (t->ndim >= 2) {
+      if (rows && t->shape[0] != rows) return;
+      rows = t->shape[0];
+    } else if (t->nbytes > MAX_SMALL_INPUT) {
+      return;
+    }
+    ins[i] = &r->in[i];
+  }
+  if (rows <= 0 || rows > cfg->max_batch_tokens) return;
+  for (size_t i = 0; i < r->n_params; i++) {
+    for (size_t j = 0; j < i; j++)
+      if (strcmp(r->params[j].name, r->params[i].name) == 0) return;
+    ps[i] = &r->params[i];
+  }
+  qsort(ins, r->n_in, sizeof ins[0], cmp_input);
+  qsort(ps, r->n_params, sizeof ps[0], cmp_param);
+  keybuf k = {0};
+  for (size_t i = 0; i < r->n_params; i++) {
+    const moe_param *p = ps[i];
+    uint8_t type = (uint8_t)p->type;
+    kb_str(&k, p->name);
+    kb_put(&k, &type, 1);
+    switch (p->type) {
+    case MOE_PARAM_STRING: kb_str(&k, p->s); break;
+    case MOE_PARAM_BOOL: kb_put(&k, &p->b, sizeof p->b); break;
+    case MOE_PARAM_INT: kb_put(&k, &p->i, sizeof p->i); break;
+    case MOE_PARAM_DOUBLE: kb_put(&k, &p->d, sizeof p->d); break;
+    }
+  }
+  for (size_t i = 0; i < r->n_in; i++) {
+    const moe_tensor *t = &ins[i]->tensor;
+    int32_t head[2] = {(int32_t)t->dtype, t->ndim};
+    kb_str(&k, ins[i]->name);
+    kb_put(&k, head, sizeof head);
+    if (t->ndim >= 2) {
+      kb_put(&k, &t->shape[1], sizeof t->shape[0] * (size_t)(t->ndim - 1));
+    } else {
+      kb_put(&k, t->shape, sizeof t->shape[0] * (size_t)t->ndim);
+      kb_put(&k, &t->nbytes, sizeof t->nbytes);
+      if (t->nbytes) kb_put(&k, t->data, t->nbytes);
+    }
+  }
+  if (k.oom) {
+    free(k.p);
+    return; /* unbatched is always correct */
+  }
+  r->key = k.p;
+  r->key_len = k.len;
+  r->rows = rows;
+}
+
+moed_infer_req *moed_infer_decode(moed_server *srv, moed_request *req) {
+  moed_infer_req *r = calloc(1, sizeof *r);
+  if (!r) {
+    moed_request_reject(srv, req, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory");
+    return NULL;
+  }
+  r->req = req;
+  r->flat = moed_rpc_flatten(req->payload);
+  if (req->payload) grpc_byte_buffer_destroy(req->payload);
+  req->payload = NULL;
+  if ((r->code = unpack_message(r))) return r;
+  r->model = moed_repository_acquire(srv->repo, r->msg->model_name);
+  if (!r->model) {
+    r->code = fail(r, GRPC_STATUS_NOT_FOUND, "model_name: model '%s' not found", r->msg->model_name);
+    return r;
+  }
+  if (r->msg->model_version && *r->msg->model_version && strcmp(r->msg->model_version, "1") != 0) {
+    r->code = fail(r, GRPC_STATUS_NOT_FOUND, "model_version: model '%s' has no version '%s'", r->model->name,
+                   r->msg->model_version);
+    return r;
+  }
+  if ((r->code = decode_inputs(r, srv->cfg))) return r;
+  if ((r->code = decode_params(r))) return r;
+  batch_key(r, srv->cfg);
+  return r;
+}
+
+/* ---- answering ------------------------------------------------------------------------- */
+
+static void record(moed_model_stats *st, bool ok, uint64_t queue_ns, uint64_t compute_ns, uint64_t total_ns,
+                   uint64_t in, uint64_t out) {
+  if (ok) {
+    atomic_fetch_add(&st->success_count, 1);
+    atomic_fetch_add(&st->success_ns, total_ns);
+    atomic_fetch_add(&st->queue_count, 1);
+    atomic_fetch_add(&st->queue_ns, queue_ns);
+    atomic_fetch_add(&st->compute_count, 1);
+    atomic_fetch_add(&st->compute_ns, compute_ns);
+    atomic_fetch_add(&st->inference_count, 1);
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    atomic_store(&st->last_inference_ms, (uint64_t)now.tv_sec * 1000u + (uint64_t)now.tv_nsec / 1000000u);
+    moed_hist_observe(&st->queue_hist, queue_ns);
+    moed_hist_observe(&st->compute_hist, compute_ns);
+  } else {
+    atomic_fetch_add(&st->fail_count, 1);
+    atomic_fetch_add(&st->fail_ns, total_ns);
+  }
+  moed_hist_observe(&st->total_hist, total_ns);
+  atomic_fetch_add(&st->bytes_in, in);
+  atomic_fetch_add(&st->bytes_out, out);
+}
+
+/* One execution of `size` merged requests (Triton's batch statistics). */
+static void record_execution(moed_model_stats *st, size_t size, uint64_t compute_ns) {
+  size_t i = size < MOED_BATCH_STATS ? size - 1 : MOED_BATCH_STATS - 1;
+  atomic_fetch_add(&st->execution_count, 1);
+  atomic_fetch_add(&st->batch_count[i], 1);
+  atomic_fetch_add(&st->batch_ns[i], compute_ns);
+}
+
+static grpc_byte_buffer *pack_stream_error(const char *id, const char *msg) {
+  Inference__ModelStreamInferResponse r = INFERENCE__MODEL_STREAM_INFER_RESPONSE__INIT;
+  Inference__ModelInferResponse ir = INFERENCE__MODEL_INFER_RESPONSE__INIT;
+  ir.id = (char *)(id ? id : "");
+  r.error_message = (char *)msg;
+  r.infer_response = &ir;
+  size_t n = inference__model_stream_infer_response__get_packed_size(&r);
+  uint8_t *buf = malloc(n ? n : 1);
+  if (!buf) return NULL;
+  inference__model_stream_infer_response__pack(&r, buf);
+  return moed_rpc_buffer_take(buf, n);
+}
+
+/* Sends the answer to one request: unary -> status (+ response); stream ->
+ * the response or an error message, and the stream goes on. */
+static void respond(moed_request *req, const char *id, grpc_status_code code, const char *msg,
+                    grpc_byte_buffer *resp) {
+  if (req->method != MOED_M_MODEL_STREAM_INFER) {
+    moed_rpc_finish(req->rpc, code, code ? msg : NULL, resp);
+    return;
+  }
+  if (code != GRPC_STATUS_OK) {
+    if (resp) grpc_byte_buffer_destroy(resp);
+    resp = pack_stream_error(id, msg);
+  }
+  if (resp) moed_rpc_stream_write(req->rpc, resp);
+  moed_rpc_stream_done(req->rpc);
+}
+
+void moed_request_reject(moed_server *srv, moed_request *req, grpc_status_code code, const char *why) {
+  char msg[128];
+  bool stream = req->method == MOED_M_MODEL_STREAM_INFER;
+  snprintf(msg, sizeof msg, "%s%s", stream && code == GRPC_STATUS_UNAVAILABLE ? "UNAVAILABLE: " : "", why);
+  respond(req, NULL, code, msg, NULL);
+  if (req->payload) grpc_byte_buffer_destroy(req->payload);
+  free(req);
+  atomic_fetch_sub(&srv->inflight, 1);
+}
+
+/* Answers r, records its statistics and frees it. */
+static void finish_req(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *msg,
+                       grpc_byte_buffer *resp, uint64_t start_ns, uint64_t compute_ns, uint64_t bytes_out) {
+  respond(r->req, r->msg ? r->msg->id : NULL, code, msg, resp);
+  if (r->model) {
+    uint64_t now = moed_now_ns();
+    record(r->model->stats, code == GRPC_STATUS_OK, (start_ns ? start_ns : now) - r->req->received_ns, compute_ns,
+           now - r->req->received_ns, r->bytes_in, bytes_out);
+  }
+  req_free(r);
+  atomic_fetch_sub(&srv->inflight, 1);
+}
+
+void moed_infer_reject(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *why) {
+  char msg[128];
+  snprintf(msg, sizeof msg, "%s%s", r->req->method == MOED_M_MODEL_STREAM_INFER && code == GRPC_STATUS_UNAVAILABLE
+                                        ? "UNAVAILABLE: " : "", why);
+  finish_req(srv, r, code, msg, NULL, 0, 0, 0);
 }
 
 /* ---- encoding ------------------------------------------------------------------------ */
@@ -252,9 +577,11 @@ static size_t put_varint(uint8_t *p, uint64_t v) {
 
 /* The response: the message without its raw contents (protobuf-c), then
  * each output as a `raw_output_contents` field (6) whose bytes are the
- * output buffer itself, handed over as a slice. Protobuf allows any field
+ * slice data[i] itself (referenced, not copied). Protobuf allows any field
  * order. With `stream`, wrapped as ModelStreamInferResponse.infer_response. */
-static grpc_status_code encode(infer_ctx *c, bool stream, grpc_byte_buffer **out) {
+static grpc_status_code encode(moed_server *srv, moed_infer_req *r, const moe_named_tensor *outs,
+                               const grpc_slice *data, size_t num_out, grpc_byte_buffer **out, uint64_t *bytes_out,
+                               char *err) {
   Inference__ModelInferResponse resp = INFERENCE__MODEL_INFER_RESPONSE__INIT;
   Inference__ModelInferResponse__InferOutputTensor ot[MAX_INPUTS];
   Inference__ModelInferResponse__InferOutputTensor *otp[MAX_INPUTS];
@@ -262,30 +589,30 @@ static grpc_status_code encode(infer_ctx *c, bool stream, grpc_byte_buffer **out
   Inference__InferParameter pv[MAX_INPUTS];
   int64_t shapes[MAX_INPUTS][MOE_MAX_DIMS];
   size_t sel[MAX_INPUTS], nsel = 0;
-  const Inference__ModelInferRequest *r = c->req;
+  const Inference__ModelInferRequest *q = r->msg;
+  bool stream = r->req->method == MOED_M_MODEL_STREAM_INFER;
 
   /* requested outputs, or all of them */
-  if (r->n_outputs) {
-    if (r->n_outputs > MAX_INPUTS) return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "outputs: too many requested");
-    for (size_t k = 0; k < r->n_outputs; k++) {
-      size_t j = c->num_out;
-      for (size_t i = 0; i < c->num_out; i++)
-        if (r->outputs[k]->name && strcmp(moe_call_output(c->call, i)->name, r->outputs[k]->name) == 0) j = i;
-      if (j == c->num_out)
-        return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "outputs[%zu]: model %s has no output '%s'", k, c->model->name,
-                    r->outputs[k]->name ? r->outputs[k]->name : "");
+  if (q->n_outputs) {
+    if (q->n_outputs > MAX_INPUTS) return failf(err, GRPC_STATUS_INVALID_ARGUMENT, "outputs: too many requested");
+    for (size_t k = 0; k < q->n_outputs; k++) {
+      size_t j = num_out;
+      for (size_t i = 0; i < num_out; i++)
+        if (q->outputs[k]->name && strcmp(outs[i].name, q->outputs[k]->name) == 0) j = i;
+      if (j == num_out)
+        return failf(err, GRPC_STATUS_INVALID_ARGUMENT, "outputs[%zu]: model %s has no output '%s'", k,
+                     r->model->name, q->outputs[k]->name ? q->outputs[k]->name : "");
       sel[nsel++] = j;
     }
   } else {
-    for (size_t i = 0; i < c->num_out; i++) sel[nsel++] = i;
+    for (size_t i = 0; i < num_out; i++) sel[nsel++] = i;
   }
 
   for (size_t k = 0; k < nsel; k++) {
-    const moe_named_tensor *o = moe_call_output(c->call, sel[k]);
-    const moe_tensor *t = &o->tensor;
+    const moe_tensor *t = &outs[sel[k]].tensor;
     inference__model_infer_response__infer_output_tensor__init(&ot[k]);
     otp[k] = &ot[k];
-    ot[k].name = (char *)o->name;
+    ot[k].name = (char *)outs[sel[k]].name;
     ot[k].datatype = (char *)moed_kserve_datatype(t->dtype);
     for (int d = 0; d < t->ndim; d++) shapes[k][d] = t->shape[d];
     if (t->dtype == MOE_FP4_E2M1 && t->ndim > 0) shapes[k][t->ndim - 1] /= 2; /* packed bytes on the wire */
@@ -304,9 +631,9 @@ static grpc_status_code encode(infer_ctx *c, bool stream, grpc_byte_buffer **out
       ot[k].parameters = &pep[k];
     }
   }
-  resp.model_name = c->model->name;
+  resp.model_name = r->model->name;
   resp.model_version = "1";
-  resp.id = r->id;
+  resp.id = q->id;
   resp.n_outputs = nsel;
   resp.outputs = otp;
 
@@ -315,44 +642,42 @@ static grpc_status_code encode(infer_ctx *c, bool stream, grpc_byte_buffer **out
   uint8_t prefixes[MAX_INPUTS][11];
   size_t prefix_len[MAX_INPUTS];
   for (size_t k = 0; k < nsel; k++) {
-    size_t nb = moe_call_output(c->call, sel[k])->tensor.nbytes;
+    size_t nb = GRPC_SLICE_LENGTH(data[sel[k]]);
     prefixes[k][0] = (6 << 3) | 2;
     prefix_len[k] = 1 + put_varint(prefixes[k] + 1, nb);
     if (!moe_add_size(total, prefix_len[k], &total) || !moe_add_size(total, nb, &total))
-      return fail(c, GRPC_STATUS_RESOURCE_EXHAUSTED, "response too large");
+      return failf(err, GRPC_STATUS_RESOURCE_EXHAUSTED, "response too large");
   }
-  if (total > c->srv->cfg->max_message_bytes)
-    return fail(c, GRPC_STATUS_RESOURCE_EXHAUSTED, "response of %zu bytes exceeds the message limit %zu", total,
-                c->srv->cfg->max_message_bytes);
+  if (total > srv->cfg->max_message_bytes)
+    return failf(err, GRPC_STATUS_RESOURCE_EXHAUSTED, "response of %zu bytes exceeds the message limit %zu", total,
+                 srv->cfg->max_message_bytes);
 
-  grpc_slice slices[2 + 2 * MAX_INPUTS];
-  size_t ns = 0;
+  /* the small pieces (wrapper, header, field prefixes) share one slice */
+  size_t small = 11 + hdr_len;
+  for (size_t k = 0; k < nsel; k++) small += prefix_len[k];
+  grpc_slice head = grpc_slice_malloc(small);
+  uint8_t *hp = GRPC_SLICE_START_PTR(head);
+  size_t off = 0;
   if (stream) {
-    uint8_t wrap[11];
-    wrap[0] = (2 << 3) | 2;
-    size_t wl = 1 + put_varint(wrap + 1, total);
-    slices[ns++] = grpc_slice_from_copied_buffer((const char *)wrap, wl);
+    hp[off++] = (2 << 3) | 2;
+    off += put_varint(hp + off, total);
   }
-  grpc_slice hdr = grpc_slice_malloc(hdr_len);
-  inference__model_infer_response__pack(&resp, GRPC_SLICE_START_PTR(hdr));
-  slices[ns++] = hdr;
+  inference__model_infer_response__pack(&resp, hp + off);
+  off += hdr_len;
+  grpc_slice slices[1 + 2 * MAX_INPUTS];
+  size_t ns = 0;
+  size_t piece = off; /* bytes of `head` before the first output */
+  slices[ns++] = grpc_slice_sub(head, 0, piece);
   for (size_t k = 0; k < nsel; k++) {
-    size_t i = sel[k];
-    size_t nb = moe_call_output(c->call, i)->tensor.nbytes;
-    slices[ns++] = grpc_slice_from_copied_buffer((const char *)prefixes[k], prefix_len[k]);
-    void **owner = moed_backend_is_host(c->b) ? &c->outputs[i] : &c->host_out[i];
-    /* the same output listed twice: the second one copies */
-    bool given = *owner == NULL;
-    if (given)
-      slices[ns++] = grpc_slice_from_copied_buffer((const char *)moe_call_output(c->call, i)->tensor.data, nb);
-    else {
-      slices[ns++] = grpc_slice_new(*owner, nb, free);
-      *owner = NULL; /* the slice owns it now */
-    }
-    c->bytes_out += nb;
+    memcpy(hp + off, prefixes[k], prefix_len[k]);
+    slices[ns++] = grpc_slice_sub(head, off, off + prefix_len[k]);
+    off += prefix_len[k];
+    slices[ns++] = grpc_slice_ref(data[sel[k]]);
+    *bytes_out += GRPC_SLICE_LENGTH(data[sel[k]]);
   }
   *out = grpc_raw_byte_buffer_create(slices, ns);
   for (size_t k = 0; k < ns; k++) grpc_slice_unref(slices[k]);
+  grpc_slice_unref(head);
   return GRPC_STATUS_OK;
 }
 
@@ -364,17 +689,71 @@ static void *alloc_host(size_t n) {
   return aligned_alloc(64, rounded ? rounded : 64);
 }
 
-static grpc_status_code bind_memory(infer_ctx *c) {
+/* One op call and the memory it uses. */
+typedef struct run_ctx {
+  moed_server *srv;
+  moe_backend *b;
+  moe_call *call;
+  void *device_in[MAX_INPUTS]; /* device copies of inputs (non-host backends) */
+  void *outputs[MAX_INPUTS];   /* output buffers (backend memory) */
+  void *host_out[MAX_INPUTS];  /* host copies (non-host backends) */
+  moed_weights *cached;        /* inline fused_moe weights from the cache */
+  size_t num_out;
+  char err[600];
+} run_ctx;
+
+static void ctx_cleanup(run_ctx *c) {
+  for (size_t i = 0; i < MAX_INPUTS; i++) {
+    if (c->device_in[i]) c->b->iface->free(c->b, c->device_in[i]);
+    if (c->outputs[i]) {
+      if (moed_backend_is_host(c->b))
+        free(c->outputs[i]);
+      else
+        c->b->iface->free(c->b, c->outputs[i]);
+    }
+    free(c->host_out[i]);
+  }
+  if (c->cached) moed_weight_cache_release(c->srv->weights, c->cached);
+  moe_call_destroy(c->call);
+}
+
+static bool is_weight_name(const char *n) { return strncmp(n, "w13", 3) == 0 || strncmp(n, "w2", 2) == 0; }
+
+/* Inline fused_moe weights through the device cache: a hit skips their copy
+ * to the device. Rebinds the weight inputs; *done[i] marks them. */
+static void bind_cached_weights(run_ctx *c, const moed_model *m, bool *done) {
+  if (!c->srv->weights || !m->builtin || m->op != moe_op_find("fused_moe")) return;
+  if (moed_backend_is_host(c->b) && !c->srv->cfg->cache_host) return; /* host backends read in place */
+  moe_named_tensor w[MAX_INPUTS];
+  size_t idx[MAX_INPUTS], n = 0;
+  for (size_t i = 0; i < moe_call_num_inputs(c->call) && i < MAX_INPUTS; i++) {
+    moe_named_tensor *t = moe_call_input(c->call, i);
+    if (t->name && t->tensor.data && is_weight_name(t->name)) {
+      w[n] = *t;
+      idx[n++] = i;
+    }
+  }
+  void *data[MAX_INPUTS];
+  if (!n || !(c->cached = moed_weight_cache_get(c->srv->weights, c->b, w, n, data))) return;
+  for (size_t k = 0; k < n; k++) {
+    moe_call_input(c->call, idx[k])->tensor.data = data[k];
+    done[idx[k]] = true;
+  }
+}
+
+static grpc_status_code bind_memory(run_ctx *c, const moed_model *m) {
   moe_backend *b = c->b;
   bool host = moed_backend_is_host(b);
+  bool done[MAX_INPUTS] = {false};
+  bind_cached_weights(c, m, done);
   if (!host) { /* inputs to the device */
     for (size_t i = 0; i < moe_call_num_inputs(c->call) && i < MAX_INPUTS; i++) {
       moe_named_tensor *t = moe_call_input(c->call, i);
-      if (!t->name || !t->tensor.data || !t->tensor.nbytes) continue;
+      if (done[i] || !t->name || !t->tensor.data || !t->tensor.nbytes) continue;
       if (b->iface->alloc(b, t->tensor.nbytes, &c->device_in[i]) != MOE_OK)
-        return fail(c, GRPC_STATUS_RESOURCE_EXHAUSTED, "device memory exhausted for input '%s'", t->name);
+        return failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "device memory exhausted for input '%s'", t->name);
       if (b->iface->copy_in(b, c->device_in[i], t->tensor.data, t->tensor.nbytes) != MOE_OK)
-        return fail(c, GRPC_STATUS_INTERNAL, "copy of input '%s' to the device failed", t->name);
+        return failf(c->err, GRPC_STATUS_INTERNAL, "copy of input '%s' to the device failed", t->name);
       t->tensor.data = c->device_in[i];
     }
   }
@@ -385,126 +764,204 @@ static grpc_status_code bind_memory(infer_ctx *c) {
       p = alloc_host(o->tensor.nbytes);
     else if (b->iface->alloc(b, o->tensor.nbytes ? o->tensor.nbytes : 1, &p) != MOE_OK)
       p = NULL;
-    if (!p) return fail(c, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for output '%s'", o->name);
+    if (!p) return failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for output '%s'", o->name);
     c->outputs[i] = p;
     o->tensor.data = p;
   }
   return GRPC_STATUS_OK;
 }
 
-static grpc_status_code copy_out(infer_ctx *c) {
-  if (moed_backend_is_host(c->b)) return GRPC_STATUS_OK;
+/* Host buffers of the outputs: the outputs themselves on host backends,
+ * copies otherwise. Ownership moves to the caller (take[i]). */
+static grpc_status_code copy_out(run_ctx *c, void **take) {
+  bool host = moed_backend_is_host(c->b);
   for (size_t i = 0; i < c->num_out; i++) {
     moe_named_tensor *o = moe_call_output(c->call, i);
-    c->host_out[i] = alloc_host(o->tensor.nbytes);
-    if (!c->host_out[i]) return fail(c, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for output '%s'", o->name);
-    if (c->b->iface->copy_out(c->b, c->host_out[i], o->tensor.data, o->tensor.nbytes) != MOE_OK)
-      return fail(c, GRPC_STATUS_INTERNAL, "copy of output '%s' from the device failed", o->name);
-    o->tensor.data = c->host_out[i];
+    if (!host) {
+      c->host_out[i] = alloc_host(o->tensor.nbytes);
+      if (!c->host_out[i])
+        return failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for output '%s'", o->name);
+      if (c->b->iface->copy_out(c->b, c->host_out[i], o->tensor.data, o->tensor.nbytes) != MOE_OK)
+        return failf(c->err, GRPC_STATUS_INTERNAL, "copy of output '%s' from the device failed", o->name);
+    }
   }
-  if (c->b->iface->synchronize(c->b) != MOE_OK) return fail(c, GRPC_STATUS_INTERNAL, "device synchronize failed");
+  if (!host && c->b->iface->synchronize(c->b) != MOE_OK)
+    return failf(c->err, GRPC_STATUS_INTERNAL, "device synchronize failed");
+  for (size_t i = 0; i < c->num_out; i++) {
+    void **owner = host ? &c->outputs[i] : &c->host_out[i];
+    take[i] = *owner;
+    *owner = NULL;
+  }
   return GRPC_STATUS_OK;
 }
 
 /* Work is skipped when nobody waits for it or it is already too late. */
-static grpc_status_code still_wanted(infer_ctx *c, moed_rpc *rpc) {
-  if (moed_rpc_cancelled(rpc)) return fail(c, GRPC_STATUS_CANCELLED, "call cancelled");
+static grpc_status_code still_wanted(moed_rpc *rpc, char *err) {
+  if (moed_rpc_cancelled(rpc)) return failf(err, GRPC_STATUS_CANCELLED, "call cancelled");
   if (moed_now_ns() >= moed_rpc_deadline_ns(rpc))
-    return fail(c, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded before the work started");
+    return failf(err, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded before the work started");
   return GRPC_STATUS_OK;
 }
 
-static void record(moed_model_stats *st, bool ok, uint64_t queue_ns, uint64_t compute_ns, uint64_t total_ns,
-                   uint64_t in, uint64_t out) {
-  if (ok) {
-    atomic_fetch_add(&st->success_count, 1);
-    atomic_fetch_add(&st->success_ns, total_ns);
-    atomic_fetch_add(&st->queue_count, 1);
-    atomic_fetch_add(&st->queue_ns, queue_ns);
-    atomic_fetch_add(&st->compute_count, 1);
-    atomic_fetch_add(&st->compute_ns, compute_ns);
-    atomic_fetch_add(&st->inference_count, 1);
-    atomic_fetch_add(&st->execution_count, 1);
-    struct timespec now;
-    clock_gettime(CLOCK_REALTIME, &now);
-    atomic_store(&st->last_inference_ms, (uint64_t)now.tv_sec * 1000u + (uint64_t)now.tv_nsec / 1000000u);
-    moed_hist_observe(&st->queue_hist, queue_ns);
-    moed_hist_observe(&st->compute_hist, compute_ns);
-  } else {
-    atomic_fetch_add(&st->fail_count, 1);
-    atomic_fetch_add(&st->fail_ns, total_ns);
-  }
-  moed_hist_observe(&st->total_hist, total_ns);
-  atomic_fetch_add(&st->bytes_in, in);
-  atomic_fetch_add(&st->bytes_out, out);
+/* prepare + memory + run + outputs to the host; on error c->err. */
+static grpc_status_code run_call(run_ctx *c, const moed_model *m, const moe_named_tensor *in, size_t n_in,
+                                 const moe_param *params, size_t n_params, void **host_outs, uint64_t *start_ns,
+                                 uint64_t *compute_ns) {
+  moe_params mp = {params, n_params};
+  moe_error err = {{0}};
+  moe_status ms = moe_op_prepare(m->op, in, n_in, &mp, m->set, &c->call, &err);
+  if (ms != MOE_OK) return failf(c->err, moed_status_from_moe(ms), "%s", err.msg);
+  c->num_out = moe_call_num_outputs(c->call);
+  if (c->num_out > MAX_INPUTS) return failf(c->err, GRPC_STATUS_INTERNAL, "op has too many outputs");
+  grpc_status_code code = bind_memory(c, m);
+  if (code) return code;
+  *start_ns = moed_now_ns();
+  ms = moe_call_run(c->call, c->b, &err);
+  if (ms != MOE_OK) return failf(c->err, moed_status_from_moe(ms), "%s", err.msg);
+  code = copy_out(c, host_outs);
+  *compute_ns = moed_now_ns() - *start_ns;
+  return code;
 }
 
-grpc_status_code moed_infer_execute(moed_server *srv, moe_backend *b, moed_rpc *rpc, grpc_byte_buffer *payload,
-                                    uint64_t received_ns, bool stream, grpc_byte_buffer **response, char *msg,
-                                    size_t msg_cap, char *id, size_t id_cap) {
-  infer_ctx c;
+static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r) {
+  run_ctx c;
   memset(&c, 0, sizeof c);
   c.srv = srv;
   c.b = b;
-  *response = NULL;
-  if (id_cap) id[0] = 0;
-  grpc_status_code code = still_wanted(&c, rpc);
-  uint64_t start_ns = 0, end_ns = 0;
+  uint64_t start_ns = 0, compute_ns = 0, bytes_out = 0;
+  grpc_byte_buffer *resp = NULL;
+  void *host[MAX_INPUTS] = {NULL};
+  grpc_slice data[MAX_INPUTS];
+  size_t nd = 0;
+  grpc_status_code code = still_wanted(r->req->rpc, c.err);
   if (code) goto done;
-
-  grpc_slice s = moed_rpc_flatten(payload);
-  c.req = inference__model_infer_request__unpack(NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
-  grpc_slice_unref(s);
-  if (!c.req) {
-    code = fail(&c, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid ModelInferRequest message");
-    goto done;
+  code = run_call(&c, r->model, r->in, r->n_in, r->params, r->n_params, host, &start_ns, &compute_ns);
+  if (code) goto done;
+  record_execution(r->model->stats, 1, compute_ns);
+  moe_named_tensor outs[MAX_INPUTS];
+  for (; nd < c.num_out; nd++) { /* each output buffer becomes the slice that owns it */
+    outs[nd] = *moe_call_output(c.call, nd);
+    data[nd] = grpc_slice_new(host[nd], outs[nd].tensor.nbytes, free);
+    host[nd] = NULL;
   }
-  if (c.req->id && id_cap) snprintf(id, id_cap, "%s", c.req->id);
-  c.model = moed_repository_acquire(srv->repo, c.req->model_name);
-  if (!c.model) {
-    code = fail(&c, GRPC_STATUS_NOT_FOUND, "model_name: model '%s' not found", c.req->model_name);
-    goto done;
-  }
-  if (c.req->model_version && *c.req->model_version && strcmp(c.req->model_version, "1") != 0) {
-    code = fail(&c, GRPC_STATUS_NOT_FOUND, "model_version: model '%s' has no version '%s'", c.model->name,
-                c.req->model_version);
-    goto done;
-  }
-  moe_named_tensor in[MAX_INPUTS];
-  moe_param params[64];
-  size_t n_in = 0, n_params = 0;
-  if ((code = decode_inputs(&c, in, &n_in))) goto done;
-  if ((code = decode_params(&c, params, &n_params))) goto done;
-  moe_params mp = {params, n_params};
-  moe_error err = {{0}};
-  moe_status ms = moe_op_prepare(c.model->op, in, n_in, &mp, c.model->set, &c.call, &err);
-  if (ms != MOE_OK) {
-    code = fail(&c, moed_status_from_moe(ms), "%s", err.msg);
-    goto done;
-  }
-  c.num_out = moe_call_num_outputs(c.call);
-  if (c.num_out > MAX_INPUTS) {
-    code = fail(&c, GRPC_STATUS_INTERNAL, "op has too many outputs");
-    goto done;
-  }
-  if ((code = still_wanted(&c, rpc))) goto done; /* last check before the work */
-  if ((code = bind_memory(&c))) goto done;
-  start_ns = moed_now_ns();
-  ms = moe_call_run(c.call, b, &err);
-  if (ms != MOE_OK) {
-    code = fail(&c, moed_status_from_moe(ms), "%s", err.msg);
-    goto done;
-  }
-  if ((code = copy_out(&c))) goto done;
-  end_ns = moed_now_ns();
-  code = encode(&c, stream, response);
+  code = encode(srv, r, outs, data, c.num_out, &resp, &bytes_out, c.err);
 done:
-  if (c.model) {
-    uint64_t now = moed_now_ns();
-    record(c.model->stats, code == GRPC_STATUS_OK, (start_ns ? start_ns : now) - received_ns,
-           end_ns - start_ns, now - received_ns, c.bytes_in, c.bytes_out);
-  }
-  snprintf(msg, msg_cap, "%s", code ? c.msg : "");
+  for (size_t i = 0; i < nd; i++) grpc_slice_unref(data[i]);
+  for (size_t i = 0; i < MAX_INPUTS; i++) free(host[i]);
   ctx_cleanup(&c);
-  return code;
+  finish_req(srv, r, code, c.err, resp, start_ns, compute_ns, bytes_out);
+}
+
+/* The outputs of a merged call, shared by the slices of every request's
+ * response; freed with the last slice. */
+typedef struct shared_outputs {
+  _Atomic size_t refs;
+  void *buf[MAX_INPUTS];
+} shared_outputs;
+
+static void shared_unref(void *p) {
+  shared_outputs *s = p;
+  if (atomic_fetch_sub(&s->refs, 1) != 1) return;
+  for (size_t i = 0; i < MAX_INPUTS; i++) free(s->buf[i]);
+  free(s);
+}
+
+/* Runs reqs (same batch key, all still wanted) as one call along the first
+ * axis. false: merging was refused (the caller runs them one by one). */
+static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n) {
+  moed_infer_req *r0 = reqs[0];
+  moe_named_tensor in[MAX_INPUTS];
+  void *merged[MAX_INPUTS] = {NULL};
+  void *host[MAX_INPUTS] = {NULL};
+  shared_outputs *shared = NULL;
+  run_ctx c;
+  memset(&c, 0, sizeof c);
+  c.srv = srv;
+  c.b = b;
+  bool ok = false;
+  int64_t total = 0;
+  for (size_t k = 0; k < n; k++) total += reqs[k]->rows; /* each <= max_batch_tokens: small */
+
+  /* the merged inputs: rank >= 2 concatenated along axis 0, others shared */
+  for (size_t i = 0; i < r0->n_in; i++) {
+    in[i] = r0->in[i];
+    const moe_tensor *t0 = &r0->in[i].tensor;
+    if (t0->ndim < 2) continue;
+    size_t row_bytes = t0->nbytes / (size_t)t0->shape[0], bytes;
+    if (!moe_mul_size(row_bytes, (size_t)total, &bytes) || !(merged[i] = alloc_host(bytes))) goto out;
+    size_t off = 0;
+    for (size_t k = 0; k < n; k++) {
+      const moed_infer_req *rk = reqs[k];
+      for (size_t j = 0; j < rk->n_in; j++)
+        if (strcmp(rk->in[j].name, in[i].name) == 0) {
+          memcpy((uint8_t *)merged[i] + off, rk->in[j].tensor.data, rk->in[j].tensor.nbytes);
+          off += rk->in[j].tensor.nbytes;
+        }
+    }
+    if (off != bytes) goto out; /* the key guarantees it; never trust it blindly */
+    in[i].tensor.data = merged[i];
+    in[i].tensor.shape[0] = total;
+    in[i].tensor.nbytes = bytes;
+  }
+  uint64_t start_ns = 0, compute_ns = 0;
+  if (run_call(&c, r0->model, in, r0->n_in, r0->params, r0->n_params, host, &start_ns, &compute_ns)) goto out;
+  /* every output must be row-major along the same rows to be split */
+  moe_named_tensor outs[MAX_INPUTS];
+  size_t out_row[MAX_INPUTS];
+  for (size_t i = 0; i < c.num_out; i++) {
+    outs[i] = *moe_call_output(c.call, i);
+    const moe_tensor *t = &outs[i].tensor;
+    if (t->ndim < 1 || t->shape[0] != total || t->nbytes % (size_t)total) goto out;
+    out_row[i] = t->nbytes / (size_t)total;
+  }
+  record_execution(r0->model->stats, n, compute_ns);
+  if (!(shared = calloc(1, sizeof *shared))) goto out;
+  memcpy(shared->buf, host, sizeof host);
+  memset(host, 0, sizeof host);
+  atomic_init(&shared->refs, 1 + n * c.num_out);
+  ok = true;
+  int64_t row = 0;
+  for (size_t k = 0; k < n; k++) {
+    moed_infer_req *rk = reqs[k];
+    moe_named_tensor mine[MAX_INPUTS];
+    grpc_slice data[MAX_INPUTS];
+    for (size_t i = 0; i < c.num_out; i++) {
+      mine[i] = outs[i];
+      mine[i].tensor.shape[0] = rk->rows;
+      mine[i].tensor.nbytes = out_row[i] * (size_t)rk->rows;
+      data[i] = grpc_slice_new_with_user_data((uint8_t *)shared->buf[i] + out_row[i] * (size_t)row,
+                                              mine[i].tensor.nbytes, shared_unref, shared);
+    }
+    row += rk->rows;
+    grpc_byte_buffer *resp = NULL;
+    uint64_t bytes_out = 0;
+    char err[600];
+    grpc_status_code code = encode(srv, rk, mine, data, c.num_out, &resp, &bytes_out, err);
+    for (size_t i = 0; i < c.num_out; i++) grpc_slice_unref(data[i]);
+    finish_req(srv, rk, code, err, resp, start_ns, compute_ns, bytes_out);
+    reqs[k] = NULL;
+  }
+  shared_unref(shared);
+out:
+  for (size_t i = 0; i < MAX_INPUTS; i++) {
+    free(merged[i]);
+    free(host[i]);
+  }
+  ctx_cleanup(&c);
+  return ok;
+}
+
+void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n) {
+  size_t live = 0;
+  for (size_t k = 0; k < n; k++) { /* answer what failed or is no longer wanted */
+    moed_infer_req *r = reqs[k];
+    char err[600];
+    grpc_status_code code = r->code ? r->code : still_wanted(r->req->rpc, err);
+    if (code)
+      finish_req(srv, r, code, r->code ? r->err : err, NULL, 0, 0, 0);
+    else
+      reqs[live++] = r;
+  }
+  if (live > 1 && run_merged(srv, b, reqs, live)) return;
+  for (size_t k = 0; k < live; k++) run_single(srv, b, reqs[k]);
 }

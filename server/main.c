@@ -24,6 +24,8 @@ typedef struct app {
 
 static void finish_loop(app *a) {
   a->stage = 3;
+  moed_batcher_destroy(a->srv.batcher);
+  a->srv.batcher = NULL;
   moed_rpc_destroy(a->srv.rpc);
   a->srv.rpc = NULL;
   moed_http_stop(a->http);
@@ -109,6 +111,8 @@ int main(int argc, char **argv) {
   if (moed_repository_create(a.cfg.model_repository, &s->repo) != 0) goto out;
   moed_repository_load_all(s->repo);
   if (moed_devices_create(&a.cfg, &s->devices) != 0) goto out;
+  if (moed_batcher_create(s, &s->batcher) != 0) goto out;
+  if (a.cfg.cache_bytes && moed_weight_cache_create(a.cfg.cache_bytes, &s->weights) != 0) goto out;
   if (moed_rpc_start(&a.cfg, &a.loop, moed_handle_request, s, &s->rpc, &grpc_port) != 0) goto out;
   if (a.cfg.http_port >= 0 && moed_http_start(s, a.cfg.address, a.cfg.http_port, &a.http, &http_port) != 0) {
     moed_rpc_shutdown(s->rpc);
@@ -135,7 +139,9 @@ int main(int argc, char **argv) {
   uv_run(&a.loop, UV_RUN_DEFAULT);
   exit_code = 0;
 out:
+  moed_batcher_destroy(s->batcher); /* set only when the loop never ran */
   moed_devices_destroy(s->devices);
+  moed_weight_cache_destroy(s->weights); /* after the workers: no request uses it */
   moed_repository_destroy(s->repo);
   uv_loop_close(&a.loop);
   grpc_shutdown();

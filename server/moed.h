@@ -38,7 +38,11 @@ typedef struct moed_config {
   int log_level;                /* 0 error, 1 warn, 2 info, 3 debug */
   bool log_json;
   const char *port_file;        /* write "grpc_port http_port" once bound (tests) */
-  size_t cache_bytes;           /* inline-weight device cache */
+  size_t cache_bytes;           /* inline-weight device cache; 0 = off */
+  bool cache_host;              /* also cache on host backends (they read in place) */
+  int64_t max_batch_tokens;     /* rows merged per batch; 0 = no batching */
+  int64_t max_queue_delay_us;   /* longest wait for a batch to fill */
+  size_t max_upload_bytes;      /* ExpertStore: tensor bytes per upload */
 } moed_config;
 
 /* 0: run; 1: exit 0 (--help); -1: bad flags (message printed). */
@@ -123,7 +127,11 @@ void moed_rpc_release(moed_rpc *r);
 bool moed_rpc_cancelled(const moed_rpc *r);
 /* Deadline as CLOCK_MONOTONIC ns (UINT64_MAX: none). */
 uint64_t moed_rpc_deadline_ns(const moed_rpc *r);
-/* Flattens a received byte buffer into one slice (caller unrefs). */
+/* Paced client streams (upload): asks for the next message once the last
+ * one is processed, so a fast client cannot queue unbounded memory. */
+void moed_rpc_read_next(moed_rpc *r);
+/* Flattens a received byte buffer into one slice (caller unrefs); a
+ * one-slice buffer is referenced, not copied. */
 grpc_slice moed_rpc_flatten(grpc_byte_buffer *bb);
 /* A byte buffer that takes ownership of a malloc'ed buffer. */
 grpc_byte_buffer *moed_rpc_buffer_take(void *data, size_t len);
@@ -139,8 +147,11 @@ typedef struct moed_hist {
   _Atomic uint64_t count, sum_ns;
 } moed_hist;
 
+#define MOED_BATCH_STATS 64 /* batch sizes 1..64 (larger ones counted as 64) */
+
 typedef struct moed_model_stats {
   _Atomic uint64_t success_count, success_ns, fail_count, fail_ns;
+  _Atomic uint64_t batch_count[MOED_BATCH_STATS], batch_ns[MOED_BATCH_STATS];
   _Atomic uint64_t queue_count, queue_ns, compute_count, compute_ns;
   _Atomic uint64_t inference_count, execution_count, last_inference_ms;
   _Atomic uint64_t bytes_in, bytes_out;
@@ -159,6 +170,8 @@ typedef struct moed_model {
 typedef struct moed_repository moed_repository;
 
 int moed_repository_create(const char *dir, moed_repository **out);
+/* A name usable as a model and a directory entry (no '/', no leading '.'). */
+bool moed_model_name_ok(const char *name);
 void moed_repository_destroy(moed_repository *r);
 /* Loads every subdirectory of the repository directory. */
 void moed_repository_load_all(moed_repository *r);
@@ -207,6 +220,9 @@ bool moed_backend_is_host(const moe_backend *b);
 
 /* ---- handlers.c: the protocol ---------------------------------------------- */
 
+typedef struct moed_batcher moed_batcher;
+typedef struct moed_weight_cache moed_weight_cache;
+
 typedef struct moed_server {
   const moed_config *cfg;
   uv_loop_t *loop;
@@ -218,7 +234,9 @@ typedef struct moed_server {
   _Atomic int inflight; /* admitted infer requests not yet answered */
   _Atomic uint64_t rejected;
   struct moed_watch *watches; /* health Watch streams (loop thread) */
-  struct moed_upload *uploads;
+  struct moed_upload *uploads; /* uploads in progress (loop thread) */
+  moed_batcher *batcher;
+  moed_weight_cache *weights;
 } moed_server;
 
 /* The loop's request callback (moed_request_fn). */
@@ -230,14 +248,72 @@ void moed_health_close(moed_server *s);
 
 /* ---- infer.c: ModelInfer on a worker ----------------------------------------- */
 
-/* Decodes, validates, runs and encodes one request (ModelInferResponse, or
- * ModelStreamInferResponse with `stream`). Non-OK: msg names the field;
- * *response NULL. `id` gets the request id (for stream errors). */
-grpc_status_code moed_infer_execute(moed_server *srv, moe_backend *b, moed_rpc *rpc, grpc_byte_buffer *payload,
-                                    uint64_t received_ns, bool stream, grpc_byte_buffer **response, char *msg,
-                                    size_t msg_cap, char *id, size_t id_cap);
+/* A decoded inference request: message, model reference, inputs (raw
+ * contents point into the received bytes, not copied) and parameters.
+ * Owns its moed_request (and the reference on the call it holds). */
+typedef struct moed_infer_req moed_infer_req;
+
+/* Decodes req (consuming its payload). NULL only when out of memory (req is
+ * then answered and freed). A request that does not decode is returned with
+ * an error that moed_infer_run answers; moed_infer_failed tells. */
+moed_infer_req *moed_infer_decode(moed_server *srv, moed_request *req);
+bool moed_infer_failed(const moed_infer_req *r);
+/* Rows merged along the first axis by the batcher; 0: never batched. */
+int64_t moed_infer_batch_rows(const moed_infer_req *r);
+/* Same model, parameters, input names/dtypes/trailing dims and small
+ * inputs: the two may run as one call. */
+bool moed_infer_same_batch(const moed_infer_req *a, const moed_infer_req *b);
+/* Runs reqs[0..n) (one merged call when n > 1; each alone when merging is
+ * refused), answers each, records statistics, frees them. */
+void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n);
+/* Answers r with `code` (stream: an error message on the stream) and
+ * frees it; it never ran. */
+void moed_infer_reject(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *why);
+/* Answers a request that was never decoded the same way. */
+void moed_request_reject(moed_server *srv, moed_request *req, grpc_status_code code, const char *why);
 /* "FP32", "BF16", ...; narrow formats: "UINT8". */
 const char *moed_kserve_datatype(moe_dtype t);
+
+/* ---- batcher.c: merging requests along the token axis (loop thread) --------- */
+
+int moed_batcher_create(moed_server *s, moed_batcher **out);
+/* Takes r (batchable: moed_infer_batch_rows > 0); it runs within
+ * max_queue_delay_us, merged with others of the same batch key. */
+void moed_batcher_submit(moed_batcher *b, moed_infer_req *r);
+/* Queues reqs[0..n) as one job on the device queues; when they are full,
+ * answers each UNAVAILABLE. */
+void moed_infer_dispatch(moed_server *s, moed_infer_req **reqs, size_t n);
+/* Queues an admitted request that is decoded on the worker (large). */
+void moed_infer_dispatch_raw(moed_server *s, moed_request *req);
+/* Sends every open batch to the device queues now (drain). */
+void moed_batcher_flush_all(moed_batcher *b);
+/* Flushes, then closes its handles (the loop frees it). */
+void moed_batcher_destroy(moed_batcher *b);
+
+/* ---- weight_cache.c: inline fused_moe weights on the device ------------------ */
+
+/* Device copies of one request's weight tensors, keyed by XXH3-128 of their
+ * names, dtypes, shapes and bytes; bounded by bytes, least recently used
+ * evicted first (entries in use are never evicted). Shared by the workers;
+ * entries belong to one backend. */
+typedef struct moed_weights moed_weights;
+int moed_weight_cache_create(size_t limit_bytes, moed_weight_cache **out);
+void moed_weight_cache_destroy(moed_weight_cache *c);
+/* The cached copies of tensors t[0..n) on b (copied there on a miss); NULL
+ * when they do not fit the cache or the backend is out of memory (the
+ * caller then copies as usual). data[i] gets the device pointer of t[i]. */
+moed_weights *moed_weight_cache_get(moed_weight_cache *c, moe_backend *b, const moe_named_tensor *t, size_t n,
+                                    void **data);
+void moed_weight_cache_release(moed_weight_cache *c, moed_weights *w);
+typedef struct moed_weight_cache_stats {
+  uint64_t hits, misses, evictions, bytes, entries;
+} moed_weight_cache_stats;
+void moed_weight_cache_stats_get(moed_weight_cache *c, moed_weight_cache_stats *out);
+
+/* ---- upload.c: moe.v1.ExpertStore.Upload ----------------------------------- */
+
+/* One message of an upload stream (payload NULL: the client closed). */
+void moed_upload_handle(moed_server *s, moed_request *req);
 
 /* ---- http.c: metrics and probes -------------------------------------------- */
 

@@ -151,7 +151,7 @@ moed_model *moed_repository_acquire(moed_repository *r, const char *name) {
 }
 
 /* A model name usable as a directory entry: no path tricks. */
-static bool name_ok(const char *name) {
+bool moed_model_name_ok(const char *name) {
   if (!name || !*name || strlen(name) >= 128 || name[0] == '.') return false;
   for (const char *p = name; *p; p++)
     if (*p == '/' || *p == '\\') return false;
@@ -159,7 +159,7 @@ static bool name_ok(const char *name) {
 }
 
 moe_status moed_repository_load(moed_repository *r, const char *name, moe_error *err) {
-  if (!name_ok(name)) return moe_fail(err, MOE_EINVAL, "model_name: '%s' is not a valid model name", name);
+  if (!moed_model_name_ok(name)) return moe_fail(err, MOE_EINVAL, "model_name: '%s' is not a valid model name", name);
   pthread_mutex_lock(&r->mu);
   size_t i = find_locked(r, name);
   bool builtin = i < r->count && r->models[i]->builtin;
@@ -232,7 +232,7 @@ void moed_repository_load_all(moed_repository *r) {
   }
   struct dirent *e;
   while ((e = readdir(dir))) {
-    if (!name_ok(e->d_name)) continue;
+    if (!moed_model_name_ok(e->d_name)) continue;
     moe_error err = {{0}};
     char path[PATH_MAX];
     struct stat st;
@@ -266,7 +266,7 @@ size_t moed_repository_index(moed_repository *r, moed_index_entry **out) {
   DIR *dir = r->dir ? opendir(r->dir) : NULL;
   struct dirent *e;
   while (dir && (e = readdir(dir))) {
-    if (!name_ok(e->d_name)) continue;
+    if (!moed_model_name_ok(e->d_name)) continue;
     bool seen = false;
     for (size_t i = 0; i < n && !seen; i++) seen = strcmp(v[i].name, e->d_name) == 0;
     if (seen) continue;

@@ -24,6 +24,7 @@ typedef struct method_desc {
   const char *path;
   bool read_stream;  /* client streams: payload read message by message */
   bool write_stream; /* server streams */
+  bool paced;        /* read_stream: the next read waits for moed_rpc_read_next */
 } method_desc;
 
 static const method_desc methods[MOED_M_COUNT] = {
@@ -41,7 +42,7 @@ static const method_desc methods[MOED_M_COUNT] = {
     [MOED_M_REPOSITORY_UNLOAD] = {"/inference.GRPCInferenceService/RepositoryModelUnload", false, false},
     [MOED_M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", false, false},
     [MOED_M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", false, true},
-    [MOED_M_EXPERT_UPLOAD] = {"/moe.v1.ExpertStore/Upload", true, false},
+    [MOED_M_EXPERT_UPLOAD] = {"/moe.v1.ExpertStore/Upload", true, false, true},
 };
 
 /* ---- types -------------------------------------------------------------------- */
@@ -313,7 +314,12 @@ void moed_rpc_stream_done(moed_rpc *r) {
 
 grpc_slice moed_rpc_flatten(grpc_byte_buffer *bb) {
   grpc_byte_buffer_reader rd;
-  if (!bb || !grpc_byte_buffer_reader_init(&rd, bb)) return grpc_empty_slice();
+  if (!bb) return grpc_empty_slice();
+  /* one uncompressed slice (small messages): shared, not copied */
+  if (bb->type == GRPC_BB_RAW && bb->data.raw.compression == GRPC_COMPRESS_NONE &&
+      bb->data.raw.slice_buffer.count == 1)
+    return grpc_slice_ref(bb->data.raw.slice_buffer.slices[0]);
+  if (!grpc_byte_buffer_reader_init(&rd, bb)) return grpc_empty_slice();
   grpc_slice s = grpc_byte_buffer_reader_readall(&rd);
   grpc_byte_buffer_reader_destroy(&rd);
   return s;
@@ -422,7 +428,14 @@ static void on_recv(moed_rpc *r, bool ok) {
   pthread_mutex_unlock(&r->mu);
   moed_rpc_ref(r); /* for the hand-off */
   handoff(r->srv, r, bb);
-  if (bb) start_recv(r);
+  if (bb && !methods[r->method].paced) start_recv(r);
+}
+
+void moed_rpc_read_next(moed_rpc *r) {
+  pthread_mutex_lock(&r->mu);
+  bool go = !r->finishing && !r->read_done;
+  pthread_mutex_unlock(&r->mu);
+  if (go) start_recv(r);
 }
 
 static void on_write(moed_rpc *r, bool ok) {

@@ -33,16 +33,21 @@
 #define STRIP 32 /* weight rows one work item dequantizes: a multiple of NR, even */
 #define HALF (STRIP / 2)
 /* Tokens are processed in chunks whose activation buffers stay near this
- * size; a token's result does not depend on the chunking. */
-#define CHUNK_BYTES ((size_t)64 << 20)
+ * size; a token's result does not depend on the chunking (a build may set it
+ * small to test that). */
+#ifndef MOE_FUSED_CHUNK_BYTES
+#define MOE_FUSED_CHUNK_BYTES ((size_t)64 << 20)
+#endif
 
 /* ---- the dot kernels ------------------------------------------------------------ */
 
 /* Combines LANES partial sums in the fixed pairwise order. */
 MOE_CPU_INLINE float lanes_sum(const float *a) {
   float b[8], c[4];
-  for (int l = 0; l < 8; l++) b[l] = a[l] + a[l + 8];
-  for (int l = 0; l < 4; l++) c[l] = b[l] + b[l + 4];
+  for (int l = 0; l < 8; l++)
+    b[l] = a[l] + a[l + 8];
+  for (int l = 0; l < 4; l++)
+    c[l] = b[l] + b[l + 4];
   return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
@@ -52,7 +57,7 @@ MOE_CPU_INLINE float lanes_sum(const float *a) {
  * same element-wise lane arithmetic, written out per token row so that the
  * accumulators stay in registers; the lane loops vectorize without
  * reassociation, and each (token, output) gets identical bits from either. */
-static MOE_CPU_CLONES void dot_rows4(const float *const *x, const float *w, size_t ldw, int64_t kp, float *out) {
+static MOE_CPU_HOT void dot_rows4(const float *const *x, const float *w, size_t ldw, int64_t kp, float *out) {
   float a0[NR][LANES] = {{0}}, a1[NR][LANES] = {{0}}, a2[NR][LANES] = {{0}}, a3[NR][LANES] = {{0}};
   for (int64_t j = 0; j < kp; j += LANES) {
     const float *x0 = x[0] + j, *x1 = x[1] + j, *x2 = x[2] + j, *x3 = x[3] + j;
@@ -74,25 +79,29 @@ static MOE_CPU_CLONES void dot_rows4(const float *const *x, const float *w, size
   }
 }
 
-static MOE_CPU_CLONES void dot_rows1(const float *const *x, const float *w, size_t ldw, int64_t kp, float *out) {
+static MOE_CPU_HOT void dot_rows1(const float *const *x, const float *w, size_t ldw, int64_t kp, float *out) {
   float a0[NR][LANES] = {{0}};
   for (int64_t j = 0; j < kp; j += LANES) {
     const float *x0 = x[0] + j;
     for (int r = 0; r < NR; r++) {
       const float *wr = w + (size_t)r * ldw + j;
-      for (int l = 0; l < LANES; l++) a0[r][l] += x0[l] * wr[l];
+      for (int l = 0; l < LANES; l++)
+        a0[r][l] += x0[l] * wr[l];
     }
   }
-  for (int r = 0; r < NR; r++) out[r] = lanes_sum(a0[r]);
+  for (int r = 0; r < NR; r++)
+    out[r] = lanes_sum(a0[r]);
 }
 
 /* tile[m * STRIP + n] = x[m] . strip[n] for every strip row n. */
-static void strip_gemm(int mr, const float *const *x, const float *strip, size_t ld, int64_t kp, float *tile) {
-  float out[MR * NR];
+static void strip_gemm(int mr, const float *const *x, const float *strip, size_t ld, int64_t kp,
+                       float *tile) {
+  float out[MR * NR] = {0};
   for (int n0 = 0; n0 < STRIP; n0 += NR) {
     (mr == MR ? dot_rows4 : dot_rows1)(x, strip + (size_t)n0 * ld, ld, kp, out);
     for (int m = 0; m < mr; m++)
-      for (int r = 0; r < NR; r++) tile[m * STRIP + n0 + r] = out[m * NR + r];
+      for (int r = 0; r < NR; r++)
+        tile[m * STRIP + n0 + r] = out[m * NR + r];
   }
 }
 
@@ -104,7 +113,6 @@ typedef struct work_item {
 } work_item;
 
 typedef struct fused_ctx {
-  const moe_expert_set *set;
   moe_weight_matrix w13, w2;
   moe_activation activation;
   moe_dtype act;
@@ -140,8 +148,7 @@ static inline float activate(moe_activation fn, float g, float u, moe_dtype act)
     g = g > 7.0f ? 7.0f : g;
     u = u > 7.0f ? 7.0f : (u < -7.0f ? -7.0f : u);
     return act_round((u + 1.0f) * g * (1.0f / (1.0f + expf(-(1.702f * g)))), act);
-  default: /* silu */
-    return act_round(act_round(g / (1.0f + expf(-g)), act) * u, act);
+  default: /* silu */ return act_round(act_round(g / (1.0f + expf(-g)), act) * u, act);
   }
 }
 
@@ -165,18 +172,21 @@ static void gate_up_item(const fused_ctx *f, const work_item *it, float *strip, 
   bool used[STRIP] = {false};
   if (interleaved) {
     w->fmt->dequant(w, it->expert, 2 * i0, 2 * ni, 0, f->hidden, strip, ld);
-    for (int64_t r = 0; r < 2 * ni; r++) used[r] = true;
+    for (int64_t r = 0; r < 2 * ni; r++)
+      used[r] = true;
   } else { /* gate rows to strip rows [0, HALF), up rows to [HALF, STRIP) */
     w->fmt->dequant(w, it->expert, i0, ni, 0, f->hidden, strip, ld);
     w->fmt->dequant(w, it->expert, f->inter + i0, ni, 0, f->hidden, strip + HALF * ld, ld);
-    for (int64_t r = 0; r < ni; r++) used[r] = used[HALF + r] = true;
+    for (int64_t r = 0; r < ni; r++)
+      used[r] = used[HALF + r] = true;
   }
   strip_pad(strip, ld, f->hidden, used);
   const int64_t begin = f->start[it->expert], end = f->start[it->expert + 1];
   for (int64_t p = begin; p < end;) {
     const int mr = end - p >= MR ? MR : 1;
     const float *x[MR];
-    for (int m = 0; m < mr; m++) x[m] = f->xf + (size_t)(f->order[p + m] / f->top_k) * ld;
+    for (int m = 0; m < mr; m++)
+      x[m] = f->xf + (size_t)(f->order[p + m] / f->top_k) * ld;
     strip_gemm(mr, x, strip, ld, f->hidden_p, tile);
     for (int m = 0; m < mr; m++) {
       const float *t = tile + m * STRIP;
@@ -201,19 +211,22 @@ static void down_item(const fused_ctx *f, const work_item *it, float *strip, flo
   const size_t ld = (size_t)f->inter_p;
   bool used[STRIP] = {false};
   w->fmt->dequant(w, it->expert, h0, nh, 0, f->inter, strip, ld);
-  for (int64_t r = 0; r < nh; r++) used[r] = true;
+  for (int64_t r = 0; r < nh; r++)
+    used[r] = true;
   strip_pad(strip, ld, f->inter, used);
   const int64_t begin = f->start[it->expert], end = f->start[it->expert + 1];
   for (int64_t p = begin; p < end;) {
     const int mr = end - p >= MR ? MR : 1;
     const float *x[MR];
-    for (int m = 0; m < mr; m++) x[m] = f->a + (size_t)(p + m) * ld;
+    for (int m = 0; m < mr; m++)
+      x[m] = f->a + (size_t)(p + m) * ld;
     strip_gemm(mr, x, strip, ld, f->inter_p, tile);
     for (int m = 0; m < mr; m++) {
       const int64_t slot = f->order[p + m];
       const float rw = f->weights[f->t0 * f->top_k + slot];
       float *y = f->y + (size_t)slot * (size_t)f->hidden + h0;
-      for (int64_t r = 0; r < nh; r++) y[r] = act_round(tile[m * STRIP + r] * rw, f->act);
+      for (int64_t r = 0; r < nh; r++)
+        y[r] = act_round(tile[m * STRIP + r] * rw, f->act);
     }
     p += mr;
   }
@@ -224,7 +237,8 @@ static void down_item(const fused_ctx *f, const work_item *it, float *strip, flo
 static void convert_token(const fused_ctx *f, int64_t tl) {
   float *row = f->xf + (size_t)tl * (size_t)f->hidden_p;
   const size_t base = (size_t)(f->t0 + tl) * (size_t)f->hidden;
-  for (int64_t j = 0; j < f->hidden; j++) row[j] = moe_load_float(f->x->data, f->act, base + (size_t)j);
+  for (int64_t j = 0; j < f->hidden; j++)
+    row[j] = moe_load_float(f->x->data, f->act, base + (size_t)j);
   memset(row + f->hidden, 0, (size_t)(f->hidden_p - f->hidden) * sizeof(float));
 }
 
@@ -237,10 +251,12 @@ static void sum_token(const fused_ctx *f, int64_t tl, float *acc) {
     const int64_t slot = tl * f->top_k + kk;
     if (f->expert_of[slot] < 0) continue;
     const float *y = f->y + (size_t)slot * (size_t)h;
-    for (int64_t j = 0; j < h; j++) acc[j] += y[j];
+    for (int64_t j = 0; j < h; j++)
+      acc[j] += y[j];
   }
   const size_t base = (size_t)(f->t0 + tl) * (size_t)h;
-  for (int64_t j = 0; j < h; j++) moe_store_float(f->out->data, f->act, base + (size_t)j, acc[j]);
+  for (int64_t j = 0; j < h; j++)
+    moe_store_float(f->out->data, f->act, base + (size_t)j, acc[j]);
 }
 
 /* Counting sort of the chunk's slots by local expert, and the work lists. */
@@ -252,15 +268,18 @@ static void group_by_expert(fused_ctx *f) {
     f->expert_of[s] = le >= 0 && le < ne ? (int32_t)le : -1;
     if (f->expert_of[s] >= 0) f->start[le + 1]++;
   }
-  for (int64_t e = 0; e < ne; e++) f->start[e + 1] += f->start[e];
+  for (int64_t e = 0; e < ne; e++)
+    f->start[e + 1] += f->start[e];
   memcpy(f->cursor, f->start, (size_t)ne * sizeof(int64_t));
   for (int64_t s = 0; s < slots; s++)
     if (f->expert_of[s] >= 0) f->order[f->cursor[f->expert_of[s]]++] = (int32_t)s;
   f->n_items1 = f->n_items2 = 0;
   for (int64_t e = 0; e < ne; e++) {
     if (f->start[e + 1] == f->start[e]) continue;
-    for (int64_t i0 = 0; i0 < f->inter; i0 += HALF) f->items1[f->n_items1++] = (work_item){e, i0};
-    for (int64_t h0 = 0; h0 < f->hidden; h0 += STRIP) f->items2[f->n_items2++] = (work_item){e, h0};
+    for (int64_t i0 = 0; i0 < f->inter; i0 += HALF)
+      f->items1[f->n_items1++] = (work_item){e, i0};
+    for (int64_t h0 = 0; h0 < f->hidden; h0 += STRIP)
+      f->items2[f->n_items2++] = (work_item){e, h0};
   }
 }
 
@@ -280,6 +299,9 @@ static size_t ws_take(ws_plan *p, size_t count, size_t elem) {
   return off;
 }
 
+/* A part of the workspace (offsets from ws_take keep it 64-byte aligned). */
+static inline void *ws_at(void *base, size_t off) { return (char *)base + off; }
+
 static inline int thread_id(void) {
 #ifdef _OPENMP
   return omp_get_thread_num();
@@ -290,11 +312,13 @@ static inline int thread_id(void) {
 
 static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
+/* Input slots, in the order of kernels/ops/fused_moe.c's descriptors. */
+enum { IN_HIDDEN = 0, IN_LOGITS, IN_IDS, IN_TOPK_WEIGHTS };
+
 moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
   const moe_fused_args *args = &c->args.fused;
   const moe_expert_config *cfg = &args->set->cfg;
   fused_ctx f = {
-      .set = args->set,
       .activation = cfg->activation,
       .act = args->act,
       .hidden = cfg->hidden_size,
@@ -304,7 +328,7 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
       .top_k = args->top_k,
       .local_experts = cfg->num_experts,
       .expert_offset = cfg->expert_offset,
-      .x = moe_call_in(c, 0),
+      .x = moe_call_in(c, IN_HIDDEN),
       .out = &c->out[0].tensor,
   };
   const int64_t tokens = args->tokens, k = args->top_k;
@@ -312,22 +336,25 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
   moe_weight_matrix_init(args->set, MOE_W13, f.act, &f.w13);
   moe_weight_matrix_init(args->set, MOE_W2, f.act, &f.w2);
 
-  /* chunk: tokens whose activation buffers fit CHUNK_BYTES (at least one) */
+  /* chunk: tokens whose activation buffers fit MOE_FUSED_CHUNK_BYTES (at least one) */
   size_t per_slot, per_token;
-  if (!moe_add_size((size_t)f.inter_p, (size_t)f.hidden, &per_slot) || !moe_mul_size(per_slot, 4, &per_slot) ||
-      !moe_add_size(per_slot, 16, &per_slot) || !moe_mul_size(per_slot, (size_t)k, &per_token) ||
+  if (!moe_add_size((size_t)f.inter_p, (size_t)f.hidden, &per_slot) ||
+      !moe_mul_size(per_slot, 4, &per_slot) || !moe_add_size(per_slot, 16, &per_slot) ||
+      !moe_mul_size(per_slot, (size_t)k, &per_token) ||
       !moe_add_size(per_token, (size_t)f.hidden_p * 4, &per_token))
     return moe_fail(err, MOE_EOVERFLOW, "fused_moe: workspace size overflows");
-  int64_t chunk = (int64_t)(CHUNK_BYTES / per_token);
+  int64_t chunk = (int64_t)(MOE_FUSED_CHUNK_BYTES / per_token);
   if (chunk < 1) chunk = 1;
   if (chunk > tokens) chunk = tokens;
 
   int threads = moe_cpu_threads(b);
   const int64_t kp_max = f.hidden_p > f.inter_p ? f.hidden_p : f.inter_p;
   const size_t chunk_slots = (size_t)chunk * (size_t)k, ne = (size_t)f.local_experts;
-  const size_t route_scratch = args->route ? (moe_cpu_route_scratch_bytes(cfg->global_num_experts) + 63) & ~(size_t)63 : 0;
+  const size_t route_scratch =
+      args->route ? (moe_cpu_route_scratch_bytes(cfg->global_num_experts) + 63) & ~(size_t)63 : 0;
   ws_plan thread_plan = {0}; /* each thread's part */
-  const size_t o_strip = ws_take(&thread_plan, (size_t)STRIP * (size_t)kp_max, sizeof(float)); /* also phase 3's row */
+  const size_t o_strip =
+      ws_take(&thread_plan, (size_t)STRIP * (size_t)kp_max, sizeof(float)); /* also phase 3's row */
   const size_t o_tile = ws_take(&thread_plan, MR * STRIP, sizeof(float));
   const size_t o_route = ws_take(&thread_plan, 1, route_scratch);
   const size_t per_thread = thread_plan.size;
@@ -345,35 +372,35 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
   const size_t o_items1 = ws_take(&p, ne * (size_t)((f.inter + HALF - 1) / HALF), sizeof(work_item));
   const size_t o_items2 = ws_take(&p, ne * (size_t)((f.hidden + STRIP - 1) / STRIP), sizeof(work_item));
   const size_t o_threads = ws_take(&p, (size_t)threads, per_thread);
-  if (p.overflow || thread_plan.overflow) return moe_fail(err, MOE_EOVERFLOW, "fused_moe: workspace size overflows");
+  if (p.overflow || thread_plan.overflow)
+    return moe_fail(err, MOE_EOVERFLOW, "fused_moe: workspace size overflows");
   unsigned char *ws = moe_cpu_workspace(b, p.size);
   if (!ws) return moe_fail(err, MOE_ENOMEM, "fused_moe: out of memory for %zu bytes of workspace", p.size);
-  f.xf = (float *)(ws + o_xf);
-  f.expert_of = (int32_t *)(ws + o_expert_of);
-  f.order = (int32_t *)(ws + o_order);
-  f.start = (int64_t *)(ws + o_start);
-  f.cursor = (int64_t *)(ws + o_cursor);
-  f.a = (float *)(ws + o_a);
-  f.y = (float *)(ws + o_y);
-  f.items1 = (work_item *)(ws + o_items1);
-  f.items2 = (work_item *)(ws + o_items2);
+  f.xf = ws_at(ws, o_xf);
+  f.expert_of = ws_at(ws, o_expert_of);
+  f.order = ws_at(ws, o_order);
+  f.start = ws_at(ws, o_start);
+  f.cursor = ws_at(ws, o_cursor);
+  f.a = ws_at(ws, o_a);
+  f.y = ws_at(ws, o_y);
+  f.items1 = ws_at(ws, o_items1);
+  f.items2 = ws_at(ws, o_items2);
   unsigned char *thread_ws = ws + o_threads;
 
   if (args->route) { /* router_logits: each token routed on its own */
-    const moe_tensor *logits = moe_call_in(c, 1);
+    const moe_tensor *logits = moe_call_in(c, IN_LOGITS);
     const moe_tensor *bias = &args->set->t[MOE_CORRECTION_BIAS];
-    int32_t *ids = (int32_t *)(ws + o_ids);
-    float *w = (float *)(ws + o_w);
+    int32_t *ids = ws_at(ws, o_ids);
+    float *w = ws_at(ws, o_w);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tokens > 1)
     for (int64_t t = 0; t < tokens; t++)
       moe_cpu_route_row(&args->routing, logits, t, bias->data,
-                        thread_ws + (size_t)thread_id() * per_thread + o_route,
-                        ids + t * k, w + t * k);
+                        thread_ws + (size_t)thread_id() * per_thread + o_route, ids + t * k, w + t * k);
     f.ids = ids;
     f.weights = w;
   } else {
-    f.ids = moe_call_in(c, 2)->data;
-    f.weights = moe_call_in(c, 3)->data;
+    f.ids = moe_call_in(c, IN_IDS)->data;
+    f.weights = moe_call_in(c, IN_TOPK_WEIGHTS)->data;
   }
 
   for (f.t0 = 0; f.t0 < tokens; f.t0 += chunk) {
@@ -382,15 +409,19 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
       unsigned char *mine = thread_ws + (size_t)thread_id() * per_thread;
-      float *strip = (float *)(mine + o_strip), *tile = (float *)(mine + o_tile);
+      float *strip = ws_at(mine, o_strip), *tile = ws_at(mine, o_tile);
 #pragma omp for schedule(static)
-      for (int64_t tl = 0; tl < f.tokens; tl++) convert_token(&f, tl);
+      for (int64_t tl = 0; tl < f.tokens; tl++)
+        convert_token(&f, tl);
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < f.n_items1; i++) gate_up_item(&f, &f.items1[i], strip, tile);
+      for (int64_t i = 0; i < f.n_items1; i++)
+        gate_up_item(&f, &f.items1[i], strip, tile);
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < f.n_items2; i++) down_item(&f, &f.items2[i], strip, tile);
+      for (int64_t i = 0; i < f.n_items2; i++)
+        down_item(&f, &f.items2[i], strip, tile);
 #pragma omp for schedule(static)
-      for (int64_t tl = 0; tl < f.tokens; tl++) sum_token(&f, tl, strip);
+      for (int64_t tl = 0; tl < f.tokens; tl++)
+        sum_token(&f, tl, strip);
     }
   }
   return MOE_OK;

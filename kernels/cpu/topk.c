@@ -33,9 +33,11 @@ static int64_t best_of(const float *v, const unsigned char *eligible, int64_t n)
 static void score_row(const moe_routing *r, const moe_tensor *logits, int64_t t, float *score) {
   const int64_t e_count = logits->shape[1];
   const size_t base = (size_t)t * (size_t)e_count;
-  for (int64_t e = 0; e < e_count; e++) score[e] = moe_load_float(logits->data, logits->dtype, base + (size_t)e);
+  for (int64_t e = 0; e < e_count; e++)
+    score[e] = moe_load_float(logits->data, logits->dtype, base + (size_t)e);
   if (r->scoring == MOE_SCORING_SIGMOID) {
-    for (int64_t e = 0; e < e_count; e++) score[e] = 1.0f / (1.0f + expf(-score[e]));
+    for (int64_t e = 0; e < e_count; e++)
+      score[e] = 1.0f / (1.0f + expf(-score[e]));
     return;
   }
   /* softmax: max-subtracted, summed in index order, each divided by the sum */
@@ -46,7 +48,8 @@ static void score_row(const moe_routing *r, const moe_tensor *logits, int64_t t,
     score[e] = expf(score[e] - m);
     sum += score[e];
   }
-  for (int64_t e = 0; e < e_count; e++) score[e] = score[e] / sum;
+  for (int64_t e = 0; e < e_count; e++)
+    score[e] = score[e] / sum;
 }
 
 /* Grouped routing: clears eligible[e] for experts outside the topk_group best
@@ -68,8 +71,10 @@ static void keep_best_groups(const moe_routing *r, int64_t e_count, const float 
     group_score[g] = s;
   }
   memset(unchosen, 1, (size_t)groups);
-  for (int64_t i = 0; i < r->topk_group; i++) unchosen[best_of(group_score, unchosen, groups)] = 0;
-  for (int64_t e = 0; e < e_count; e++) eligible[e] = !unchosen[e / per];
+  for (int64_t i = 0; i < r->topk_group; i++)
+    unchosen[best_of(group_score, unchosen, groups)] = 0;
+  for (int64_t e = 0; e < e_count; e++)
+    eligible[e] = !unchosen[e / per];
 }
 
 void moe_cpu_route_row(const moe_routing *r, const moe_tensor *logits, int64_t t, const float *bias,
@@ -79,9 +84,11 @@ void moe_cpu_route_row(const moe_routing *r, const moe_tensor *logits, int64_t t
   unsigned char *eligible = (unsigned char *)(group_score + e_count), *unchosen = eligible + e_count;
   score_row(r, logits, t, score);
   /* a bias chooses the experts; the weights stay the unbiased scores */
-  for (int64_t e = 0; e < e_count; e++) key[e] = bias ? score[e] + bias[e] : score[e];
+  for (int64_t e = 0; e < e_count; e++)
+    key[e] = bias ? score[e] + bias[e] : score[e];
   memset(eligible, 1, (size_t)e_count);
-  if (r->num_expert_group > 1) keep_best_groups(r, e_count, key, bias != NULL, group_score, unchosen, eligible);
+  if (r->num_expert_group > 1)
+    keep_best_groups(r, e_count, key, bias != NULL, group_score, unchosen, eligible);
   for (int64_t i = 0; i < r->top_k; i++) {
     int64_t e = best_of(key, eligible, e_count); /* eligible count >= top_k: checked in prepare */
     eligible[e] = 0;
@@ -90,11 +97,14 @@ void moe_cpu_route_row(const moe_routing *r, const moe_tensor *logits, int64_t t
   }
   if (r->renormalize) {
     float sum = 0.0f;
-    for (int64_t i = 0; i < r->top_k; i++) sum += weights[i];
-    for (int64_t i = 0; i < r->top_k; i++) weights[i] = weights[i] / sum;
+    for (int64_t i = 0; i < r->top_k; i++)
+      sum += weights[i];
+    for (int64_t i = 0; i < r->top_k; i++)
+      weights[i] = weights[i] / sum;
   }
   const float scale = (float)r->routed_scaling_factor;
-  for (int64_t i = 0; i < r->top_k; i++) weights[i] = weights[i] * scale;
+  for (int64_t i = 0; i < r->top_k; i++)
+    weights[i] = weights[i] * scale;
 }
 
 moe_status moe_cpu_topk(moe_backend *b, moe_call *c, moe_error *err) {

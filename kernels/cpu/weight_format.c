@@ -19,22 +19,26 @@ MOE_CPU_INLINE const uint8_t *row_ptr(const moe_weight_matrix *m, int64_t e, int
 
 /* ---- bf16 / fp16: the weights are already in the activation dtype ---------- */
 
-static MOE_CPU_CLONES void dequant_bf16(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
-                                        int64_t k0, int64_t ncols, float *dst, size_t ld) {
+/* Widening only; `fp16` is a constant after inlining (the bf16 loop
+ * vectorizes, the codec's fp16 widening has branches and stays scalar). */
+MOE_CPU_INLINE void dequant_dense(const moe_weight_matrix *m, bool fp16, int64_t e, int64_t n0, int64_t nrows,
+                                  int64_t k0, int64_t ncols, float *dst, size_t ld) {
   for (int64_t r = 0; r < nrows; r++) {
     const uint8_t *src = row_ptr(m, e, n0 + r) + (size_t)k0 * 2;
     float *d = dst + (size_t)r * ld;
-    for (int64_t j = 0; j < ncols; j++) d[j] = moe_bf16_to_f32(load_u16(src + 2 * j));
+    for (int64_t j = 0; j < ncols; j++)
+      d[j] = fp16 ? moe_f16_to_f32(load_u16(src + 2 * j)) : moe_bf16_to_f32(load_u16(src + 2 * j));
   }
 }
 
-static MOE_CPU_CLONES void dequant_fp16(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
-                                        int64_t k0, int64_t ncols, float *dst, size_t ld) {
-  for (int64_t r = 0; r < nrows; r++) {
-    const uint8_t *src = row_ptr(m, e, n0 + r) + (size_t)k0 * 2;
-    float *d = dst + (size_t)r * ld;
-    for (int64_t j = 0; j < ncols; j++) d[j] = moe_f16_to_f32(load_u16(src + 2 * j));
-  }
+static MOE_CPU_HOT void dequant_bf16(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
+                                     int64_t k0, int64_t ncols, float *dst, size_t ld) {
+  dequant_dense(m, false, e, n0, nrows, k0, ncols, dst, ld);
+}
+
+static MOE_CPU_HOT void dequant_fp16(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
+                                     int64_t k0, int64_t ncols, float *dst, size_t ld) {
+  dequant_dense(m, true, e, n0, nrows, k0, ncols, dst, ld);
 }
 
 /* ---- wna16 ------------------------------------------------------------------- */
@@ -43,9 +47,11 @@ static MOE_CPU_CLONES void dequant_fp16(const moe_weight_matrix *m, int64_t e, i
  * one (subnormal and overflow paths) stays scalar. */
 MOE_CPU_INLINE void round_to_act(float *v, int64_t n, moe_dtype act) {
   if (act == MOE_BF16)
-    for (int64_t j = 0; j < n; j++) v[j] = moe_bf16_to_f32(moe_f32_to_bf16(v[j]));
+    for (int64_t j = 0; j < n; j++)
+      v[j] = moe_bf16_to_f32(moe_f32_to_bf16(v[j]));
   else
-    for (int64_t j = 0; j < n; j++) v[j] = moe_round_to(v[j], act);
+    for (int64_t j = 0; j < n; j++)
+      v[j] = moe_round_to(v[j], act);
 }
 
 /* Zero point of row n, group g: int4 packs two rows per byte (low nibble =
@@ -53,7 +59,8 @@ MOE_CPU_INLINE void round_to_act(float *v, int64_t n, moe_dtype act) {
 MOE_CPU_INLINE float zero_point(const moe_weight_matrix *m, int bits, int64_t e, int64_t n, int64_t g) {
   if (!m->zeros) return bits == 4 ? 8.0f : 128.0f;
   if (bits == 4) {
-    uint8_t b = m->zeros[((size_t)e * (size_t)(m->rows / 2) + (size_t)(n / 2)) * (size_t)m->groups + (size_t)g];
+    uint8_t b =
+        m->zeros[((size_t)e * (size_t)(m->rows / 2) + (size_t)(n / 2)) * (size_t)m->groups + (size_t)g];
     return (float)((n & 1) ? b >> 4 : b & 15);
   }
   return (float)m->zeros[((size_t)e * (size_t)m->rows + (size_t)n) * (size_t)m->groups + (size_t)g];
@@ -66,9 +73,12 @@ MOE_CPU_INLINE float code_at(const uint8_t *q, int bits, int64_t j) {
 }
 
 /* The two wna16 formats differ only in `bits`, a constant after inlining, so
- * each gets its own straight loop. */
+ * each gets its own straight loops. With bf16 activations the rounding
+ * vectorizes and runs over the row; with fp16 an int4 group's 16 possible
+ * values are rounded once into a table instead (int8 has 256: rounded each). */
 MOE_CPU_INLINE void dequant_wna16(const moe_weight_matrix *m, int bits, int64_t e, int64_t n0, int64_t nrows,
-                                 int64_t k0, int64_t ncols, float *dst, size_t ld) {
+                                  int64_t k0, int64_t ncols, float *dst, size_t ld) {
+  const bool table = bits == 4 && m->act != MOE_BF16;
   for (int64_t r = 0; r < nrows; r++) {
     const int64_t n = n0 + r;
     const uint8_t *q = row_ptr(m, e, n);
@@ -80,30 +90,45 @@ MOE_CPU_INLINE void dequant_wna16(const moe_weight_matrix *m, int bits, int64_t 
       if (end > k0 + ncols) end = k0 + ncols;
       const float s = moe_load_float(m->scales, m->scale_dtype, scale_row + (size_t)g);
       const float z = zero_point(m, bits, e, n, g);
+      const bool whole_bytes = bits == 4 && ((j | end) & 1) == 0;
+      const uint8_t *qb = q + j / 2;
+      float *dd = d + j;
       /* float(q) - float(z) is exact; one rounding for the product */
-      if (bits == 4 && ((j | end) & 1) == 0) { /* whole bytes: both nibbles per step, vectorizes */
-        const uint8_t *qb = q + j / 2;
-        float *dd = d + j;
+      if (table) {
+        float lut[16];
+        for (int c = 0; c < 16; c++)
+          lut[c] = moe_round_to(((float)c - z) * s, m->act);
+        if (whole_bytes) {
+          for (int64_t i = 0; i < (end - j) / 2; i++) {
+            dd[2 * i] = lut[qb[i] & 15];
+            dd[2 * i + 1] = lut[qb[i] >> 4];
+          }
+        } else {
+          for (int64_t jj = j; jj < end; jj++)
+            d[jj] = lut[(int)code_at(q, bits, jj)];
+        }
+      } else if (whole_bytes) { /* both nibbles per step: vectorizes */
         for (int64_t i = 0; i < (end - j) / 2; i++) {
           dd[2 * i] = ((float)(qb[i] & 15) - z) * s;
           dd[2 * i + 1] = ((float)(qb[i] >> 4) - z) * s;
         }
       } else {
-        for (int64_t jj = j; jj < end; jj++) d[jj] = (code_at(q, bits, jj) - z) * s;
+        for (int64_t jj = j; jj < end; jj++)
+          d[jj] = (code_at(q, bits, jj) - z) * s;
       }
       j = end;
     }
-    round_to_act(d + k0, ncols, m->act);
+    if (!table) round_to_act(d + k0, ncols, m->act);
   }
 }
 
-static MOE_CPU_CLONES void dequant_int4(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
-                                        int64_t k0, int64_t ncols, float *dst, size_t ld) {
+static MOE_CPU_HOT void dequant_int4(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
+                                     int64_t k0, int64_t ncols, float *dst, size_t ld) {
   dequant_wna16(m, 4, e, n0, nrows, k0, ncols, dst, ld);
 }
 
-static MOE_CPU_CLONES void dequant_int8(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
-                                        int64_t k0, int64_t ncols, float *dst, size_t ld) {
+static MOE_CPU_HOT void dequant_int8(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
+                                     int64_t k0, int64_t ncols, float *dst, size_t ld) {
   dequant_wna16(m, 8, e, n0, nrows, k0, ncols, dst, ld);
 }
 

@@ -11,21 +11,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "cpu.h"
 #include "moe/expert_set.h"
 #include "moe/tensor.h"
 
-/* Hot loops are built for several x86 vector widths and picked when the
- * library loads. They do element-wise fp32 work in a fixed order (no
- * reductions across vector lanes, no FMA), so every clone gives the same bits. */
-#if defined(__x86_64__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define MOE_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-#endif
-#ifndef MOE_CPU_CLONES
-#define MOE_CPU_CLONES
-#endif
-/* For helpers of a cloned function: inlined, they are built for its ISA too. */
+/* For helpers of a MOE_CPU_HOT function: inlined, they are built for its ISA too. */
 #define MOE_CPU_INLINE static inline __attribute__((always_inline))
 
 typedef struct moe_weight_format moe_weight_format;
@@ -35,15 +25,16 @@ typedef struct moe_weight_format moe_weight_format;
 typedef struct moe_weight_matrix {
   const moe_weight_format *fmt;
   int64_t rows, cols;
-  moe_dtype act;         /* F16 or BF16: what w is rounded to */
-  const uint8_t *data;   /* bf16/fp16 values, or int4 (two per byte along cols) / int8 codes */
-  size_t row_bytes;      /* bytes of one row of data */
+  moe_dtype act;       /* F16 or BF16: what w is rounded to */
+  const uint8_t *data; /* bf16/fp16 values, or int4 (two per byte along cols) / int8 codes */
+  size_t row_bytes;    /* bytes of one row of data */
   /* wna16 only */
   const void *scales;    /* [E, rows, groups] */
   moe_dtype scale_dtype; /* F32, F16 or BF16 */
-  const uint8_t *zeros;  /* [E, rows / 2, groups] (int4, packed along rows) or [E, rows, groups]; NULL: default */
-  int64_t group;         /* columns per group (cols when one group per row) */
-  int64_t groups;        /* cols / group */
+  const uint8_t
+      *zeros;     /* [E, rows / 2, groups] (int4, packed along rows) or [E, rows, groups]; NULL: default */
+  int64_t group;  /* columns per group (cols when one group per row) */
+  int64_t groups; /* cols / group */
 } moe_weight_matrix;
 
 struct moe_weight_format {

@@ -76,7 +76,8 @@ static moe_status build_inline_set(moe_call *c, const moe_params *p, moe_error *
   cfg.activation = (moe_activation)activation;
   const moe_tensor *first = cfg.scheme == MOE_SCHEME_WNA16 ? q13 : w13;
   const char *first_name = cfg.scheme == MOE_SCHEME_WNA16 ? "w13_qweight" : "w13";
-  if (!first) return moe_fail(err, MOE_EINVAL, "%s: missing (scheme %s)", first_name, moe_scheme_names[scheme]);
+  if (!first)
+    return moe_fail(err, MOE_EINVAL, "%s: missing (scheme %s)", first_name, moe_scheme_names[scheme]);
   if ((s = weight_rank3(first, first_name, err))) return s;
   if (first->shape[1] % 2 != 0)
     return moe_fail(err, MOE_EINVAL, "%s: dimension 1 is 2I (gate and up rows), got odd %lld", first_name,
@@ -92,7 +93,8 @@ static moe_status build_inline_set(moe_call *c, const moe_params *p, moe_error *
     cfg.hidden_size = q2->shape[1];
     int64_t bits = q13->shape[2] == cfg.hidden_size ? 8 : 4;
     if ((s = moe_params_int(p, "bits", &bits, err))) return s;
-    if (bits != 4 && bits != 8) return moe_fail(err, MOE_EINVAL, "bits: must be 4 or 8, got %lld", (long long)bits);
+    if (bits != 4 && bits != 8)
+      return moe_fail(err, MOE_EINVAL, "bits: must be 4 or 8, got %lld", (long long)bits);
     cfg.bits = (int)bits;
     /* group size from the scales' group count unless stated */
     if (s13 && s13->ndim == 3 && s13->shape[2] > 0 && cfg.hidden_size % s13->shape[2] == 0)
@@ -118,19 +120,21 @@ static moe_status check_loaded_set(const moe_call *c, const moe_expert_set *set,
   moe_status s;
   for (size_t i = IN_WEIGHTS; i < IN_COUNT; i++)
     if (moe_call_in(c, i))
-      return moe_fail(err, MOE_EINVAL, "%s: expert set '%s' holds its own weights; inline weights are for model "
-                      "fused_moe", c->op->info.inputs[i].name, set->name);
+      return moe_fail(err, MOE_EINVAL,
+                      "%s: expert set '%s' holds its own weights; inline weights are for model "
+                      "fused_moe",
+                      c->op->info.inputs[i].name, set->name);
   int scheme = (int)cfg->scheme, activation = (int)cfg->activation;
   int64_t bits = cfg->bits, group_size = cfg->group_size;
   if ((s = moe_params_choice(p, "scheme", moe_scheme_names, &scheme, err))) return s;
   if ((s = moe_params_choice(p, "activation", moe_activation_names, &activation, err))) return s;
   if ((s = moe_params_int(p, "bits", &bits, err))) return s;
   if ((s = moe_params_int(p, "group_size", &group_size, err))) return s;
-  const char *what = scheme != (int)cfg->scheme ? "scheme"
+  const char *what = scheme != (int)cfg->scheme           ? "scheme"
                      : activation != (int)cfg->activation ? "activation"
-                     : bits != cfg->bits ? "bits"
-                     : group_size != cfg->group_size ? "group_size"
-                                                      : NULL;
+                     : bits != cfg->bits                  ? "bits"
+                     : group_size != cfg->group_size      ? "group_size"
+                                                          : NULL;
   if (what) return moe_fail(err, MOE_EINVAL, "%s: differs from expert set '%s'", what, set->name);
   return MOE_OK;
 }
@@ -140,13 +144,15 @@ static moe_status check_hidden(const moe_tensor *x, const moe_expert_config *cfg
   static const moe_dtype act_types[] = {MOE_BF16, MOE_F16, MOE_DTYPE_INVALID};
   moe_status s;
   if (x->dtype == MOE_F32 && cfg->scheme == MOE_SCHEME_WNA16)
-    return moe_fail(err, MOE_EINVAL, "hidden_states: dtype fp32; scheme wna16 takes 16-bit activations only "
+    return moe_fail(err, MOE_EINVAL,
+                    "hidden_states: dtype fp32; scheme wna16 takes 16-bit activations only "
                     "(fp16 or bf16)");
   if ((s = moe_check_dtype(x, "hidden_states", act_types, err))) return s;
   if ((cfg->scheme == MOE_SCHEME_BF16 && x->dtype != MOE_BF16) ||
       (cfg->scheme == MOE_SCHEME_FP16 && x->dtype != MOE_F16))
-    return moe_fail(err, MOE_EINVAL, "hidden_states: dtype %s; scheme %s computes in %s", moe_dtype_name(x->dtype),
-                    moe_scheme_names[cfg->scheme], cfg->scheme == MOE_SCHEME_BF16 ? "bf16" : "fp16");
+    return moe_fail(err, MOE_EINVAL, "hidden_states: dtype %s; scheme %s computes in %s",
+                    moe_dtype_name(x->dtype), moe_scheme_names[cfg->scheme],
+                    cfg->scheme == MOE_SCHEME_BF16 ? "bf16" : "fp16");
   if ((s = moe_check_shape(x, "hidden_states", 2, 2, err))) return s;
   if (x->shape[1] != cfg->hidden_size)
     return moe_fail(err, MOE_EINVAL, "hidden_states: shape [%lld, %lld], the experts' hidden size is %lld",
@@ -167,8 +173,8 @@ static moe_status check_ids(const moe_tensor *ids, const moe_tensor *w, int64_t 
   if ((s = moe_check_dtype(w, "topk_weights", weight_types, err))) return s;
   if ((s = moe_check_shape(w, "topk_weights", 2, 2, err))) return s;
   if (ids->shape[0] != tokens)
-    return moe_fail(err, MOE_EINVAL, "topk_ids: %lld rows, hidden_states has %lld tokens", (long long)ids->shape[0],
-                    (long long)tokens);
+    return moe_fail(err, MOE_EINVAL, "topk_ids: %lld rows, hidden_states has %lld tokens",
+                    (long long)ids->shape[0], (long long)tokens);
   if (ids->shape[1] < 1) return moe_fail(err, MOE_EINVAL, "topk_ids: [T, k] with k = 0");
   if (w->shape[0] != ids->shape[0] || w->shape[1] != ids->shape[1])
     return moe_fail(err, MOE_EINVAL, "topk_weights: shape [%lld, %lld], topk_ids is [%lld, %lld]",
@@ -200,7 +206,8 @@ static moe_status fused_prepare(moe_call *c, const moe_params *p, moe_error *err
   a->act = x->dtype;
   a->tokens = x->shape[0];
   if (logits && (ids || w))
-    return moe_fail(err, MOE_EINVAL, "router_logits: give router_logits or topk_ids + topk_weights, not both");
+    return moe_fail(err, MOE_EINVAL,
+                    "router_logits: give router_logits or topk_ids + topk_weights, not both");
   if (!logits && !ids && !w)
     return moe_fail(err, MOE_EINVAL, "router_logits: missing (or topk_ids + topk_weights)");
   a->route = logits != NULL;
@@ -208,7 +215,8 @@ static moe_status fused_prepare(moe_call *c, const moe_params *p, moe_error *err
     if ((s = moe_check_dtype(logits, "router_logits", logit_types, err))) return s;
     if ((s = moe_check_shape(logits, "router_logits", 2, 2, err))) return s;
     if (logits->shape[0] != a->tokens || logits->shape[1] != cfg->global_num_experts)
-      return moe_fail(err, MOE_EINVAL, "router_logits: shape [%lld, %lld], expected [%lld, %lld] (tokens, experts)",
+      return moe_fail(err, MOE_EINVAL,
+                      "router_logits: shape [%lld, %lld], expected [%lld, %lld] (tokens, experts)",
                       (long long)logits->shape[0], (long long)logits->shape[1], (long long)a->tokens,
                       (long long)cfg->global_num_experts);
     /* inline weights carry no routing config: top_k must be stated */

@@ -37,8 +37,9 @@ moe_status moe_routing_check(const moe_routing *r, int64_t num_experts, moe_erro
     return moe_fail(err, MOE_EINVAL, "top_k: must be in [1, %lld] (the number of experts), got %lld", e,
                     (long long)r->top_k);
   if (r->num_expert_group < 0 || r->num_expert_group > num_experts)
-    return moe_fail(err, MOE_EINVAL, "num_expert_group: must be in [0, %lld] (the number of experts), got %lld",
-                    e, (long long)r->num_expert_group);
+    return moe_fail(err, MOE_EINVAL,
+                    "num_expert_group: must be in [0, %lld] (the number of experts), got %lld", e,
+                    (long long)r->num_expert_group);
   if (r->num_expert_group > 1) { /* 0 and 1 both mean: no grouping */
     const int64_t groups = r->num_expert_group, per_group = num_experts / groups;
     if (num_experts % groups != 0)
@@ -48,7 +49,8 @@ moe_status moe_routing_check(const moe_routing *r, int64_t num_experts, moe_erro
       return moe_fail(err, MOE_EINVAL, "topk_group: must be in [1, num_expert_group = %lld], got %lld",
                       (long long)groups, (long long)r->topk_group);
     if (r->top_k > r->topk_group * per_group) /* both <= E: no overflow */
-      return moe_fail(err, MOE_EINVAL, "top_k: %lld exceeds the %lld experts of the topk_group = %lld kept groups",
+      return moe_fail(err, MOE_EINVAL,
+                      "top_k: %lld exceeds the %lld experts of the topk_group = %lld kept groups",
                       (long long)r->top_k, (long long)(r->topk_group * per_group), (long long)r->topk_group);
   }
   /* applied as an fp32 factor: it must stay finite there */

@@ -246,8 +246,10 @@ def quant_per_tensor(x, out_dtype, scale=None, exact_division=False):
     return q.reshape(x.shape), np.array([s], dtype=F32)
 
 
-def quant_per_token(x, out_dtype, scale_ub=None):
-    """x fp32 [.., K]. Returns (q, scales fp32 [rows, 1])."""
+def quant_per_token(x, out_dtype, scale_ub=None, exact_division=False):
+    """x fp32 [.., K]. Returns (q, scales fp32 [rows, 1]). exact_division is
+    not in DESIGN.md's table for per_token; NUMERICS.md makes per_token "the
+    same as dynamic per-tensor", which has it (default false)."""
     x = np.asarray(x, dtype=F32)
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
@@ -257,7 +259,7 @@ def quant_per_token(x, out_dtype, scale_ub=None):
     with np.errstate(all="ignore"):
         s = (amax / F32(DTYPE_MAX[out_dtype])).astype(F32)
     s = np.where(s == 0, F32(1.0), s).astype(F32)
-    q = cvt(_apply_scale(x2, s, False), out_dtype)
+    q = cvt(_apply_scale(x2, s, exact_division), out_dtype)
     return q.reshape(x.shape), s
 
 

@@ -322,7 +322,7 @@ def draws_for(c):
     return max(1, -(-MIN_PAIRS // (c["T"] * c["k"])))
 
 
-MIN_PAIRS = 64
+MIN_PAIRS = 128
 GROSS = 8.0      # any single draw beyond GROSS x tolerance fails outright
 
 

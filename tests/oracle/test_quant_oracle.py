@@ -138,7 +138,7 @@ def fake_run(op, inputs, params):
         return {"q": (q, od), "scale": (s, "fp32")}
     if op == "quant.per_token":
         od = params["out_dtype"]
-        q, s = Q.quant_per_token(x32("x"), od, params.get("scale_ub"))
+        q, s = Q.quant_per_token(x32("x"), od, params.get("scale_ub"), params.get("exact_division", False))
         return {"q": (q, od), "scales": (s, "fp32")}
     if op == "quant.mx":
         fmt = params["format"]
@@ -189,6 +189,28 @@ def static_scales():
     if QUICK:
         out = out[::10]
     return out
+
+
+def double_rounding_scales(n=24):
+    """Scales for dequant.per_tensor at which the contract's fp32 product
+    (float(q) * s, rounded to fp32, then to fp16/bf16) differs from rounding
+    the exact product once: they tell the two readings apart."""
+    rng = np.random.default_rng(17)
+    pool = Q.from_bits32(rng.integers(0x30000000, 0x4F000000, 8192, dtype=np.uint64).astype(np.uint32))
+    vals = np.concatenate([np.arange(-128, 128, dtype=np.float64),
+                           Q.decode_codes(np.arange(256), "fp8_e4m3fn"),
+                           Q.decode_codes(np.arange(256), "fp8_e4m3fnuz")])
+    vals = vals[np.isfinite(vals) & (vals != 0)]
+    exact = vals[None, :] * pool.astype(np.float64)[:, None]        # exact (<= 32 significant bits)
+    f32 = (vals.astype(F32)[None, :] * pool[:, None]).astype(F32)
+    m, e = np.frexp(exact)
+    bf_once = np.ldexp(np.rint(np.ldexp(m, 8)), e - 8)                # one RNE to 8 bits
+    m, e = np.frexp(f32.astype(np.float64))
+    bf_twice = np.ldexp(np.rint(np.ldexp(m, 8)), e - 8)
+    fp_once = exact.astype(np.float16)
+    fp_twice = f32.astype(np.float16)
+    hit = np.any(bf_once != bf_twice, axis=1) | np.any(fp_once != fp_twice, axis=1)
+    return [float(v) for v in pool[hit][:n]]
 
 
 def tie_values():
@@ -318,16 +340,19 @@ def check_per_tensor_dynamic():
             per_tensor_case(group, tie_values(), "fp32", od, None, exact, "ties")
 
 
-def per_token_case(group, xs, xdtype, od, ub, tag):
+def per_token_case(group, xs, xdtype, od, ub, tag, exact=None):
+    """exact=None: exact_division not passed (default false)."""
     x32 = Q.widen(xs, xdtype)
-    case = f"quant.per_token[{tag}] x={xdtype}{list(xs.shape)} out={od} scale_ub={ub}"
+    case = f"quant.per_token[{tag}] x={xdtype}{list(xs.shape)} out={od} scale_ub={ub} exact={exact}"
     params = {"out_dtype": od}
     if ub is not None:
         params["scale_ub"] = float(ub)
+    if exact is not None:
+        params["exact_division"] = exact
     out = call(group, case, "quant.per_token", {"x": (xs, xdtype)}, params)
     if out is None:
         return
-    eq, es = Q.quant_per_token(x32, od, ub)
+    eq, es = Q.quant_per_token(x32, od, ub, bool(exact))
     K = xs.shape[-1]
     ok = check_dtype(case + " q", out["q"][1], [od] if od == "int8" else [od, "uint8"])
     ok &= check_dtype(case + " scales", out["scales"][1], ["fp32"])
@@ -362,12 +387,23 @@ def check_per_token():
             for od in ("fp8_e4m3fn", "fp8_e4m3fnuz", "int8"):
                 for ub in ubs:
                     per_token_case(group, xs, xdtype, od, ub, tag)
+                # exact_division: not in DESIGN.md's per_token row, but per_token
+                # is "the same as dynamic per-tensor" (NUMERICS.md).
+                for ub in (None, 0.1, 1e-40):
+                    per_token_case(group, xs, xdtype, od, ub, tag, exact=True)
+                per_token_case(group, xs, xdtype, od, None, tag, exact=False)
     # Rows of every kind: all zero, all NaN/inf, one finite among non-finite.
     xs = np.array([[0, 0, 0, 0], [0x7E00, 0x7C00, 0xFC00, 0x7E00], [0x7C00, 0x3C00, 0, 0x8000],
                    [0x0001, 0x8001, 0, 0x0002], [0x7BFF, 0xFBFF, 0x0001, 0x8000]], np.uint16)
     for od in ("fp8_e4m3fn", "fp8_e4m3fnuz", "int8"):
         for ub in (None, 1e-3):
-            per_token_case(group, xs, "fp16", od, ub, "special-rows")
+            for exact in (None, True):
+                per_token_case(group, xs, "fp16", od, ub, "special-rows", exact)
+    # Tiny rows: amax / dtype_max is subnormal, 1/s overflows to inf (fast).
+    xs = np.array([[0x0040, 0x0000, 0x0020, 0x8000], [0x0001, 0x0000, 0x8001, 0x0000]], np.uint16)
+    for od in ("fp8_e4m3fn", "fp8_e4m3fnuz", "int8"):
+        for exact in (None, True):
+            per_token_case(group, xs, "bf16", od, None, "tiny-rows", exact)
 
 
 MX_CONFIGS = [(f, r, e) for f in ("mxfp4", "mxfp8_e4m3fn", "mxfp8_e5m2")
@@ -504,7 +540,7 @@ def dequant_pt_case(group, q, qdtype, in_dtype, od, s):
 
 def check_dequant_per_tensor():
     group = "dequant.per_tensor"
-    scales = static_scales()
+    scales = static_scales() + double_rounding_scales()
     print(f"-- dequant.per_tensor: every code x {len(scales)} scales x 3 x 3", flush=True)
     codes = np.arange(256, dtype=np.uint8).reshape(16, 16)
     for s in scales:

@@ -44,7 +44,8 @@ static size_t build_params(const routing_req *r, moe_param *items) {
     items[n++] = (moe_param){.name = "num_expert_group", .type = MOE_PARAM_INT, .i = r->groups};
     items[n++] = (moe_param){.name = "topk_group", .type = MOE_PARAM_INT, .i = r->topk_group};
   }
-  if (r->scale != 0.0) items[n++] = (moe_param){.name = "routed_scaling_factor", .type = MOE_PARAM_DOUBLE, .d = r->scale};
+  if (r->scale != 0.0)
+    items[n++] = (moe_param){.name = "routed_scaling_factor", .type = MOE_PARAM_DOUBLE, .d = r->scale};
   return n;
 }
 
@@ -72,7 +73,8 @@ static void route(const routing_req *r, int32_t *ids, float *weights) {
 }
 
 static void expect_ids(const int32_t *got, const int32_t *want, int n) {
-  for (int i = 0; i < n; i++) ck_assert_msg(got[i] == want[i], "id %d: got %d, want %d", i, got[i], want[i]);
+  for (int i = 0; i < n; i++)
+    ck_assert_msg(got[i] == want[i], "id %d: got %d, want %d", i, got[i], want[i]);
 }
 
 /* Weights are specified bit-exactly: compare bits. */
@@ -258,7 +260,8 @@ START_TEST(grouped_without_bias_uses_max) {
    * groups score their max, so group 0 (max) is kept */
   float logits[8];
   const float keys[8] = {0.9f, 0.1f, 0.6f, 0.6f, 0.5f, 0.5f, 0.2f, 0.1f};
-  for (int i = 0; i < 8; i++) logits[i] = logf(keys[i] / (1.0f - keys[i]));
+  for (int i = 0; i < 8; i++)
+    logits[i] = logf(keys[i] / (1.0f - keys[i]));
   routing_req r = {logits, 1, 8, NULL, 2, "sigmoid", -1, 4, 1, 0};
   int32_t ids[2];
   float w[2];
