@@ -49,9 +49,9 @@ moe_status moe_routing_check(const moe_routing *r, int64_t num_experts, moe_erro
       return moe_fail(err, MOE_EINVAL, "topk_group: must be in [1, num_expert_group = %lld], got %lld",
                       (long long)groups, (long long)r->topk_group);
     if (r->top_k > r->topk_group * per_group) /* both <= E: no overflow */
-      return moe_fail(err, MOE_EINVAL,
-                      "top_k: %lld exceeds the %lld experts of the topk_group = %lld kept groups",
-                      (long long)r->top_k, (long long)(r->topk_group * per_group), (long long)r->topk_group);
+      return moe_fail(
+          err, MOE_EINVAL, "top_k: %lld exceeds the %lld experts of the topk_group = %lld kept groups",
+          (long long)r->top_k, (long long)r->topk_group * (long long)per_group, (long long)r->topk_group);
   }
   /* applied as an fp32 factor: it must stay finite there */
   if (!(r->routed_scaling_factor > 0.0) || !isfinite((float)r->routed_scaling_factor))

@@ -1,0 +1,796 @@
+/* fused_moe on the CPU backend (NUMERICS.md "fused_moe"):
+ * - each scheme (bf16, fp16, wna16 int4/int8 with and without zero points,
+ *   group sizes 32/64/128/-1, odd sizes) and activation against a plain
+ *   float64 reference with the same rounding points, written here from the
+ *   definition (tolerances of NUMERICS.md);
+ * - batch invariance: a token's output bits alone and inside batches of 2, 7
+ *   and 64 random tokens are identical;
+ * - outputs poisoned with NaN before each call are fully written;
+ * - routing by router_logits equals moe.topk followed by topk_ids;
+ * - expert shards: ids outside the shard contribute nothing;
+ * - every bad input is rejected with MOE_EINVAL naming the field. */
+#include <check.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe/backend.h"
+#include "moe/codec.h"
+#include "moe/expert_set.h"
+#include "moe/ops.h"
+
+#define ck_assert_msg_has(err, needle)                                                                       \
+  ck_assert_msg(strstr((err).msg, (needle)) != NULL, "message '%s' lacks '%s'", (err).msg, (needle))
+
+/* ---- random numbers ------------------------------------------------------------- */
+
+static uint64_t rng_state;
+static uint32_t rng_u32(void) {
+  rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+  return (uint32_t)(rng_state >> 33);
+}
+static float rng_uniform(float lo, float hi) {
+  return lo + (hi - lo) * (float)(rng_u32() >> 8) / (float)(1u << 23) * 0.5f;
+}
+
+/* ---- a model: config + weights in memory ------------------------------------------ */
+
+typedef struct fm_case {
+  const char *name;
+  moe_scheme scheme;
+  moe_dtype act;     /* hidden_states dtype */
+  int bits;          /* wna16 */
+  int64_t group;     /* wna16 */
+  bool zeros;        /* wna16 */
+  moe_dtype scale_t; /* wna16 scales */
+  int64_t hidden, inter;
+} fm_case;
+
+static const fm_case cases[] = {
+    {"bf16", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 256, 128},
+    {"fp16", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 256, 128},
+    {"bf16 odd sizes", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 72, 20},
+    {"fp16 odd sizes", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 40, 36},
+    {"int4 g128 bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 128, false, MOE_BF16, 256, 128},
+    {"int4 g64 zp fp16", MOE_SCHEME_WNA16, MOE_F16, 4, 64, true, MOE_F16, 256, 128},
+    {"int4 g32 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 32, true, MOE_F32, 256, 128},
+    {"int4 g-1 fp16", MOE_SCHEME_WNA16, MOE_F16, 4, -1, false, MOE_F32, 256, 128},
+    {"int4 g-1 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, -1, true, MOE_BF16, 256, 128},
+    {"int4 g4 zp odd sizes", MOE_SCHEME_WNA16, MOE_BF16, 4, 4, true, MOE_F32, 72, 20},
+    {"int4 g3 odd groups", MOE_SCHEME_WNA16, MOE_F16, 4, 3, false, MOE_F16, 48, 18},
+    {"int8 g128 bf16", MOE_SCHEME_WNA16, MOE_BF16, 8, 128, false, MOE_BF16, 256, 128},
+    {"int8 g64 zp fp16", MOE_SCHEME_WNA16, MOE_F16, 8, 64, true, MOE_F32, 256, 128},
+    {"int8 g32 fp16", MOE_SCHEME_WNA16, MOE_F16, 8, 32, false, MOE_F16, 256, 128},
+    {"int8 g-1 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 8, -1, true, MOE_F32, 256, 128},
+    {"int8 g5 zp odd sizes", MOE_SCHEME_WNA16, MOE_BF16, 8, 5, true, MOE_BF16, 40, 30},
+};
+#define N_CASES ((int)(sizeof cases / sizeof cases[0]))
+
+#define N_EXPERTS 6
+#define TOP_K 3
+
+typedef struct model {
+  fm_case c;
+  moe_activation activation;
+  moe_expert_config cfg;
+  void *buf[MOE_EXPERT_TENSOR_COUNT];
+  moe_named_tensor t[MOE_EXPERT_TENSOR_COUNT];
+  size_t nt;
+} model;
+
+static void store_act(void *p, moe_dtype t, size_t i, float v) {
+  if (t == MOE_F32)
+    ((float *)p)[i] = v;
+  else
+    ((uint16_t *)p)[i] = t == MOE_F16 ? moe_f32_to_f16(v) : moe_f32_to_bf16(v);
+}
+static float load_act(const void *p, moe_dtype t, size_t i) {
+  if (t == MOE_F32) return ((const float *)p)[i];
+  uint16_t h = ((const uint16_t *)p)[i];
+  return t == MOE_F16 ? moe_f16_to_f32(h) : moe_bf16_to_f32(h);
+}
+static float round_act(float v, moe_dtype t) {
+  return t == MOE_F16 ? moe_f16_to_f32(moe_f32_to_f16(v)) : moe_bf16_to_f32(moe_f32_to_bf16(v));
+}
+static size_t dtype_size(moe_dtype t) { return t == MOE_F32 ? 4 : 2; }
+
+static void add_tensor(model *m, moe_expert_tensor slot, moe_dtype dt, int64_t d0, int64_t d1, int64_t d2,
+                       size_t elem) {
+  size_t n = (size_t)(d0 * d1 * d2);
+  m->buf[slot] = malloc(n * elem);
+  ck_assert_ptr_nonnull(m->buf[slot]);
+  m->t[m->nt++] =
+      (moe_named_tensor){moe_expert_tensor_names[slot], {dt, 3, {d0, d1, d2}, m->buf[slot], n * elem}};
+}
+
+static void model_make(model *m, const fm_case *c, moe_activation activation, uint64_t seed) {
+  memset(m, 0, sizeof *m);
+  m->c = *c;
+  m->activation = activation;
+  rng_state = seed;
+  moe_expert_config_defaults(&m->cfg);
+  moe_expert_config *cfg = &m->cfg;
+  cfg->scheme = c->scheme;
+  cfg->num_experts = cfg->global_num_experts = N_EXPERTS;
+  cfg->hidden_size = c->hidden;
+  cfg->intermediate_size = c->inter;
+  cfg->activation = activation;
+  cfg->routing.top_k = TOP_K;
+  const int64_t e = N_EXPERTS, h = c->hidden, i2 = 2 * c->inter, in = c->inter;
+  if (c->scheme != MOE_SCHEME_WNA16) {
+    /* weights ~ U(-1, 1) / sqrt(K): outputs of order one */
+    add_tensor(m, MOE_W13, c->act, e, i2, h, 2);
+    add_tensor(m, MOE_W2, c->act, e, h, in, 2);
+    for (size_t j = 0; j < (size_t)(e * i2 * h); j++)
+      store_act(m->buf[MOE_W13], c->act, j, rng_uniform(-1, 1) * 2.0f / sqrtf((float)h));
+    for (size_t j = 0; j < (size_t)(e * h * in); j++)
+      store_act(m->buf[MOE_W2], c->act, j, rng_uniform(-1, 1) * 2.0f / sqrtf((float)in));
+    return;
+  }
+  cfg->bits = c->bits;
+  cfg->group_size = c->group;
+  cfg->has_zero_points = c->zeros;
+  const int div = c->bits == 4 ? 2 : 1;
+  const int64_t g13 = c->group == -1 ? 1 : h / c->group, g2 = c->group == -1 ? 1 : in / c->group;
+  add_tensor(m, MOE_W13_QWEIGHT, MOE_UINT8, e, i2, h / div, 1);
+  add_tensor(m, MOE_W13_SCALES, c->scale_t, e, i2, g13, dtype_size(c->scale_t));
+  add_tensor(m, MOE_W2_QWEIGHT, MOE_UINT8, e, h, in / div, 1);
+  add_tensor(m, MOE_W2_SCALES, c->scale_t, e, h, g2, dtype_size(c->scale_t));
+  if (c->zeros) {
+    add_tensor(m, MOE_W13_QZEROS, MOE_UINT8, e, c->bits == 4 ? i2 / 2 : i2, g13, 1);
+    add_tensor(m, MOE_W2_QZEROS, MOE_UINT8, e, c->bits == 4 ? h / 2 : h, g2, 1);
+  }
+  for (size_t i = 0; i < m->nt; i++) {
+    const moe_tensor *t = &m->t[i].tensor;
+    const char *name = m->t[i].name;
+    const size_t n = (size_t)(t->shape[0] * t->shape[1] * t->shape[2]);
+    if (strstr(name, "_scales")) {
+      /* step so that codes span about U(-1, 1) / sqrt(K) */
+      const float k = strncmp(name, "w13", 3) == 0 ? (float)h : (float)in;
+      const float half = c->bits == 4 ? 8.0f : 128.0f;
+      for (size_t j = 0; j < n; j++)
+        store_act(t->data, c->scale_t, j, rng_uniform(0.5f, 1.5f) * 2.0f / sqrtf(k) / half);
+    } else if (strstr(name, "_qzeros")) {
+      /* near the midpoint, so the weights stay centred */
+      for (size_t j = 0; j < n; j++)
+        ((uint8_t *)t->data)[j] =
+            c->bits == 4 ? (uint8_t)(0x77 + (rng_u32() % 3) * 0x11) : (uint8_t)(126 + rng_u32() % 5);
+    } else {
+      for (size_t j = 0; j < n; j++)
+        ((uint8_t *)t->data)[j] = (uint8_t)rng_u32();
+    }
+  }
+}
+
+static void model_free(model *m) {
+  for (int s = 0; s < MOE_EXPERT_TENSOR_COUNT; s++)
+    free(m->buf[s]);
+}
+
+static moe_expert_set *model_set(const model *m, const moe_expert_config *cfg) {
+  moe_expert_set *set = NULL;
+  moe_error err = {{0}};
+  moe_status s = moe_expert_set_from_tensors("test", cfg ? cfg : &m->cfg, m->t, m->nt, &set, &err);
+  ck_assert_msg(s == MOE_OK, "expert set: %s", err.msg);
+  return set;
+}
+
+/* ---- the reference: NUMERICS.md "fused_moe" in float64 sums ------------------------ */
+
+/* w[e][n][j] of W13 (down = false, N = 2I, K = H) or W2 (N = H, K = I). */
+static float ref_weight(const model *m, bool down, int64_t e, int64_t n, int64_t j) {
+  const fm_case *c = &m->c;
+  const int64_t nn = down ? c->hidden : 2 * c->inter, k = down ? c->inter : c->hidden;
+  if (c->scheme != MOE_SCHEME_WNA16)
+    return load_act(m->buf[down ? MOE_W2 : MOE_W13], c->act, (size_t)((e * nn + n) * k + j));
+  const int64_t group = c->group == -1 ? k : c->group, groups = k / group, g = j / group;
+  const uint8_t *q = m->buf[down ? MOE_W2_QWEIGHT : MOE_W13_QWEIGHT];
+  float code, zero;
+  if (c->bits == 4) {
+    uint8_t b = q[(e * nn + n) * (k / 2) + j / 2];
+    code = (float)(j % 2 ? b >> 4 : b & 15);
+  } else {
+    code = (float)q[(e * nn + n) * k + j];
+  }
+  if (!c->zeros) {
+    zero = c->bits == 4 ? 8.0f : 128.0f;
+  } else if (c->bits == 4) {
+    uint8_t b =
+        ((const uint8_t *)m->buf[down ? MOE_W2_QZEROS : MOE_W13_QZEROS])[(e * (nn / 2) + n / 2) * groups + g];
+    zero = (float)(n % 2 ? b >> 4 : b & 15);
+  } else {
+    zero = (float)((const uint8_t *)m->buf[down ? MOE_W2_QZEROS : MOE_W13_QZEROS])[(e * nn + n) * groups + g];
+  }
+  const float scale = load_act(m->buf[down ? MOE_W2_SCALES : MOE_W13_SCALES], c->scale_t,
+                               (size_t)((e * nn + n) * groups + g));
+  return round_act((code - zero) * scale, c->act);
+}
+
+static float ref_activation(moe_activation fn, float g, float u, moe_dtype t) {
+  switch (fn) {
+  case MOE_ACT_SILU: return round_act(round_act(g / (1.0f + expf(-g)), t) * u, t);
+  case MOE_ACT_GELU: return round_act(round_act((float)(0.5 * g * (1.0 + erf(g / sqrt(2.0)))), t) * u, t);
+  default:
+    g = fminf(g, 7.0f);
+    u = fmaxf(fminf(u, 7.0f), -7.0f);
+    return round_act((u + 1.0f) * g * (1.0f / (1.0f + expf(-1.702f * g))), t);
+  }
+}
+
+/* out[t][h] in double before the final rounding; experts outside
+ * [offset, offset + local) contribute nothing. */
+static void reference(const model *m, const void *x, int64_t tokens, const int32_t *ids, const float *w,
+                      int64_t offset, int64_t local, double *out) {
+  const fm_case *c = &m->c;
+  const int64_t h = c->hidden, in = c->inter;
+  const bool interleaved = m->activation == MOE_ACT_SWIGLU_OAI;
+  float *a = malloc((size_t)in * sizeof(float));
+  for (int64_t t = 0; t < tokens; t++) {
+    for (int64_t j = 0; j < h; j++)
+      out[t * h + j] = 0.0;
+    for (int k = 0; k < TOP_K; k++) {
+      const int64_t e = ids[t * TOP_K + k]; /* the model holds every expert */
+      if (e < offset || e >= offset + local) continue;
+      for (int64_t i = 0; i < in; i++) {
+        double sg = 0.0, su = 0.0;
+        const int64_t rg = interleaved ? 2 * i : i, ru = interleaved ? 2 * i + 1 : in + i;
+        for (int64_t j = 0; j < h; j++) {
+          const double xv = load_act(x, c->act, (size_t)(t * h + j));
+          sg += xv * ref_weight(m, false, e, rg, j);
+          su += xv * ref_weight(m, false, e, ru, j);
+        }
+        a[i] =
+            ref_activation(m->activation, round_act((float)sg, c->act), round_act((float)su, c->act), c->act);
+      }
+      for (int64_t j = 0; j < h; j++) {
+        double s = 0.0;
+        for (int64_t i = 0; i < in; i++)
+          s += (double)a[i] * ref_weight(m, true, e, j, i);
+        out[t * h + j] += round_act((float)s * w[t * TOP_K + k], c->act);
+      }
+    }
+  }
+  free(a);
+}
+
+/* ---- calling the op ------------------------------------------------------------------ */
+
+static moe_backend *cpu;
+
+typedef struct request {
+  const void *x; /* [tokens, H] of the act dtype */
+  int64_t tokens;
+  const int32_t *ids; /* [tokens, TOP_K] */
+  const float *w;
+  const float *logits; /* instead of ids/w: [tokens, E] */
+} request;
+
+/* Runs fused_moe with outputs poisoned with NaN; checks every element was
+ * written (no NaN left: inputs are finite). Returns malloc'ed output. */
+static void *run_fused(const model *m, const moe_expert_set *set, const request *r, const moe_param *params,
+                       size_t n_params) {
+  const fm_case *c = &m->c;
+  moe_named_tensor in[3 + MOE_EXPERT_TENSOR_COUNT];
+  size_t n = 0;
+  in[n++] = (moe_named_tensor){
+      "hidden_states",
+      {c->act, 2, {r->tokens, c->hidden}, (void *)r->x, (size_t)(r->tokens * c->hidden) * 2}};
+  if (r->logits) {
+    in[n++] = (moe_named_tensor){
+        "router_logits",
+        {MOE_F32, 2, {r->tokens, N_EXPERTS}, (void *)r->logits, (size_t)(r->tokens * N_EXPERTS) * 4}};
+  } else {
+    in[n++] = (moe_named_tensor){
+        "topk_ids", {MOE_INT32, 2, {r->tokens, TOP_K}, (void *)r->ids, (size_t)(r->tokens * TOP_K) * 4}};
+    in[n++] = (moe_named_tensor){
+        "topk_weights", {MOE_F32, 2, {r->tokens, TOP_K}, (void *)r->w, (size_t)(r->tokens * TOP_K) * 4}};
+  }
+  if (!set)
+    for (size_t k = 0; k < m->nt; k++)
+      in[n++] = m->t[k];
+  moe_params p = {params, n_params};
+  moe_call *call = NULL;
+  moe_error err = {{0}};
+  moe_status s = moe_op_prepare(moe_op_find("fused_moe"), in, n, &p, set, &call, &err);
+  ck_assert_msg(s == MOE_OK, "prepare: %s", err.msg);
+  ck_assert_uint_eq(moe_call_num_outputs(call), 1);
+  moe_named_tensor *o = moe_call_output(call, 0);
+  ck_assert_str_eq(o->name, "output");
+  ck_assert_int_eq(o->tensor.dtype, c->act);
+  ck_assert_int_eq(o->tensor.ndim, 2);
+  ck_assert_int_eq(o->tensor.shape[0], r->tokens);
+  ck_assert_int_eq(o->tensor.shape[1], c->hidden);
+  size_t bytes = o->tensor.nbytes;
+  void *out = malloc(bytes ? bytes : 1);
+  memset(out, 0xFF, bytes); /* 0xFFFF: NaN in fp16 and bf16 */
+  o->tensor.data = out;
+  s = moe_call_run(call, cpu, &err);
+  ck_assert_msg(s == MOE_OK, "run: %s", err.msg);
+  moe_call_destroy(call);
+  for (size_t i = 0; i < bytes / 2; i++) {
+    float v = load_act(out, c->act, i);
+    ck_assert_msg(isfinite(v), "output element %zu not written (or not finite): %g", i, v);
+  }
+  return out;
+}
+
+/* Random tokens: hidden states, distinct ids per token, weights. */
+typedef struct batch {
+  void *x;
+  int32_t *ids;
+  float *w;
+  float *logits;
+  int64_t tokens;
+} batch;
+
+static void batch_make(batch *b, const fm_case *c, int64_t tokens, int64_t experts) {
+  b->tokens = tokens;
+  b->x = malloc((size_t)(tokens * c->hidden) * 2);
+  b->ids = malloc((size_t)(tokens * TOP_K) * sizeof(int32_t));
+  b->w = malloc((size_t)(tokens * TOP_K) * sizeof(float));
+  b->logits = malloc((size_t)(tokens * N_EXPERTS) * sizeof(float));
+  for (int64_t j = 0; j < tokens * c->hidden; j++)
+    store_act(b->x, c->act, (size_t)j, rng_uniform(-1, 1));
+  for (int64_t t = 0; t < tokens; t++) {
+    for (int k = 0; k < TOP_K; k++) {
+      int32_t e;
+      bool dup;
+      do {
+        e = (int32_t)(rng_u32() % (uint32_t)experts);
+        dup = false;
+        for (int q = 0; q < k; q++)
+          dup |= b->ids[t * TOP_K + q] == e;
+      } while (dup);
+      b->ids[t * TOP_K + k] = e;
+      b->w[t * TOP_K + k] = rng_uniform(0.05f, 0.6f);
+    }
+    for (int e = 0; e < N_EXPERTS; e++)
+      b->logits[t * N_EXPERTS + e] = rng_uniform(-3, 3);
+  }
+}
+
+static void batch_free(batch *b) {
+  free(b->x);
+  free(b->ids);
+  free(b->w);
+  free(b->logits);
+}
+
+/* Tokens idx[0..n) of `from` as a new batch. */
+static void batch_pick(batch *dst, const batch *from, const fm_case *c, const int64_t *idx, int64_t n) {
+  dst->tokens = n;
+  dst->x = malloc((size_t)(n * c->hidden) * 2);
+  dst->ids = malloc((size_t)(n * TOP_K) * sizeof(int32_t));
+  dst->w = malloc((size_t)(n * TOP_K) * sizeof(float));
+  dst->logits = malloc((size_t)(n * N_EXPERTS) * sizeof(float));
+  for (int64_t i = 0; i < n; i++) {
+    memcpy((uint16_t *)dst->x + i * c->hidden, (const uint16_t *)from->x + idx[i] * c->hidden,
+           (size_t)c->hidden * 2);
+    memcpy(dst->ids + i * TOP_K, from->ids + idx[i] * TOP_K, TOP_K * sizeof(int32_t));
+    memcpy(dst->w + i * TOP_K, from->w + idx[i] * TOP_K, TOP_K * sizeof(float));
+    memcpy(dst->logits + i * N_EXPERTS, from->logits + idx[i] * N_EXPERTS, N_EXPERTS * sizeof(float));
+  }
+}
+
+static const char *const act_names[] = {"silu", "gelu", "swiglu_oai"};
+
+/* ---- accuracy against the reference ------------------------------------------------- */
+
+START_TEST(matches_reference) {
+  const fm_case *c = &cases[_i / MOE_ACT_COUNT];
+  const moe_activation fn = (moe_activation)(_i % MOE_ACT_COUNT);
+  model m;
+  model_make(&m, c, fn, 1000 + (uint64_t)_i);
+  batch b;
+  batch_make(&b, c, 16, N_EXPERTS);
+  moe_param p = {.name = "activation", .type = MOE_PARAM_STRING, .s = act_names[fn]};
+  request r = {b.x, b.tokens, b.ids, b.w, NULL};
+  void *out = run_fused(&m, NULL, &r, &p, 1); /* inline weights */
+  double *ref = malloc((size_t)(b.tokens * c->hidden) * sizeof(double));
+  reference(&m, b.x, b.tokens, b.ids, b.w, 0, N_EXPERTS, ref);
+  double num = 0.0, den = 0.0;
+  for (int64_t j = 0; j < b.tokens * c->hidden; j++) {
+    const double want = round_act((float)ref[j], c->act), got = load_act(out, c->act, (size_t)j);
+    num += (got - want) * (got - want);
+    den += want * want;
+  }
+  const double rel = sqrt(num / den), tol = c->act == MOE_BF16 ? 1e-3 : 2.5e-4;
+  ck_assert_msg(den > 0.0, "%s %s: reference is all zero", c->name, act_names[fn]);
+  ck_assert_msg(rel <= tol, "%s %s: relative error %.3g > %.3g", c->name, act_names[fn], rel, tol);
+  /* the same through a set built over the tensors */
+  moe_expert_set *set = model_set(&m, NULL);
+  void *out2 = run_fused(&m, set, &r, NULL, 0);
+  ck_assert_int_eq(memcmp(out, out2, (size_t)(b.tokens * c->hidden) * 2), 0);
+  moe_expert_set_destroy(set);
+  free(out);
+  free(out2);
+  free(ref);
+  batch_free(&b);
+  model_free(&m);
+}
+END_TEST
+
+/* ---- batch invariance ------------------------------------------------------------------ */
+
+START_TEST(batch_invariant) {
+  const fm_case *c = &cases[_i / MOE_ACT_COUNT];
+  const moe_activation fn = (moe_activation)(_i % MOE_ACT_COUNT);
+  model m;
+  model_make(&m, c, fn, 2000 + (uint64_t)_i);
+  moe_expert_set *set = model_set(&m, NULL);
+  batch b;
+  batch_make(&b, c, 64, N_EXPERTS); /* 64 * 3 pairs over 6 experts: ~32 tokens per expert */
+  const size_t row = (size_t)c->hidden * 2;
+  request full = {b.x, b.tokens, b.ids, b.w, NULL};
+  uint8_t *out64 = run_fused(&m, set, &full, NULL, 0);
+  const int64_t sizes[3] = {1, 2, 7};
+  for (int64_t probe = 0; probe < 64; probe += 9) {
+    for (int si = 0; si < 3; si++) {
+      /* the probe token at a random position among random others */
+      int64_t idx[7] = {0};
+      const int64_t n = sizes[si], pos = (int64_t)(rng_u32() % (uint32_t)n);
+      for (int64_t i = 0; i < n; i++)
+        idx[i] = i == pos ? probe : (int64_t)(rng_u32() % 64);
+      batch sub;
+      batch_pick(&sub, &b, c, idx, n);
+      request r = {sub.x, sub.tokens, sub.ids, sub.w, NULL};
+      uint8_t *out = run_fused(&m, set, &r, NULL, 0);
+      for (int64_t i = 0; i < n; i++)
+        ck_assert_msg(memcmp(out + (size_t)i * row, out64 + (size_t)idx[i] * row, row) == 0,
+                      "%s %s: token %lld differs in a batch of %lld from the batch of 64", c->name,
+                      act_names[fn], (long long)idx[i], (long long)n);
+      free(out);
+      batch_free(&sub);
+    }
+  }
+  free(out64);
+  batch_free(&b);
+  moe_expert_set_destroy(set);
+  model_free(&m);
+}
+END_TEST
+
+/* ---- routing, shards ------------------------------------------------------------------ */
+
+START_TEST(router_logits_equal_topk_then_ids) {
+  const fm_case *c = &cases[4]; /* int4 g128 */
+  model m;
+  model_make(&m, c, MOE_ACT_SILU, 77);
+  m.cfg.routing = (moe_routing){.top_k = TOP_K,
+                                .scoring = MOE_SCORING_SIGMOID,
+                                .renormalize = true,
+                                .num_expert_group = 3,
+                                .topk_group = 2,
+                                .routed_scaling_factor = 1.5};
+  moe_expert_set *set = model_set(&m, NULL);
+  batch b;
+  batch_make(&b, c, 9, N_EXPERTS);
+  request by_logits = {b.x, b.tokens, NULL, NULL, b.logits};
+  void *out1 = run_fused(&m, set, &by_logits, NULL, 0);
+
+  moe_named_tensor tin = {"router_logits",
+                          {MOE_F32, 2, {b.tokens, N_EXPERTS}, b.logits, (size_t)(b.tokens * N_EXPERTS) * 4}};
+  moe_param tp[6] = {{.name = "top_k", .type = MOE_PARAM_INT, .i = TOP_K},
+                     {.name = "scoring", .type = MOE_PARAM_STRING, .s = "sigmoid"},
+                     {.name = "renormalize", .type = MOE_PARAM_BOOL, .b = true},
+                     {.name = "num_expert_group", .type = MOE_PARAM_INT, .i = 3},
+                     {.name = "topk_group", .type = MOE_PARAM_INT, .i = 2},
+                     {.name = "routed_scaling_factor", .type = MOE_PARAM_DOUBLE, .d = 1.5}};
+  moe_params tparams = {tp, 6};
+  moe_named_tensor *routed;
+  size_t nr;
+  moe_error err;
+  ck_assert_int_eq(moe_run_host("moe.topk", &tin, 1, &tparams, NULL, &routed, &nr, &err), MOE_OK);
+  request by_ids = {b.x, b.tokens, routed[0].tensor.data, routed[1].tensor.data, NULL};
+  void *out2 = run_fused(&m, set, &by_ids, NULL, 0);
+  ck_assert_int_eq(memcmp(out1, out2, (size_t)(b.tokens * c->hidden) * 2), 0);
+
+  /* request parameters override the set's routing */
+  moe_param over = {.name = "top_k", .type = MOE_PARAM_INT, .i = 1};
+  void *out3 = run_fused(&m, set, &by_logits, &over, 1);
+  ck_assert_int_ne(memcmp(out1, out3, (size_t)(b.tokens * c->hidden) * 2), 0);
+  free(out3);
+
+  moe_outputs_free(routed, nr);
+  free(out1);
+  free(out2);
+  batch_free(&b);
+  moe_expert_set_destroy(set);
+  model_free(&m);
+}
+END_TEST
+
+START_TEST(shards_contribute_their_experts_only) {
+  const fm_case *c = &cases[0]; /* bf16 */
+  model m;
+  model_make(&m, c, MOE_ACT_SILU, 99);
+  batch b;
+  batch_make(&b, c, 12, N_EXPERTS);
+  /* shard 1 holds global experts [3, 6): its tensors are the tail of the
+   * full ones; token 0 is routed only to experts 0..2 (not here) */
+  b.ids[0] = 0, b.ids[1] = 1, b.ids[2] = 2;
+  moe_expert_config cfg = m.cfg;
+  cfg.num_experts = 3;
+  cfg.expert_offset = 3;
+  moe_named_tensor shard[2];
+  for (int s = 0; s < 2; s++) {
+    shard[s] = m.t[s];
+    const size_t per = shard[s].tensor.nbytes / N_EXPERTS;
+    shard[s].tensor.shape[0] = 3;
+    shard[s].tensor.data = (uint8_t *)shard[s].tensor.data + 3 * per;
+    shard[s].tensor.nbytes = 3 * per;
+  }
+  moe_expert_set *set = NULL;
+  moe_error err;
+  ck_assert_msg(moe_expert_set_from_tensors("shard", &cfg, shard, 2, &set, &err) == MOE_OK, "%s", err.msg);
+  request r = {b.x, b.tokens, b.ids, b.w, NULL};
+  uint16_t *out = run_fused(&m, set, &r, NULL, 0);
+  for (int64_t j = 0; j < c->hidden; j++)
+    ck_assert_uint_eq(out[j], 0); /* token 0: nothing here */
+  double *ref = malloc((size_t)(b.tokens * c->hidden) * sizeof(double));
+  reference(&m, b.x, b.tokens, b.ids, b.w, 3, 3, ref);
+  double num = 0.0, den = 0.0;
+  for (int64_t j = 0; j < b.tokens * c->hidden; j++) {
+    const double want = round_act((float)ref[j], c->act), got = load_act(out, c->act, (size_t)j);
+    num += (got - want) * (got - want);
+    den += want * want;
+  }
+  ck_assert_msg(sqrt(num / den) <= 1e-3, "shard: relative error %.3g", sqrt(num / den));
+  free(ref);
+  free(out);
+  moe_expert_set_destroy(set);
+  batch_free(&b);
+  model_free(&m);
+}
+END_TEST
+
+/* ---- bad input ---------------------------------------------------------------------------- */
+
+/* inputs: hidden_states, topk_ids, topk_weights, then the weights */
+typedef struct bad_req {
+  moe_named_tensor in[16];
+  size_t n;
+  moe_param p[4];
+  size_t np;
+  const moe_expert_set *set;
+} bad_req;
+
+static void expect_einval(const bad_req *r, const char *needle) {
+  moe_params params = {r->p, r->np};
+  moe_named_tensor *out = NULL;
+  size_t n_out = 0;
+  moe_error err = {{0}};
+  moe_status s = moe_run_host("fused_moe", r->in, r->n, &params, r->set, &out, &n_out, &err);
+  if (s == MOE_OK) moe_outputs_free(out, n_out);
+  ck_assert_msg(s == MOE_EINVAL, "expected EINVAL naming '%s', got %d (%s)", needle, s, err.msg);
+  ck_assert_msg_has(err, needle);
+}
+
+static int find_input(const bad_req *r, const char *name) {
+  for (size_t i = 0; i < r->n; i++)
+    if (strcmp(r->in[i].name, name) == 0) return (int)i;
+  ck_abort_msg("no input %s", name);
+  return -1;
+}
+
+static void drop_input(bad_req *r, const char *name) {
+  int i = find_input(r, name);
+  r->in[i] = r->in[--r->n];
+}
+
+static void good_request(bad_req *r, const model *m, const batch *b) {
+  memset(r, 0, sizeof *r);
+  const fm_case *c = &m->c;
+  r->in[r->n++] = (moe_named_tensor){
+      "hidden_states", {c->act, 2, {b->tokens, c->hidden}, b->x, (size_t)(b->tokens * c->hidden) * 2}};
+  r->in[r->n++] = (moe_named_tensor){
+      "topk_ids", {MOE_INT32, 2, {b->tokens, TOP_K}, b->ids, (size_t)(b->tokens * TOP_K) * 4}};
+  r->in[r->n++] = (moe_named_tensor){"topk_weights",
+                                     {MOE_F32, 2, {b->tokens, TOP_K}, b->w, (size_t)(b->tokens * TOP_K) * 4}};
+  for (size_t k = 0; k < m->nt; k++)
+    r->in[r->n++] = m->t[k];
+}
+
+START_TEST(bad_inputs_dense) {
+  model m;
+  model_make(&m, &cases[0], MOE_ACT_SILU, 5); /* bf16 */
+  batch b;
+  batch_make(&b, &m.c, 4, N_EXPERTS);
+  float xf[4 * 256] = {0};
+  float logits[4 * N_EXPERTS] = {0};
+  bad_req r, base;
+  good_request(&base, &m, &b);
+  { /* sanity: the base request runs */
+    moe_params params = {NULL, 0};
+    moe_named_tensor *out;
+    size_t n;
+    moe_error err;
+    ck_assert_msg(moe_run_host("fused_moe", base.in, base.n, &params, NULL, &out, &n, &err) == MOE_OK, "%s",
+                  err.msg);
+    moe_outputs_free(out, n);
+  }
+  r = base; /* hidden_states: dtype (fp16 for a bf16 scheme; fp32), rank, H, bytes */
+  r.in[find_input(&r, "hidden_states")].tensor.dtype = MOE_F16;
+  expect_einval(&r, "hidden_states");
+  r = base;
+  r.in[0].tensor = (moe_tensor){MOE_F32, 2, {4, 256}, xf, sizeof xf};
+  expect_einval(&r, "hidden_states");
+  r = base;
+  r.in[0].tensor.ndim = 3;
+  r.in[0].tensor.shape[0] = 2, r.in[0].tensor.shape[1] = 2, r.in[0].tensor.shape[2] = 256;
+  expect_einval(&r, "hidden_states");
+  r = base;
+  r.in[0].tensor.shape[0] = 8, r.in[0].tensor.shape[1] = 128;
+  expect_einval(&r, "hidden_states");
+  r = base;
+  r.in[0].tensor.nbytes -= 2;
+  expect_einval(&r, "hidden_states");
+
+  /* ids: out of range (high, negative), dtype, shape, k mismatch with weights, missing */
+  r = base;
+  b.ids[5] = N_EXPERTS;
+  expect_einval(&r, "topk_ids");
+  b.ids[5] = -1;
+  expect_einval(&r, "topk_ids");
+  b.ids[5] = 0;
+  r.in[1].tensor.dtype = MOE_F32;
+  expect_einval(&r, "topk_ids");
+  r = base;
+  r.in[1].tensor.shape[0] = 3, r.in[1].tensor.shape[1] = 4; /* same bytes, wrong token count */
+  expect_einval(&r, "topk_ids");
+  r = base;
+  r.in[2].tensor.shape[0] = 6, r.in[2].tensor.shape[1] = 2;
+  expect_einval(&r, "topk_weights");
+  r = base;
+  r.in[2].tensor.dtype = MOE_BF16;
+  r.in[2].tensor.nbytes /= 2;
+  expect_einval(&r, "topk_weights");
+  r = base;
+  drop_input(&r, "topk_weights");
+  expect_einval(&r, "topk_weights");
+  r = base;
+  drop_input(&r, "topk_ids");
+  expect_einval(&r, "topk_ids");
+  r = base; /* no routing at all; both kinds */
+  drop_input(&r, "topk_ids");
+  drop_input(&r, "topk_weights");
+  expect_einval(&r, "router_logits");
+  r = base;
+  r.in[r.n++] = (moe_named_tensor){"router_logits", {MOE_F32, 2, {4, N_EXPERTS}, logits, sizeof logits}};
+  expect_einval(&r, "router_logits");
+  /* router_logits: E mismatch; inline weights need top_k */
+  drop_input(&r, "topk_ids");
+  drop_input(&r, "topk_weights");
+  expect_einval(&r, "top_k");
+  r.p[r.np++] = (moe_param){.name = "top_k", .type = MOE_PARAM_INT, .i = 2};
+  r.in[find_input(&r, "router_logits")].tensor.shape[1] = 3,
+                      r.in[find_input(&r, "router_logits")].tensor.shape[0] = 8;
+  expect_einval(&r, "router_logits");
+  r.in[find_input(&r, "router_logits")].tensor.shape[1] = N_EXPERTS,
+                      r.in[find_input(&r, "router_logits")].tensor.shape[0] = 4;
+  r.p[0].i = N_EXPERTS + 1;
+  expect_einval(&r, "top_k");
+
+  /* weights: missing, dtype, bytes, shape mismatch between w13 and w2 */
+  r = base;
+  drop_input(&r, "w2");
+  expect_einval(&r, "w2");
+  r = base;
+  drop_input(&r, "w13");
+  expect_einval(&r, "w13");
+  r = base;
+  r.in[find_input(&r, "w13")].tensor.dtype = MOE_F32;
+  r.in[find_input(&r, "w13")].tensor.shape[2] = 128;
+  expect_einval(&r, "w13");
+  r = base;
+  r.in[find_input(&r, "w2")].tensor.nbytes -= 2;
+  expect_einval(&r, "w2");
+  r = base;
+  r.in[find_input(&r, "w2")].tensor.shape[2] = 64, r.in[find_input(&r, "w2")].tensor.shape[1] = 512;
+  expect_einval(&r, "w2");
+  r = base; /* parameters */
+  r.p[r.np++] = (moe_param){.name = "activation", .type = MOE_PARAM_STRING, .s = "relu"};
+  expect_einval(&r, "activation");
+  r = base;
+  r.p[r.np++] = (moe_param){.name = "scheme", .type = MOE_PARAM_STRING, .s = "wna16"};
+  expect_einval(&r, "w13_qweight");
+
+  /* a loaded set: inline weights and contradicting parameters are refused */
+  moe_expert_set *set = model_set(&m, NULL);
+  r = base;
+  r.set = set;
+  expect_einval(&r, "w13");
+  r.n = 3;
+  r.p[r.np++] = (moe_param){.name = "activation", .type = MOE_PARAM_STRING, .s = "gelu"};
+  expect_einval(&r, "activation");
+  moe_expert_set_destroy(set);
+  batch_free(&b);
+  model_free(&m);
+}
+END_TEST
+
+START_TEST(bad_inputs_wna16) {
+  model m;
+  model_make(&m, &cases[5], MOE_ACT_SILU, 6); /* int4 g64 zero points, fp16 */
+  batch b;
+  batch_make(&b, &m.c, 4, N_EXPERTS);
+  float xf[4 * 256] = {0};
+  bad_req r, base;
+  good_request(&base, &m, &b);
+  r = base; /* fp32 activations: wna16 takes 16-bit ones only */
+  r.in[0].tensor = (moe_tensor){MOE_F32, 2, {4, 256}, xf, sizeof xf};
+  expect_einval(&r, "hidden_states");
+  expect_einval(&r, "16-bit");
+  r = base; /* a group size that divides neither K */
+  r.p[r.np++] = (moe_param){.name = "group_size", .type = MOE_PARAM_INT, .i = 48};
+  expect_einval(&r, "group_size");
+  r.p[0].i = 0;
+  expect_einval(&r, "group_size");
+  r = base; /* a group size the scales do not have */
+  r.p[r.np++] = (moe_param){.name = "group_size", .type = MOE_PARAM_INT, .i = 32};
+  expect_einval(&r, "w13_scales");
+  r = base;
+  r.p[r.np++] = (moe_param){.name = "bits", .type = MOE_PARAM_INT, .i = 3};
+  expect_einval(&r, "bits");
+  r = base; /* bits 8 with int4-sized codes */
+  r.p[r.np++] = (moe_param){.name = "bits", .type = MOE_PARAM_INT, .i = 8};
+  expect_einval(&r, "w13_qweight");
+  r = base;
+  drop_input(&r, "w13_scales");
+  expect_einval(&r, "w13_scales");
+  r = base;
+  drop_input(&r, "w2_qweight");
+  expect_einval(&r, "w2_qweight");
+  r = base; /* zero points for one GEMM only */
+  drop_input(&r, "w2_qzeros");
+  expect_einval(&r, "w2_qzeros");
+  r = base;
+  r.in[find_input(&r, "w13_qzeros")].tensor.shape[1] = 64,
+                      r.in[find_input(&r, "w13_qzeros")].tensor.shape[2] = 8;
+  expect_einval(&r, "w13_qzeros");
+  r = base;
+  r.in[find_input(&r, "w2_scales")].tensor.dtype = MOE_INT32;
+  r.in[find_input(&r, "w2_scales")].tensor.shape[2] = 1;
+  expect_einval(&r, "w2_scales");
+  r = base; /* dense weights beside quantized ones */
+  r.in[r.n++] =
+      (moe_named_tensor){"w2", {MOE_F16, 3, {N_EXPERTS, 256, 128}, b.x, (size_t)N_EXPERTS * 256 * 128 * 2}};
+  expect_einval(&r, "w2");
+  r = base;
+  r.in[r.n++] = (moe_named_tensor){"experts", {MOE_F16, 1, {1}, b.x, 2}};
+  expect_einval(&r, "experts");
+  batch_free(&b);
+  model_free(&m);
+}
+END_TEST
+
+static void setup(void) {
+  moe_error err;
+  ck_assert_int_eq(moe_backend_cpu_create(0, &cpu, &err), MOE_OK);
+}
+static void teardown(void) { moe_backend_destroy(cpu); }
+
+static Suite *fused_suite(void) {
+  Suite *s = suite_create("fused_moe");
+  TCase *tc = tcase_create("cpu");
+  tcase_set_timeout(tc, 600);
+  tcase_add_checked_fixture(tc, setup, teardown);
+  tcase_add_loop_test(tc, matches_reference, 0, N_CASES * MOE_ACT_COUNT);
+  tcase_add_loop_test(tc, batch_invariant, 0, N_CASES * MOE_ACT_COUNT);
+  tcase_add_test(tc, router_logits_equal_topk_then_ids);
+  tcase_add_test(tc, shards_contribute_their_experts_only);
+  tcase_add_test(tc, bad_inputs_dense);
+  tcase_add_test(tc, bad_inputs_wna16);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(void) {
+  SRunner *sr = srunner_create(fused_suite());
+  srunner_run_all(sr, CK_NORMAL);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return failed ? 1 : 0;
+}
