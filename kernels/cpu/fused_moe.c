@@ -313,7 +313,6 @@ static inline int thread_id(void) {
 static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 /* Input slots, in the order of kernels/ops/fused_moe.c's descriptors. */
-enum { IN_HIDDEN = 0, IN_LOGITS, IN_IDS, IN_TOPK_WEIGHTS };
 
 moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
   const moe_fused_args *args = &c->args.fused;
@@ -328,7 +327,7 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
       .top_k = args->top_k,
       .local_experts = cfg->num_experts,
       .expert_offset = cfg->expert_offset,
-      .x = moe_call_in(c, IN_HIDDEN),
+      .x = moe_call_in(c, MOE_FUSED_IN_HIDDEN),
       .out = &c->out[0].tensor,
   };
   const int64_t tokens = args->tokens, k = args->top_k;
@@ -388,7 +387,7 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
   unsigned char *thread_ws = ws + o_threads;
 
   if (args->route) { /* router_logits: each token routed on its own */
-    const moe_tensor *logits = moe_call_in(c, IN_LOGITS);
+    const moe_tensor *logits = moe_call_in(c, MOE_FUSED_IN_LOGITS);
     const moe_tensor *bias = &args->set->t[MOE_CORRECTION_BIAS];
     int32_t *ids = ws_at(ws, o_ids);
     float *w = ws_at(ws, o_w);
@@ -399,8 +398,8 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
     f.ids = ids;
     f.weights = w;
   } else {
-    f.ids = moe_call_in(c, IN_IDS)->data;
-    f.weights = moe_call_in(c, IN_TOPK_WEIGHTS)->data;
+    f.ids = moe_call_in(c, MOE_FUSED_IN_IDS)->data;
+    f.weights = moe_call_in(c, MOE_FUSED_IN_TOPK_WEIGHTS)->data;
   }
 
   for (f.t0 = 0; f.t0 < tokens; f.t0 += chunk) {

@@ -10,6 +10,7 @@
 #include <cjson/cJSON.h>
 
 #include "moe/expert_set.h"
+#include "../ops/routing.h"
 
 const char *const moe_scheme_names[] = {"bf16", "fp16", "wna16", NULL};
 const char *const moe_activation_names[] = {"silu", "gelu", "swiglu_oai", NULL};
@@ -82,37 +83,6 @@ static moe_status check_quant(const moe_expert_config *c, moe_error *err) {
   return MOE_OK;
 }
 
-static moe_status check_routing(const moe_expert_config *c, moe_error *err) {
-  const moe_routing *r = &c->routing;
-  int64_t e = c->global_num_experts;
-  if ((unsigned)r->scoring >= MOE_SCORING_COUNT)
-    return moe_fail(err, MOE_EINVAL, "scoring: value %d out of range", (int)r->scoring);
-  if (r->top_k < 1 || r->top_k > e)
-    return moe_fail(err, MOE_EINVAL, "top_k: must be in [1, global_num_experts = %lld], got %lld",
-                    (long long)e, (long long)r->top_k);
-  if (r->num_expert_group < 0 || r->num_expert_group > e)
-    return moe_fail(err, MOE_EINVAL, "num_expert_group: must be in [0, global_num_experts = %lld], got %lld",
-                    (long long)e, (long long)r->num_expert_group);
-  if (r->topk_group < 0)
-    return moe_fail(err, MOE_EINVAL, "topk_group: must be >= 0, got %lld", (long long)r->topk_group);
-  if (r->num_expert_group > 1) { /* grouped routing (NUMERICS.md "moe.topk") */
-    int64_t groups = r->num_expert_group;
-    if (e % groups != 0)
-      return moe_fail(err, MOE_EINVAL, "num_expert_group: %lld does not divide global_num_experts (%lld)",
-                      (long long)groups, (long long)e);
-    if (r->topk_group < 1 || r->topk_group > groups)
-      return moe_fail(err, MOE_EINVAL, "topk_group: must be in [1, num_expert_group = %lld], got %lld",
-                      (long long)groups, (long long)r->topk_group);
-    if (r->top_k > r->topk_group * (e / groups))
-      return moe_fail(err, MOE_EINVAL, "top_k: %lld exceeds the %lld experts in the topk_group best groups",
-                      (long long)r->top_k, (long long)(r->topk_group * (e / groups)));
-  }
-  if (!isfinite(r->routed_scaling_factor) || !(r->routed_scaling_factor > 0.0))
-    return moe_fail(err, MOE_EINVAL, "routed_scaling_factor: must be finite and > 0, got %g",
-                    r->routed_scaling_factor);
-  return MOE_OK;
-}
-
 moe_status moe_expert_config_validate(const moe_expert_config *c, moe_error *err) {
   if (!c) return moe_fail(err, MOE_EINVAL, "config: missing");
   if ((unsigned)c->scheme >= MOE_SCHEME_COUNT)
@@ -132,7 +102,10 @@ moe_status moe_expert_config_validate(const moe_expert_config *c, moe_error *err
                     "global_num_experts: %lld is less than expert_offset + num_experts = %lld + %lld",
                     (long long)c->global_num_experts, (long long)c->expert_offset, (long long)c->num_experts);
   if ((s = check_quant(c, err))) return s;
-  return check_routing(c, err);
+  if (c->routing.topk_group < 0)
+    return moe_fail(err, MOE_EINVAL, "topk_group: must be >= 0, got %lld", (long long)c->routing.topk_group);
+  /* the same routing rules as a request's (moe.topk) */
+  return moe_routing_check(&c->routing, c->global_num_experts, err);
 }
 
 /* ---- parsing ------------------------------------------------------------------------ */

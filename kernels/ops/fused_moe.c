@@ -14,39 +14,25 @@
 #include "op.h"
 #include "routing.h"
 
-/* Inputs: the weight slots follow moe_expert_tensor's order, so input
- * IN_WEIGHTS + s is expert tensor s (correction_bias included). */
-enum {
-  IN_HIDDEN = 0,
-  IN_LOGITS,
-  IN_IDS,
-  IN_TOPK_WEIGHTS,
-  IN_WEIGHTS,
-  IN_BIAS = IN_WEIGHTS + MOE_CORRECTION_BIAS,
-  IN_ALL
-};
-/* correction_bias as an inline input needs a 13th input slot. */
-#define IN_COUNT (IN_ALL <= MOE_OP_MAX_IO ? IN_ALL : IN_BIAS)
-
-static const moe_op_io_desc fused_inputs[IN_ALL] = {
-    [IN_HIDDEN] = {"hidden_states", false, "fp16,bf16"},
-    [IN_LOGITS] = {"router_logits", true, "fp32,fp16,bf16"},
-    [IN_IDS] = {"topk_ids", true, "int32"},
-    [IN_TOPK_WEIGHTS] = {"topk_weights", true, "fp32"},
-    [IN_WEIGHTS + MOE_W13] = {"w13", true, "fp16,bf16"},
-    [IN_WEIGHTS + MOE_W2] = {"w2", true, "fp16,bf16"},
-    [IN_WEIGHTS + MOE_W13_QWEIGHT] = {"w13_qweight", true, "uint8"},
-    [IN_WEIGHTS + MOE_W13_SCALES] = {"w13_scales", true, "fp32,fp16,bf16"},
-    [IN_WEIGHTS + MOE_W13_QZEROS] = {"w13_qzeros", true, "uint8"},
-    [IN_WEIGHTS + MOE_W2_QWEIGHT] = {"w2_qweight", true, "uint8"},
-    [IN_WEIGHTS + MOE_W2_SCALES] = {"w2_scales", true, "fp32,fp16,bf16"},
-    [IN_WEIGHTS + MOE_W2_QZEROS] = {"w2_qzeros", true, "uint8"},
-    [IN_BIAS] = {"correction_bias", true, "fp32"},
+static const moe_op_io_desc fused_inputs[MOE_FUSED_IN_COUNT] = {
+    [MOE_FUSED_IN_HIDDEN] = {"hidden_states", false, "fp16,bf16"},
+    [MOE_FUSED_IN_LOGITS] = {"router_logits", true, "fp32,fp16,bf16"},
+    [MOE_FUSED_IN_IDS] = {"topk_ids", true, "int32"},
+    [MOE_FUSED_IN_TOPK_WEIGHTS] = {"topk_weights", true, "fp32"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W13] = {"w13", true, "fp16,bf16"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W2] = {"w2", true, "fp16,bf16"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W13_QWEIGHT] = {"w13_qweight", true, "uint8"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W13_SCALES] = {"w13_scales", true, "fp32,fp16,bf16"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W13_QZEROS] = {"w13_qzeros", true, "uint8"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W2_QWEIGHT] = {"w2_qweight", true, "uint8"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W2_SCALES] = {"w2_scales", true, "fp32,fp16,bf16"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W2_QZEROS] = {"w2_qzeros", true, "uint8"},
+    [MOE_FUSED_IN_BIAS] = {"correction_bias", true, "fp32"},
 };
 static const moe_op_io_desc fused_outputs[] = {{"output", false, "fp16,bf16"}};
 
 static const moe_tensor *weight_in(const moe_call *c, moe_expert_tensor slot) {
-  return IN_WEIGHTS + (size_t)slot < IN_COUNT ? moe_call_in(c, IN_WEIGHTS + (size_t)slot) : NULL;
+  return MOE_FUSED_IN_WEIGHTS + (size_t)slot < MOE_FUSED_IN_COUNT ? moe_call_in(c, MOE_FUSED_IN_WEIGHTS + (size_t)slot) : NULL;
 }
 
 /* Checks a rank-3 weight input before its shape is read. */
@@ -118,7 +104,7 @@ static moe_status check_loaded_set(const moe_call *c, const moe_expert_set *set,
                                    moe_error *err) {
   const moe_expert_config *cfg = &set->cfg;
   moe_status s;
-  for (size_t i = IN_WEIGHTS; i < IN_COUNT; i++)
+  for (size_t i = MOE_FUSED_IN_WEIGHTS; i < MOE_FUSED_IN_COUNT; i++)
     if (moe_call_in(c, i))
       return moe_fail(err, MOE_EINVAL,
                       "%s: expert set '%s' holds its own weights; inline weights are for model "
@@ -192,8 +178,8 @@ static moe_status check_ids(const moe_tensor *ids, const moe_tensor *w, int64_t 
 static moe_status fused_prepare(moe_call *c, const moe_params *p, moe_error *err) {
   static const moe_dtype logit_types[] = {MOE_F32, MOE_F16, MOE_BF16, MOE_DTYPE_INVALID};
   moe_fused_args *a = &c->args.fused;
-  const moe_tensor *x = moe_call_in(c, IN_HIDDEN), *logits = moe_call_in(c, IN_LOGITS);
-  const moe_tensor *ids = moe_call_in(c, IN_IDS), *w = moe_call_in(c, IN_TOPK_WEIGHTS);
+  const moe_tensor *x = moe_call_in(c, MOE_FUSED_IN_HIDDEN), *logits = moe_call_in(c, MOE_FUSED_IN_LOGITS);
+  const moe_tensor *ids = moe_call_in(c, MOE_FUSED_IN_IDS), *w = moe_call_in(c, MOE_FUSED_IN_TOPK_WEIGHTS);
   moe_status s;
   if (a->set) {
     if ((s = check_loaded_set(c, a->set, p, err))) return s;
@@ -235,7 +221,7 @@ static moe_status fused_prepare(moe_call *c, const moe_params *p, moe_error *err
 }
 
 const moe_op moe_op_fused_moe = {
-    .info = {"fused_moe", fused_inputs, IN_COUNT, fused_outputs, 1, true},
+    .info = {"fused_moe", fused_inputs, MOE_FUSED_IN_COUNT, fused_outputs, 1, true},
     .prepare = fused_prepare,
     .cpu = moe_cpu_fused_moe,
     .gpu = NULL, /* until kernels/gpu has fused_moe */

@@ -9,7 +9,7 @@
 #include "moe/expert_set.h"
 #include "moe/ops.h"
 
-#define MOE_OP_MAX_IO 12
+#define MOE_OP_MAX_IO 16
 
 typedef moe_status (*moe_op_prepare_fn)(moe_call *c, const moe_params *p, moe_error *err);
 typedef moe_status (*moe_op_run_fn)(moe_backend *b, moe_call *c, moe_error *err);
@@ -61,6 +61,18 @@ typedef struct moe_topk_args {
   moe_routing routing;
   bool has_bias;
 } moe_topk_args;
+
+/* fused_moe input slots; the weight slots follow moe_expert_tensor's order,
+ * so input MOE_FUSED_IN_WEIGHTS + s is expert tensor s. */
+enum {
+  MOE_FUSED_IN_HIDDEN = 0,
+  MOE_FUSED_IN_LOGITS,
+  MOE_FUSED_IN_IDS,
+  MOE_FUSED_IN_TOPK_WEIGHTS,
+  MOE_FUSED_IN_WEIGHTS,
+  MOE_FUSED_IN_BIAS = MOE_FUSED_IN_WEIGHTS + MOE_CORRECTION_BIAS,
+  MOE_FUSED_IN_COUNT
+};
 
 /* fused_moe */
 typedef struct moe_fused_args {
