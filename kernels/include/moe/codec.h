@@ -66,33 +66,37 @@ MOE_HD uint16_t moe_f32_to_bf16(float f) {
   return (uint16_t)(u >> 16);
 }
 
+/* Both fp16 conversions are branch-free (selects only) so that loops over
+ * them vectorize. */
 MOE_HD float moe_f16_to_f32(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-  if (e == 0x1F) return moe_f32_from_bits(sign | 0x7F800000u | (m << 13));
-  if (e == 0) { /* zero or subnormal: m * 2^-24, exact in fp32 */
-    float v = (float)m * moe_pow2f(-24);
-    return sign ? -v : v;
-  }
-  return moe_f32_from_bits(sign | ((e + 112u) << 23) | (m << 13));
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  const uint32_t normal = ((e + 112u) << 23) | (m << 13);
+  /* inf, or NaN with its payload, quieted as IEEE widening (and F16C) does */
+  const uint32_t special = 0x7F800000u | (m << 13) | (m ? 0x400000u : 0u);
+  const uint32_t sub = moe_f32_bits((float)m * moe_f32_from_bits(0x33800000u)); /* m * 2^-24, exact */
+  const uint32_t mag = e == 0 ? sub : (e == 0x1Fu ? special : normal);
+  return moe_f32_from_bits(sign | mag);
 }
 
 /* RNE with subnormals; |x| >= 65520 -> inf; NaN -> 0x7E00. */
 MOE_HD uint16_t moe_f32_to_f16(float f) {
-  uint32_t u = moe_f32_bits(f);
-  uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-  uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return 0x7E00;
-  if (a >= 0x477FF000u) return sign | 0x7C00u;
-  if (a >= 0x38800000u) { /* normal in fp16: rebias, round off 13 bits */
-    uint32_t h = a - (112u << 23);
-    h += 0xFFFu + ((h >> 13) & 1u);
-    return sign | (uint16_t)(h >> 13);
-  }
-  uint32_t e = a >> 23;
-  if (e == 0) return sign; /* fp32 subnormal: far below fp16's half-step */
-  uint32_t mant = (a & 0x7FFFFFu) | 0x800000u;
-  return sign | (uint16_t)moe_round_shift(mant, (int)(126u - e), false);
+  const uint32_t u = moe_f32_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  /* normal in fp16: rebias, round off 13 bits (a carry bumps the exponent) */
+  uint32_t h = a - (112u << 23);
+  h += 0xFFFu + ((h >> 13) & 1u);
+  const uint32_t normal = h >> 13;
+  /* below 2^-14: the step is 2^-24; scale exactly and round with the
+   * 1.5 * 2^23 add (RNE). Clamped so the conversion stays in range for
+   * the inputs this path does not serve. */
+  float t = moe_f32_from_bits(a) * moe_f32_from_bits(0x4B800000u); /* * 2^24 */
+  t = t < 2048.0f ? t : 2048.0f;
+  const uint32_t sub = (uint32_t)(int32_t)((t + 12582912.0f) - 12582912.0f);
+  uint32_t mag = a < 0x38800000u ? sub : normal;
+  mag = a >= 0x477FF000u ? 0x7C00u : mag;
+  return (uint16_t)(a > 0x7F800000u ? 0x7E00u : (sign | mag));
 }
 
 /* ---- narrow floats: fp8 e4m3fn / e4m3fnuz / e5m2, fp4 e2m1 --------------- */
@@ -152,7 +156,8 @@ MOE_HD uint8_t moe_f32_to_narrow(float f, const moe_narrow_fmt *fmt, bool half_u
   const uint32_t rn = a + half - 1u + (((a >> s) & 1u) | (uint32_t)half_up);
   const uint32_t mag_norm = (rn >> s) - ((uint32_t)(127 - fmt->bias) << fmt->mbits);
   /* below the smallest normal: t = a / 2^(emin - mbits) exactly, round it */
-  const float t = moe_f32_from_bits(a) * moe_f32_from_bits((uint32_t)(127 + fmt->mbits - emin) << 23);
+  float t = moe_f32_from_bits(a) * moe_f32_from_bits((uint32_t)(127 + fmt->mbits - emin) << 23);
+  t = t < 1024.0f ? t : 1024.0f; /* keeps the conversion in range where unused */
   const uint32_t n = (uint32_t)(int32_t)t;
   const float frac = t - (float)n;
   const uint32_t up = (uint32_t)(frac > 0.5f) | ((uint32_t)(frac == 0.5f) & ((n & 1u) | (uint32_t)half_up));
