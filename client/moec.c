@@ -472,14 +472,15 @@ static int cmd_upload(client *c, const char *dir, const char *name, bool replace
     moe_safetensors_close(st);
     st = NULL;
   }
-  if (!u.broken) {
+  { /* also after a failed send: the status waits for the messages to be read */
     memset(ops, 0, sizeof ops);
     ops[0].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
     ops[1].op = GRPC_OP_RECV_INITIAL_METADATA;
     ops[1].data.recv_initial_metadata.recv_initial_metadata = &md;
     ops[2].op = GRPC_OP_RECV_MESSAGE;
     ops[2].data.recv_message.recv_message = &recv;
-    ops_wait(&u, ops, 3, (void *)3);
+    grpc_call_start_batch(u.call, ops, 3, (void *)3, NULL);
+    grpc_completion_queue_pluck(c->cq, (void *)3, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
   }
   grpc_completion_queue_pluck(c->cq, (void *)9, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
   if (status != GRPC_STATUS_OK) {

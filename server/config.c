@@ -31,6 +31,8 @@ static const char usage[] =
     "  --max-queue-delay-us N    longest wait for a batch to fill (MOED_MAX_QUEUE_DELAY_US, default 0 =\n"
     "                            merge what arrives together; rounded up to ms)\n"
     "  --max-upload-bytes N      tensor bytes per ExpertStore upload (default 64 GiB)\n"
+    "  --inline-bytes N          unbatched ModelInfer messages up to N bytes run on the gRPC thread\n"
+    "                            (CPU backend; MOED_INLINE_BYTES, default 65536; 0 = always hand off)\n"
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
     "  --log-json                JSON log lines (MOED_LOG_JSON=1)\n"
     "  --port-file PATH          write \"GRPC_PORT HTTP_PORT\" once listening (tests)\n"
@@ -39,7 +41,7 @@ static const char usage[] =
 enum {
   OPT_ADDRESS = 256, OPT_GRPC_PORT, OPT_HTTP_PORT, OPT_REPO, OPT_WORKERS, OPT_TPW, OPT_MAX_MSG, OPT_MAX_TENSOR,
   OPT_MAX_TOKENS, OPT_MAX_INFLIGHT, OPT_MAX_QUEUE, OPT_SLOTS, OPT_DRAIN, OPT_CACHE, OPT_LOG_LEVEL, OPT_LOG_JSON,
-  OPT_PORT_FILE, OPT_HELP, OPT_CACHE_HOST, OPT_BATCH_TOKENS, OPT_QUEUE_DELAY, OPT_MAX_UPLOAD,
+  OPT_PORT_FILE, OPT_HELP, OPT_CACHE_HOST, OPT_BATCH_TOKENS, OPT_QUEUE_DELAY, OPT_MAX_UPLOAD, OPT_INLINE,
 };
 
 static const struct option options[] = {
@@ -64,6 +66,7 @@ static const struct option options[] = {
     {"max-batch-tokens", required_argument, NULL, OPT_BATCH_TOKENS},
     {"max-queue-delay-us", required_argument, NULL, OPT_QUEUE_DELAY},
     {"max-upload-bytes", required_argument, NULL, OPT_MAX_UPLOAD},
+    {"inline-bytes", required_argument, NULL, OPT_INLINE},
     {"help", no_argument, NULL, OPT_HELP},
     {NULL, 0, NULL, 0},
 };
@@ -118,6 +121,7 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_CACHE_HOST: c->cache_host = true; break;
   case OPT_BATCH_TOKENS: ok = parse_i64(v, 0, INT32_MAX, &n) && (c->max_batch_tokens = n, true); break;
   case OPT_QUEUE_DELAY: ok = parse_i64(v, 0, 60000000, &n) && (c->max_queue_delay_us = n, true); break;
+  case OPT_INLINE: ok = parse_i64(v, 0, 1 << 30, &n) && (c->inline_bytes = (size_t)n, true); break;
   case OPT_MAX_UPLOAD: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_upload_bytes = (size_t)n, true); break;
   }
   if (!ok) fprintf(stderr, "moed: bad value '%s' for %s\n", v, src);
@@ -131,7 +135,7 @@ static const struct { const char *env; int opt; } env_map[] = {
     {"MOED_MAX_MESSAGE_BYTES", OPT_MAX_MSG}, {"MOED_MAX_INFLIGHT", OPT_MAX_INFLIGHT},
     {"MOED_DRAIN_TIMEOUT", OPT_DRAIN},     {"MOED_LOG_LEVEL", OPT_LOG_LEVEL},
     {"MOED_LOG_JSON", OPT_LOG_JSON},       {"MOED_CACHE_BYTES", OPT_CACHE},
-    {"MOED_MAX_BATCH_TOKENS", OPT_BATCH_TOKENS}, {"MOED_MAX_QUEUE_DELAY_US", OPT_QUEUE_DELAY},
+    {"MOED_INLINE_BYTES", OPT_INLINE},     {"MOED_MAX_BATCH_TOKENS", OPT_BATCH_TOKENS}, {"MOED_MAX_QUEUE_DELAY_US", OPT_QUEUE_DELAY},
 };
 
 int moed_config_parse(moed_config *c, int argc, char **argv) {
@@ -151,6 +155,7 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .cache_bytes = (size_t)1 << 30,
       .max_batch_tokens = 4096,
       .max_upload_bytes = (size_t)64 << 30,
+      .inline_bytes = 65536,
   };
   for (size_t i = 0; i < sizeof env_map / sizeof env_map[0]; i++) {
     const char *v = getenv(env_map[i].env);

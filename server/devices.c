@@ -21,8 +21,10 @@ struct moed_devices {
   moed_job *head, *tail;
   int queued, max_queued;
   bool stopping;
+  bool stopped; /* workers joined */
   worker *workers;
   int num_workers;
+  moe_backend *inline_backend; /* the CQ thread's (host backends only) */
 };
 
 bool moed_backend_is_host(const moe_backend *b) { return b->kind == MOE_BACKEND_CPU; }
@@ -76,6 +78,11 @@ int moed_devices_create(const moed_config *cfg, moed_devices **out) {
     }
     d->num_workers++;
   }
+  if (cfg->inline_bytes && moed_backend_is_host(d->workers[0].backend)) {
+    moe_error err = {{0}};
+    if (moe_backend_cpu_create(1, &d->inline_backend, &err) != MOE_OK)
+      moed_log(MOED_LOG_WARN, "backend_failed", "inline backend: %s", err.msg); /* the fast path stays off */
+  }
   moed_log(MOED_LOG_INFO, "devices", "%d workers on %s", d->num_workers, d->workers[0].backend->name);
   *out = d;
   return 0;
@@ -102,20 +109,27 @@ bool moed_devices_submit(moed_devices *d, moed_job *job) {
   return true;
 }
 
+moe_backend *moed_devices_inline_backend(moed_devices *d) { return d->inline_backend; }
+
 const char *moed_devices_backend_name(moed_devices *d) {
   return d->num_workers ? d->workers[0].backend->name : "none";
 }
 
-void moed_devices_destroy(moed_devices *d) {
-  if (!d) return;
+void moed_devices_stop(moed_devices *d) {
+  if (!d || d->stopped) return;
   pthread_mutex_lock(&d->mu);
   d->stopping = true;
   pthread_cond_broadcast(&d->cv);
   pthread_mutex_unlock(&d->mu);
-  for (int i = 0; i < d->num_workers; i++) {
-    pthread_join(d->workers[i].thread, NULL);
-    moe_backend_destroy(d->workers[i].backend);
-  }
+  for (int i = 0; i < d->num_workers; i++) pthread_join(d->workers[i].thread, NULL);
+  d->stopped = true;
+}
+
+void moed_devices_destroy(moed_devices *d) {
+  if (!d) return;
+  moed_devices_stop(d);
+  for (int i = 0; i < d->num_workers; i++) moe_backend_destroy(d->workers[i].backend);
+  if (d->inline_backend) moe_backend_destroy(d->inline_backend);
   free(d->workers);
   pthread_cond_destroy(&d->cv);
   pthread_mutex_destroy(&d->mu);

@@ -572,15 +572,36 @@ static void submit_repo_change(moed_server *s, moed_request *req) {
   refuse(s, req, "device queue full");
 }
 
-/* Admission (drain, in-flight limit), then decode here and batch, or hand
- * a large message to a worker undecoded. */
-static void infer(moed_server *s, moed_request *req) {
-  if (atomic_load(&s->draining)) return refuse(s, req, "server is shutting down");
+/* Drain and the in-flight limit; false: refused (answered and freed). */
+static bool admit(moed_server *s, moed_request *req) {
+  if (atomic_load(&s->draining)) {
+    refuse(s, req, "server is shutting down");
+    return false;
+  }
   if (atomic_fetch_add(&s->inflight, 1) >= s->cfg->max_inflight) {
     atomic_fetch_sub(&s->inflight, 1);
-    return refuse(s, req, "too many requests in flight");
+    refuse(s, req, "too many requests in flight");
+    return false;
   }
-  /* admitted: from here infer.c answers it and drops the in-flight count */
+  return true; /* admitted: from here infer.c answers it and drops the in-flight count */
+}
+
+bool moed_handle_inline(moed_request *req, void *arg) {
+  moed_server *s = arg;
+  moe_backend *b = s->devices ? moed_devices_inline_backend(s->devices) : NULL;
+  if (!b || req->method != MOED_M_MODEL_INFER || !req->payload ||
+      grpc_byte_buffer_length(req->payload) > s->cfg->inline_bytes || !moed_infer_inline_ok(s, req->payload))
+    return false;
+  if (!admit(s, req)) return true;
+  moed_infer_req *r = moed_infer_decode(s, req);
+  if (r) moed_infer_run(s, b, &r, 1);
+  return true;
+}
+
+/* Admission, then decode here and batch, or hand a large message to a
+ * worker undecoded. */
+static void infer(moed_server *s, moed_request *req) {
+  if (!admit(s, req)) return;
   if (req->payload && grpc_byte_buffer_length(req->payload) > LOOP_DECODE_MAX) return moed_infer_dispatch_raw(s, req);
   moed_infer_req *r = moed_infer_decode(s, req);
   if (!r) return;

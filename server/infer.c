@@ -21,7 +21,8 @@
 
 #define MAX_INPUTS 16
 #define MAX_PARAMS 64
-#define MAX_SMALL_INPUT 4096 /* rank <= 1 inputs of a batch must be byte-equal: bounded */
+#define MAX_SMALL_INPUT 4096
+#define SMALL_RESPONSE 16384 /* responses up to this size are sent as one slice */ /* rank <= 1 inputs of a batch must be byte-equal: bounded */
 
 /* ---- the datatype table: KServe name <-> moe dtype ---------------------------- */
 
@@ -83,7 +84,7 @@ static grpc_status_code failf(char *buf, grpc_status_code code, const char *fmt,
 
 static void req_free(moed_infer_req *r) {
   if (!r) return;
-  for (size_t i = 0; i < MAX_INPUTS; i++) free(r->owned[i]);
+  for (size_t i = 0; i < MAX_INPUTS; i++) moed_hostmem_free(r->owned[i]);
   free(r->raw);
   free(r->key);
   if (r->msg) inference__model_infer_request__free_unpacked(r->msg, NULL);
@@ -160,6 +161,91 @@ static bool split_raw(const uint8_t *p, size_t n, uint8_t *rest, size_t *rest_le
   *rest_len = rl;
   *n_raw = nr;
   return true;
+}
+
+/* Whether the model would merge this request with others (batch_key's
+ * model-level conditions). */
+static bool model_batches(const moed_server *srv, const moed_model *m) {
+  return srv->cfg->max_batch_tokens > 0 && moe_op_describe(m->op)->rows_independent &&
+         !(m->builtin && m->op == moe_op_find("fused_moe")); /* inline weights: a batch per weight set */
+}
+
+bool moed_infer_inline_ok(moed_server *srv, grpc_byte_buffer *payload) {
+  grpc_slice s = moed_rpc_flatten(payload);
+  const uint8_t *p = GRPC_SLICE_START_PTR(s);
+  size_t n = GRPC_SLICE_LENGTH(s), pos = 0;
+  char name[128] = "";
+  while (pos < n) { /* the first model_name (field 1); other fields skipped */
+    uint64_t tag, v;
+    if (!read_varint(p, n, &pos, &tag)) break;
+    uint32_t wt = (uint32_t)(tag & 7);
+    if (wt == 0) {
+      if (!read_varint(p, n, &pos, &v)) break;
+    } else if (wt == 1 || wt == 5) {
+      if (n - pos < (wt == 1 ? 8u : 4u)) break;
+      pos += wt == 1 ? 8 : 4;
+    } else if (wt == 2) {
+      if (!read_varint(p, n, &pos, &v) || v > n - pos) break;
+      if ((tag >> 3) == 1) {
+        if (v < sizeof name) {
+          memcpy(name, p + pos, (size_t)v);
+          name[v] = 0;
+        }
+        break;
+      }
+      pos += (size_t)v;
+    } else {
+      break;
+    }
+  }
+  grpc_slice_unref(s);
+  moed_model *m = moed_repository_acquire(srv->repo, name);
+  /* unknown: answered at once wherever it runs; fused_moe (an expert set or
+   * inline weights) may compute far longer than its message suggests */
+  bool ok = !m || (m->op != moe_op_find("fused_moe") && !model_batches(srv, m));
+  moed_model_release(m);
+  return ok;
+}
+
+static void hostmem_release(void *p) { moed_hostmem_free(p); }
+
+/* The message as one slice. A large message arrives in many slices and is
+ * copied once; it is placed so that the first raw_input_contents field's
+ * data (the activation) starts 64-byte aligned and is read in place. */
+static grpc_slice flatten_aligned(grpc_byte_buffer *bb) {
+  if (!bb || bb->type != GRPC_BB_RAW || bb->data.raw.compression != GRPC_COMPRESS_NONE ||
+      bb->data.raw.slice_buffer.count <= 1)
+    return moed_rpc_flatten(bb);
+  const grpc_slice *first = &bb->data.raw.slice_buffer.slices[0];
+  const uint8_t *p = GRPC_SLICE_START_PTR(*first);
+  size_t n = GRPC_SLICE_LENGTH(*first), pos = 0, data_at = 0;
+  while (pos < n && !data_at) { /* the fields before the first field 7 (small) */
+    uint64_t tag, v;
+    if (!read_varint(p, n, &pos, &tag)) break;
+    uint32_t wt = (uint32_t)(tag & 7);
+    if (wt == 0) {
+      if (!read_varint(p, n, &pos, &v)) break;
+    } else if (wt == 1 || wt == 5) {
+      pos += wt == 1 ? 8 : 4;
+    } else if (wt == 2) {
+      if (!read_varint(p, n, &pos, &v)) break;
+      if ((tag >> 3) == 7) data_at = pos;
+      else if (v > n - pos) break;
+      else pos += (size_t)v;
+    } else {
+      break;
+    }
+  }
+  size_t len = grpc_byte_buffer_length(bb), pad = (64 - data_at % 64) % 64;
+  uint8_t *base = len <= SIZE_MAX - 64 ? moed_hostmem_alloc(len + pad) : NULL;
+  if (!base) return moed_rpc_flatten(bb);
+  size_t off = pad;
+  for (size_t i = 0; i < bb->data.raw.slice_buffer.count; i++) {
+    const grpc_slice *s = &bb->data.raw.slice_buffer.slices[i];
+    memcpy(base + off, GRPC_SLICE_START_PTR(*s), GRPC_SLICE_LENGTH(*s));
+    off += GRPC_SLICE_LENGTH(*s);
+  }
+  return grpc_slice_new_with_user_data(base + pad, len, hostmem_release, base);
 }
 
 static grpc_status_code unpack_message(moed_infer_req *r) {
@@ -240,7 +326,7 @@ static grpc_status_code typed_contents(moed_infer_req *c, size_t i,
   case MOE_F32: out->data = tc->fp32_contents; break; /* already fp32, in place */
   case MOE_INT32: out->data = tc->int_contents; break;
   case MOE_INT8: {
-    int8_t *p = malloc(numel ? numel : 1);
+    int8_t *p = moed_hostmem_alloc(numel);
     if (!p) return fail(c, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     c->owned[i] = p;
     for (size_t k = 0; k < numel; k++) {
@@ -253,7 +339,7 @@ static grpc_status_code typed_contents(moed_infer_req *c, size_t i,
     break;
   }
   default: { /* UINT8 */
-    uint8_t *p = malloc(numel ? numel : 1);
+    uint8_t *p = moed_hostmem_alloc(numel);
     if (!p) return fail(c, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     c->owned[i] = p;
     for (size_t k = 0; k < numel; k++) {
@@ -295,6 +381,15 @@ static grpc_status_code decode_inputs(moed_infer_req *c, const moed_config *cfg)
                     "inputs[%zu] '%s': raw_input_contents[%zu] has %zu bytes, shape and %s need %zu", i, t->name, i,
                     raw->len, t->datatype, c->in[i].tensor.nbytes);
       c->in[i].tensor.data = raw->data;
+      size_t align = moe_dtype_bits(wt->dtype) / 8;
+      if (align > 1 && (uintptr_t)raw->data % align) {
+        /* the op reads whole elements: a misaligned field is copied (the
+         * large ones are aligned by flatten_aligned; small ones cost little) */
+        if (!(c->owned[i] = moed_hostmem_alloc(raw->len)))
+          return fail(c, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for input '%s'", t->name);
+        memcpy(c->owned[i], raw->data, raw->len);
+        c->in[i].tensor.data = c->owned[i];
+      }
     } else if (t->contents) {
       code = typed_contents(c, i, t, &c->in[i].tensor, numel);
       if (code) return code;
@@ -381,10 +476,9 @@ static int cmp_input(const void *a, const void *b) {
  * whole batch, so they must be the same). Rows = the first dim shared by
  * every input of rank >= 2. The op library guarantees that such an op's row
  * r depends on row r of its inputs only (moe_op_info.rows_independent). */
-static void batch_key(moed_infer_req *r, const moed_config *cfg) {
-  const moed_model *m = r->model;
-  if (cfg->max_batch_tokens <= 0 || !moe_op_describe(m->op)->rows_independent) return;
-  if (m->builtin && m->op == moe_op_find("fused_moe")) return; /* inline weights: a batch per weight set */
+static void batch_key(moed_infer_req *r, const moed_server *srv) {
+  const moed_config *cfg = srv->cfg;
+  if (!model_batches(srv, r->model)) return;
   int64_t rows = 0;
   const moe_named_tensor *ins[MAX_INPUTS];
   const moe_param *ps[MAX_PARAMS];
@@ -450,7 +544,7 @@ moed_infer_req *moed_infer_decode(moed_server *srv, moed_request *req) {
     return NULL;
   }
   r->req = req;
-  r->flat = moed_rpc_flatten(req->payload);
+  r->flat = flatten_aligned(req->payload);
   if (req->payload) grpc_byte_buffer_destroy(req->payload);
   req->payload = NULL;
   if ((r->code = unpack_message(r))) return r;
@@ -466,7 +560,7 @@ moed_infer_req *moed_infer_decode(moed_server *srv, moed_request *req) {
   }
   if ((r->code = decode_inputs(r, srv->cfg))) return r;
   if ((r->code = decode_params(r))) return r;
-  batch_key(r, srv->cfg);
+  batch_key(r, srv);
   return r;
 }
 
@@ -664,6 +758,23 @@ static grpc_status_code encode(moed_server *srv, moed_infer_req *r, const moe_na
   }
   inference__model_infer_response__pack(&resp, hp + off);
   off += hdr_len;
+  if (total + 11 <= SMALL_RESPONSE) { /* small: one contiguous slice is cheaper than several */
+    grpc_slice one = grpc_slice_malloc(off + total - hdr_len);
+    uint8_t *op = GRPC_SLICE_START_PTR(one);
+    memcpy(op, hp, off);
+    size_t o = off;
+    for (size_t k = 0; k < nsel; k++) {
+      memcpy(op + o, prefixes[k], prefix_len[k]);
+      o += prefix_len[k];
+      memcpy(op + o, GRPC_SLICE_START_PTR(data[sel[k]]), GRPC_SLICE_LENGTH(data[sel[k]]));
+      o += GRPC_SLICE_LENGTH(data[sel[k]]);
+      *bytes_out += GRPC_SLICE_LENGTH(data[sel[k]]);
+    }
+    *out = grpc_raw_byte_buffer_create(&one, 1);
+    grpc_slice_unref(one);
+    grpc_slice_unref(head);
+    return GRPC_STATUS_OK;
+  }
   grpc_slice slices[1 + 2 * MAX_INPUTS];
   size_t ns = 0;
   size_t piece = off; /* bytes of `head` before the first output */
@@ -683,11 +794,6 @@ static grpc_status_code encode(moed_server *srv, moed_infer_req *r, const moe_na
 
 /* ---- running ---------------------------------------------------------------------------- */
 
-static void *alloc_host(size_t n) {
-  size_t rounded = (n + 63) & ~(size_t)63;
-  if (rounded < n) return NULL;
-  return aligned_alloc(64, rounded ? rounded : 64);
-}
 
 /* One op call and the memory it uses. */
 typedef struct run_ctx {
@@ -707,11 +813,11 @@ static void ctx_cleanup(run_ctx *c) {
     if (c->device_in[i]) c->b->iface->free(c->b, c->device_in[i]);
     if (c->outputs[i]) {
       if (moed_backend_is_host(c->b))
-        free(c->outputs[i]);
+        moed_hostmem_free(c->outputs[i]);
       else
         c->b->iface->free(c->b, c->outputs[i]);
     }
-    free(c->host_out[i]);
+    moed_hostmem_free(c->host_out[i]);
   }
   if (c->cached) moed_weight_cache_release(c->srv->weights, c->cached);
   moe_call_destroy(c->call);
@@ -761,7 +867,7 @@ static grpc_status_code bind_memory(run_ctx *c, const moed_model *m) {
     moe_named_tensor *o = moe_call_output(c->call, i);
     void *p = NULL;
     if (host)
-      p = alloc_host(o->tensor.nbytes);
+      p = moed_hostmem_alloc(o->tensor.nbytes);
     else if (b->iface->alloc(b, o->tensor.nbytes ? o->tensor.nbytes : 1, &p) != MOE_OK)
       p = NULL;
     if (!p) return failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for output '%s'", o->name);
@@ -778,7 +884,7 @@ static grpc_status_code copy_out(run_ctx *c, void **take) {
   for (size_t i = 0; i < c->num_out; i++) {
     moe_named_tensor *o = moe_call_output(c->call, i);
     if (!host) {
-      c->host_out[i] = alloc_host(o->tensor.nbytes);
+      c->host_out[i] = moed_hostmem_alloc(o->tensor.nbytes);
       if (!c->host_out[i])
         return failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for output '%s'", o->name);
       if (c->b->iface->copy_out(c->b, c->host_out[i], o->tensor.data, o->tensor.nbytes) != MOE_OK)
@@ -841,13 +947,13 @@ static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r) {
   moe_named_tensor outs[MAX_INPUTS];
   for (; nd < c.num_out; nd++) { /* each output buffer becomes the slice that owns it */
     outs[nd] = *moe_call_output(c.call, nd);
-    data[nd] = grpc_slice_new(host[nd], outs[nd].tensor.nbytes, free);
+    data[nd] = moed_hostmem_slice(host[nd], outs[nd].tensor.nbytes);
     host[nd] = NULL;
   }
   code = encode(srv, r, outs, data, c.num_out, &resp, &bytes_out, c.err);
 done:
   for (size_t i = 0; i < nd; i++) grpc_slice_unref(data[i]);
-  for (size_t i = 0; i < MAX_INPUTS; i++) free(host[i]);
+  for (size_t i = 0; i < MAX_INPUTS; i++) moed_hostmem_free(host[i]);
   ctx_cleanup(&c);
   finish_req(srv, r, code, c.err, resp, start_ns, compute_ns, bytes_out);
 }
@@ -862,7 +968,7 @@ typedef struct shared_outputs {
 static void shared_unref(void *p) {
   shared_outputs *s = p;
   if (atomic_fetch_sub(&s->refs, 1) != 1) return;
-  for (size_t i = 0; i < MAX_INPUTS; i++) free(s->buf[i]);
+  for (size_t i = 0; i < MAX_INPUTS; i++) moed_hostmem_free(s->buf[i]);
   free(s);
 }
 
@@ -870,6 +976,10 @@ static void shared_unref(void *p) {
  * axis. false: merging was refused (the caller runs them one by one). */
 static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n) {
   moed_infer_req *r0 = reqs[0];
+  /* the call borrows the model's set: held until the call is gone, since
+   * the requests (and their references) are freed as they are answered */
+  moed_model *model = r0->model;
+  atomic_fetch_add(&model->refs, 1);
   moe_named_tensor in[MAX_INPUTS];
   void *merged[MAX_INPUTS] = {NULL};
   void *host[MAX_INPUTS] = {NULL};
@@ -888,7 +998,7 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
     const moe_tensor *t0 = &r0->in[i].tensor;
     if (t0->ndim < 2) continue;
     size_t row_bytes = t0->nbytes / (size_t)t0->shape[0], bytes;
-    if (!moe_mul_size(row_bytes, (size_t)total, &bytes) || !(merged[i] = alloc_host(bytes))) goto out;
+    if (!moe_mul_size(row_bytes, (size_t)total, &bytes) || !(merged[i] = moed_hostmem_alloc(bytes))) goto out;
     size_t off = 0;
     for (size_t k = 0; k < n; k++) {
       const moed_infer_req *rk = reqs[k];
@@ -944,10 +1054,11 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
   shared_unref(shared);
 out:
   for (size_t i = 0; i < MAX_INPUTS; i++) {
-    free(merged[i]);
-    free(host[i]);
+    moed_hostmem_free(merged[i]);
+    moed_hostmem_free(host[i]);
   }
   ctx_cleanup(&c);
+  moed_model_release(model);
   return ok;
 }
 

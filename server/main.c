@@ -113,7 +113,7 @@ int main(int argc, char **argv) {
   if (moed_devices_create(&a.cfg, &s->devices) != 0) goto out;
   if (moed_batcher_create(s, &s->batcher) != 0) goto out;
   if (a.cfg.cache_bytes && moed_weight_cache_create(a.cfg.cache_bytes, &s->weights) != 0) goto out;
-  if (moed_rpc_start(&a.cfg, &a.loop, moed_handle_request, s, &s->rpc, &grpc_port) != 0) goto out;
+  if (moed_rpc_start(&a.cfg, &a.loop, moed_handle_request, moed_handle_inline, s, &s->rpc, &grpc_port) != 0) goto out;
   if (a.cfg.http_port >= 0 && moed_http_start(s, a.cfg.address, a.cfg.http_port, &a.http, &http_port) != 0) {
     moed_rpc_shutdown(s->rpc);
     moed_rpc_cancel_all(s->rpc);
@@ -140,10 +140,12 @@ int main(int argc, char **argv) {
   exit_code = 0;
 out:
   moed_batcher_destroy(s->batcher); /* set only when the loop never ran */
+  moed_devices_stop(s->devices);
+  moed_weight_cache_destroy(s->weights); /* no request uses it; its backends still live */
   moed_devices_destroy(s->devices);
-  moed_weight_cache_destroy(s->weights); /* after the workers: no request uses it */
   moed_repository_destroy(s->repo);
   uv_loop_close(&a.loop);
   grpc_shutdown();
+  moed_hostmem_trim();
   return exit_code;
 }

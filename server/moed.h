@@ -43,6 +43,7 @@ typedef struct moed_config {
   int64_t max_batch_tokens;     /* rows merged per batch; 0 = no batching */
   int64_t max_queue_delay_us;   /* longest wait for a batch to fill */
   size_t max_upload_bytes;      /* ExpertStore: tensor bytes per upload */
+  size_t inline_bytes;          /* unbatched requests up to this size run on the CQ thread (host backends) */
 } moed_config;
 
 /* 0: run; 1: exit 0 (--help); -1: bad flags (message printed). */
@@ -55,6 +56,17 @@ void moed_log_init(int level, bool json);
 /* One line per event: `event` is a short key ("listening", "model_loaded"),
  * the rest a printf message. */
 void moed_log(int level, const char *event, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* ---- hostmem.c: host tensor buffers, large ones kept for reuse ------------- */
+
+/* 64-byte aligned; buffers >= 1 MiB return to a bounded pool on free (fresh
+ * multi-MiB pages fault more slowly than the copy that fills them). */
+void *moed_hostmem_alloc(size_t n);
+void moed_hostmem_free(void *p);
+/* A slice that owns p (freed with moed_hostmem_free). */
+grpc_slice moed_hostmem_slice(void *p, size_t len);
+/* Frees the pool (exit). */
+void moed_hostmem_trim(void);
 
 /* ---- status_map.c ---------------------------------------------------------- */
 
@@ -97,11 +109,14 @@ typedef struct moed_request {
 
 typedef struct moed_rpc_server moed_rpc_server;
 typedef void (*moed_request_fn)(moed_request *req, void *arg);
+/* The fast path: called on the CQ thread first; true = it took the request. */
+typedef bool (*moed_inline_fn)(moed_request *req, void *arg);
 
 /* Binds, registers the methods, starts the CQ thread; each request reaches
- * `on_request` on the loop thread. *bound_port gets the port. */
-int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_request, void *arg,
-                   moed_rpc_server **out, int *bound_port);
+ * `on_request` on the loop thread unless `try_inline` (may be NULL) took it
+ * on the CQ thread. *bound_port gets the port. */
+int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_request, moed_inline_fn try_inline,
+                   void *arg, moed_rpc_server **out, int *bound_port);
 /* Calls accepted and not yet freed. */
 int moed_rpc_active(moed_rpc_server *s);
 /* Shutdown in steps driven by the loop (which keeps serving hand-offs
@@ -212,7 +227,12 @@ struct moed_job {
 int moed_devices_create(const moed_config *cfg, moed_devices **out);
 /* false when every queue is full (the caller answers UNAVAILABLE). */
 bool moed_devices_submit(moed_devices *d, moed_job *job);
-/* Runs what is queued, then joins the workers. */
+/* Runs what is queued, then joins the workers (backends stay). */
+void moed_devices_stop(moed_devices *d);
+/* A host backend for the CQ thread's fast path; NULL when the workers'
+ * backends are not host memory or the fast path is off. */
+moe_backend *moed_devices_inline_backend(moed_devices *d);
+/* Stops, then destroys the backends. */
 void moed_devices_destroy(moed_devices *d);
 const char *moed_devices_backend_name(moed_devices *d);
 /* True when the backend's memory is host memory (tensors need no copies). */
@@ -241,6 +261,11 @@ typedef struct moed_server {
 
 /* The loop's request callback (moed_request_fn). */
 void moed_handle_request(moed_request *req, void *server);
+/* The CQ thread's fast path (moed_inline_fn): a small unary ModelInfer for
+ * a model that is never batched runs right there on a host backend, without
+ * a hand-off (each one costs a thread wake-up: about as much as the whole
+ * call on this stack). */
+bool moed_handle_inline(moed_request *req, void *server);
 /* Health status changed (drain): answers every Watch stream. */
 void moed_health_changed(moed_server *s);
 /* Ends every Watch stream (shutdown). */
@@ -258,6 +283,10 @@ typedef struct moed_infer_req moed_infer_req;
  * an error that moed_infer_run answers; moed_infer_failed tells. */
 moed_infer_req *moed_infer_decode(moed_server *srv, moed_request *req);
 bool moed_infer_failed(const moed_infer_req *r);
+/* Whether this payload's model may run on the CQ thread: a built-in op
+ * that is never batched (its cost follows its message size). Reads only
+ * model_name. */
+bool moed_infer_inline_ok(moed_server *srv, grpc_byte_buffer *payload);
 /* Rows merged along the first axis by the batcher; 0: never batched. */
 int64_t moed_infer_batch_rows(const moed_infer_req *r);
 /* Same model, parameters, input names/dtypes/trailing dims and small

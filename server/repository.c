@@ -276,7 +276,7 @@ size_t moed_repository_index(moed_repository *r, moed_index_entry **out) {
       if (!g) break;
       v = g;
     }
-    snprintf(v[n].name, sizeof v[n].name, "%s", e->d_name);
+    snprintf(v[n].name, sizeof v[n].name, "%.127s", e->d_name);
     v[n].state = "UNAVAILABLE";
     snprintf(v[n].reason, sizeof v[n].reason, "unloaded");
     n++;

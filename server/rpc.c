@@ -86,6 +86,7 @@ struct moed_rpc {
   _Atomic int refs;
   _Atomic bool cancelled;
   int close_cancelled; /* written by RECV_CLOSE_ON_SERVER */
+  bool close_started;  /* RECV_CLOSE_ON_SERVER asked for (else the final batch does) */
   rpc_tag close_tag, write_tag, recv_tag, finish_tag;
 
   pthread_mutex_t mu; /* the send side and stream bookkeeping below */
@@ -110,6 +111,7 @@ struct moed_rpc_server {
   bool thread_started;
   uv_async_t async;
   moed_request_fn on_request;
+  moed_inline_fn try_inline;
   void *arg;
 
   pthread_mutex_t q_mu; /* the hand-off list (many producers, the loop consumes) */
@@ -130,6 +132,8 @@ uint64_t moed_now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+static void start_close(moed_rpc *r);
+
 /* ---- hand-off to the loop --------------------------------------------------------- */
 
 static void handoff(moed_rpc_server *s, moed_rpc *r, grpc_byte_buffer *payload) {
@@ -143,6 +147,8 @@ static void handoff(moed_rpc_server *s, moed_rpc *r, grpc_byte_buffer *payload) 
   req->method = r->method;
   req->payload = payload;
   req->received_ns = moed_now_ns();
+  if (s->try_inline && s->try_inline(req, s->arg)) return;
+  start_close(r); /* queued work must learn of a cancel */
   pthread_mutex_lock(&s->q_mu);
   if (s->q_tail)
     s->q_tail->next = req;
@@ -211,9 +217,26 @@ static uint64_t deadline_to_ns(gpr_timespec d) {
   return (uint64_t)m.tv_sec * 1000000000u + (uint64_t)m.tv_nsec;
 }
 
+/* Started alone, it completes when the client cancels, which is how queued
+ * work learns that nobody waits for it. A call answered on the CQ thread
+ * right away (the inline fast path) skips it: its final batch receives the
+ * close instead, one batch and one completion fewer per call. */
+static void start_close(moed_rpc *r) {
+  pthread_mutex_lock(&r->mu);
+  bool go = !r->close_started && !r->finished;
+  r->close_started = true;
+  pthread_mutex_unlock(&r->mu);
+  if (!go) return;
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+  op.data.recv_close_on_server.cancelled = &r->close_cancelled;
+  start_batch(r, &op, 1, &r->close_tag);
+}
+
 /* Starts the final batch; r->mu held, nothing being written. */
 static void start_finish_locked(moed_rpc *r) {
-  grpc_op ops[3];
+  grpc_op ops[4];
   size_t n = 0;
   memset(ops, 0, sizeof ops);
   if (!r->md_sent) {
@@ -230,6 +253,12 @@ static void start_finish_locked(moed_rpc *r) {
   ops[n].data.send_status_from_server.status = r->fin_code;
   ops[n].data.send_status_from_server.status_details = &r->fin_details;
   n++;
+  if (!r->close_started) {
+    r->close_started = true;
+    ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+    ops[n].data.recv_close_on_server.cancelled = &r->close_cancelled;
+    n++;
+  }
   r->finished = true;
   start_batch(r, ops, n, &r->finish_tag);
 }
@@ -320,6 +349,21 @@ grpc_slice moed_rpc_flatten(grpc_byte_buffer *bb) {
       bb->data.raw.slice_buffer.count == 1)
     return grpc_slice_ref(bb->data.raw.slice_buffer.slices[0]);
   if (!grpc_byte_buffer_reader_init(&rd, bb)) return grpc_empty_slice();
+  if (bb->type == GRPC_BB_RAW && bb->data.raw.compression == GRPC_COMPRESS_NONE) {
+    /* many slices (a large message): one copy into a reusable buffer */
+    size_t len = grpc_byte_buffer_length(bb), off = 0;
+    uint8_t *p = moed_hostmem_alloc(len);
+    grpc_slice piece;
+    while (p && grpc_byte_buffer_reader_next(&rd, &piece)) {
+      size_t n = GRPC_SLICE_LENGTH(piece);
+      if (n > len - off) n = len - off; /* never: the length is the slices' sum */
+      memcpy(p + off, GRPC_SLICE_START_PTR(piece), n);
+      off += n;
+      grpc_slice_unref(piece);
+    }
+    grpc_byte_buffer_reader_destroy(&rd);
+    return p ? moed_hostmem_slice(p, off) : grpc_empty_slice();
+  }
   grpc_slice s = grpc_byte_buffer_reader_readall(&rd);
   grpc_byte_buffer_reader_destroy(&rd);
   return s;
@@ -369,13 +413,8 @@ static moed_rpc *rpc_new(moed_rpc_server *s, grpc_call *call, moed_method method
   r->recv_tag = (rpc_tag){TAG_RECV, r};
   r->finish_tag = (rpc_tag){TAG_FINISH, r};
   atomic_fetch_add(&s->live_calls, 1);
-  /* Started first and alone: it completes when the client cancels, which is
-   * how queued work learns that nobody waits for it. */
-  grpc_op op;
-  memset(&op, 0, sizeof op);
-  op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
-  op.data.recv_close_on_server.cancelled = &r->close_cancelled;
-  start_batch(r, &op, 1, &r->close_tag);
+  if (method >= MOED_M_COUNT || methods[method].read_stream || methods[method].write_stream)
+    start_close(r); /* streams: at once (unary calls: see start_close) */
   return r;
 }
 
@@ -496,11 +535,12 @@ static void *cq_thread(void *arg) {
 
 int moed_rpc_active(moed_rpc_server *s) { return atomic_load(&s->live_calls); }
 
-int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_request, void *arg,
-                   moed_rpc_server **out, int *bound_port) {
+int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_request, moed_inline_fn try_inline,
+                   void *arg, moed_rpc_server **out, int *bound_port) {
   moed_rpc_server *s = calloc(1, sizeof *s);
   if (!s) return -1;
   s->on_request = on_request;
+  s->try_inline = try_inline;
   s->arg = arg;
   pthread_mutex_init(&s->q_mu, NULL);
   s->shutdown_tag = (rpc_tag){TAG_SHUTDOWN, s};

@@ -1,0 +1,401 @@
+/* upload: moe.v1.ExpertStore.Upload, a client-streamed expert set.
+ *
+ * First message: header (name, config.json, replace); then chunks of
+ * tensors in order, each tensor announced by a TensorHeader on its first
+ * chunk. Each tensor is streamed into its own safetensors file (the header
+ * is known from the TensorHeader, so nothing is buffered) in a hidden
+ * directory of the model repository (a temporary directory when moed has
+ * none); when the client closes, the directory is loaded and checked as any
+ * expert set, moved to its name and served. The reply carries the name,
+ * the tensor bytes and their XXH3-64 (in upload order).
+ *
+ * File writes block, so every message is processed on libuv's thread pool;
+ * the stream is paced (the next message is read once this one is written),
+ * which bounds memory to one chunk per upload. */
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "expert_store.pb-c.h"
+#include "moed.h"
+
+typedef struct moed_upload {
+  struct moed_upload *next;
+  moed_server *srv;
+  moed_rpc *rpc;
+  uv_work_t work;
+  moed_request *cur; /* the message being processed */
+
+  bool have_header;
+  char name[128];
+  bool replace;
+  char *config_json;
+  char dir[PATH_MAX]; /* where the files are written; "" until created */
+  int fd;             /* the current tensor's file, -1 between tensors */
+  char tensor[32];
+  uint64_t left; /* bytes of the current tensor still to come */
+  bool seen[MOE_EXPERT_TENSOR_COUNT];
+  uint64_t total;
+  XXH3_state_t *hash;
+
+  bool done; /* answered: code, msg */
+  grpc_status_code code;
+  char msg[600];
+  grpc_byte_buffer *response;
+} moed_upload;
+
+/* moe dtype -> safetensors dtype (docs/expert-set.md "safetensors files") */
+static const struct {
+  moe_dtype t;
+  const char *st;
+} st_dtypes[] = {
+    {MOE_F32, "F32"}, {MOE_F16, "F16"},   {MOE_BF16, "BF16"},          {MOE_UINT8, "U8"},
+    {MOE_INT8, "I8"}, {MOE_INT32, "I32"}, {MOE_FP8_E4M3FN, "F8_E4M3"}, {MOE_FP8_E5M2, "F8_E5M2"},
+};
+
+static bool upload_fail(moed_upload *u, grpc_status_code code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static bool upload_fail(moed_upload *u, grpc_status_code code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(u->msg, sizeof u->msg, fmt, ap);
+  va_end(ap);
+  u->code = code;
+  u->done = true;
+  return false;
+}
+
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+  (void)st;
+  (void)flag;
+  (void)ftw;
+  remove(path);
+  return 0;
+}
+
+static void remove_tree(const char *dir) {
+  if (*dir) nftw(dir, remove_entry, 8, FTW_DEPTH | FTW_PHYS);
+}
+
+static bool write_all(int fd, const void *p, size_t n) {
+  const uint8_t *b = p;
+  while (n) {
+    ssize_t w = write(fd, b, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    b += w;
+    n -= (size_t)w;
+  }
+  return true;
+}
+
+/* ---- messages ---------------------------------------------------------------------- */
+
+static bool on_header(moed_upload *u, const Moe__V1__UploadHeader *h) {
+  moed_server *s = u->srv;
+  if (u->have_header) return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "header: sent twice");
+  if (!moed_model_name_ok(h->name))
+    return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "header.name: '%s' is not a valid model name",
+                       h->name);
+  moe_expert_config cfg;
+  moe_error err = {{0}};
+  if (moe_expert_config_parse(h->config_json, &cfg, &err) != MOE_OK)
+    return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "header.config_json: %s", err.msg);
+  moed_model *m = moed_repository_acquire(s->repo, h->name);
+  bool builtin = m && m->builtin, exists = m != NULL;
+  moed_model_release(m);
+  if (builtin)
+    return upload_fail(u, GRPC_STATUS_ALREADY_EXISTS, "header.name: '%s' is a built-in model", h->name);
+  if (exists && !h->replace)
+    return upload_fail(u, GRPC_STATUS_ALREADY_EXISTS,
+                       "header.name: model '%s' exists (set replace to replace it)", h->name);
+  snprintf(u->name, sizeof u->name, "%s", h->name);
+  u->replace = h->replace;
+  if (!(u->config_json = strdup(h->config_json)))
+    return upload_fail(u, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+  /* hidden inside the repository (the loaders skip dot names), so the
+   * final rename stays on one file system */
+  const char *base = s->cfg->model_repository;
+  const char *tmp = getenv("TMPDIR");
+  int n = base ? snprintf(u->dir, sizeof u->dir, "%s/.upload-XXXXXX", base)
+               : snprintf(u->dir, sizeof u->dir, "%s/moed-upload-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+  if (n < 0 || (size_t)n >= sizeof u->dir || !mkdtemp(u->dir) || chmod(u->dir, 0755) != 0) {
+    u->dir[0] = 0;
+    return upload_fail(u, GRPC_STATUS_INTERNAL, "cannot create an upload directory: %s", strerror(errno));
+  }
+  u->have_header = true;
+  return true;
+}
+
+/* Opens the tensor's file and writes its safetensors header. */
+static bool start_tensor(moed_upload *u, const Moe__V1__TensorHeader *t) {
+  int slot = -1;
+  for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
+    if (strcmp(moe_expert_tensor_names[i], t->name) == 0) slot = i;
+  if (slot < 0)
+    return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "chunk.tensor.name: '%s' is not an expert-set tensor",
+                       t->name);
+  if (u->seen[slot])
+    return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "chunk.tensor.name: '%s' sent twice", t->name);
+  moe_dtype dt = moe_dtype_from_name(t->dtype);
+  const char *st = NULL;
+  for (size_t i = 0; i < sizeof st_dtypes / sizeof st_dtypes[0]; i++)
+    if (st_dtypes[i].t == dt) st = st_dtypes[i].st;
+  if (!st)
+    return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT,
+                       "chunk.tensor.dtype: '%s' not supported (tensor '%s')", t->dtype, t->name);
+  if (t->n_shape < 1 || t->n_shape > MOE_MAX_DIMS)
+    return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "chunk.tensor.shape: rank %zu (tensor '%s'), 1..%d",
+                       t->n_shape, t->name, MOE_MAX_DIMS);
+  size_t numel = 1, bytes;
+  for (size_t d = 0; d < t->n_shape; d++)
+    if (t->shape[d] < 0 || !moe_mul_size(numel, (size_t)t->shape[d], &numel))
+      return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT,
+                         "chunk.tensor.shape: dim %zu of '%s' negative or overflowing", d, t->name);
+  if (!moe_mul_size(numel, moe_dtype_bits(dt) / 8, &bytes) || bytes != t->nbytes)
+    return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT,
+                       "chunk.tensor.nbytes: %llu for '%s', shape and dtype need %zu",
+                       (unsigned long long)t->nbytes, t->name, bytes);
+  uint64_t total;
+  if (__builtin_add_overflow(u->total, t->nbytes, &total) || total > u->srv->cfg->max_upload_bytes)
+    return upload_fail(u, GRPC_STATUS_RESOURCE_EXHAUSTED,
+                       "chunk.tensor.nbytes: upload exceeds the limit of %zu bytes",
+                       u->srv->cfg->max_upload_bytes);
+
+  char json[1024];
+  int n = snprintf(json, sizeof json, "{\"%s\":{\"dtype\":\"%s\",\"shape\":[", t->name, st);
+  for (size_t d = 0; d < t->n_shape; d++)
+    n += snprintf(json + n, sizeof json - (size_t)n, "%s%lld", d ? "," : "", (long long)t->shape[d]);
+  n += snprintf(json + n, sizeof json - (size_t)n, "],\"data_offsets\":[0,%llu]}}",
+                (unsigned long long)t->nbytes);
+  while (n % 8)
+    json[n++] = ' '; /* data 8-byte aligned, as the reader requires per element size */
+  uint8_t len[8];
+  for (int i = 0; i < 8; i++)
+    len[i] = (uint8_t)((uint64_t)n >> (8 * i));
+
+  char path[PATH_MAX + 64];
+  snprintf(path, sizeof path, "%s/%s.safetensors", u->dir, t->name);
+  u->fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (u->fd < 0 || !write_all(u->fd, len, 8) || !write_all(u->fd, json, (size_t)n))
+    return upload_fail(u, GRPC_STATUS_INTERNAL, "cannot write %s: %s", path, strerror(errno));
+  u->seen[slot] = true;
+  snprintf(u->tensor, sizeof u->tensor, "%s", t->name);
+  u->left = t->nbytes;
+  u->total = total;
+  return true;
+}
+
+static bool end_tensor(moed_upload *u) {
+  int fd = u->fd;
+  u->fd = -1;
+  if (close(fd) != 0)
+    return upload_fail(u, GRPC_STATUS_INTERNAL, "cannot write tensor '%s': %s", u->tensor, strerror(errno));
+  return true;
+}
+
+static bool on_chunk(moed_upload *u, const Moe__V1__UploadChunk *c) {
+  if (!u->have_header)
+    return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "header: the first message must be the header");
+  if (c->tensor) {
+    if (u->fd >= 0)
+      return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT,
+                         "chunk.tensor: '%s' starts with %llu bytes of '%s' missing", c->tensor->name,
+                         (unsigned long long)u->left, u->tensor);
+    if (!start_tensor(u, c->tensor)) return false;
+  }
+  if (c->data.len == 0) goto check_end;
+  if (u->fd < 0)
+    return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT,
+                       "chunk.data: no tensor started (chunk.tensor missing)");
+  if (c->data.len > u->left)
+    return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "chunk.data: %zu bytes, tensor '%s' has %llu left",
+                       c->data.len, u->tensor, (unsigned long long)u->left);
+  if (!write_all(u->fd, c->data.data, c->data.len))
+    return upload_fail(u, GRPC_STATUS_INTERNAL, "cannot write tensor '%s': %s", u->tensor, strerror(errno));
+  XXH3_64bits_update(u->hash, c->data.data, c->data.len);
+  u->left -= c->data.len;
+check_end:
+  if (u->fd >= 0 && u->left == 0) return end_tensor(u);
+  return true;
+}
+
+/* The client closed: load what was written, move it in place, serve it. */
+static void commit(moed_upload *u) {
+  moed_server *s = u->srv;
+  if (!u->have_header) {
+    upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "header: missing (no message sent)");
+    return;
+  }
+  if (u->fd >= 0) {
+    upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "chunk.data: stream ended with %llu bytes of '%s' missing",
+                (unsigned long long)u->left, u->tensor);
+    return;
+  }
+  char path[PATH_MAX + 64];
+  snprintf(path, sizeof path, "%s/config.json", u->dir);
+  int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  bool ok = fd >= 0 && write_all(fd, u->config_json, strlen(u->config_json));
+  if (fd >= 0 && close(fd) != 0) ok = false;
+  if (!ok) {
+    upload_fail(u, GRPC_STATUS_INTERNAL, "cannot write %s: %s", path, strerror(errno));
+    return;
+  }
+  moe_expert_set *set = NULL;
+  moe_error err = {{0}};
+  moe_status st = moe_expert_set_load(u->dir, u->name, &set, &err);
+  if (st != MOE_OK) { /* a bad tensor or config: the client's mistake */
+    upload_fail(u, st == MOE_ENOMEM ? GRPC_STATUS_RESOURCE_EXHAUSTED : GRPC_STATUS_INVALID_ARGUMENT, "%s",
+                err.msg);
+    return;
+  }
+  /* the set is mapped: its files may move (repository) or go (no repository) */
+  if (s->cfg->model_repository) {
+    char target[PATH_MAX + 200];
+    snprintf(target, sizeof target, "%s/%s", s->cfg->model_repository, u->name);
+    unsigned flags = u->replace ? RENAME_EXCHANGE : RENAME_NOREPLACE;
+    int rc = renameat2(AT_FDCWD, u->dir, AT_FDCWD, target, flags);
+    if (rc != 0 && u->replace && errno == ENOENT)
+      rc = rename(u->dir, target); /* nothing to exchange with */
+    else if (rc == 0 && u->replace) {
+      remove_tree(u->dir); /* now holds the replaced set's files */
+    }
+    if (rc != 0) {
+      int e = errno;
+      moe_expert_set_destroy(set);
+      if (e == EEXIST)
+        upload_fail(u, GRPC_STATUS_ALREADY_EXISTS,
+                    "header.name: '%s' exists in the model repository (set replace)", u->name);
+      else
+        upload_fail(u, GRPC_STATUS_INTERNAL, "cannot move the upload to %s: %s", target, strerror(e));
+      return;
+    }
+    u->dir[0] = 0; /* committed: nothing to clean up */
+  }
+  st = moed_repository_add(s->repo, set, u->replace, &err);
+  if (st != MOE_OK) {
+    upload_fail(u, st == MOE_EBUSY ? GRPC_STATUS_ALREADY_EXISTS : moed_status_from_moe(st), "%s", err.msg);
+    return;
+  }
+  Moe__V1__UploadResponse r = MOE__V1__UPLOAD_RESPONSE__INIT;
+  r.name = u->name;
+  r.bytes = u->total;
+  r.checksum = XXH3_64bits_digest(u->hash);
+  size_t n = moe__v1__upload_response__get_packed_size(&r);
+  uint8_t *buf = malloc(n ? n : 1);
+  if (!buf) {
+    upload_fail(u, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+    return;
+  }
+  moe__v1__upload_response__pack(&r, buf);
+  u->response = moed_rpc_buffer_take(buf, n);
+  moed_log(MOED_LOG_INFO, "model_uploaded", "%s: %llu bytes, xxh3 %016llx", u->name,
+           (unsigned long long)r.bytes, (unsigned long long)r.checksum);
+  u->code = GRPC_STATUS_OK;
+  u->done = true;
+}
+
+/* ---- the thread pool and the loop ----------------------------------------------------- */
+
+static void upload_work(uv_work_t *w) {
+  moed_upload *u = w->data;
+  moed_request *req = u->cur;
+  if (!req->payload) {
+    if (moed_rpc_cancelled(u->rpc))
+      upload_fail(u, GRPC_STATUS_CANCELLED, "upload cancelled");
+    else
+      commit(u);
+    return;
+  }
+  grpc_slice s = moed_rpc_flatten(req->payload);
+  grpc_byte_buffer_destroy(req->payload);
+  req->payload = NULL;
+  Moe__V1__UploadRequest *m =
+      moe__v1__upload_request__unpack(NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+  grpc_slice_unref(s);
+  if (!m) {
+    upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid UploadRequest message");
+    return;
+  }
+  if (m->part_case == MOE__V1__UPLOAD_REQUEST__PART_HEADER)
+    on_header(u, m->header);
+  else if (m->part_case == MOE__V1__UPLOAD_REQUEST__PART_CHUNK)
+    on_chunk(u, m->chunk);
+  else
+    upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "part: neither header nor chunk");
+  moe__v1__upload_request__free_unpacked(m, NULL);
+}
+
+static void upload_free(moed_server *s, moed_upload *u) {
+  for (moed_upload **pp = &s->uploads; *pp; pp = &(*pp)->next)
+    if (*pp == u) {
+      *pp = u->next;
+      break;
+    }
+  if (u->fd >= 0) close(u->fd);
+  remove_tree(u->dir);
+  if (u->hash) XXH3_freeState(u->hash);
+  free(u->config_json);
+  free(u);
+}
+
+static void upload_after(uv_work_t *w, int status) {
+  moed_upload *u = w->data;
+  moed_request *req = u->cur;
+  u->cur = NULL;
+  if (status != 0 && !u->done) upload_fail(u, GRPC_STATUS_INTERNAL, "upload work failed");
+  if (req->payload) grpc_byte_buffer_destroy(req->payload);
+  if (u->done) {
+    moed_rpc_finish(req->rpc, u->code, u->code ? u->msg : NULL, u->response); /* the hand-off's reference */
+    u->response = NULL;
+    if (u->code) moed_log(MOED_LOG_INFO, "upload_failed", "%s: %s", u->name[0] ? u->name : "?", u->msg);
+    upload_free(u->srv, u);
+  } else {
+    moed_rpc_read_next(req->rpc);
+    moed_rpc_stream_done(req->rpc);
+  }
+  free(req);
+}
+
+void moed_upload_handle(moed_server *s, moed_request *req) {
+  moed_upload *u = s->uploads;
+  while (u && u->rpc != req->rpc)
+    u = u->next;
+  if (!u) {
+    if (atomic_load(&s->draining) || !req->payload) {
+      moed_rpc_finish(req->rpc, req->payload ? GRPC_STATUS_UNAVAILABLE : GRPC_STATUS_INVALID_ARGUMENT,
+                      req->payload ? "server is shutting down" : "header: missing (no message sent)", NULL);
+      if (req->payload) grpc_byte_buffer_destroy(req->payload);
+      free(req);
+      return;
+    }
+    u = calloc(1, sizeof *u);
+    if (!u || !(u->hash = XXH3_createState())) {
+      free(u);
+      moed_rpc_finish(req->rpc, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory", NULL);
+      grpc_byte_buffer_destroy(req->payload);
+      free(req);
+      return;
+    }
+    XXH3_64bits_reset(u->hash);
+    u->srv = s;
+    u->rpc = req->rpc;
+    u->fd = -1;
+    u->work.data = u;
+    u->next = s->uploads;
+    s->uploads = u;
+  }
+  u->cur = req;
+  if (uv_queue_work(s->loop, &u->work, upload_work, upload_after) != 0) {
+    upload_fail(u, GRPC_STATUS_INTERNAL, "cannot queue the upload work");
+    upload_after(&u->work, 0);
+  }
+}
