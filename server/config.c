@@ -15,6 +15,8 @@ static const char usage[] =
     "  --grpc-port N             gRPC port (MOED_GRPC_PORT, default 8001; 0 = any free)\n"
     "  --http-port N             metrics/health HTTP port (MOED_HTTP_PORT, default 8002; -1 = off)\n"
     "  --model-repository DIR    expert sets, one per subdirectory (MOED_MODEL_REPOSITORY)\n"
+    "  --device auto|cpu|gpu     backends: gpu = one worker per GPU (ops without a GPU kernel run on the\n"
+    "                            CPU), cpu = CPU only, auto = gpu when one is present (MOED_DEVICE)\n"
     "  --workers N               device workers on the CPU backend (MOED_WORKERS, default 2)\n"
     "  --threads-per-worker N    CPU threads per worker (MOED_THREADS_PER_WORKER, 0 = cores/workers)\n"
     "  --max-message-bytes N     gRPC send/receive limit (MOED_MAX_MESSAGE_BYTES, default 1 GiB)\n"
@@ -41,7 +43,7 @@ static const char usage[] =
 enum {
   OPT_ADDRESS = 256, OPT_GRPC_PORT, OPT_HTTP_PORT, OPT_REPO, OPT_WORKERS, OPT_TPW, OPT_MAX_MSG, OPT_MAX_TENSOR,
   OPT_MAX_TOKENS, OPT_MAX_INFLIGHT, OPT_MAX_QUEUE, OPT_SLOTS, OPT_DRAIN, OPT_CACHE, OPT_LOG_LEVEL, OPT_LOG_JSON,
-  OPT_PORT_FILE, OPT_HELP, OPT_CACHE_HOST, OPT_BATCH_TOKENS, OPT_QUEUE_DELAY, OPT_MAX_UPLOAD, OPT_INLINE,
+  OPT_PORT_FILE, OPT_HELP, OPT_CACHE_HOST, OPT_BATCH_TOKENS, OPT_QUEUE_DELAY, OPT_MAX_UPLOAD, OPT_INLINE, OPT_DEVICE,
 };
 
 static const struct option options[] = {
@@ -67,6 +69,7 @@ static const struct option options[] = {
     {"max-queue-delay-us", required_argument, NULL, OPT_QUEUE_DELAY},
     {"max-upload-bytes", required_argument, NULL, OPT_MAX_UPLOAD},
     {"inline-bytes", required_argument, NULL, OPT_INLINE},
+    {"device", required_argument, NULL, OPT_DEVICE},
     {"help", no_argument, NULL, OPT_HELP},
     {NULL, 0, NULL, 0},
 };
@@ -96,6 +99,10 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   bool ok = true;
   switch (opt) {
   case OPT_ADDRESS: c->address = v; break;
+  case OPT_DEVICE:
+    ok = !strcmp(v, "auto") || !strcmp(v, "cpu") || !strcmp(v, "gpu");
+    if (ok) c->device = v;
+    break;
   case OPT_GRPC_PORT: ok = parse_i64(v, 0, 65535, &n) && (c->grpc_port = (int)n, true); break;
   case OPT_HTTP_PORT: ok = parse_i64(v, -1, 65535, &n) && (c->http_port = (int)n, true); break;
   case OPT_REPO: c->model_repository = v; break;
@@ -135,12 +142,13 @@ static const struct { const char *env; int opt; } env_map[] = {
     {"MOED_MAX_MESSAGE_BYTES", OPT_MAX_MSG}, {"MOED_MAX_INFLIGHT", OPT_MAX_INFLIGHT},
     {"MOED_DRAIN_TIMEOUT", OPT_DRAIN},     {"MOED_LOG_LEVEL", OPT_LOG_LEVEL},
     {"MOED_LOG_JSON", OPT_LOG_JSON},       {"MOED_CACHE_BYTES", OPT_CACHE},
-    {"MOED_INLINE_BYTES", OPT_INLINE},     {"MOED_MAX_BATCH_TOKENS", OPT_BATCH_TOKENS}, {"MOED_MAX_QUEUE_DELAY_US", OPT_QUEUE_DELAY},
+    {"MOED_INLINE_BYTES", OPT_INLINE},     {"MOED_DEVICE", OPT_DEVICE},     {"MOED_MAX_BATCH_TOKENS", OPT_BATCH_TOKENS}, {"MOED_MAX_QUEUE_DELAY_US", OPT_QUEUE_DELAY},
 };
 
 int moed_config_parse(moed_config *c, int argc, char **argv) {
   *c = (moed_config){
       .address = "0.0.0.0",
+      .device = "auto",
       .grpc_port = 8001,
       .http_port = 8002,
       .workers = 2,

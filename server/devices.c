@@ -13,6 +13,7 @@ typedef struct worker {
   moed_devices *d;
   pthread_t thread;
   moe_backend *backend;
+  moe_backend *fallback; /* GPU workers: a CPU backend for ops without a GPU kernel */
 } worker;
 
 struct moed_devices {
@@ -49,31 +50,53 @@ static void *worker_main(void *arg) {
   return NULL;
 }
 
+/* GPU workers when asked for (or, with auto, when a GPU is there): one per
+ * device, each with a CPU fallback; else cfg->workers CPU workers. */
+static int plan_gpus(const moed_config *cfg) {
+  if (strcmp(cfg->device, "cpu") == 0) return 0;
+  const char *why = NULL;
+  int n = moe_backend_gpu_count(&why);
+  if (n == 0) {
+    moed_log(strcmp(cfg->device, "gpu") == 0 ? MOED_LOG_ERROR : MOED_LOG_INFO, "no_gpu", "%s",
+             why ? why : "no GPU found");
+    return strcmp(cfg->device, "gpu") == 0 ? -1 : 0;
+  }
+  return n;
+}
+
 int moed_devices_create(const moed_config *cfg, moed_devices **out) {
   moed_devices *d = calloc(1, sizeof *d);
   if (!d) return -1;
   pthread_mutex_init(&d->mu, NULL);
   pthread_cond_init(&d->cv, NULL);
   d->max_queued = cfg->max_queue_size;
-  d->workers = calloc((size_t)cfg->workers, sizeof *d->workers);
+  int gpus = plan_gpus(cfg);
+  if (gpus < 0) goto fail;
+  int n = gpus ? gpus : cfg->workers;
+  d->workers = calloc((size_t)n, sizeof *d->workers);
   if (!d->workers) goto fail;
   int threads = cfg->threads_per_worker;
   if (threads <= 0) {
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    threads = (int)(cores / cfg->workers);
+    threads = (int)(cores / n);
     if (threads < 1) threads = 1;
   }
-  for (int i = 0; i < cfg->workers; i++) {
+  for (int i = 0; i < n; i++) {
     worker *w = &d->workers[i];
     moe_error err = {{0}};
     w->d = d;
-    if (moe_backend_cpu_create(threads, &w->backend, &err) != MOE_OK) {
+    moe_status s = gpus ? moe_backend_gpu_create(i, &w->backend, &err) : moe_backend_cpu_create(threads, &w->backend, &err);
+    if (!s && gpus) s = moe_backend_cpu_create(threads, &w->fallback, &err);
+    if (s != MOE_OK) {
       moed_log(MOED_LOG_ERROR, "backend_failed", "worker %d: %s", i, err.msg);
+      moe_backend_destroy(w->backend);
+      w->backend = NULL;
       goto fail;
     }
     if (pthread_create(&w->thread, NULL, worker_main, w) != 0) {
       moe_backend_destroy(w->backend);
-      w->backend = NULL;
+      moe_backend_destroy(w->fallback);
+      w->backend = w->fallback = NULL;
       goto fail;
     }
     d->num_workers++;
@@ -83,12 +106,19 @@ int moed_devices_create(const moed_config *cfg, moed_devices **out) {
     if (moe_backend_cpu_create(1, &d->inline_backend, &err) != MOE_OK)
       moed_log(MOED_LOG_WARN, "backend_failed", "inline backend: %s", err.msg); /* the fast path stays off */
   }
-  moed_log(MOED_LOG_INFO, "devices", "%d workers on %s", d->num_workers, d->workers[0].backend->name);
+  moed_log(MOED_LOG_INFO, "devices", "%d workers on %s%s", d->num_workers, d->workers[0].backend->name,
+           gpus ? " (CPU fallback for ops without a GPU kernel)" : "");
   *out = d;
   return 0;
 fail:
   moed_devices_destroy(d);
   return -1;
+}
+
+moe_backend *moed_devices_fallback(moed_devices *d, moe_backend *b) {
+  for (int i = 0; i < d->num_workers; i++)
+    if (d->workers[i].backend == b && d->workers[i].fallback) return d->workers[i].fallback;
+  return b;
 }
 
 bool moed_devices_submit(moed_devices *d, moed_job *job) {
@@ -128,7 +158,10 @@ void moed_devices_stop(moed_devices *d) {
 void moed_devices_destroy(moed_devices *d) {
   if (!d) return;
   moed_devices_stop(d);
-  for (int i = 0; i < d->num_workers; i++) moe_backend_destroy(d->workers[i].backend);
+  for (int i = 0; i < d->num_workers; i++) {
+    moe_backend_destroy(d->workers[i].backend);
+    moe_backend_destroy(d->workers[i].fallback);
+  }
   if (d->inline_backend) moe_backend_destroy(d->inline_backend);
   free(d->workers);
   pthread_cond_destroy(&d->cv);

@@ -1073,6 +1073,9 @@ void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, siz
     else
       reqs[live++] = r;
   }
+  /* every request here is for one model (the batch key): an op this
+   * backend has no kernel for runs on the worker's host fallback */
+  if (live && b && !moe_op_supported(reqs[0]->model->op, b)) b = moed_devices_fallback(srv->devices, b);
   if (live > 1 && run_merged(srv, b, reqs, live)) return;
   for (size_t k = 0; k < live; k++) run_single(srv, b, reqs[k]);
 }

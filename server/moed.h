@@ -26,7 +26,8 @@ typedef struct moed_config {
   int grpc_port;                /* 8001; 0 = pick a free one */
   int http_port;                /* 8002; 0 = pick, -1 = off */
   const char *model_repository; /* NULL: built-ins only */
-  int workers;                  /* device workers (CPU: backends) */
+  const char *device;           /* auto | cpu | gpu: which backends the workers own */
+  int workers;                  /* CPU device workers (GPU: one per device) */
   int threads_per_worker;       /* CPU backend threads; 0 = cores / workers */
   size_t max_message_bytes;     /* gRPC send/receive limit */
   size_t max_tensor_bytes;      /* per input tensor */
@@ -229,6 +230,9 @@ int moed_devices_create(const moed_config *cfg, moed_devices **out);
 bool moed_devices_submit(moed_devices *d, moed_job *job);
 /* Runs what is queued, then joins the workers (backends stay). */
 void moed_devices_stop(moed_devices *d);
+/* The host backend that runs ops worker backend b has no kernel for (b
+ * itself when b is a host backend). */
+moe_backend *moed_devices_fallback(moed_devices *d, moe_backend *b);
 /* A host backend for the CQ thread's fast path; NULL when the workers'
  * backends are not host memory or the fast path is off. */
 moe_backend *moed_devices_inline_backend(moed_devices *d);

@@ -19,6 +19,10 @@ const moe_op *moe_op_at(size_t i) { return i < OP_COUNT ? op_table[i] : NULL; }
 const char *moe_op_name(const moe_op *op) { return op->info.name; }
 const moe_op_info *moe_op_describe(const moe_op *op) { return &op->info; }
 
+bool moe_op_supported(const moe_op *op, const moe_backend *b) {
+  return b->kind == MOE_BACKEND_CPU ? op->cpu != NULL : op->gpu != NULL;
+}
+
 const moe_op *moe_op_find(const char *name) {
   if (!name) return NULL;
   for (size_t i = 0; i < OP_COUNT; i++)

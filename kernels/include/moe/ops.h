@@ -67,6 +67,10 @@ typedef struct moe_op_info {
 
 const moe_op_info *moe_op_describe(const moe_op *op);
 
+/* True when backend b has a kernel for op (the CPU runs every op; a GPU
+ * build may lack some): callers route such calls to a host backend. */
+bool moe_op_supported(const moe_op *op, const moe_backend *b);
+
 /* Validates inputs and params and creates a call whose outputs have their
  * dtype, shape and nbytes set and data NULL. `set` is the expert set for
  * "fused_moe" called as a loaded model (NULL: weights must be inputs). The
