@@ -21,12 +21,6 @@ static grpc_byte_buffer *pack(const ProtobufCMessage *m) {
   return moed_rpc_buffer_take(buf, n);
 }
 
-static ProtobufCMessage *unpack(const ProtobufCMessageDescriptor *d, grpc_byte_buffer *payload) {
-  grpc_slice s = moed_rpc_flatten(payload);
-  ProtobufCMessage *m = protobuf_c_message_unpack(d, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
-  grpc_slice_unref(s);
-  return m;
-}
 
 static void reply(moed_request *req, const ProtobufCMessage *m) {
   grpc_byte_buffer *bb = pack(m);
@@ -45,6 +39,16 @@ static void reply_error(moed_request *req, grpc_status_code code, const char *fm
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
   moed_rpc_finish(req->rpc, code, msg, NULL);
+}
+
+/* The request message, or NULL after answering INVALID_ARGUMENT when the
+ * bytes are not one (every handler starts here). */
+static void *unpack(moed_request *req, const ProtobufCMessageDescriptor *d) {
+  grpc_slice sl = moed_rpc_flatten(req->payload);
+  ProtobufCMessage *m = protobuf_c_message_unpack(d, NULL, GRPC_SLICE_LENGTH(sl), GRPC_SLICE_START_PTR(sl));
+  grpc_slice_unref(sl);
+  if (!m) reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid %s message", d->short_name);
+  return m;
 }
 
 static const char *version_ok(const char *v) { return (!v || !*v || strcmp(v, "1") == 0) ? NULL : v; }
@@ -111,12 +115,8 @@ void moed_health_close(moed_server *s) {
 }
 
 static void health(moed_server *s, moed_request *req, bool watch) {
-  Grpc__Health__V1__HealthCheckRequest *in =
-      (Grpc__Health__V1__HealthCheckRequest *)unpack(&grpc__health__v1__health_check_request__descriptor, req->payload);
-  if (!in) {
-    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid HealthCheckRequest message");
-    return;
-  }
+  Grpc__Health__V1__HealthCheckRequest *in = unpack(req, &grpc__health__v1__health_check_request__descriptor);
+  if (!in) return;
   int st = health_status(s, in->service);
   if (!watch) {
     if (st < 0) {
@@ -199,12 +199,8 @@ static moed_model *model_or_reply(moed_server *s, moed_request *req, const char 
 }
 
 static void model_ready(moed_server *s, moed_request *req) {
-  Inference__ModelReadyRequest *in =
-      (Inference__ModelReadyRequest *)unpack(&inference__model_ready_request__descriptor, req->payload);
-  if (!in) {
-    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid ModelReadyRequest message");
-    return;
-  }
+  Inference__ModelReadyRequest *in = unpack(req, &inference__model_ready_request__descriptor);
+  if (!in) return;
   moed_model *m = moed_repository_acquire(s->repo, in->name);
   Inference__ModelReadyResponse r = INFERENCE__MODEL_READY_RESPONSE__INIT;
   r.ready = m && !version_ok(in->version) && atomic_load(&s->ready);
@@ -214,12 +210,8 @@ static void model_ready(moed_server *s, moed_request *req) {
 }
 
 static void model_metadata(moed_server *s, moed_request *req) {
-  Inference__ModelMetadataRequest *in =
-      (Inference__ModelMetadataRequest *)unpack(&inference__model_metadata_request__descriptor, req->payload);
-  if (!in) {
-    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid ModelMetadataRequest message");
-    return;
-  }
+  Inference__ModelMetadataRequest *in = unpack(req, &inference__model_metadata_request__descriptor);
+  if (!in) return;
   moed_model *m = model_or_reply(s, req, in->name, in->version);
   if (m) {
     io_list ins, outs;
@@ -256,12 +248,8 @@ static void model_metadata(moed_server *s, moed_request *req) {
 }
 
 static void model_config(moed_server *s, moed_request *req) {
-  Inference__ModelConfigRequest *in =
-      (Inference__ModelConfigRequest *)unpack(&inference__model_config_request__descriptor, req->payload);
-  if (!in) {
-    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid ModelConfigRequest message");
-    return;
-  }
+  Inference__ModelConfigRequest *in = unpack(req, &inference__model_config_request__descriptor);
+  if (!in) return;
   moed_model *m = model_or_reply(s, req, in->name, in->version);
   if (m) {
     io_list ins, outs;
@@ -403,12 +391,8 @@ static void count_models(moed_model *m, void *arg) {
 }
 
 static void model_statistics(moed_server *s, moed_request *req) {
-  Inference__ModelStatisticsRequest *in =
-      (Inference__ModelStatisticsRequest *)unpack(&inference__model_statistics_request__descriptor, req->payload);
-  if (!in) {
-    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid ModelStatisticsRequest message");
-    return;
-  }
+  Inference__ModelStatisticsRequest *in = unpack(req, &inference__model_statistics_request__descriptor);
+  if (!in) return;
   stats_out o = {0};
   o.only = in->name && *in->name ? in->name : NULL;
   moed_repository_foreach(s->repo, count_models, &o.cap);
@@ -448,12 +432,8 @@ done:
 /* ---- repository ---------------------------------------------------------------------------- */
 
 static void repository_index(moed_server *s, moed_request *req) {
-  Inference__RepositoryIndexRequest *in =
-      (Inference__RepositoryIndexRequest *)unpack(&inference__repository_index_request__descriptor, req->payload);
-  if (!in) {
-    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid RepositoryIndexRequest message");
-    return;
-  }
+  Inference__RepositoryIndexRequest *in = unpack(req, &inference__repository_index_request__descriptor);
+  if (!in) return;
   moed_index_entry *e = NULL;
   size_t n = moed_repository_index(s->repo, &e);
   Inference__RepositoryIndexResponse__ModelIndex *mi = calloc(n ? n : 1, sizeof *mi);
@@ -509,13 +489,9 @@ static void repo_change_run(moed_job *job, moe_backend *b) {
   bool load = req->method == MOED_M_REPOSITORY_LOAD;
   moe_error err = {{0}};
   moe_status st;
-  ProtobufCMessage *m = unpack(load ? &inference__repository_model_load_request__descriptor
-                                    : &inference__repository_model_unload_request__descriptor,
-                               req->payload);
-  if (!m) {
-    moed_rpc_finish(req->rpc, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid repository request message", NULL);
-    goto done;
-  }
+  ProtobufCMessage *m = unpack(req, load ? &inference__repository_model_load_request__descriptor
+                                         : &inference__repository_model_unload_request__descriptor);
+  if (!m) goto done;
   const char *name = load ? ((Inference__RepositoryModelLoadRequest *)m)->model_name
                           : ((Inference__RepositoryModelUnloadRequest *)m)->model_name;
   st = load ? moed_repository_load(j->srv->repo, name, &err) : moed_repository_unload(j->srv->repo, name, &err);
