@@ -22,6 +22,7 @@
 #include <time.h>
 
 #include "grpc_service.pb-c.h"
+#include "../client/grpc_args.h"
 
 static double now_s(void) {
   struct timespec ts;
@@ -254,12 +255,7 @@ int main(int argc, char **argv) {
   if (threads > concurrency) threads = concurrency;
   grpc_init();
   grpc_arg args[2];
-  memset(args, 0, sizeof args);
-  args[0].type = args[1].type = GRPC_ARG_INTEGER;
-  args[0].key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-  args[1].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
-  args[0].value.integer = args[1].value.integer = 1 << 30;
-  grpc_channel_args chargs = {2, args};
+  grpc_channel_args chargs = moec_size_args(args, 1 << 30);
   grpc_channel_credentials *creds = grpc_insecure_credentials_create();
   bench b;
   memset(&b, 0, sizeof b);

@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "../client/grpc_args.h"
 
 typedef struct slot {
   grpc_call *call;
@@ -78,12 +79,7 @@ int main(int argc, char **argv) {
   if (nslots < 1) nslots = 1;
   grpc_init();
   grpc_arg args[2];
-  memset(args, 0, sizeof args);
-  args[0].type = args[1].type = GRPC_ARG_INTEGER;
-  args[0].key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-  args[1].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
-  args[0].value.integer = args[1].value.integer = 1 << 30;
-  grpc_channel_args chargs = {2, args};
+  grpc_channel_args chargs = moec_size_args(args, 1 << 30);
   server = grpc_server_create(&chargs, NULL);
   cq = grpc_completion_queue_create_for_next(NULL);
   grpc_server_register_completion_queue(server, cq, NULL);

@@ -30,6 +30,7 @@
 #include "moe/ops.h"
 #include "moe/safetensors.h"
 #include "npy.h"
+#include "grpc_args.h"
 
 #define MAX_TENSORS 16
 
@@ -581,12 +582,7 @@ int main(int argc, char **argv) {
   }
   grpc_init();
   grpc_arg args[2];
-  memset(args, 0, sizeof args);
-  args[0].type = args[1].type = GRPC_ARG_INTEGER;
-  args[0].key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-  args[1].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
-  args[0].value.integer = args[1].value.integer = 1 << 30;
-  grpc_channel_args chargs = {2, args};
+  grpc_channel_args chargs = moec_size_args(args, 1 << 30);
   grpc_channel_credentials *creds = grpc_insecure_credentials_create();
   client c = {grpc_channel_create(addr, creds, &chargs), grpc_completion_queue_create_for_pluck(NULL), timeout_ms};
   grpc_channel_credentials_release(creds);
