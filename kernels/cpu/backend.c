@@ -17,6 +17,11 @@ typedef struct cpu_ctx {
 
 int moe_cpu_threads(const moe_backend *b) { return ((const cpu_ctx *)b->context)->threads; }
 
+int moe_cpu_threads_for(const moe_backend *b, size_t elements) {
+  enum { PARALLEL_MIN = 1 << 16 };
+  return elements < PARALLEL_MIN ? 1 : moe_cpu_threads(b);
+}
+
 void *moe_cpu_workspace(moe_backend *b, size_t bytes) {
   cpu_ctx *ctx = b->context;
   if (bytes <= ctx->ws_size) return ctx->ws;

@@ -17,6 +17,10 @@
 
 /* Threads the op functions use (OpenMP num_threads). */
 int moe_cpu_threads(const moe_backend *b);
+/* Threads for `elements` of streaming work: 1 below a cutoff, where waking
+ * a thread team costs more than the work (a 256-element quant call took
+ * 15x longer with the team than without on a loaded 2-core machine). */
+int moe_cpu_threads_for(const moe_backend *b, size_t elements);
 /* A scratch buffer of at least `bytes` (64-byte aligned), owned by the
  * backend and reused across calls, so hot paths never allocate per call.
  * Valid until the next call of this function on `b`. NULL when out of memory. */

@@ -66,7 +66,7 @@ moe_status moe_cpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err) {
   size_t blocks = n / BLOCK;
   long groups = (long)((blocks + GROUP - 1) / GROUP);
   uint8_t *q = c->out[0].tensor.data, *scales = c->out[1].tensor.data;
-#pragma omp parallel for num_threads(moe_cpu_threads(b)) schedule(static)
+#pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long g = 0; g < groups; g++) {
     size_t b0 = (size_t)g * GROUP, b1 = b0 + GROUP < blocks ? b0 + GROUP : blocks;
     quant_blocks(x, a, b0, b1, q, scales);
@@ -106,7 +106,7 @@ moe_status moe_cpu_dequant_mx(moe_backend *b, moe_call *c, moe_error *err) {
   long groups = (long)((blocks + GROUP - 1) / GROUP);
   const uint8_t *q = c->in[0].tensor.data, *scales = c->in[1].tensor.data;
   void *y = c->out[0].tensor.data;
-#pragma omp parallel for num_threads(moe_cpu_threads(b)) schedule(static)
+#pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long g = 0; g < groups; g++) {
     size_t b0 = (size_t)g * GROUP, b1 = b0 + GROUP < blocks ? b0 + GROUP : blocks;
     dequant_blocks(a, q, scales, b0, b1, y);

@@ -80,7 +80,7 @@ moe_status moe_cpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_error *err)
   size_t n = 0;
   moe_tensor_numel(x, &n);
   long chunks = (long)((n + CHUNK - 1) / CHUNK);
-  int threads = moe_cpu_threads(b);
+  int threads = moe_cpu_threads_for(b, n);
   float s = a->static_scale;
   if (!a->has_static_scale) {
     float amax = 0.0f; /* max is exact, so the reduction order cannot matter */
@@ -107,7 +107,7 @@ moe_status moe_cpu_quant_per_token(moe_backend *b, moe_call *c, moe_error *err) 
   long rows = (long)moe_tensor_rows(x);
   size_t k = (size_t)moe_tensor_cols(x);
   float *scales = c->out[1].tensor.data;
-#pragma omp parallel for num_threads(moe_cpu_threads(b)) schedule(static)
+#pragma omp parallel for num_threads(moe_cpu_threads_for(b, (size_t)rows * k)) schedule(static)
   for (long r = 0; r < rows; r++) {
     size_t begin = (size_t)r * k;
     float amax = amax_of(x->data, x->dtype, begin, begin + k);
@@ -152,7 +152,7 @@ moe_status moe_cpu_dequant_per_tensor(moe_backend *b, moe_call *c, moe_error *er
   void *y = c->out[0].tensor.data;
   decode_lut lut;
   decode_lut_build(a, &lut);
-#pragma omp parallel for num_threads(moe_cpu_threads(b)) schedule(static)
+#pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long ch = 0; ch < chunks; ch++) {
     size_t begin = (size_t)ch * CHUNK, end = begin + CHUNK < n ? begin + CHUNK : n;
     decode(q, &lut, a->out_dtype == MOE_F32, begin, end, y);

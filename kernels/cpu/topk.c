@@ -116,7 +116,8 @@ moe_status moe_cpu_topk(moe_backend *b, moe_call *c, moe_error *err) {
   if (tokens == 0) return MOE_OK;
   /* one scratch per thread, 64-byte apart so threads never share a line */
   const size_t per_thread = (moe_cpu_route_scratch_bytes(logits->shape[1]) + 63) & ~(size_t)63;
-  int threads = moe_cpu_threads(b);
+  /* routing costs ~E operations a token: count them as the work */
+  int threads = moe_cpu_threads_for(b, (size_t)tokens * (size_t)logits->shape[1]);
   if ((int64_t)threads > tokens) threads = (int)tokens;
   size_t bytes;
   if (!moe_mul_size(per_thread, (size_t)threads, &bytes))
