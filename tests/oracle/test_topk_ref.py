@@ -201,6 +201,30 @@ def run_case(c):
     return problems
 
 
+def hand_cases():
+    """Cases where fp32 (the contract's arithmetic) ties but float64 does not:
+    expected values derived by hand from NUMERICS.md, not from topk_ref."""
+    out = []
+    # sigmoid saturates: 1/(1+expf(-30)) == 1/(1+expf(-40)) == 1.0f -> tie -> lower index
+    out.append(("hand: sigmoid saturation tie", np.array([[30.0, 40.0, 0.0]]), None,
+                {"top_k": 1, "scoring": "sigmoid"}, [[0]], [[1.0]]))
+    # expf(-200) and expf(-300) underflow to 0 (below the smallest fp32 subnormal): a tie at 0
+    out.append(("hand: softmax underflow tie", np.array([[0.0, -300.0, -200.0]]), None,
+                {"top_k": 3, "scoring": "softmax"}, [[0, 1, 2]], [[1.0, 0.0, 0.0]]))
+    # the bias breaks a saturated tie: keys 1+0 vs 1+0.5, weight stays the unbiased 1.0
+    out.append(("hand: bias picks among saturated", np.array([[30.0, 40.0]]), np.array([0.0, 0.5], np.float32),
+                {"top_k": 1, "scoring": "sigmoid"}, [[1]], [[1.0]]))
+    return out
+
+
+def run_hand(name, x, bias, params, want_ids, want_w):
+    cid, cw = call_topk(x.astype(np.float32), "fp32", params, bias)
+    if cid.tolist() != want_ids or not np.array_equal(cw, np.array(want_w)):
+        return [f"ids {cid.tolist()} weights {cw.tolist()}, want {want_ids} {want_w}; "
+                f"logits {x.tolist()} bias {None if bias is None else bias.tolist()} params {params}"]
+    return []
+
+
 def main():
     print(f"MOE_LIB={os.environ.get('MOE_LIB', '(unset: libmoe.so from the loader path)')}")
     n = ref.self_check()
@@ -226,7 +250,19 @@ def main():
                 print("   " + p)
         else:
             passed += 1
-    print(f"cases: {len(cases)} ({STATS['rows']} rows, {STATS['tie_rows']} rows with exact ties at or "
+    for name, x, bias, params, wi, ww in hand_cases():
+        try:
+            probs = run_hand(name, x, bias, params, wi, ww)
+        except moelib.MoeError as e:
+            probs = [f"library error: {e}"]
+        if probs:
+            failed += 1
+            print(f"FAIL {name}")
+            for p in probs:
+                print("   " + p)
+        else:
+            passed += 1
+    print(f"cases: {len(cases)} random + {len(hand_cases())} hand ({STATS['rows']} rows, {STATS['tie_rows']} rows with exact ties at or "
           f"inside the top-k, {STATS['redrawn']} near-tie draws redrawn)")
     print(f"max weight rel err: {STATS['max_rel_1e-6']:.3g} where the bound is {W_RTOL:g}, "
           f"{STATS['max_rel_widened']:.3g} for softmax without renormalize (bound (E-1)*2^-24)")
