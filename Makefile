@@ -40,10 +40,13 @@ build-hip: deps
 	  cmake --build $(HIP_BUILD) -j$(JOBS) --target moe moe_shared; \
 	else echo "build-hip: skipped: hipcc not installed (scripts/deps.sh installs it)"; fi
 
-# The C tests again under AddressSanitizer + UndefinedBehaviorSanitizer (the
-# Python oracles load libmoe through ctypes and are run in the plain build).
-test-asan: deps
-	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DMOE_SANITIZE=ON -DMOE_GPU=OFF
+# The C tests and moed (integration tests) again under AddressSanitizer +
+# UndefinedBehaviorSanitizer; the Python oracles load libmoe through ctypes
+# and run in the plain build only. Needs `make build` first (its libmoe is
+# what the integration tests' Python side compares against).
+test-asan: build
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DMOE_SANITIZE=ON -DMOE_GPU=OFF \
+	  -DMOE_ORACLE_LIB=$(CURDIR)/$(BUILD)/kernels/libmoe.so
 	cmake --build $(ASAN_BUILD) -j$(JOBS)
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j$(JOBS) -E '^oracle_'

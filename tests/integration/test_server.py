@@ -245,7 +245,12 @@ def test_bad_inputs(ch, pid):
         req = calls[k % len(calls)][1]
         code_of(lambda: raw(req if isinstance(req, bytes) else req.SerializeToString()))
     after = rss()
-    check(after <= before * 1.05 + 1024, f"RSS after 10000 bad calls {before} -> {after} kB")
+    if os.environ.get("MOE_SANITIZED") == "1":
+        # ASan's allocator keeps freed memory in quarantine: RSS says nothing
+        # there; LeakSanitizer at moed's exit is the check in that build
+        print(f"skipped: RSS check under ASan ({before} -> {after} kB)")
+    else:
+        check(after <= before * 1.05 + 1024, f"RSS after 10000 bad calls {before} -> {after} kB")
     check(raw_unary(ch, "/inference.GRPCInferenceService/ServerLive")(b"") == b"\x08\x01", "server still up")
 
 
