@@ -186,8 +186,10 @@ static void bench_fused(moe_backend *b, double ceiling, const layer *L, bool wna
   cfg.hidden_size = L->h;
   cfg.intermediate_size = L->i;
   cfg.routing.top_k = L->k;
-  cfg.bits = 4;
-  cfg.group_size = 128;
+  if (wna16) {
+    cfg.bits = 4;
+    cfg.group_size = 128;
+  }
   size_t e = (size_t)L->e, h = (size_t)L->h, in = (size_t)L->i;
   moe_named_tensor t[6];
   size_t nt_w = 0;

@@ -112,6 +112,7 @@ template <int Q> __device__ __forceinline__ moe_narrow_fmt fmt_of() {
 
 template <int Q> __device__ __forceinline__ uint32_t encode(float v, bool half_up) {
   if (Q == Q_INT8) return (uint8_t)moe_f32_to_int8(v);
+  if (Q == Q_E2M1) return moe_f32_to_e2m1(v, half_up); /* 7 compares, not the generic rounding */
   const moe_narrow_fmt f = fmt_of<Q>();
   return moe_f32_to_narrow(v, &f, half_up);
 }
@@ -446,7 +447,7 @@ __device__ __forceinline__ void mx_part(const float e[VEC], size_t v, bool activ
       }
     } else {
 #pragma unroll
-      for (int k = 0; k < VEC; k++) c[k] = moe_f32_to_narrow(e[k] * mult, &f, Q == Q_E2M1 && half_up);
+      for (int k = 0; k < VEC; k++) c[k] = encode<Q>(e[k] * mult, Q == Q_E2M1 && half_up);
     }
   }
   if (Q == Q_E2M1) {

@@ -129,7 +129,8 @@ typedef struct moe_narrow_fmt {
  * of two and rounded from their integer and fractional parts. */
 /* fp32 -> fp4 e2m1 by counting the rounding boundaries |f| passes: with
  * only eight magnitudes this is seven compares instead of the generic
- * integer rounding. A boundary that is a tie counts when |f| reaches it if
+ * integer rounding (which gives the same codes for MOE_FMT_E2M1; callers
+ * pick this one where the format is known, keeping their loops branch-free). A boundary that is a tie counts when |f| reaches it if
  * the tie goes up (to the even code, or always with half_up), else only when
  * |f| exceeds it. NaN passes none (code 0); sign kept (-0 -> 0x8). */
 MOE_HD uint8_t moe_f32_to_e2m1(float f, bool half_up) {
@@ -146,7 +147,6 @@ MOE_HD uint8_t moe_f32_to_e2m1(float f, bool half_up) {
 }
 
 MOE_HD uint8_t moe_f32_to_narrow(float f, const moe_narrow_fmt *fmt, bool half_up) {
-  if (fmt->bits == 4) return moe_f32_to_e2m1(f, half_up);
   const int emin = 1 - fmt->bias;
   const int s = 23 - fmt->mbits;
   const uint32_t u = moe_f32_bits(f);
