@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -185,6 +186,10 @@ static moe_status set_create(const char *name, const moe_expert_config *cfg, moe
   if (!set) return moe_fail(err, MOE_ENOMEM, "expert set %s: out of memory", name);
   snprintf(set->name, sizeof set->name, "%s", name);
   set->cfg = *cfg;
+  /* unique for the process: device caches key on it, since a later set may
+   * reuse a freed set's address */
+  static _Atomic uint64_t next_id = 1;
+  set->id = atomic_fetch_add(&next_id, 1);
   *out = set;
   return MOE_OK;
 }

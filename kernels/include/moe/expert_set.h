@@ -82,6 +82,7 @@ extern const char *const moe_expert_tensor_names[];
 
 struct moe_expert_set {
   char name[128];
+  uint64_t id; /* unique in the process (never reused, unlike the address) */
   moe_expert_config cfg;
   moe_tensor t[MOE_EXPERT_TENSOR_COUNT]; /* data NULL when absent */
   void *owner;                           /* mappings/buffers; NULL when borrowed */
