@@ -6,7 +6,17 @@
  * matrix-product ceiling comes from torch (bench/gpu/matmul_ceiling.py,
  * run beside this by tests/gpu/run.sh).
  *
- *   moe-bench-gpu [--runs N] [--max-mib 1024]                                */
+ * --fused: fused_moe instead (BENCH.md shapes and token counts, bf16 and
+ * wna16 int4 g128, seeded uniform random routing rotated over 8 draws so
+ * that the routed experts' weights are not served from L2): median time,
+ * routed-expert weight bytes (+ scales, + activations in and out) / time
+ * and % of the copy ceiling, TFLOP/s and % of the matmul ceiling given by
+ * --matmul-tflops (bench/gpu/matmul_ceiling.py, same run).
+ *
+ *   moe-bench-gpu [--runs N] [--max-mib 1024]
+ *   moe-bench-gpu --fused [--runs N] [--matmul-tflops X] [--max-tokens T]     */
+#include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +24,7 @@
 
 #include "gpu.h"
 #include "moe/codec.h"
+#include "moe/expert_set.h"
 #include "moe/ops.h"
 
 #define CHECK(x)                                                                                                   \
@@ -90,12 +101,210 @@ typedef struct bench_case {
 
 static moe_param ps(const char *n, const char *v) { return (moe_param){.name = n, .type = MOE_PARAM_STRING, .s = v}; }
 
+/* ---- fused_moe ---------------------------------------------------------------------------- */
+
+static uint64_t brng = 0x9E3779B97F4A7C15ull;
+static uint64_t bnext(void) {
+  brng ^= brng << 13, brng ^= brng >> 7, brng ^= brng << 17;
+  return brng;
+}
+static float bunif(float lo, float hi) { return lo + (hi - lo) * (float)(bnext() >> 40) / (float)(1 << 24); }
+
+/* dst[0, n) on the device from a 64 MiB host pattern of kind: 0 bf16 U(-a, a),
+ * 1 random bytes (int4 codes), 2 bf16 scales U(a/2, a). Patterns repeat
+ * every 64 MiB (more than L2); never zeros. */
+static void fill_device(moe_backend *b, void *dst, size_t n, int kind, float a) {
+  const size_t tile = (size_t)64 << 20;
+  size_t len = n < tile ? n : tile;
+  uint8_t *h = malloc(len);
+  for (size_t i = 0; i + 1 < len; i += 2) {
+    uint16_t v = kind == 1 ? (uint16_t)bnext() : moe_f32_to_bf16(kind == 0 ? bunif(-a, a) : bunif(a / 2, a));
+    memcpy(h + i, &v, 2);
+  }
+  b->iface->copy_in(b, dst, h, len);
+  for (size_t off = len; off < n; off += len)
+    CHECK(hipMemcpyAsync((char *)dst + off, dst, n - off < len ? n - off : len, hipMemcpyDeviceToDevice,
+                         moe_gpu_stream(b)));
+  b->iface->synchronize(b);
+  free(h);
+}
+
+typedef struct rot_arg {
+  moe_call **calls;
+  int n, next;
+  moe_backend *b;
+} rot_arg;
+
+static void run_rot(void *p) {
+  rot_arg *a = p;
+  moe_error err;
+  if (moe_call_run(a->calls[a->next], a->b, &err) != MOE_OK) {
+    fprintf(stderr, "fused_moe: %s\n", err.msg);
+    exit(1);
+  }
+  a->next = (a->next + 1) % a->n;
+}
+
+static void *dev_alloc(moe_backend *b, size_t n) {
+  void *p;
+  if (b->iface->alloc(b, n, &p) != MOE_OK) {
+    fprintf(stderr, "device alloc of %zu bytes failed\n", n);
+    exit(1);
+  }
+  return p;
+}
+
+#define ROT 8
+
+static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64_t max_tokens) {
+  static const struct {
+    const char *name;
+    int64_t e, k, h, i;
+  } models[] = {{"qwen3-30b-a3b", 128, 8, 2048, 768}, {"mixtral-8x7b", 8, 2, 4096, 14336}, {"deepseek-v3", 256, 8, 7168, 2048}};
+  static const int64_t tokens[] = {1, 4, 16, 64, 256, 1024, 4096};
+  printf("\n| layer | scheme | T | time (us) | routed weight GB | GB/s | %% of copy BW | TFLOP/s | %% of matmul |\n"
+         "|---|---|---|---|---|---|---|---|---|\n");
+  for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++)
+    for (int int4 = 0; int4 < 2; int4++) {
+      const int64_t E = models[mi].e, K = models[mi].k, H = models[mi].h, I = models[mi].i;
+      /* weights on the device, inline inputs of model fused_moe */
+      moe_named_tensor w[4];
+      size_t nw;
+      size_t per_expert; /* bytes one routed expert costs: weights + scales */
+      if (!int4) {
+        size_t b13 = (size_t)(2 * I * H) * 2, b2 = (size_t)(H * I) * 2;
+        w[0] = (moe_named_tensor){"w13", {MOE_BF16, 3, {E, 2 * I, H}, dev_alloc(b, b13 * E), b13 * E}};
+        w[1] = (moe_named_tensor){"w2", {MOE_BF16, 3, {E, H, I}, dev_alloc(b, b2 * E), b2 * E}};
+        fill_device(b, w[0].tensor.data, w[0].tensor.nbytes, 0, 2.0f / sqrtf((float)H));
+        fill_device(b, w[1].tensor.data, w[1].tensor.nbytes, 0, 2.0f / sqrtf((float)I));
+        nw = 2;
+        per_expert = b13 + b2;
+      } else {
+        size_t q13 = (size_t)(2 * I * H) / 2, s13 = (size_t)(2 * I * (H / 128)) * 2;
+        size_t q2 = (size_t)(H * I) / 2, s2 = (size_t)(H * (I / 128)) * 2;
+        w[0] = (moe_named_tensor){"w13_qweight", {MOE_UINT8, 3, {E, 2 * I, H / 2}, dev_alloc(b, q13 * E), q13 * E}};
+        w[1] = (moe_named_tensor){"w13_scales", {MOE_BF16, 3, {E, 2 * I, H / 128}, dev_alloc(b, s13 * E), s13 * E}};
+        w[2] = (moe_named_tensor){"w2_qweight", {MOE_UINT8, 3, {E, H, I / 2}, dev_alloc(b, q2 * E), q2 * E}};
+        w[3] = (moe_named_tensor){"w2_scales", {MOE_BF16, 3, {E, H, I / 128}, dev_alloc(b, s2 * E), s2 * E}};
+        fill_device(b, w[0].tensor.data, w[0].tensor.nbytes, 1, 0);
+        fill_device(b, w[1].tensor.data, w[1].tensor.nbytes, 2, 0.5f / sqrtf((float)H));
+        fill_device(b, w[2].tensor.data, w[2].tensor.nbytes, 1, 0);
+        fill_device(b, w[3].tensor.data, w[3].tensor.nbytes, 2, 0.5f / sqrtf((float)I));
+        nw = 4;
+        per_expert = q13 + s13 + q2 + s2;
+      }
+      const int64_t tmax = max_tokens < 4096 ? max_tokens : 4096;
+      void *x = dev_alloc(b, (size_t)(tmax * H) * 2), *out = dev_alloc(b, (size_t)(tmax * H) * 2);
+      fill_device(b, x, (size_t)(tmax * H) * 2, 0, 1.0f);
+      for (size_t ti = 0; ti < sizeof tokens / sizeof tokens[0]; ti++) {
+        const int64_t T = tokens[ti];
+        if (T > tmax) break;
+        moe_call *calls[ROT];
+        void *dids[ROT], *dw[ROT];
+        double wbytes = 0;
+        int32_t *ids = malloc((size_t)(T * K) * 4);
+        float *tw = malloc((size_t)(T * K) * 4);
+        unsigned char *used = malloc((size_t)E);
+        for (int r = 0; r < ROT; r++) {
+          memset(used, 0, (size_t)E);
+          for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < K; j++) {
+              int32_t id;
+              bool dup;
+              do { /* distinct experts per token */
+                id = (int32_t)(bnext() % (uint64_t)E);
+                dup = false;
+                for (int64_t q = 0; q < j; q++) dup |= ids[t * K + q] == id;
+              } while (dup);
+              ids[t * K + j] = id;
+              tw[t * K + j] = bunif(0.05f, 1.0f);
+              used[id] = 1;
+            }
+          for (int64_t e = 0; e < E; e++) wbytes += used[e] ? (double)per_expert / ROT : 0.0;
+          moe_named_tensor in[7] = {
+              {"hidden_states", {MOE_BF16, 2, {T, H}, x, (size_t)(T * H) * 2}},
+              {"topk_ids", {MOE_INT32, 2, {T, K}, ids, (size_t)(T * K) * 4}},
+              {"topk_weights", {MOE_F32, 2, {T, K}, tw, (size_t)(T * K) * 4}},
+          };
+          for (size_t q = 0; q < nw; q++) in[3 + q] = w[q];
+          moe_error err;
+          if (moe_op_prepare(moe_op_find("fused_moe"), in, 3 + nw, NULL, NULL, &calls[r], &err) != MOE_OK) {
+            fprintf(stderr, "fused_moe prepare: %s\n", err.msg);
+            exit(1);
+          }
+          /* ids were checked on the host; now device copies */
+          dids[r] = dev_alloc(b, (size_t)(T * K) * 4);
+          dw[r] = dev_alloc(b, (size_t)(T * K) * 4);
+          b->iface->copy_in(b, dids[r], ids, (size_t)(T * K) * 4);
+          b->iface->copy_in(b, dw[r], tw, (size_t)(T * K) * 4);
+          for (size_t q = 0; q < moe_call_num_inputs(calls[r]); q++) {
+            moe_named_tensor *t = moe_call_input(calls[r], q);
+            if (t->name && !strcmp(t->name, "topk_ids")) t->tensor.data = dids[r];
+            if (t->name && !strcmp(t->name, "topk_weights")) t->tensor.data = dw[r];
+          }
+          moe_call_output(calls[r], 0)->tensor.data = out;
+        }
+        b->iface->synchronize(b);
+        rot_arg ra = {calls, ROT, 0, b};
+        const int saved = runs;
+        { /* one timed run decides the count: >= 20 runs, about 3 s at most */
+          hipEvent_t e0, e1;
+          float ms0;
+          CHECK(hipEventCreate(&e0));
+          CHECK(hipEventCreate(&e1));
+          run_rot(&ra);
+          CHECK(hipEventRecord(e0, moe_gpu_stream(b)));
+          run_rot(&ra);
+          CHECK(hipEventRecord(e1, moe_gpu_stream(b)));
+          CHECK(hipEventSynchronize(e1));
+          CHECK(hipEventElapsedTime(&ms0, e0, e1));
+          if (ms0 * runs > 3000.0f) runs = ms0 > 150.0f ? 20 : (int)(3000.0f / ms0) < 20 ? 20 : (int)(3000.0f / ms0);
+          CHECK(hipEventDestroy(e0));
+          CHECK(hipEventDestroy(e1));
+        }
+        const double ms = time_median(moe_gpu_stream(b), run_rot, &ra);
+        const int used_runs = runs;
+        runs = saved;
+        const double bytes = wbytes + 2.0 * (double)(T * H) * 2 + (double)(T * K) * 8;
+        const double gbs = bytes / (ms * 1e-3) / 1e9;
+        const double flops = 2.0 * (double)T * (double)K * (double)(H * 2 * I + I * H);
+        const double tf = flops / (ms * 1e-3) / 1e12;
+        printf("| %s | %s | %lld | %.1f | %.3f | %.0f | %.1f%% | %.2f | ", models[mi].name, int4 ? "wna16 int4 g128" : "bf16",
+               (long long)T, ms * 1e3, wbytes / 1e9, gbs, 100.0 * gbs / copy_gbs, tf);
+        if (mm_tflops > 0)
+          printf("%.2f%% |", 100.0 * tf / mm_tflops);
+        else
+          printf("- |");
+        printf(" <!-- %d runs -->\n", used_runs);
+        fflush(stdout);
+        for (int r = 0; r < ROT; r++) {
+          moe_call_destroy(calls[r]);
+          b->iface->free(b, dids[r]);
+          b->iface->free(b, dw[r]);
+        }
+        free(ids);
+        free(tw);
+        free(used);
+      }
+      b->iface->free(b, x);
+      b->iface->free(b, out);
+      for (size_t q = 0; q < nw; q++) b->iface->free(b, w[q].tensor.data);
+    }
+}
+
 int main(int argc, char **argv) {
   size_t max_mib = 1024;
+  bool fused = false;
+  double mm_tflops = 0;
+  int64_t max_tokens = 4096;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--runs") && i + 1 < argc) runs = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--max-mib") && i + 1 < argc) max_mib = (size_t)atol(argv[++i]);
+    else if (!strcmp(argv[i], "--fused")) fused = true;
+    else if (!strcmp(argv[i], "--matmul-tflops") && i + 1 < argc) mm_tflops = atof(argv[++i]);
+    else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc) max_tokens = atol(argv[++i]);
   }
+  setvbuf(stdout, NULL, _IOLBF, 0); /* lines reach a pipe as they are printed */
   const char *why;
   if (moe_backend_gpu_count(&why) <= 0) {
     printf("skipped: no GPU (%s)\n", why);
@@ -127,6 +336,12 @@ int main(int argc, char **argv) {
   double copy_gbs = 2.0 * (double)gib / (copy_ms * 1e-3) / 1e9;
   printf("ceiling: D2D copy 1 GiB: %.3f ms, %.1f GB/s (read + write)\n", copy_ms, copy_gbs);
   b->iface->free(b, dst);
+  if (fused) {
+    b->iface->free(b, src);
+    bench_fused(b, copy_gbs, mm_tflops, max_tokens);
+    moe_backend_destroy(b);
+    return 0;
+  }
 
   /* ---- inputs: random finite bf16 (never zeros), tiled from 64 MiB ---- */
   const size_t tile = (size_t)64 << 20;

@@ -6,11 +6,12 @@
 
 #include "moe/backend.h"
 
-/* Hot loops are compiled twice, for AVX2 and the x86-64 baseline, and the
- * loader picks one (GNU ifunc): same source, same IEEE results, wider
- * vectors where the machine has them. */
+/* Hot loops are compiled three times, for x86-64-v4 (AVX-512), AVX2 and the
+ * x86-64 baseline, and the loader picks one (GNU ifunc): same source, same
+ * IEEE results (no contraction, sums in an order fixed in the C source),
+ * wider vectors where the machine has them. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(MOE_NO_CLONES)
-#define MOE_CPU_HOT __attribute__((target_clones("avx2", "default")))
+#define MOE_CPU_HOT __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #else
 #define MOE_CPU_HOT
 #endif

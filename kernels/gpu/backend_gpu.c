@@ -30,6 +30,13 @@ typedef struct live_slot {
   int cls;
 } live_slot;
 
+/* Device copies of one loaded expert set (moe_gpu_set_weights). */
+typedef struct set_entry {
+  uint64_t set_id; /* moe_expert_set.id: addresses get reused, ids do not */
+  void *dev[MOE_EXPERT_TENSOR_COUNT];
+  struct set_entry *next;
+} set_entry;
+
 typedef struct gpu_ctx {
   int device;
   int sm_count;
@@ -42,6 +49,7 @@ typedef struct gpu_ctx {
   size_t ws_size;
   void *stage[2]; /* pinned host staging, STAGE_CHUNK each */
   hipEvent_t stage_done[2];
+  set_entry *sets; /* a short list: a worker serves a few sets */
 } gpu_ctx;
 
 moe_status moe_gpu_check(hipError_t e, const char *what, moe_error *err) {
@@ -247,6 +255,54 @@ static moe_status gpu_copy_out(moe_backend *b, void *dst, const void *src, size_
   return MOE_OK;
 }
 
+/* ---- device copies of loaded expert sets ------------------------------------ */
+
+static void set_entry_free(moe_backend *b, set_entry *e) {
+  for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
+    if (e->dev[i]) gpu_free(b, e->dev[i]); /* stream-ordered reuse: safe */
+  free(e);
+}
+
+void moe_backend_gpu_forget_set(moe_backend *b, const moe_expert_set *set) {
+  if (!b || b->kind != MOE_BACKEND_GPU || !b->context) return;
+  gpu_ctx *ctx = b->context;
+  for (set_entry **p = &ctx->sets; *p; p = &(*p)->next) {
+    if ((*p)->set_id == set->id) {
+      set_entry *e = *p;
+      *p = e->next;
+      set_entry_free(b, e);
+      return;
+    }
+  }
+}
+
+moe_status moe_gpu_set_weights(moe_backend *b, const moe_expert_set *set, void *dev[MOE_EXPERT_TENSOR_COUNT],
+                               moe_error *err) {
+  gpu_ctx *ctx = b->context;
+  set_entry *e = ctx->sets;
+  while (e && e->set_id != set->id) e = e->next;
+  if (!e) {
+    e = calloc(1, sizeof *e);
+    if (!e) return moe_fail(err, MOE_ENOMEM, "out of memory");
+    e->set_id = set->id;
+    for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++) {
+      const moe_tensor *t = &set->t[i];
+      if (!t->data || !t->nbytes) continue;
+      moe_status s = gpu_alloc(b, t->nbytes, &e->dev[i]);
+      if (!s) s = gpu_copy_in(b, e->dev[i], t->data, t->nbytes);
+      if (s) {
+        set_entry_free(b, e);
+        return moe_fail(err, s, "expert set '%s': %s to the device failed (%zu bytes)", set->name,
+                        moe_expert_tensor_names[i], t->nbytes);
+      }
+    }
+    e->next = ctx->sets;
+    ctx->sets = e;
+  }
+  memcpy(dev, e->dev, sizeof e->dev);
+  return MOE_OK;
+}
+
 static moe_status gpu_sync(moe_backend *b) {
   gpu_ctx *ctx = b->context;
   return hipStreamSynchronize(ctx->stream) == hipSuccess ? MOE_OK : MOE_EDEVICE;
@@ -265,6 +321,11 @@ static void gpu_destroy(moe_backend *b) {
   if (!ctx) return;
   hipSetDevice(ctx->device);
   if (ctx->stream) hipStreamSynchronize(ctx->stream);
+  while (ctx->sets) {
+    set_entry *e = ctx->sets;
+    ctx->sets = e->next;
+    free(e); /* its blocks are live pool blocks: freed just below */
+  }
   for (size_t i = 0; i < ctx->live_cap; i++)
     if (ctx->live[i].ptr) hipFree(ctx->live[i].ptr);
   free(ctx->live);

@@ -7,6 +7,7 @@
 
 #include "hip_compat.h"
 #include "moe/backend.h"
+#include "moe/expert_set.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -25,6 +26,26 @@ void *moe_gpu_workspace(moe_backend *b, size_t bytes);
 moe_status moe_gpu_check(hipError_t e, const char *what, moe_error *err);
 /* Makes b's device current on the calling thread (one worker owns b). */
 moe_status moe_gpu_enter(moe_backend *b, moe_error *err);
+
+/* Device copies of a loaded expert set's tensors (whose data are host
+ * pointers: mmapped files), cached by the set's address: the first call
+ * uploads every present tensor, later calls return the same copies.
+ * dev[slot] is NULL where the set has no tensor. Entries are keyed by the
+ * set's process-unique id, so a new set is never served another's weights;
+ * moe_backend_gpu_forget_set frees a destroyed set's copies early (else
+ * they live until the backend is destroyed). Inline weights (c->owned_set) never come here: their
+ * tensors are the call's inputs, already device pointers. */
+moe_status moe_gpu_set_weights(moe_backend *b, const moe_expert_set *set, void *dev[MOE_EXPERT_TENSOR_COUNT],
+                               moe_error *err);
+/* Drops (and frees, stream-ordered) the device copies of `set`; a no-op when
+ * none are cached. Safe to call for any set, on any GPU backend. */
+void moe_backend_gpu_forget_set(moe_backend *b, const moe_expert_set *set);
+
+/* moe.topk routing of rows [0, T) of `logits` (device) into ids/weights
+ * (device, [T, r->top_k]); bias: device F32 [E] or NULL. Queued on b's
+ * stream; also fused_moe's routing step (kernels/gpu/topk.hip). */
+moe_status moe_gpu_route(moe_backend *b, const moe_tensor *logits, const float *bias, const moe_routing *r,
+                         int32_t *ids, float *weights, moe_error *err);
 
 #ifdef __cplusplus
 }

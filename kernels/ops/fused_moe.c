@@ -224,5 +224,5 @@ const moe_op moe_op_fused_moe = {
     .info = {"fused_moe", fused_inputs, MOE_FUSED_IN_COUNT, fused_outputs, 1, true},
     .prepare = fused_prepare,
     .cpu = moe_cpu_fused_moe,
-    .gpu = NULL, /* until kernels/gpu has fused_moe */
+    .gpu = MOE_GPU_FN(moe_gpu_fused_moe),
 };

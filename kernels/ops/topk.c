@@ -92,5 +92,5 @@ const moe_op moe_op_topk = {
     .info = {"moe.topk", topk_inputs, IN_COUNT, topk_outputs, OUT_COUNT, true},
     .prepare = topk_prepare,
     .cpu = moe_cpu_topk,
-    .gpu = NULL, /* until kernels/gpu has moe.topk */
+    .gpu = MOE_GPU_FN(moe_gpu_topk),
 };

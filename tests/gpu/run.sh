@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on a GPU machine: the GPU-vs-CPU test (full), the same test
 # under compute-sanitizer memcheck (quick mode), the quant bench and the
-# bf16 matmul ceiling. Every log goes to LOGDIR; a summary to stdout.
+# bf16 matmul ceiling, the fused_moe bench. Every log goes to LOGDIR; a summary to stdout.
 #   tests/gpu/run.sh LOGDIR            build here (CMake, nvcc, Check) and run
 #   tests/gpu/run.sh LOGDIR BINDIR     run prebuilt test_gpu + moe-bench-gpu
 #                                      (BINDIR/lib: shared libs they need)
@@ -48,5 +48,9 @@ echo "-- portable path (MOE_GPU_PORTABLE=1):" >>"$LOG/bench.log"
 MOE_GPU_PORTABLE=1 "$BENCH" --runs 20 >>"$LOG/bench.log" 2>&1 || rc=1
 python3 "$ROOT/bench/gpu/matmul_ceiling.py" >>"$LOG/bench.log" 2>&1 || rc=1
 cat "$LOG/bench.log"
+echo "== fused_moe bench"
+MM=$(grep -o '[0-9.]* TFLOP/s' "$LOG/bench.log" | tail -1 | grep -o '^[0-9.]*')
+"$BENCH" --fused --matmul-tflops "${MM:-0}" >"$LOG/bench-fused.log" 2>&1 || rc=1
+cat "$LOG/bench-fused.log"
 echo "== rc=$rc"
 exit $rc

@@ -1,0 +1,692 @@
+/* GPU: fused_moe (NUMERICS.md "fused_moe"). One pipeline, all on the
+ * backend's stream, no host sync:
+ *
+ *   route       moe_gpu_route (topk.hip), when router_logits are given
+ *   align       one block: the (token, k) slots grouped by local expert
+ *               (a stable counting sort: chunk histograms, prefix sums,
+ *               placement; no atomics), and the list of M tiles (expert,
+ *               first row, rows <= BM) with its length, on the device
+ *   gate_up     grouped GEMM over the tiles x strips of W13; activation in
+ *               the epilogue -> a [slot rows in sorted order, I] (act dtype)
+ *   down        grouped GEMM over the tiles x strips of W2; times the routed
+ *               weight in the epilogue -> y [slot, H] (act dtype)
+ *   sum         out[t] = act(sum over k of y[t, k] in k order, fp32)
+ *
+ * The GEMM grid is sized for the most tiles any routing can need; blocks
+ * past the tile count the align step wrote return at once.
+ *
+ * Weight schemes are tile loaders (Loader<W>: 16-byte chunk loads of one
+ * weight row, and the dequantization of 8-element pieces of a chunk into
+ * act-rounded fp32, w = act((q - z) * s) via codec.h), plugged into the one
+ * GEMM kernel template; nothing else differs between schemes.
+ *
+ * Summation order (batch invariance): every dot product over K is split
+ * across a group of 32 lanes (a warp on NVIDIA, half a wavefront on AMD):
+ * lane l owns the 16-byte chunks l, l + 32, l + 64, ... of the row, adds
+ * its elements in ascending order into one fp32 accumulator (fmaf), and the
+ * 32 partial sums are combined by a fixed xor butterfly (16, 8, 4, 2, 1).
+ * That order depends on K and the scheme only: not on the token's tile, the
+ * tile height BM (a launch choice from the batch size), the rows beside it
+ * or the grid. No atomics, no split K. Results are deterministic; they are
+ * not bit-identical to the CPU's (another summation order: NUMERICS.md's
+ * tolerance applies). */
+#include <string.h>
+
+#include "gpu.h"
+
+extern "C" {
+#include "../ops/op.h"
+}
+
+namespace {
+
+constexpr int LG = 32;                    /* lanes per dot-product group */
+constexpr int GROUPS = MOE_GPU_BLOCK / LG; /* lane groups per block */
+constexpr int NPW = 4;                     /* weight rows per lane group */
+constexpr int KT = 1024;                   /* K elements staged in shared memory per step */
+constexpr int KT_PHYS = KT + KT / 8;       /* + 4 floats of padding per 32: conflict-free reads */
+
+enum { W_BF16, W_F16, W_INT4, W_INT8 };
+enum { A_BF16, A_F16 };
+
+/* elements per 16-byte chunk */
+__host__ __device__ constexpr int chunk_of(int w) { return w == W_INT4 ? 32 : w == W_INT8 ? 16 : 8; }
+
+__device__ __forceinline__ int phys(int j) { return j + (j >> 5) * 4; }
+
+template <int ACT> __device__ __forceinline__ float act_round(float v) {
+  return ACT == A_BF16 ? moe_bf16_to_f32(moe_f32_to_bf16(v)) : moe_f16_to_f32(moe_f32_to_f16(v));
+}
+template <int ACT> __device__ __forceinline__ uint16_t to16(float v) {
+  return ACT == A_BF16 ? moe_f32_to_bf16(v) : moe_f32_to_f16(v);
+}
+template <int ACT> __device__ __forceinline__ float from16(uint32_t h) {
+  return ACT == A_BF16 ? moe_bf16_to_f32((uint16_t)h) : moe_f16_to_f32((uint16_t)h);
+}
+
+__device__ __forceinline__ float load_float(const void *p, int dt, size_t i) {
+  if (dt == MOE_F16) return moe_f16_to_f32(((const uint16_t *)p)[i]);
+  if (dt == MOE_BF16) return moe_bf16_to_f32(((const uint16_t *)p)[i]);
+  return ((const float *)p)[i];
+}
+
+/* exp and erf rounded once from double: close to the CPU's libm (the same
+ * functions, correctly rounded but for rare cases). */
+__device__ __forceinline__ float exp_cr(float x) { return (float)exp((double)x); }
+__device__ __forceinline__ float erf_cr(float x) { return (float)erf((double)x); }
+
+/* ---- weights: one GEMM's matrix on the device ---------------------------------- */
+
+/* kernels/cpu/weight_format.h's moe_weight_matrix, device pointers. */
+struct Wmat {
+  const uint8_t *data;
+  size_t row_bytes;
+  int rows, cols; /* per expert: N outputs x K inputs */
+  const void *scales;
+  int scale_dt;
+  const uint8_t *zeros; /* NULL: the midpoint */
+  int group, groups;
+  int vec;         /* rows 16-byte aligned and K a multiple of the chunk: one load per chunk */
+  int chunk_scale; /* group a multiple of the chunk: one scale per chunk */
+  int sub_scale;   /* group a multiple of 8: one scale per 8-element piece */
+};
+
+/* One lane's chunk of one weight row as loaded: 16 bytes of values or codes
+ * and, for wna16 with one group per chunk, its scale and zero point. */
+struct Raw {
+  uint4 v;
+  float s, zb; /* scale; 2^23 + zero point */
+};
+
+template <int W> struct Loader {
+  static constexpr int CH = chunk_of(W);
+  static constexpr bool WNA16 = W == W_INT4 || W == W_INT8;
+  static constexpr int BITS = W == W_INT4 ? 4 : 8;
+
+  /* 2^23 + z of row n, group g: (q | 2^23 as float) - (2^23 + z) is q - z exactly */
+  static __device__ __forceinline__ float zero_bias(const Wmat &m, int e, int n, int g) {
+    float z;
+    if (!m.zeros) {
+      z = BITS == 4 ? 8.0f : 128.0f;
+    } else if (BITS == 4) {
+      uint32_t b = m.zeros[((size_t)e * (size_t)(m.rows / 2) + (size_t)(n / 2)) * (size_t)m.groups + (size_t)g];
+      z = (float)((n & 1) ? b >> 4 : b & 15u);
+    } else {
+      z = (float)m.zeros[((size_t)e * (size_t)m.rows + (size_t)n) * (size_t)m.groups + (size_t)g];
+    }
+    return 8388608.0f + z;
+  }
+  static __device__ __forceinline__ float scale(const Wmat &m, int e, int n, int g) {
+    return load_float(m.scales, m.scale_dt, ((size_t)e * (size_t)m.rows + (size_t)n) * (size_t)m.groups + (size_t)g);
+  }
+
+  /* chunk of row n of expert e starting at column j0 (a multiple of CH) */
+  static __device__ __forceinline__ void load(const Wmat &m, int e, int n, int j0, bool valid, Raw &r) {
+    r.v = make_uint4(0, 0, 0, 0);
+    r.s = 0.0f;
+    r.zb = 0.0f;
+    if (!valid) return;
+    const uint8_t *row = m.data + ((size_t)e * (size_t)m.rows + (size_t)n) * m.row_bytes;
+    const size_t off = (size_t)j0 * (W == W_INT4 ? 1 : W == W_INT8 ? 2 : 4) / 2;
+    if (m.vec) {
+      r.v = *(const uint4 *)(row + off);
+    } else { /* tails and unaligned rows: bytes, zero past the row */
+      uint32_t w[4] = {0, 0, 0, 0};
+      for (int b = 0; b < 16; b++)
+        if (off + (size_t)b < m.row_bytes) w[b >> 2] |= (uint32_t)row[off + (size_t)b] << (8 * (b & 3));
+      r.v = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    if (WNA16 && m.chunk_scale) {
+      const int g = j0 / m.group;
+      r.s = scale(m, e, n, g);
+      r.zb = zero_bias(m, e, n, g);
+    }
+  }
+
+  /* w[q] = the weight at column j0 + 8 p + q, act-rounded; 0 past K. */
+  template <int ACT>
+  static __device__ __forceinline__ void piece(const Wmat &m, const Raw &r, int e, int n, int j0, int p, bool valid,
+                                               float w[8]) {
+    const uint32_t word[4] = {r.v.x, r.v.y, r.v.z, r.v.w};
+    if (!valid || (!m.vec && j0 + 8 * p >= m.cols)) { /* no row, or a piece past K */
+#pragma unroll
+      for (int q = 0; q < 8; q++) w[q] = 0.0f;
+      return;
+    }
+    if (!WNA16) { /* already in the act dtype: widening only */
+#pragma unroll
+      for (int q = 0; q < 8; q++) {
+        const uint32_t h = (word[q >> 1] >> (16 * (q & 1))) & 0xFFFFu;
+        w[q] = W == W_BF16 ? moe_bf16_to_f32((uint16_t)h) : moe_f16_to_f32((uint16_t)h);
+      }
+    } else {
+      uint32_t code[8];
+#pragma unroll
+      for (int q = 0; q < 8; q++)
+        code[q] = BITS == 4 ? (word[p] >> (4 * q)) & 15u : (word[2 * p + (q >> 2)] >> (8 * (q & 3))) & 0xFFu;
+      const int j = j0 + 8 * p;
+      if (m.chunk_scale || m.sub_scale) {
+        float s = r.s, zb = r.zb;
+        if (!m.chunk_scale) {
+          const int g = j / m.group;
+          s = scale(m, e, n, g);
+          zb = zero_bias(m, e, n, g);
+        }
+#pragma unroll
+        for (int q = 0; q < 8; q++)
+          w[q] = act_round<ACT>((moe_f32_from_bits(0x4B000000u | code[q]) - zb) * s);
+      } else { /* groups that split a piece (group sizes not a multiple of 8) */
+#pragma unroll
+        for (int q = 0; q < 8; q++) {
+          const int g = (j + q < m.cols ? j + q : m.cols - 1) / m.group;
+          w[q] = act_round<ACT>((moe_f32_from_bits(0x4B000000u | code[q]) - zero_bias(m, e, n, g)) * scale(m, e, n, g));
+        }
+      }
+    }
+    if (!m.vec) /* past K: zero (the staged x is zero there too) */
+#pragma unroll
+      for (int q = 0; q < 8; q++)
+        if (j0 + 8 * p + q >= m.cols) w[q] = 0.0f;
+  }
+};
+
+/* ---- the grouped GEMM ------------------------------------------------------------ */
+
+struct GemmArgs {
+  Wmat w;
+  int inter, hidden, top_k, activation, interleaved;
+  const void *x; /* phase 1: hidden_states [T, H]; phase 2: a [slots, I] (act dtype) */
+  int x_vec;     /* x rows 16-byte aligned, K a multiple of 8 */
+  const int *sorted, *ntiles;
+  const int4 *tiles; /* {local expert, first row in sorted order, rows, 0} */
+  const float *tw;   /* routed weight of each slot */
+  uint16_t *out;     /* phase 1: a; phase 2: y [slots, H] */
+};
+
+/* NUMERICS.md: a = act(act(f(g)) * u), or swiglu_oai; g and u act-rounded.
+ * The CPU's expressions (kernels/cpu/fused_moe.c activate()). */
+template <int ACT> __device__ float activate(int fn, float g, float u) {
+  if (fn == MOE_ACT_GELU) return act_round<ACT>(act_round<ACT>(0.5f * g * (1.0f + erf_cr(g * 0.70710678118654752f))) * u);
+  if (fn == MOE_ACT_SWIGLU_OAI) {
+    g = g > 7.0f ? 7.0f : g;
+    u = u > 7.0f ? 7.0f : (u < -7.0f ? -7.0f : u);
+    return act_round<ACT>((u + 1.0f) * g * (1.0f / (1.0f + exp_cr(-(1.702f * g)))));
+  }
+  return act_round<ACT>(act_round<ACT>(g / (1.0f + exp_cr(-g))) * u);
+}
+
+/* Block (x, y): weight strip x (GROUPS x NPW rows: phase 1 two intermediate
+ * units per lane group, gate and up rows; phase 2 four hidden rows) against
+ * tiles y, y + gridDim.y, ... (BM token rows each). */
+/* Tall tiles (BM = 8, many tokens: arithmetic-bound) get the registers of one
+ * block per SM; short ones two blocks, for more loads in flight. */
+template <int W, int ACT, int PHASE, int BM>
+__global__ void __launch_bounds__(MOE_GPU_BLOCK, BM >= 8 ? 1 : 2) gemm_kernel(GemmArgs a) {
+  using L = Loader<W>;
+  constexpr int CH = L::CH;
+  constexpr int U = KT / (LG * CH); /* steps per staged tile */
+  static_assert(BM * (PHASE == 1 ? 2 : NPW) <= LG, "one epilogue value per lane");
+  __shared__ __align__(16) float xs[BM][KT_PHYS];
+  __shared__ int slot_of[BM];
+  const int tid = (int)threadIdx.x, lane = tid % LG, grp = tid / LG;
+  const int K = a.w.cols;
+  const int nsteps = (K + LG * CH - 1) / (LG * CH);
+  const int ntiles = *a.ntiles;
+
+  /* this lane group's weight rows and whether they exist */
+  int row[NPW];
+  bool rvalid[NPW];
+  int unit0 = 0;
+  if (PHASE == 1) {
+    unit0 = ((int)blockIdx.x * GROUPS + grp) * 2;
+#pragma unroll
+    for (int nn = 0; nn < NPW; nn++) {
+      const int unit = unit0 + (a.interleaved ? nn >> 1 : nn & 1);
+      row[nn] = a.interleaved ? 2 * unit0 + nn : (nn < 2 ? unit : a.inter + unit);
+      rvalid[nn] = unit < a.inter;
+    }
+  } else {
+#pragma unroll
+    for (int nn = 0; nn < NPW; nn++) {
+      row[nn] = ((int)blockIdx.x * GROUPS + grp) * NPW + nn;
+      rvalid[nn] = row[nn] < a.hidden;
+    }
+  }
+
+  for (int mt = (int)blockIdx.y; mt < ntiles; mt += (int)gridDim.y) {
+    const int4 tile = a.tiles[mt];
+    const int e = tile.x, row0 = tile.y, rows = tile.z;
+    if (tid < BM) slot_of[tid] = tid < rows ? a.sorted[row0 + tid] : 0;
+
+    /* x[m][k0 .. k0 + KT) -> xs, fp32, zero past K and past the tile's rows */
+    auto stage = [&](int k0) {
+      for (int i = tid; i < BM * (KT / 8); i += MOE_GPU_BLOCK) {
+        const int m = i / (KT / 8), c = i % (KT / 8), j = k0 + 8 * c;
+        float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (m < rows && j < K) {
+          const size_t xrow = PHASE == 1 ? (size_t)(slot_of[m] / a.top_k) : (size_t)(row0 + m);
+          const uint16_t *src = (const uint16_t *)a.x + xrow * (size_t)K + (size_t)j;
+          if (a.x_vec) {
+            const uint4 u = *(const uint4 *)src;
+            const uint32_t wd[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+            for (int q = 0; q < 8; q++) v[q] = from16<ACT>((wd[q >> 1] >> (16 * (q & 1))) & 0xFFFFu);
+          } else {
+            for (int q = 0; q < 8 && j + q < K; q++) v[q] = from16<ACT>(src[q]);
+          }
+        }
+        float4 *dst = (float4 *)&xs[m][phys(8 * c)];
+        dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+        dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+      }
+    };
+
+    float acc[BM][NPW];
+#pragma unroll
+    for (int m = 0; m < BM; m++)
+#pragma unroll
+      for (int nn = 0; nn < NPW; nn++) acc[m][nn] = 0.0f;
+
+    auto load_step = [&](int st, Raw (&r)[NPW]) {
+      const int j0 = (st * LG + lane) * CH;
+#pragma unroll
+      for (int nn = 0; nn < NPW; nn++) L::load(a.w, e, row[nn], j0, rvalid[nn] && j0 < K, r[nn]);
+    };
+    auto step = [&](int st, const Raw (&r)[NPW]) {
+      if (st % U == 0) {
+        __syncthreads(); /* everyone is done with the previous x tile (and slot_of is written) */
+        stage(st / U * KT);
+        __syncthreads();
+      }
+      const int j0 = (st * LG + lane) * CH, jt = j0 - st / U * KT;
+#pragma unroll
+      for (int p = 0; p < CH / 8; p++) {
+        float w[NPW][8];
+#pragma unroll
+        for (int nn = 0; nn < NPW; nn++)
+          L::template piece<ACT>(a.w, r[nn], e, row[nn], j0, p, rvalid[nn] && j0 < K, w[nn]);
+#pragma unroll
+        for (int m = 0; m < BM; m++) {
+          if (m < rows) {
+            const float4 x0 = *(const float4 *)&xs[m][phys(jt + 8 * p)];
+            const float4 x1 = *(const float4 *)&xs[m][phys(jt + 8 * p) + 4];
+            const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+            for (int q = 0; q < 8; q++)
+#pragma unroll
+              for (int nn = 0; nn < NPW; nn++) acc[m][nn] = fmaf(xv[q], w[nn][q], acc[m][nn]);
+          }
+        }
+      }
+    };
+
+    /* two chunks per row in flight: the next step's loads go out before this
+     * step's arithmetic */
+    Raw ra[NPW], rb[NPW];
+    load_step(0, ra);
+    for (int st = 0; st < nsteps; st += 2) {
+      if (st + 1 < nsteps) load_step(st + 1, rb);
+      step(st, ra);
+      if (st + 2 < nsteps) load_step(st + 2, ra);
+      if (st + 1 < nsteps) step(st + 1, rb);
+    }
+
+    /* the fixed butterfly: every lane ends with the same full sums */
+#pragma unroll
+    for (int m = 0; m < BM; m++) {
+      if (m < rows) {
+#pragma unroll
+        for (int nn = 0; nn < NPW; nn++) {
+          float v = acc[m][nn];
+#pragma unroll
+          for (int o = LG / 2; o > 0; o >>= 1) v += MOE_SHFL_XOR(v, o);
+          acc[m][nn] = v;
+        }
+      }
+    }
+
+    if (PHASE == 1) { /* lane 2 m + u: unit u of row m */
+      const int lm = lane >> 1, lu = lane & 1;
+      float g = 0.0f, u = 0.0f;
+#pragma unroll
+      for (int m = 0; m < BM; m++)
+#pragma unroll
+        for (int uu = 0; uu < 2; uu++)
+          if (lm == m && lu == uu) { /* constant indices: acc stays in registers */
+            g = a.interleaved ? acc[m][2 * uu] : acc[m][uu];
+            u = a.interleaved ? acc[m][2 * uu + 1] : acc[m][2 + uu];
+          }
+      const int unit = unit0 + lu;
+      if (lm < rows && unit < a.inter) {
+        const float v = activate<ACT>(a.activation, act_round<ACT>(g), act_round<ACT>(u));
+        a.out[(size_t)(row0 + lm) * (size_t)a.inter + (size_t)unit] = to16<ACT>(v);
+      }
+    } else { /* lane NPW m + nn: hidden row nn of token row m */
+      const int lm = lane / NPW, ln = lane % NPW;
+      float v = 0.0f;
+      int h = 0;
+#pragma unroll
+      for (int m = 0; m < BM; m++)
+#pragma unroll
+        for (int nn = 0; nn < NPW; nn++)
+          if (lm == m && ln == nn) {
+            v = acc[m][nn];
+            h = row[nn];
+          }
+      if (lm < rows && h < a.hidden) {
+        const int slot = slot_of[lm];
+        a.out[(size_t)slot * (size_t)a.hidden + (size_t)h] = to16<ACT>(v * a.tw[slot]);
+      }
+    }
+    __syncthreads(); /* slot_of and xs are rewritten by the next tile */
+  }
+}
+
+/* ---- align: slots grouped by local expert, and the tile list ----------------------- */
+
+constexpr int ALIGN_THREADS = 1024;
+
+/* One block. Chunk c (thread c < nc) holds slots [c L, (c + 1) L).
+ * hist[e * nc + c]: count of expert e in chunk c, then its exclusive prefix
+ * over chunks, then the placement cursor. Placement is chunk by chunk in
+ * slot order, so each expert's rows are its slots in ascending order. */
+__global__ void __launch_bounds__(ALIGN_THREADS)
+    align_kernel(const int32_t *ids, int n, int el, int offset, int bm, int nc, int len, int *hist, int *start,
+                 int *tstart, int4 *tiles, int *ntiles, int *sorted) {
+  const int tid = (int)threadIdx.x;
+  for (int i = tid; i < el * nc; i += ALIGN_THREADS) hist[i] = 0;
+  __syncthreads();
+  const int s0 = tid * len, s1 = min(n, s0 + len);
+  if (tid < nc)
+    for (int s = s0; s < s1; s++) {
+      const int le = ids[s] - offset;
+      if (le >= 0 && le < el) hist[le * nc + tid]++;
+    }
+  __syncthreads();
+  for (int e = tid; e < el; e += ALIGN_THREADS) {
+    int run = 0;
+    for (int c = 0; c < nc; c++) {
+      const int h = hist[e * nc + c];
+      hist[e * nc + c] = run;
+      run += h;
+    }
+    tstart[e] = run; /* the expert's count, until the scan below */
+  }
+  __syncthreads();
+  /* exclusive scans over experts of the counts (-> start) and of the tile
+   * counts (-> tstart), ALIGN_THREADS experts at a time in shared memory
+   * (integer sums: exact in any order) */
+  __shared__ int s_pos[ALIGN_THREADS], s_til[ALIGN_THREADS];
+  __shared__ int carry_pos, carry_til;
+  if (tid == 0) carry_pos = carry_til = 0;
+  for (int base = 0; base < el; base += ALIGN_THREADS) {
+    const int e = base + tid;
+    const int cnt = e < el ? tstart[e] : 0, til = (cnt + bm - 1) / bm;
+    s_pos[tid] = cnt;
+    s_til[tid] = til;
+    __syncthreads();
+    for (int o = 1; o < ALIGN_THREADS; o <<= 1) {
+      const int a = tid >= o ? s_pos[tid - o] : 0, b = tid >= o ? s_til[tid - o] : 0;
+      __syncthreads();
+      s_pos[tid] += a;
+      s_til[tid] += b;
+      __syncthreads();
+    }
+    const int pos = carry_pos + s_pos[tid], t = carry_til + s_til[tid];
+    __syncthreads(); /* every thread has read the carries */
+    if (e < el) {
+      start[e] = pos - cnt;
+      tstart[e] = t - til;
+    }
+    if (tid == ALIGN_THREADS - 1) {
+      carry_pos = pos;
+      carry_til = t;
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    start[el] = carry_pos;
+    tstart[el] = carry_til;
+    *ntiles = carry_til;
+  }
+  __syncthreads();
+  if (tid < nc)
+    for (int s = s0; s < s1; s++) {
+      const int le = ids[s] - offset;
+      if (le >= 0 && le < el) sorted[start[le] + hist[le * nc + tid]++] = s;
+    }
+  for (int e = tid; e < el; e += ALIGN_THREADS) {
+    const int cnt = start[e + 1] - start[e];
+    for (int t = 0; t * bm < cnt; t++) tiles[tstart[e] + t] = make_int4(e, start[e] + t * bm, min(bm, cnt - t * bm), 0);
+  }
+}
+
+/* ---- sum over k --------------------------------------------------------------------- */
+
+/* out[t, h .. h + 8) = act(sum over k of y[t k + kk, ...]), experts held
+ * elsewhere skipped; 8 columns per thread. */
+template <int ACT>
+__global__ void __launch_bounds__(MOE_GPU_BLOCK)
+    sum_kernel(const uint16_t *y, const int32_t *ids, int tokens, int k, int hidden, int offset, int el, int vec,
+               uint16_t *out) {
+  const int per_row = (hidden + 7) / 8;
+  const size_t total = (size_t)tokens * (size_t)per_row;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+    const int t = (int)(i / (size_t)per_row), h0 = (int)(i % (size_t)per_row) * 8;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int kk = 0; kk < k; kk++) {
+      const size_t slot = (size_t)t * (size_t)k + (size_t)kk;
+      const int le = ids[slot] - offset;
+      if (le < 0 || le >= el) continue;
+      const uint16_t *src = y + slot * (size_t)hidden + (size_t)h0;
+      if (vec) {
+        const uint4 u = *(const uint4 *)src;
+        const uint32_t wd[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int q = 0; q < 8; q++) acc[q] += from16<ACT>((wd[q >> 1] >> (16 * (q & 1))) & 0xFFFFu);
+      } else {
+        for (int q = 0; q < 8 && h0 + q < hidden; q++) acc[q] += from16<ACT>(src[q]);
+      }
+    }
+    uint16_t *dst = out + (size_t)t * (size_t)hidden + (size_t)h0;
+    if (vec) {
+      uint4 u;
+      u.x = to16<ACT>(acc[0]) | (uint32_t)to16<ACT>(acc[1]) << 16;
+      u.y = to16<ACT>(acc[2]) | (uint32_t)to16<ACT>(acc[3]) << 16;
+      u.z = to16<ACT>(acc[4]) | (uint32_t)to16<ACT>(acc[5]) << 16;
+      u.w = to16<ACT>(acc[6]) | (uint32_t)to16<ACT>(acc[7]) << 16;
+      *(uint4 *)dst = u;
+    } else {
+      for (int q = 0; q < 8 && h0 + q < hidden; q++) dst[q] = to16<ACT>(acc[q]);
+    }
+  }
+}
+
+/* ---- host side ---------------------------------------------------------------------- */
+
+bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+/* kernels/cpu/weight_format.c moe_weight_matrix_init, over device copies. */
+Wmat wmat(const moe_expert_config *cfg, bool w13, void *const dev[MOE_EXPERT_TENSOR_COUNT],
+          const moe_expert_set *set) {
+  Wmat m;
+  memset(&m, 0, sizeof m);
+  m.rows = (int)(w13 ? 2 * cfg->intermediate_size : cfg->hidden_size);
+  m.cols = (int)(w13 ? cfg->hidden_size : cfg->intermediate_size);
+  int ch;
+  if (cfg->scheme != MOE_SCHEME_WNA16) {
+    m.data = (const uint8_t *)dev[w13 ? MOE_W13 : MOE_W2];
+    m.row_bytes = (size_t)m.cols * 2;
+    ch = chunk_of(W_BF16);
+    m.group = m.groups = 1;
+  } else {
+    const int qs = w13 ? MOE_W13_QWEIGHT : MOE_W2_QWEIGHT, ss = w13 ? MOE_W13_SCALES : MOE_W2_SCALES;
+    m.data = (const uint8_t *)dev[qs];
+    m.row_bytes = (size_t)(cfg->bits == 4 ? m.cols / 2 : m.cols);
+    m.scales = dev[ss];
+    m.scale_dt = (int)set->t[ss].dtype;
+    m.zeros = cfg->has_zero_points ? (const uint8_t *)dev[w13 ? MOE_W13_QZEROS : MOE_W2_QZEROS] : NULL;
+    m.group = (int)(cfg->group_size == -1 ? m.cols : cfg->group_size);
+    m.groups = m.cols / m.group;
+    ch = chunk_of(cfg->bits == 4 ? W_INT4 : W_INT8);
+  }
+  m.vec = aligned16(m.data) && m.row_bytes % 16 == 0 && m.cols % ch == 0;
+  m.chunk_scale = m.vec && m.group % ch == 0;
+  m.sub_scale = m.group % 8 == 0;
+  return m;
+}
+
+/* workspace offsets, 256-byte aligned */
+struct Plan {
+  size_t size = 0;
+  bool overflow = false;
+  size_t take(size_t count, size_t elem) {
+    size_t off = size, bytes;
+    if (!moe_mul_size(count, elem, &bytes) || !moe_add_size(bytes, 255, &bytes) ||
+        !moe_add_size(size, bytes & ~(size_t)255, &size))
+      overflow = true;
+    return off;
+  }
+};
+
+template <int W, int ACT, int PHASE>
+void launch_gemm(int bm, dim3 grid, hipStream_t st, const GemmArgs &g) {
+  switch (bm) {
+  case 1: gemm_kernel<W, ACT, PHASE, 1><<<grid, MOE_GPU_BLOCK, 0, st>>>(g); break;
+  case 4: gemm_kernel<W, ACT, PHASE, 4><<<grid, MOE_GPU_BLOCK, 0, st>>>(g); break;
+  default: gemm_kernel<W, ACT, PHASE, 8><<<grid, MOE_GPU_BLOCK, 0, st>>>(g); break;
+  }
+}
+
+template <int ACT> void launch_both(int w, int bm, dim3 g1, dim3 g2, hipStream_t st, const GemmArgs &a1, const GemmArgs &a2) {
+  switch (w) {
+  case W_F16:
+    launch_gemm<W_F16, ACT, 1>(bm, g1, st, a1);
+    launch_gemm<W_F16, ACT, 2>(bm, g2, st, a2);
+    break;
+  case W_INT4:
+    launch_gemm<W_INT4, ACT, 1>(bm, g1, st, a1);
+    launch_gemm<W_INT4, ACT, 2>(bm, g2, st, a2);
+    break;
+  case W_INT8:
+    launch_gemm<W_INT8, ACT, 1>(bm, g1, st, a1);
+    launch_gemm<W_INT8, ACT, 2>(bm, g2, st, a2);
+    break;
+  default:
+    launch_gemm<W_BF16, ACT, 1>(bm, g1, st, a1);
+    launch_gemm<W_BF16, ACT, 2>(bm, g2, st, a2);
+    break;
+  }
+}
+
+} // namespace
+
+extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
+  const moe_fused_args *args = &c->args.fused;
+  const moe_expert_config *cfg = &args->set->cfg;
+  const int64_t tokens = args->tokens, k = args->top_k;
+  if (tokens == 0) return MOE_OK;
+  const int64_t n64 = tokens * k, el = cfg->num_experts, hidden = cfg->hidden_size, inter = cfg->intermediate_size;
+  if (n64 > 0x7FFFFFFF / 2 || el > 0x7FFFFFFF / ALIGN_THREADS || hidden > 0x7FFFFFFF / 2 || inter > 0x7FFFFFFF / 4)
+    return moe_fail(err, MOE_EUNSUPPORTED, "fused_moe on the GPU: sizes past 32-bit indexing");
+  const int n = (int)n64;
+
+  /* weights: inline ones are the call's inputs (device pointers already);
+   * a loaded set's are uploaded once and cached by the backend */
+  void *dev[MOE_EXPERT_TENSOR_COUNT] = {0};
+  if (c->owned_set) {
+    for (int s = 0; s < MOE_EXPERT_TENSOR_COUNT; s++)
+      if (MOE_FUSED_IN_WEIGHTS + s < MOE_FUSED_IN_COUNT) dev[s] = c->in[MOE_FUSED_IN_WEIGHTS + s].tensor.data;
+  } else {
+    moe_status s = moe_gpu_set_weights(b, args->set, dev, err);
+    if (s) return s;
+  }
+
+  /* tile height: a launch choice only (results do not depend on it) */
+  const int64_t avg = n64 / (el < n64 ? el : n64);
+  const int bm = avg < 2 ? 1 : avg < 6 ? 4 : 8;
+  const int64_t max_tiles = (n64 + bm - 1) / bm + (el < n64 ? el : n64);
+  const int nc = (int)(n64 / 16 < 1 ? 1 : n64 / 16 > ALIGN_THREADS ? ALIGN_THREADS : n64 / 16);
+  const int len = (n + nc - 1) / nc;
+
+  Plan p;
+  const size_t o_ids = p.take(args->route ? (size_t)n : 0, 4), o_w = p.take(args->route ? (size_t)n : 0, 4);
+  const size_t o_hist = p.take((size_t)el * (size_t)nc, 4), o_start = p.take((size_t)el + 1, 4);
+  const size_t o_tstart = p.take((size_t)el + 1, 4), o_tiles = p.take((size_t)max_tiles, sizeof(int4));
+  const size_t o_ntiles = p.take(1, 4), o_sorted = p.take((size_t)n, 4);
+  const size_t o_a = p.take((size_t)n * (size_t)inter, 2), o_y = p.take((size_t)n * (size_t)hidden, 2);
+  if (p.overflow) return moe_fail(err, MOE_EOVERFLOW, "fused_moe: workspace size overflows");
+  char *ws = (char *)moe_gpu_workspace(b, p.size);
+  if (!ws) return moe_fail(err, MOE_ENOMEM, "fused_moe: %zu bytes of device workspace", p.size);
+  hipStream_t st = moe_gpu_stream(b);
+
+  const int32_t *ids;
+  const float *tw;
+  if (args->route) {
+    const float *bias = (const float *)(c->owned_set ? c->in[MOE_FUSED_IN_BIAS].tensor.data : dev[MOE_CORRECTION_BIAS]);
+    moe_status s = moe_gpu_route(b, &c->in[MOE_FUSED_IN_LOGITS].tensor, bias, &args->routing, (int32_t *)(ws + o_ids),
+                                 (float *)(ws + o_w), err);
+    if (s) return s;
+    ids = (const int32_t *)(ws + o_ids);
+    tw = (const float *)(ws + o_w);
+  } else {
+    ids = (const int32_t *)c->in[MOE_FUSED_IN_IDS].tensor.data;
+    tw = (const float *)c->in[MOE_FUSED_IN_TOPK_WEIGHTS].tensor.data;
+  }
+
+  int *ntiles = (int *)(ws + o_ntiles), *sorted = (int *)(ws + o_sorted);
+  const int4 *tiles = (const int4 *)(ws + o_tiles);
+  align_kernel<<<1, ALIGN_THREADS, 0, st>>>(ids, n, (int)el, (int)cfg->expert_offset, bm, nc, len, (int *)(ws + o_hist),
+                                            (int *)(ws + o_start), (int *)(ws + o_tstart), (int4 *)(ws + o_tiles),
+                                            ntiles, sorted);
+  moe_status s = moe_gpu_check(hipGetLastError(), "fused_moe align", err);
+  if (s) return s;
+
+  const void *x = c->in[MOE_FUSED_IN_HIDDEN].tensor.data;
+  uint16_t *a_buf = (uint16_t *)(ws + o_a), *y_buf = (uint16_t *)(ws + o_y);
+  GemmArgs g1;
+  memset(&g1, 0, sizeof g1);
+  g1.inter = (int)inter;
+  g1.hidden = (int)hidden;
+  g1.top_k = (int)k;
+  g1.activation = (int)cfg->activation;
+  g1.interleaved = cfg->activation == MOE_ACT_SWIGLU_OAI;
+  g1.sorted = sorted;
+  g1.ntiles = ntiles;
+  g1.tiles = tiles;
+  g1.tw = tw;
+  GemmArgs g2 = g1;
+  g1.w = wmat(cfg, true, dev, args->set);
+  g1.x = x;
+  g1.x_vec = aligned16(x) && hidden % 8 == 0;
+  g1.out = a_buf;
+  g2.w = wmat(cfg, false, dev, args->set);
+  g2.x = a_buf;
+  g2.x_vec = inter % 8 == 0;
+  g2.out = y_buf;
+  const unsigned gy = (unsigned)(max_tiles < 65535 ? max_tiles : 65535);
+  const dim3 grid1((unsigned)((inter + 2 * GROUPS - 1) / (2 * GROUPS)), gy);
+  const dim3 grid2((unsigned)((hidden + GROUPS * NPW - 1) / (GROUPS * NPW)), gy);
+  const int w = cfg->scheme == MOE_SCHEME_BF16 ? W_BF16
+                : cfg->scheme == MOE_SCHEME_FP16 ? W_F16
+                : cfg->bits == 4                 ? W_INT4
+                                                 : W_INT8;
+  if (args->act == MOE_BF16)
+    launch_both<A_BF16>(w, bm, grid1, grid2, st, g1, g2);
+  else
+    launch_both<A_F16>(w, bm, grid1, grid2, st, g1, g2);
+  if ((s = moe_gpu_check(hipGetLastError(), "fused_moe gemm", err))) return s;
+
+  void *out = c->out[0].tensor.data;
+  const int vec = aligned16(out) && hidden % 8 == 0;
+  const size_t items = (size_t)tokens * (size_t)((hidden + 7) / 8);
+  size_t blocks = (items + MOE_GPU_BLOCK - 1) / MOE_GPU_BLOCK, cap = (size_t)moe_gpu_sm_count(b) * 16;
+  if (blocks > cap) blocks = cap;
+  if (args->act == MOE_BF16)
+    sum_kernel<A_BF16><<<(unsigned)blocks, MOE_GPU_BLOCK, 0, st>>>(y_buf, ids, (int)tokens, (int)k, (int)hidden,
+                                                                   (int)cfg->expert_offset, (int)el, vec, (uint16_t *)out);
+  else
+    sum_kernel<A_F16><<<(unsigned)blocks, MOE_GPU_BLOCK, 0, st>>>(y_buf, ids, (int)tokens, (int)k, (int)hidden,
+                                                                  (int)cfg->expert_offset, (int)el, vec, (uint16_t *)out);
+  return moe_gpu_check(hipGetLastError(), "fused_moe sum", err);
+}
