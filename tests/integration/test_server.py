@@ -338,6 +338,28 @@ def test_drain(tmp):
     check(statuses[:1] == [bytes([8, 1])] and bytes([8, 2]) in statuses, f"health Watch SERVING -> NOT_SERVING {statuses}")
 
 
+def test_limits(tmp):
+    """A message over --max-message-bytes and a tensor over --max-tensor-bytes:
+    RESOURCE_EXHAUSTED / INVALID_ARGUMENT, and the server keeps serving."""
+    p, port, _ = start(tmp, "--max-message-bytes", str(1 << 20), "--max-tensor-bytes", str(256 << 10))
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 1 << 30),
+                                                                 ("grpc.max_receive_message_length", 1 << 30)])
+        big = np.ones((1, 512 * 1024), np.float32)  # 2 MiB: over the 1 MiB message limit
+        code, msg = code_of(lambda: infer_pb(ch, make_req("quant.per_token", [("x", "FP32", list(big.shape), big.tobytes())])))
+        check(code == grpc.StatusCode.RESOURCE_EXHAUSTED, f"message over --max-message-bytes: {code} {msg!r}")
+        mid = np.ones((1, 128 * 1024), np.float32)  # 512 KiB: a message that fits, a tensor that does not
+        code, msg = code_of(lambda: infer_pb(ch, make_req("quant.per_token", [("x", "FP32", list(mid.shape), mid.tobytes())])))
+        check(code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED) and "x" in msg,
+              f"tensor over --max-tensor-bytes: {code} {msg!r}")
+        ok = np.ones((2, 64), np.float32)
+        code, _ = code_of(lambda: infer_pb(ch, make_req("quant.per_token", [("x", "FP32", [2, 64], ok.tobytes())])))
+        check(code == grpc.StatusCode.OK, f"server still serves after the limits ({code})")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        check(p.wait(timeout=30) == 0, "clean exit after the limit checks")
+
+
 def main():
     global TARGET
     with tempfile.TemporaryDirectory() as tmp:
@@ -359,6 +381,7 @@ def main():
             if p.poll() is None:
                 p.kill()
         test_drain(tmp)
+        test_limits(tmp)
         if failures:
             print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
     print(f"{len(failures)} failures")
