@@ -13,27 +13,11 @@
 
 #include "moe/ops.h"
 #include "moe/safetensors.h"
+#include "test_tmpdir.h"
 
 /* ---- helpers ------------------------------------------------------------------- */
 
-static char tmpdir[512];
-
-static void make_tmpdir(void) {
-  const char *base = getenv("MOE_TEST_TMP");
-  if (!base || !*base) base = "/tmp";
-  mkdir(base, 0777);
-  snprintf(tmpdir, sizeof tmpdir, "%s/st_XXXXXX", base);
-  ck_assert_ptr_nonnull(mkdtemp(tmpdir));
-}
-
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
-  (void)sb, (void)flag, (void)ftw;
-  return remove(path);
-}
-
-static void remove_tmpdir(void) { nftw(tmpdir, rm_entry, 16, FTW_DEPTH | FTW_PHYS); }
-
-static void tmp_path(char *buf, size_t cap, const char *leaf) { snprintf(buf, cap, "%s/%s", tmpdir, leaf); }
+static void make_tmpdir(void) { make_tmpdir_named("st"); }
 
 /* The whole file, malloc'ed. */
 static unsigned char *read_file(const char *path, size_t *len) {
