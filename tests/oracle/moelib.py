@@ -3,6 +3,7 @@ independent oracles. Arrays travel in their storage type: bf16/fp16 as
 uint16, narrow formats as uint8 (fp4 packed two per byte), with the moe dtype
 named beside them."""
 import ctypes as C
+import glob
 import os
 
 import numpy as np
@@ -48,10 +49,19 @@ class MoeError(Exception):
 _lib = None
 
 
+def default_lib_path():
+    """$MOE_LIB, else the newest build*/kernels/libmoe.so of this checkout."""
+    if "MOE_LIB" in os.environ:
+        return os.environ["MOE_LIB"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cands = sorted(glob.glob(os.path.join(root, "build*", "kernels", "libmoe.so")), key=os.path.getmtime)
+    return cands[-1] if cands else "libmoe.so"
+
+
 def lib():
     global _lib
     if _lib is None:
-        _lib = C.CDLL(os.environ.get("MOE_LIB", "libmoe.so"))
+        _lib = C.CDLL(default_lib_path())
         _lib.moe_run_host.restype = C.c_int
         _lib.moe_run_host.argtypes = [C.c_char_p, C.POINTER(NamedTensor), C.c_size_t, C.POINTER(Params),
                                       C.c_void_p, C.POINTER(C.POINTER(NamedTensor)),

@@ -34,12 +34,7 @@ import traceback
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-if "MOE_LIB" not in os.environ:
-    cands = sorted(glob.glob(os.path.join(ROOT, "build*", "kernels", "libmoe.so")), key=os.path.getmtime)
-    if cands:
-        os.environ["MOE_LIB"] = cands[-1]
 
 import moe_reference as ref  # noqa: E402
 import moelib  # noqa: E402
@@ -417,7 +412,7 @@ def find_mkset():
     w = shutil.which("moe-mkset")
     if w:
         return w
-    libp = os.environ.get("MOE_LIB")
+    libp = moelib.default_lib_path()
     if libp:
         cand = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(libp))), "tools", "moe-mkset")
         if os.access(cand, os.X_OK):
@@ -568,7 +563,7 @@ def main():
     only = None
     if "-k" in sys.argv:
         only = sys.argv[sys.argv.index("-k") + 1]
-    print(f"MOE_LIB={os.environ.get('MOE_LIB', '(unset: libmoe.so from the loader path)')}")
+    print(f"MOE_LIB={moelib.default_lib_path()}")
     print(f"reference self-check: {ref.self_check()} checks passed")
     passed = failed = skipped = 0
     results = []

@@ -15,7 +15,6 @@ conforming fp32 backend may legitimately order them differently. Exact ties
 MOE_LIB names libmoe.so (default: build*/kernels/libmoe.so of this checkout);
 MOE_TEST_SEED=n draws other random inputs for the same cases.
 Exit status 1 when any case fails; last line "N passed, M failed"."""
-import glob
 import os
 import sys
 import traceback
@@ -23,12 +22,7 @@ import traceback
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-if "MOE_LIB" not in os.environ:
-    cands = sorted(glob.glob(os.path.join(ROOT, "build*", "kernels", "libmoe.so")), key=os.path.getmtime)
-    if cands:
-        os.environ["MOE_LIB"] = cands[-1]
 
 import moe_reference as ref  # noqa: E402
 import moelib  # noqa: E402
