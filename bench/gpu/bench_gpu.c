@@ -14,7 +14,7 @@
  * --matmul-tflops (bench/gpu/matmul_ceiling.py, same run).
  *
  *   moe-bench-gpu [--runs N] [--max-mib 1024]
- *   moe-bench-gpu --fused [--runs N] [--matmul-tflops X] [--max-tokens T]     */
+ *   moe-bench-gpu --fused [--runs N] [--matmul-tflops X] [--max-tokens T] [--only NAME|bf16|int4] */
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -27,13 +27,13 @@
 #include "moe/expert_set.h"
 #include "moe/ops.h"
 
-#define CHECK(x)                                                                                                   \
-  do {                                                                                                             \
-    hipError_t e_ = (x);                                                                                           \
-    if (e_ != hipSuccess) {                                                                                        \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, hipGetErrorString(e_));                            \
-      exit(1);                                                                                                     \
-    }                                                                                                              \
+#define CHECK(x)                                                                                             \
+  do {                                                                                                       \
+    hipError_t e_ = (x);                                                                                     \
+    if (e_ != hipSuccess) {                                                                                  \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, hipGetErrorString(e_));                     \
+      exit(1);                                                                                               \
+    }                                                                                                        \
   } while (0)
 
 static int runs = 50;
@@ -48,7 +48,8 @@ static double time_median(hipStream_t st, void (*fn)(void *), void *arg) {
   hipEvent_t e0, e1;
   CHECK(hipEventCreate(&e0));
   CHECK(hipEventCreate(&e1));
-  for (int i = 0; i < 3; i++) fn(arg);
+  for (int i = 0; i < 3; i++)
+    fn(arg);
   float *ms = malloc(sizeof *ms * (size_t)runs);
   for (int i = 0; i < runs; i++) {
     CHECK(hipEventRecord(e0, st));
@@ -99,7 +100,9 @@ typedef struct bench_case {
   bool two_reads; /* dynamic per-tensor: the input is read twice */
 } bench_case;
 
-static moe_param ps(const char *n, const char *v) { return (moe_param){.name = n, .type = MOE_PARAM_STRING, .s = v}; }
+static moe_param ps(const char *n, const char *v) {
+  return (moe_param){.name = n, .type = MOE_PARAM_STRING, .s = v};
+}
 
 /* ---- fused_moe ---------------------------------------------------------------------------- */
 
@@ -156,16 +159,21 @@ static void *dev_alloc(moe_backend *b, size_t n) {
 
 #define ROT 8
 
-static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64_t max_tokens) {
+static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64_t max_tokens,
+                        const char *only) {
   static const struct {
     const char *name;
     int64_t e, k, h, i;
-  } models[] = {{"qwen3-30b-a3b", 128, 8, 2048, 768}, {"mixtral-8x7b", 8, 2, 4096, 14336}, {"deepseek-v3", 256, 8, 7168, 2048}};
+  } models[] = {{"qwen3-30b-a3b", 128, 8, 2048, 768},
+                {"mixtral-8x7b", 8, 2, 4096, 14336},
+                {"deepseek-v3", 256, 8, 7168, 2048}};
   static const int64_t tokens[] = {1, 4, 16, 64, 256, 1024, 4096};
-  printf("\n| layer | scheme | T | time (us) | routed weight GB | GB/s | %% of copy BW | TFLOP/s | %% of matmul |\n"
+  printf("\n| layer | scheme | T | time (us) | routed weight GB | GB/s | %% of copy BW | TFLOP/s | %% of "
+         "matmul |\n"
          "|---|---|---|---|---|---|---|---|---|\n");
   for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++)
     for (int int4 = 0; int4 < 2; int4++) {
+      if (only && !strstr(models[mi].name, only) && strcmp(int4 ? "int4" : "bf16", only)) continue;
       const int64_t E = models[mi].e, K = models[mi].k, H = models[mi].h, I = models[mi].i;
       /* weights on the device, inline inputs of model fused_moe */
       moe_named_tensor w[4];
@@ -182,8 +190,10 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
       } else {
         size_t q13 = (size_t)(2 * I * H) / 2, s13 = (size_t)(2 * I * (H / 128)) * 2;
         size_t q2 = (size_t)(H * I) / 2, s2 = (size_t)(H * (I / 128)) * 2;
-        w[0] = (moe_named_tensor){"w13_qweight", {MOE_UINT8, 3, {E, 2 * I, H / 2}, dev_alloc(b, q13 * E), q13 * E}};
-        w[1] = (moe_named_tensor){"w13_scales", {MOE_BF16, 3, {E, 2 * I, H / 128}, dev_alloc(b, s13 * E), s13 * E}};
+        w[0] = (moe_named_tensor){"w13_qweight",
+                                  {MOE_UINT8, 3, {E, 2 * I, H / 2}, dev_alloc(b, q13 * E), q13 * E}};
+        w[1] = (moe_named_tensor){"w13_scales",
+                                  {MOE_BF16, 3, {E, 2 * I, H / 128}, dev_alloc(b, s13 * E), s13 * E}};
         w[2] = (moe_named_tensor){"w2_qweight", {MOE_UINT8, 3, {E, H, I / 2}, dev_alloc(b, q2 * E), q2 * E}};
         w[3] = (moe_named_tensor){"w2_scales", {MOE_BF16, 3, {E, H, I / 128}, dev_alloc(b, s2 * E), s2 * E}};
         fill_device(b, w[0].tensor.data, w[0].tensor.nbytes, 1, 0);
@@ -214,19 +224,22 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
               do { /* distinct experts per token */
                 id = (int32_t)(bnext() % (uint64_t)E);
                 dup = false;
-                for (int64_t q = 0; q < j; q++) dup |= ids[t * K + q] == id;
+                for (int64_t q = 0; q < j; q++)
+                  dup |= ids[t * K + q] == id;
               } while (dup);
               ids[t * K + j] = id;
               tw[t * K + j] = bunif(0.05f, 1.0f);
               used[id] = 1;
             }
-          for (int64_t e = 0; e < E; e++) wbytes += used[e] ? (double)per_expert / ROT : 0.0;
+          for (int64_t e = 0; e < E; e++)
+            wbytes += used[e] ? (double)per_expert / ROT : 0.0;
           moe_named_tensor in[7] = {
               {"hidden_states", {MOE_BF16, 2, {T, H}, x, (size_t)(T * H) * 2}},
               {"topk_ids", {MOE_INT32, 2, {T, K}, ids, (size_t)(T * K) * 4}},
               {"topk_weights", {MOE_F32, 2, {T, K}, tw, (size_t)(T * K) * 4}},
           };
-          for (size_t q = 0; q < nw; q++) in[3 + q] = w[q];
+          for (size_t q = 0; q < nw; q++)
+            in[3 + q] = w[q];
           moe_error err;
           if (moe_op_prepare(moe_op_find("fused_moe"), in, 3 + nw, NULL, NULL, &calls[r], &err) != MOE_OK) {
             fprintf(stderr, "fused_moe prepare: %s\n", err.msg);
@@ -258,7 +271,8 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
           CHECK(hipEventRecord(e1, moe_gpu_stream(b)));
           CHECK(hipEventSynchronize(e1));
           CHECK(hipEventElapsedTime(&ms0, e0, e1));
-          if (ms0 * runs > 3000.0f) runs = ms0 > 150.0f ? 20 : (int)(3000.0f / ms0) < 20 ? 20 : (int)(3000.0f / ms0);
+          if (ms0 * runs > 3000.0f)
+            runs = ms0 > 150.0f ? 20 : (int)(3000.0f / ms0) < 20 ? 20 : (int)(3000.0f / ms0);
           CHECK(hipEventDestroy(e0));
           CHECK(hipEventDestroy(e1));
         }
@@ -269,8 +283,9 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
         const double gbs = bytes / (ms * 1e-3) / 1e9;
         const double flops = 2.0 * (double)T * (double)K * (double)(H * 2 * I + I * H);
         const double tf = flops / (ms * 1e-3) / 1e12;
-        printf("| %s | %s | %lld | %.1f | %.3f | %.0f | %.1f%% | %.2f | ", models[mi].name, int4 ? "wna16 int4 g128" : "bf16",
-               (long long)T, ms * 1e3, wbytes / 1e9, gbs, 100.0 * gbs / copy_gbs, tf);
+        printf("| %s | %s | %lld | %.1f | %.3f | %.0f | %.1f%% | %.2f | ", models[mi].name,
+               int4 ? "wna16 int4 g128" : "bf16", (long long)T, ms * 1e3, wbytes / 1e9, gbs,
+               100.0 * gbs / copy_gbs, tf);
         if (mm_tflops > 0)
           printf("%.2f%% |", 100.0 * tf / mm_tflops);
         else
@@ -288,7 +303,8 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
       }
       b->iface->free(b, x);
       b->iface->free(b, out);
-      for (size_t q = 0; q < nw; q++) b->iface->free(b, w[q].tensor.data);
+      for (size_t q = 0; q < nw; q++)
+        b->iface->free(b, w[q].tensor.data);
     }
 }
 
@@ -297,12 +313,20 @@ int main(int argc, char **argv) {
   bool fused = false;
   double mm_tflops = 0;
   int64_t max_tokens = 4096;
+  const char *only = NULL; /* --only NAME: the layers whose name contains NAME, or one scheme (bf16, int4) */
   for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--runs") && i + 1 < argc) runs = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--max-mib") && i + 1 < argc) max_mib = (size_t)atol(argv[++i]);
-    else if (!strcmp(argv[i], "--fused")) fused = true;
-    else if (!strcmp(argv[i], "--matmul-tflops") && i + 1 < argc) mm_tflops = atof(argv[++i]);
-    else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc) max_tokens = atol(argv[++i]);
+    if (!strcmp(argv[i], "--runs") && i + 1 < argc)
+      runs = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--max-mib") && i + 1 < argc)
+      max_mib = (size_t)atol(argv[++i]);
+    else if (!strcmp(argv[i], "--fused"))
+      fused = true;
+    else if (!strcmp(argv[i], "--matmul-tflops") && i + 1 < argc)
+      mm_tflops = atof(argv[++i]);
+    else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
+      max_tokens = atol(argv[++i]);
+    else if (!strcmp(argv[i], "--only") && i + 1 < argc)
+      only = argv[++i];
   }
   setvbuf(stdout, NULL, _IOLBF, 0); /* lines reach a pipe as they are printed */
   const char *why;
@@ -338,7 +362,7 @@ int main(int argc, char **argv) {
   b->iface->free(b, dst);
   if (fused) {
     b->iface->free(b, src);
-    bench_fused(b, copy_gbs, mm_tflops, max_tokens);
+    bench_fused(b, copy_gbs, mm_tflops, max_tokens, only);
     moe_backend_destroy(b);
     return 0;
   }
@@ -352,7 +376,8 @@ int main(int argc, char **argv) {
     float v = (float)((int64_t)(r >> 40) - (1 << 23)) / (float)(1 << 21); /* about [-4, 4) */
     h[i] = moe_f32_to_bf16(v);
   }
-  for (size_t off = 0; off < gib; off += tile) b->iface->copy_in(b, (char *)src + off, h, tile);
+  for (size_t off = 0; off < gib; off += tile)
+    b->iface->copy_in(b, (char *)src + off, h, tile);
   b->iface->synchronize(b);
   free(h);
 
@@ -365,7 +390,12 @@ int main(int argc, char **argv) {
       {"per_token int8", "quant.per_token", {ps("out_dtype", "int8")}, 1, false, false},
       {"mxfp8_e4m3fn (even, rne)", "quant.mx", {ps("format", "mxfp8_e4m3fn")}, 1, false, false},
       {"mxfp4 (even, rne)", "quant.mx", {ps("format", "mxfp4")}, 1, false, false},
-      {"mxfp4 (amax_up, half_up)", "quant.mx", {ps("format", "mxfp4"), ps("scale_rule", "amax_up"), ps("element_rounding", "half_up")}, 3, false, false},
+      {"mxfp4 (amax_up, half_up)",
+       "quant.mx",
+       {ps("format", "mxfp4"), ps("scale_rule", "amax_up"), ps("element_rounding", "half_up")},
+       3,
+       false,
+       false},
   };
   const size_t sizes_mib[] = {64, 256, 1024};
   const int64_t k = 7168;
@@ -375,8 +405,9 @@ int main(int argc, char **argv) {
     int64_t m = (int64_t)((sizes_mib[si] << 20) / (size_t)(k * 2));
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
       bench_case *bc = &cases[ci];
-      moe_named_tensor in[2] = {{"x", {.dtype = MOE_BF16, .ndim = 2, .shape = {m, k}, .data = src}},
-                                {"scale", {.dtype = MOE_F32, .ndim = 1, .shape = {1}, .data = &one, .nbytes = 4}}};
+      moe_named_tensor in[2] = {
+          {"x", {.dtype = MOE_BF16, .ndim = 2, .shape = {m, k}, .data = src}},
+          {"scale", {.dtype = MOE_F32, .ndim = 1, .shape = {1}, .data = &one, .nbytes = 4}}};
       in[0].tensor.nbytes = (size_t)m * (size_t)k * 2;
       moe_params p = {bc->params, bc->nparams};
       moe_call *c;
@@ -404,8 +435,8 @@ int main(int argc, char **argv) {
       op_arg oa = {c, b};
       double ms = time_median(st, run_op, &oa);
       double gbs = (double)bytes / (ms * 1e-3) / 1e9;
-      printf("| %s | %zu MiB | %lld | %.1f | %.0f | %.1f%%", bc->label, sizes_mib[si], (long long)m, ms * 1e3, gbs,
-             100.0 * gbs / copy_gbs);
+      printf("| %s | %zu MiB | %lld | %.1f | %.0f | %.1f%%", bc->label, sizes_mib[si], (long long)m, ms * 1e3,
+             gbs, 100.0 * gbs / copy_gbs);
       if (bc->two_reads) {
         double bound_ms = (double)(bytes + in[0].tensor.nbytes) / (copy_gbs * 1e9) * 1e3;
         printf(" (%.1f%% of the two-read bound)", 100.0 * bound_ms / ms);

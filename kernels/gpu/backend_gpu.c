@@ -37,6 +37,17 @@ typedef struct set_entry {
   struct set_entry *next;
 } set_entry;
 
+/* Packed copies of one inline-weight set (moe_gpu_inline_packed): keyed by
+ * the source device buffers and the configuration that packed them. */
+typedef struct packed_entry {
+  void *src[MOE_EXPERT_TENSOR_COUNT];
+  size_t src_bytes[MOE_EXPERT_TENSOR_COUNT];
+  moe_expert_config cfg;
+  moe_dtype scale_dt[2];
+  void *dst[MOE_EXPERT_TENSOR_COUNT];
+  struct packed_entry *next;
+} packed_entry;
+
 typedef struct gpu_ctx {
   int device;
   int sm_count;
@@ -49,7 +60,8 @@ typedef struct gpu_ctx {
   size_t ws_size;
   void *stage[2]; /* pinned host staging, STAGE_CHUNK each */
   hipEvent_t stage_done[2];
-  set_entry *sets; /* a short list: a worker serves a few sets */
+  set_entry *sets;      /* a short list: a worker serves a few sets */
+  packed_entry *packed; /* most recently used first, at most MOE_GPU_PACKED_INLINE */
 } gpu_ctx;
 
 moe_status moe_gpu_check(hipError_t e, const char *what, moe_error *err) {
@@ -105,7 +117,8 @@ static moe_status live_insert(gpu_ctx *ctx, void *ptr, int cls) {
     if (s) return s;
   }
   size_t i = hash_ptr(ptr, ctx->live_cap);
-  while (ctx->live[i].ptr) i = (i + 1) & (ctx->live_cap - 1);
+  while (ctx->live[i].ptr)
+    i = (i + 1) & (ctx->live_cap - 1);
   ctx->live[i].ptr = ptr;
   ctx->live[i].cls = cls;
   ctx->live_count++;
@@ -116,7 +129,8 @@ static moe_status live_insert(gpu_ctx *ctx, void *ptr, int cls) {
 static int live_remove(gpu_ctx *ctx, void *ptr) {
   if (!ctx->live_cap) return -1;
   size_t i = hash_ptr(ptr, ctx->live_cap);
-  while (ctx->live[i].ptr && ctx->live[i].ptr != ptr) i = (i + 1) & (ctx->live_cap - 1);
+  while (ctx->live[i].ptr && ctx->live[i].ptr != ptr)
+    i = (i + 1) & (ctx->live_cap - 1);
   if (!ctx->live[i].ptr) return -1;
   int cls = ctx->live[i].cls;
   ctx->live[i].ptr = NULL;
@@ -175,9 +189,12 @@ static moe_status gpu_alloc(moe_backend *b, size_t nbytes, void **out) {
   return MOE_OK;
 }
 
+static void packed_drop_overlapping(moe_backend *b, const void *p, size_t n);
+
 static void gpu_free(moe_backend *b, void *ptr) {
   gpu_ctx *ctx = b->context;
   if (!ptr) return;
+  packed_drop_overlapping(b, ptr, 1);
   int cls = live_remove(ctx, ptr);
   if (cls < 0) return; /* not ours */
   pool_node *n = malloc(sizeof *n);
@@ -215,12 +232,14 @@ moe_status moe_gpu_enter(moe_backend *b, moe_error *err) {
 
 static moe_status gpu_copy_in(moe_backend *b, void *dst, const void *src, size_t n) {
   gpu_ctx *ctx = b->context;
+  packed_drop_overlapping(b, dst, n);
   for (size_t off = 0, k = 0; off < n; off += STAGE_CHUNK, k++) {
     int i = (int)(k & 1);
     size_t len = n - off < STAGE_CHUNK ? n - off : STAGE_CHUNK;
     if (hipEventSynchronize(ctx->stage_done[i]) != hipSuccess) return MOE_EDEVICE;
     memcpy(ctx->stage[i], (const char *)src + off, len);
-    if (hipMemcpyAsync((char *)dst + off, ctx->stage[i], len, hipMemcpyHostToDevice, ctx->stream) != hipSuccess)
+    if (hipMemcpyAsync((char *)dst + off, ctx->stage[i], len, hipMemcpyHostToDevice, ctx->stream) !=
+        hipSuccess)
       return MOE_EDEVICE;
     if (hipEventRecord(ctx->stage_done[i], ctx->stream) != hipSuccess) return MOE_EDEVICE;
   }
@@ -280,7 +299,8 @@ moe_status moe_gpu_set_weights(moe_backend *b, const moe_expert_set *set, void *
                                moe_error *err) {
   gpu_ctx *ctx = b->context;
   set_entry *e = ctx->sets;
-  while (e && e->set_id != set->id) e = e->next;
+  while (e && e->set_id != set->id)
+    e = e->next;
   if (!e) {
     e = calloc(1, sizeof *e);
     if (!e) return moe_fail(err, MOE_ENOMEM, "out of memory");
@@ -296,10 +316,108 @@ moe_status moe_gpu_set_weights(moe_backend *b, const moe_expert_set *set, void *
                         moe_expert_tensor_names[i], t->nbytes);
       }
     }
+    if (moe_gpu_fused_packs(b, &set->cfg)) { /* the tensor-core layout replaces the files' */
+      void *packed[MOE_EXPERT_TENSOR_COUNT];
+      moe_status s = moe_gpu_fused_pack(b, set, e->dev, packed, err);
+      if (s) {
+        set_entry_free(b, e);
+        return s;
+      }
+      for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
+        if (packed[i]) {
+          gpu_free(b, e->dev[i]);
+          e->dev[i] = packed[i];
+        }
+    }
     e->next = ctx->sets;
     ctx->sets = e;
   }
   memcpy(dev, e->dev, sizeof e->dev);
+  return MOE_OK;
+}
+
+/* ---- packed copies of inline weights ------------------------------------------ */
+
+static void packed_entry_free(moe_backend *b, packed_entry *e) {
+  for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
+    if (e->dst[i]) gpu_free(b, e->dst[i]); /* stream-ordered reuse: safe */
+  free(e);
+}
+
+/* Drops every entry packed from a buffer that overlaps [p, p + n). */
+static void packed_drop_overlapping(moe_backend *b, const void *p, size_t n) {
+  gpu_ctx *ctx = b->context;
+  const char *lo = p, *hi = lo + n;
+  packed_entry **pp = &ctx->packed;
+  while (*pp) {
+    packed_entry *e = *pp;
+    bool hit = false;
+    for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT && !hit; i++) {
+      const char *s = e->src[i];
+      hit = s && s < hi && lo < s + e->src_bytes[i];
+    }
+    if (hit) {
+      *pp = e->next;
+      packed_entry_free(b, e);
+    } else {
+      pp = &e->next;
+    }
+  }
+}
+
+static bool packed_matches(const packed_entry *e, const moe_expert_set *set, void *const dev[]) {
+  const moe_expert_config *a = &e->cfg, *c = &set->cfg;
+  if (a->scheme != c->scheme || a->num_experts != c->num_experts || a->hidden_size != c->hidden_size ||
+      a->intermediate_size != c->intermediate_size || a->bits != c->bits || a->group_size != c->group_size ||
+      a->has_zero_points != c->has_zero_points || a->activation != c->activation ||
+      e->scale_dt[0] != set->t[MOE_W13_SCALES].dtype || e->scale_dt[1] != set->t[MOE_W2_SCALES].dtype)
+    return false;
+  for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
+    if (e->dst[i] && (e->src[i] != dev[i] || e->src_bytes[i] != set->t[i].nbytes)) return false;
+  return true;
+}
+
+moe_status moe_gpu_inline_packed(moe_backend *b, const moe_expert_set *set,
+                                 void *dev[MOE_EXPERT_TENSOR_COUNT], moe_error *err) {
+  gpu_ctx *ctx = b->context;
+  packed_entry **pp = &ctx->packed, *e = NULL;
+  for (; *pp; pp = &(*pp)->next)
+    if (packed_matches(*pp, set, dev)) {
+      e = *pp;
+      *pp = e->next; /* to the front below */
+      break;
+    }
+  if (!e) {
+    if (!(e = calloc(1, sizeof *e))) return moe_fail(err, MOE_ENOMEM, "out of memory");
+    moe_status s = moe_gpu_fused_pack(b, set, dev, e->dst, err);
+    if (s) {
+      free(e);
+      return s;
+    }
+    for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
+      if (e->dst[i]) {
+        e->src[i] = dev[i];
+        e->src_bytes[i] = set->t[i].nbytes;
+      }
+    e->cfg = set->cfg;
+    e->scale_dt[0] = set->t[MOE_W13_SCALES].dtype;
+    e->scale_dt[1] = set->t[MOE_W2_SCALES].dtype;
+    /* bound: the oldest past the limit go */
+    int kept = 0;
+    for (packed_entry **q = &ctx->packed; *q;) {
+      if (++kept >= MOE_GPU_PACKED_INLINE) {
+        packed_entry *old = *q;
+        *q = old->next;
+        packed_entry_free(b, old);
+      } else {
+        q = &(*q)->next;
+      }
+    }
+  }
+  e->next = ctx->packed;
+  ctx->packed = e;
+  for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
+    if (e->dst[i]) dev[i] = e->dst[i];
   return MOE_OK;
 }
 
@@ -325,6 +443,11 @@ static void gpu_destroy(moe_backend *b) {
     set_entry *e = ctx->sets;
     ctx->sets = e->next;
     free(e); /* its blocks are live pool blocks: freed just below */
+  }
+  while (ctx->packed) {
+    packed_entry *e = ctx->packed;
+    ctx->packed = e->next;
+    free(e);
   }
   for (size_t i = 0; i < ctx->live_cap; i++)
     if (ctx->live[i].ptr) hipFree(ctx->live[i].ptr);
@@ -383,12 +506,14 @@ moe_status moe_backend_gpu_create(int device, moe_backend **out, moe_error *err)
   if ((s = moe_gpu_check(hipGetDeviceProperties(&prop, device), "hipGetDeviceProperties", err))) goto fail;
   ctx->sm_count = prop.multiProcessorCount > 0 ? prop.multiProcessorCount : 1;
   snprintf(b->name, sizeof b->name, "gpu%d: %.48s", device, prop.name);
-  if ((s = moe_gpu_check(hipStreamCreateWithFlags(&ctx->stream, hipStreamNonBlocking), "stream", err))) goto fail;
+  if ((s = moe_gpu_check(hipStreamCreateWithFlags(&ctx->stream, hipStreamNonBlocking), "stream", err)))
+    goto fail;
   for (int i = 0; i < 2; i++) {
     if ((s = moe_gpu_check(hipHostMalloc(&ctx->stage[i], STAGE_CHUNK, hipHostMallocDefault), "pinned staging",
                            err)))
       goto fail;
-    if ((s = moe_gpu_check(hipEventCreateWithFlags(&ctx->stage_done[i], hipEventDisableTiming), "event", err)))
+    if ((s = moe_gpu_check(hipEventCreateWithFlags(&ctx->stage_done[i], hipEventDisableTiming), "event",
+                           err)))
       goto fail;
     /* recorded once so that the first wait on it returns at once */
     if ((s = moe_gpu_check(hipEventRecord(ctx->stage_done[i], ctx->stream), "event", err))) goto fail;

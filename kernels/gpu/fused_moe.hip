@@ -30,50 +30,31 @@
  * or the grid. No atomics, no split K. Results are deterministic; they are
  * not bit-identical to the CPU's (another summation order: NUMERICS.md's
  * tolerance applies). */
+#include <stdlib.h>
 #include <string.h>
 
-#include "gpu.h"
-
-extern "C" {
-#include "../ops/op.h"
-}
+#include "fused_moe_gpu.h"
 
 namespace {
 
-constexpr int LG = 32;                    /* lanes per dot-product group */
+constexpr int LG = 32;                     /* lanes per dot-product group */
 constexpr int GROUPS = MOE_GPU_BLOCK / LG; /* lane groups per block */
 constexpr int NPW = 4;                     /* weight rows per lane group */
 constexpr int KT = 1024;                   /* K elements staged in shared memory per step */
 constexpr int KT_PHYS = KT + KT / 8;       /* + 4 floats of padding per 32: conflict-free reads */
 
 enum { W_BF16, W_F16, W_INT4, W_INT8 };
-enum { A_BF16, A_F16 };
 
 /* elements per 16-byte chunk */
 __host__ __device__ constexpr int chunk_of(int w) { return w == W_INT4 ? 32 : w == W_INT8 ? 16 : 8; }
 
 __device__ __forceinline__ int phys(int j) { return j + (j >> 5) * 4; }
 
-template <int ACT> __device__ __forceinline__ float act_round(float v) {
-  return ACT == A_BF16 ? moe_bf16_to_f32(moe_f32_to_bf16(v)) : moe_f16_to_f32(moe_f32_to_f16(v));
-}
-template <int ACT> __device__ __forceinline__ uint16_t to16(float v) {
-  return ACT == A_BF16 ? moe_f32_to_bf16(v) : moe_f32_to_f16(v);
-}
-template <int ACT> __device__ __forceinline__ float from16(uint32_t h) {
-  return ACT == A_BF16 ? moe_bf16_to_f32((uint16_t)h) : moe_f16_to_f32((uint16_t)h);
-}
-
 __device__ __forceinline__ float load_float(const void *p, int dt, size_t i) {
   if (dt == MOE_F16) return moe_f16_to_f32(((const uint16_t *)p)[i]);
   if (dt == MOE_BF16) return moe_bf16_to_f32(((const uint16_t *)p)[i]);
   return ((const float *)p)[i];
 }
-
-/* exp and erf rounded once from double: close to the CPU's libm (the same
- * functions, correctly rounded but for rare cases). */
-__device__ __forceinline__ float exp_cr(float x) { return (float)exp((double)x); }
-__device__ __forceinline__ float erf_cr(float x) { return (float)erf((double)x); }
 
 /* ---- weights: one GEMM's matrix on the device ---------------------------------- */
 
@@ -109,7 +90,8 @@ template <int W> struct Loader {
     if (!m.zeros) {
       z = BITS == 4 ? 8.0f : 128.0f;
     } else if (BITS == 4) {
-      uint32_t b = m.zeros[((size_t)e * (size_t)(m.rows / 2) + (size_t)(n / 2)) * (size_t)m.groups + (size_t)g];
+      uint32_t b =
+          m.zeros[((size_t)e * (size_t)(m.rows / 2) + (size_t)(n / 2)) * (size_t)m.groups + (size_t)g];
       z = (float)((n & 1) ? b >> 4 : b & 15u);
     } else {
       z = (float)m.zeros[((size_t)e * (size_t)m.rows + (size_t)n) * (size_t)m.groups + (size_t)g];
@@ -117,7 +99,8 @@ template <int W> struct Loader {
     return 8388608.0f + z;
   }
   static __device__ __forceinline__ float scale(const Wmat &m, int e, int n, int g) {
-    return load_float(m.scales, m.scale_dt, ((size_t)e * (size_t)m.rows + (size_t)n) * (size_t)m.groups + (size_t)g);
+    return load_float(m.scales, m.scale_dt,
+                      ((size_t)e * (size_t)m.rows + (size_t)n) * (size_t)m.groups + (size_t)g);
   }
 
   /* chunk of row n of expert e starting at column j0 (a multiple of CH) */
@@ -145,12 +128,13 @@ template <int W> struct Loader {
 
   /* w[q] = the weight at column j0 + 8 p + q, act-rounded; 0 past K. */
   template <int ACT>
-  static __device__ __forceinline__ void piece(const Wmat &m, const Raw &r, int e, int n, int j0, int p, bool valid,
-                                               float w[8]) {
+  static __device__ __forceinline__ void piece(const Wmat &m, const Raw &r, int e, int n, int j0, int p,
+                                               bool valid, float w[8]) {
     const uint32_t word[4] = {r.v.x, r.v.y, r.v.z, r.v.w};
     if (!valid || (!m.vec && j0 + 8 * p >= m.cols)) { /* no row, or a piece past K */
 #pragma unroll
-      for (int q = 0; q < 8; q++) w[q] = 0.0f;
+      for (int q = 0; q < 8; q++)
+        w[q] = 0.0f;
       return;
     }
     if (!WNA16) { /* already in the act dtype: widening only */
@@ -179,7 +163,8 @@ template <int W> struct Loader {
 #pragma unroll
         for (int q = 0; q < 8; q++) {
           const int g = (j + q < m.cols ? j + q : m.cols - 1) / m.group;
-          w[q] = act_round<ACT>((moe_f32_from_bits(0x4B000000u | code[q]) - zero_bias(m, e, n, g)) * scale(m, e, n, g));
+          w[q] = act_round<ACT>((moe_f32_from_bits(0x4B000000u | code[q]) - zero_bias(m, e, n, g)) *
+                                scale(m, e, n, g));
         }
       }
     }
@@ -202,18 +187,6 @@ struct GemmArgs {
   const float *tw;   /* routed weight of each slot */
   uint16_t *out;     /* phase 1: a; phase 2: y [slots, H] */
 };
-
-/* NUMERICS.md: a = act(act(f(g)) * u), or swiglu_oai; g and u act-rounded.
- * The CPU's expressions (kernels/cpu/fused_moe.c activate()). */
-template <int ACT> __device__ float activate(int fn, float g, float u) {
-  if (fn == MOE_ACT_GELU) return act_round<ACT>(act_round<ACT>(0.5f * g * (1.0f + erf_cr(g * 0.70710678118654752f))) * u);
-  if (fn == MOE_ACT_SWIGLU_OAI) {
-    g = g > 7.0f ? 7.0f : g;
-    u = u > 7.0f ? 7.0f : (u < -7.0f ? -7.0f : u);
-    return act_round<ACT>((u + 1.0f) * g * (1.0f / (1.0f + exp_cr(-(1.702f * g)))));
-  }
-  return act_round<ACT>(act_round<ACT>(g / (1.0f + exp_cr(-g))) * u);
-}
 
 /* Block (x, y): weight strip x (GROUPS x NPW rows: phase 1 two intermediate
  * units per lane group, gate and up rows; phase 2 four hidden rows) against
@@ -270,9 +243,11 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK, BM >= 8 ? 1 : 2) gemm_kernel(Ge
             const uint4 u = *(const uint4 *)src;
             const uint32_t wd[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-            for (int q = 0; q < 8; q++) v[q] = from16<ACT>((wd[q >> 1] >> (16 * (q & 1))) & 0xFFFFu);
+            for (int q = 0; q < 8; q++)
+              v[q] = from16<ACT>((wd[q >> 1] >> (16 * (q & 1))) & 0xFFFFu);
           } else {
-            for (int q = 0; q < 8 && j + q < K; q++) v[q] = from16<ACT>(src[q]);
+            for (int q = 0; q < 8 && j + q < K; q++)
+              v[q] = from16<ACT>(src[q]);
           }
         }
         float4 *dst = (float4 *)&xs[m][phys(8 * c)];
@@ -285,14 +260,16 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK, BM >= 8 ? 1 : 2) gemm_kernel(Ge
 #pragma unroll
     for (int m = 0; m < BM; m++)
 #pragma unroll
-      for (int nn = 0; nn < NPW; nn++) acc[m][nn] = 0.0f;
+      for (int nn = 0; nn < NPW; nn++)
+        acc[m][nn] = 0.0f;
 
-    auto load_step = [&](int st, Raw (&r)[NPW]) {
+    auto load_step = [&](int st, Raw(&r)[NPW]) {
       const int j0 = (st * LG + lane) * CH;
 #pragma unroll
-      for (int nn = 0; nn < NPW; nn++) L::load(a.w, e, row[nn], j0, rvalid[nn] && j0 < K, r[nn]);
+      for (int nn = 0; nn < NPW; nn++)
+        L::load(a.w, e, row[nn], j0, rvalid[nn] && j0 < K, r[nn]);
     };
-    auto step = [&](int st, const Raw (&r)[NPW]) {
+    auto step = [&](int st, const Raw(&r)[NPW]) {
       if (st % U == 0) {
         __syncthreads(); /* everyone is done with the previous x tile (and slot_of is written) */
         stage(st / U * KT);
@@ -314,7 +291,8 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK, BM >= 8 ? 1 : 2) gemm_kernel(Ge
 #pragma unroll
             for (int q = 0; q < 8; q++)
 #pragma unroll
-              for (int nn = 0; nn < NPW; nn++) acc[m][nn] = fmaf(xv[q], w[nn][q], acc[m][nn]);
+              for (int nn = 0; nn < NPW; nn++)
+                acc[m][nn] = fmaf(xv[q], w[nn][q], acc[m][nn]);
           }
         }
       }
@@ -339,7 +317,8 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK, BM >= 8 ? 1 : 2) gemm_kernel(Ge
         for (int nn = 0; nn < NPW; nn++) {
           float v = acc[m][nn];
 #pragma unroll
-          for (int o = LG / 2; o > 0; o >>= 1) v += MOE_SHFL_XOR(v, o);
+          for (int o = LG / 2; o > 0; o >>= 1)
+            v += MOE_SHFL_XOR(v, o);
           acc[m][nn] = v;
         }
       }
@@ -391,10 +370,11 @@ constexpr int ALIGN_THREADS = 1024;
  * over chunks, then the placement cursor. Placement is chunk by chunk in
  * slot order, so each expert's rows are its slots in ascending order. */
 __global__ void __launch_bounds__(ALIGN_THREADS)
-    align_kernel(const int32_t *ids, int n, int el, int offset, int bm, int nc, int len, int *hist, int *start,
-                 int *tstart, int4 *tiles, int *ntiles, int *sorted) {
+    align_kernel(const int32_t *ids, int n, int el, int offset, int bm, int nc, int len, int *hist,
+                 int *start, int *tstart, int4 *tiles, int *ntiles, int *sorted) {
   const int tid = (int)threadIdx.x;
-  for (int i = tid; i < el * nc; i += ALIGN_THREADS) hist[i] = 0;
+  for (int i = tid; i < el * nc; i += ALIGN_THREADS)
+    hist[i] = 0;
   __syncthreads();
   const int s0 = tid * len, s1 = min(n, s0 + len);
   if (tid < nc)
@@ -457,7 +437,8 @@ __global__ void __launch_bounds__(ALIGN_THREADS)
     }
   for (int e = tid; e < el; e += ALIGN_THREADS) {
     const int cnt = start[e + 1] - start[e];
-    for (int t = 0; t * bm < cnt; t++) tiles[tstart[e] + t] = make_int4(e, start[e] + t * bm, min(bm, cnt - t * bm), 0);
+    for (int t = 0; t * bm < cnt; t++)
+      tiles[tstart[e] + t] = make_int4(e, start[e] + t * bm, min(bm, cnt - t * bm), 0);
   }
 }
 
@@ -467,11 +448,12 @@ __global__ void __launch_bounds__(ALIGN_THREADS)
  * elsewhere skipped; 8 columns per thread. */
 template <int ACT>
 __global__ void __launch_bounds__(MOE_GPU_BLOCK)
-    sum_kernel(const uint16_t *y, const int32_t *ids, int tokens, int k, int hidden, int offset, int el, int vec,
-               uint16_t *out) {
+    sum_kernel(const uint16_t *y, const int32_t *ids, int tokens, int k, int hidden, int offset, int el,
+               int vec, uint16_t *out) {
   const int per_row = (hidden + 7) / 8;
   const size_t total = (size_t)tokens * (size_t)per_row;
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+       i += (size_t)gridDim.x * blockDim.x) {
     const int t = (int)(i / (size_t)per_row), h0 = (int)(i % (size_t)per_row) * 8;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int kk = 0; kk < k; kk++) {
@@ -483,9 +465,11 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK)
         const uint4 u = *(const uint4 *)src;
         const uint32_t wd[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-        for (int q = 0; q < 8; q++) acc[q] += from16<ACT>((wd[q >> 1] >> (16 * (q & 1))) & 0xFFFFu);
+        for (int q = 0; q < 8; q++)
+          acc[q] += from16<ACT>((wd[q >> 1] >> (16 * (q & 1))) & 0xFFFFu);
       } else {
-        for (int q = 0; q < 8 && h0 + q < hidden; q++) acc[q] += from16<ACT>(src[q]);
+        for (int q = 0; q < 8 && h0 + q < hidden; q++)
+          acc[q] += from16<ACT>(src[q]);
       }
     }
     uint16_t *dst = out + (size_t)t * (size_t)hidden + (size_t)h0;
@@ -497,7 +481,8 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK)
       u.w = to16<ACT>(acc[6]) | (uint32_t)to16<ACT>(acc[7]) << 16;
       *(uint4 *)dst = u;
     } else {
-      for (int q = 0; q < 8 && h0 + q < hidden; q++) dst[q] = to16<ACT>(acc[q]);
+      for (int q = 0; q < 8 && h0 + q < hidden; q++)
+        dst[q] = to16<ACT>(acc[q]);
     }
   }
 }
@@ -549,8 +534,7 @@ struct Plan {
   }
 };
 
-template <int W, int ACT, int PHASE>
-void launch_gemm(int bm, dim3 grid, hipStream_t st, const GemmArgs &g) {
+template <int W, int ACT, int PHASE> void launch_gemm(int bm, dim3 grid, hipStream_t st, const GemmArgs &g) {
   switch (bm) {
   case 1: gemm_kernel<W, ACT, PHASE, 1><<<grid, MOE_GPU_BLOCK, 0, st>>>(g); break;
   case 4: gemm_kernel<W, ACT, PHASE, 4><<<grid, MOE_GPU_BLOCK, 0, st>>>(g); break;
@@ -558,7 +542,8 @@ void launch_gemm(int bm, dim3 grid, hipStream_t st, const GemmArgs &g) {
   }
 }
 
-template <int ACT> void launch_both(int w, int bm, dim3 g1, dim3 g2, hipStream_t st, const GemmArgs &a1, const GemmArgs &a2) {
+template <int ACT>
+void launch_both(int w, int bm, dim3 g1, dim3 g2, hipStream_t st, const GemmArgs &a1, const GemmArgs &a2) {
   switch (w) {
   case W_F16:
     launch_gemm<W_F16, ACT, 1>(bm, g1, st, a1);
@@ -586,8 +571,10 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   const moe_expert_config *cfg = &args->set->cfg;
   const int64_t tokens = args->tokens, k = args->top_k;
   if (tokens == 0) return MOE_OK;
-  const int64_t n64 = tokens * k, el = cfg->num_experts, hidden = cfg->hidden_size, inter = cfg->intermediate_size;
-  if (n64 > 0x7FFFFFFF / 2 || el > 0x7FFFFFFF / ALIGN_THREADS || hidden > 0x7FFFFFFF / 2 || inter > 0x7FFFFFFF / 4)
+  const int64_t n64 = tokens * k, el = cfg->num_experts, hidden = cfg->hidden_size,
+                inter = cfg->intermediate_size;
+  if (n64 > 0x7FFFFFFF / 2 || el > 0x7FFFFFFF / ALIGN_THREADS || hidden > 0x7FFFFFFF / 2 ||
+      inter > 0x7FFFFFFF / 4)
     return moe_fail(err, MOE_EUNSUPPORTED, "fused_moe on the GPU: sizes past 32-bit indexing");
   const int n = (int)n64;
 
@@ -602,9 +589,21 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
     if (s) return s;
   }
 
-  /* tile height: a launch choice only (results do not depend on it) */
+  /* The tensor-core path serves every shape and scheme it can (a property
+   * of the set and the device, never of the call); its tile height (and
+   * the portable path's) is a launch choice from the batch only: results
+   * do not depend on it. MOE_GPU_FUSED_TILE=small|medium|large forces one
+   * tensor-core configuration (tests compare them bit for bit). */
+  const bool tc = moe_tc_eligible(b, cfg);
   const int64_t avg = n64 / (el < n64 ? el : n64);
-  const int bm = avg < 2 ? 1 : avg < 6 ? 4 : 8;
+  int tc_config = avg <= 8 ? TC_SMALL : avg <= 48 ? TC_MEDIUM : TC_LARGE;
+  if (const char *force = getenv("MOE_GPU_FUSED_TILE")) {
+    tc_config = !strcmp(force, "small")    ? TC_SMALL
+                : !strcmp(force, "medium") ? TC_MEDIUM
+                : !strcmp(force, "large")  ? TC_LARGE
+                                           : tc_config;
+  }
+  const int bm = tc ? moe_tc_rows(tc_config) : avg < 2 ? 1 : avg < 6 ? 4 : 8;
   const int64_t max_tiles = (n64 + bm - 1) / bm + (el < n64 ? el : n64);
   const int nc = (int)(n64 / 16 < 1 ? 1 : n64 / 16 > ALIGN_THREADS ? ALIGN_THREADS : n64 / 16);
   const int len = (n + nc - 1) / nc;
@@ -623,9 +622,10 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   const int32_t *ids;
   const float *tw;
   if (args->route) {
-    const float *bias = (const float *)(c->owned_set ? c->in[MOE_FUSED_IN_BIAS].tensor.data : dev[MOE_CORRECTION_BIAS]);
-    moe_status s = moe_gpu_route(b, &c->in[MOE_FUSED_IN_LOGITS].tensor, bias, &args->routing, (int32_t *)(ws + o_ids),
-                                 (float *)(ws + o_w), err);
+    const float *bias =
+        (const float *)(c->owned_set ? c->in[MOE_FUSED_IN_BIAS].tensor.data : dev[MOE_CORRECTION_BIAS]);
+    moe_status s = moe_gpu_route(b, &c->in[MOE_FUSED_IN_LOGITS].tensor, bias, &args->routing,
+                                 (int32_t *)(ws + o_ids), (float *)(ws + o_w), err);
     if (s) return s;
     ids = (const int32_t *)(ws + o_ids);
     tw = (const float *)(ws + o_w);
@@ -636,46 +636,87 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
 
   int *ntiles = (int *)(ws + o_ntiles), *sorted = (int *)(ws + o_sorted);
   const int4 *tiles = (const int4 *)(ws + o_tiles);
-  align_kernel<<<1, ALIGN_THREADS, 0, st>>>(ids, n, (int)el, (int)cfg->expert_offset, bm, nc, len, (int *)(ws + o_hist),
-                                            (int *)(ws + o_start), (int *)(ws + o_tstart), (int4 *)(ws + o_tiles),
-                                            ntiles, sorted);
+  align_kernel<<<1, ALIGN_THREADS, 0, st>>>(ids, n, (int)el, (int)cfg->expert_offset, bm, nc, len,
+                                            (int *)(ws + o_hist), (int *)(ws + o_start),
+                                            (int *)(ws + o_tstart), (int4 *)(ws + o_tiles), ntiles, sorted);
   moe_status s = moe_gpu_check(hipGetLastError(), "fused_moe align", err);
   if (s) return s;
 
   const void *x = c->in[MOE_FUSED_IN_HIDDEN].tensor.data;
   uint16_t *a_buf = (uint16_t *)(ws + o_a), *y_buf = (uint16_t *)(ws + o_y);
-  GemmArgs g1;
-  memset(&g1, 0, sizeof g1);
-  g1.inter = (int)inter;
-  g1.hidden = (int)hidden;
-  g1.top_k = (int)k;
-  g1.activation = (int)cfg->activation;
-  g1.interleaved = cfg->activation == MOE_ACT_SWIGLU_OAI;
-  g1.sorted = sorted;
-  g1.ntiles = ntiles;
-  g1.tiles = tiles;
-  g1.tw = tw;
-  GemmArgs g2 = g1;
-  g1.w = wmat(cfg, true, dev, args->set);
-  g1.x = x;
-  g1.x_vec = aligned16(x) && hidden % 8 == 0;
-  g1.out = a_buf;
-  g2.w = wmat(cfg, false, dev, args->set);
-  g2.x = a_buf;
-  g2.x_vec = inter % 8 == 0;
-  g2.out = y_buf;
-  const unsigned gy = (unsigned)(max_tiles < 65535 ? max_tiles : 65535);
-  const dim3 grid1((unsigned)((inter + 2 * GROUPS - 1) / (2 * GROUPS)), gy);
-  const dim3 grid2((unsigned)((hidden + GROUPS * NPW - 1) / (GROUPS * NPW)), gy);
-  const int w = cfg->scheme == MOE_SCHEME_BF16 ? W_BF16
-                : cfg->scheme == MOE_SCHEME_FP16 ? W_F16
-                : cfg->bits == 4                 ? W_INT4
-                                                 : W_INT8;
-  if (args->act == MOE_BF16)
-    launch_both<A_BF16>(w, bm, grid1, grid2, st, g1, g2);
-  else
-    launch_both<A_F16>(w, bm, grid1, grid2, st, g1, g2);
-  if ((s = moe_gpu_check(hipGetLastError(), "fused_moe gemm", err))) return s;
+  const int act = args->act == MOE_BF16 ? A_BF16 : A_F16;
+  if (tc) {
+    if (c->owned_set && (s = moe_gpu_inline_packed(b, args->set, dev, err))) return s;
+    const bool wna16 = cfg->scheme == MOE_SCHEME_WNA16;
+    TcArgs t1;
+    memset(&t1, 0, sizeof t1);
+    t1.inter = (int)inter;
+    t1.hidden = (int)hidden;
+    t1.top_k = (int)k;
+    t1.activation = (int)cfg->activation;
+    t1.sorted = sorted;
+    t1.ntiles = ntiles;
+    t1.tiles = tiles;
+    t1.tw = tw;
+    TcArgs t2 = t1;
+    for (int m = 0; m < 2; m++) {
+      TcArgs &t = m == 0 ? t1 : t2;
+      const int ws_ = wna16 ? (m == 0 ? MOE_W13_QWEIGHT : MOE_W2_QWEIGHT) : (m == 0 ? MOE_W13 : MOE_W2);
+      const int ss = m == 0 ? MOE_W13_SCALES : MOE_W2_SCALES, zs = m == 0 ? MOE_W13_QZEROS : MOE_W2_QZEROS;
+      t.n = (int)(m == 0 ? 2 * inter : hidden);
+      t.k = (int)(m == 0 ? hidden : inter);
+      t.w = (const uint8_t *)dev[ws_];
+      t.group = cfg->group_size == -1 || !wna16 ? t.k : (int)cfg->group_size;
+      t.groups = t.k / t.group;
+      if (wna16) {
+        t.scale = (const float *)dev[ss];
+        t.zero = cfg->has_zero_points ? (const uint8_t *)dev[zs] : NULL;
+        t.scale16 = args->set->t[ss].dtype == args->act;
+      }
+      t.phase = m + 1;
+    }
+    t1.x = x;
+    t1.x_vec = aligned16(x);
+    t1.out = a_buf;
+    t2.x = a_buf;
+    t2.x_vec = 1;
+    t2.out = y_buf;
+    if ((s = moe_tc_gemm(b, cfg, act, tc_config, (int)max_tiles, t1, err))) return s;
+    if ((s = moe_tc_gemm(b, cfg, act, tc_config, (int)max_tiles, t2, err))) return s;
+  } else {
+    GemmArgs g1;
+    memset(&g1, 0, sizeof g1);
+    g1.inter = (int)inter;
+    g1.hidden = (int)hidden;
+    g1.top_k = (int)k;
+    g1.activation = (int)cfg->activation;
+    g1.interleaved = cfg->activation == MOE_ACT_SWIGLU_OAI;
+    g1.sorted = sorted;
+    g1.ntiles = ntiles;
+    g1.tiles = tiles;
+    g1.tw = tw;
+    GemmArgs g2 = g1;
+    g1.w = wmat(cfg, true, dev, args->set);
+    g1.x = x;
+    g1.x_vec = aligned16(x) && hidden % 8 == 0;
+    g1.out = a_buf;
+    g2.w = wmat(cfg, false, dev, args->set);
+    g2.x = a_buf;
+    g2.x_vec = inter % 8 == 0;
+    g2.out = y_buf;
+    const unsigned gy = (unsigned)(max_tiles < 65535 ? max_tiles : 65535);
+    const dim3 grid1((unsigned)((inter + 2 * GROUPS - 1) / (2 * GROUPS)), gy);
+    const dim3 grid2((unsigned)((hidden + GROUPS * NPW - 1) / (GROUPS * NPW)), gy);
+    const int w = cfg->scheme == MOE_SCHEME_BF16   ? W_BF16
+                  : cfg->scheme == MOE_SCHEME_FP16 ? W_F16
+                  : cfg->bits == 4                 ? W_INT4
+                                                   : W_INT8;
+    if (act == A_BF16)
+      launch_both<A_BF16>(w, bm, grid1, grid2, st, g1, g2);
+    else
+      launch_both<A_F16>(w, bm, grid1, grid2, st, g1, g2);
+    if ((s = moe_gpu_check(hipGetLastError(), "fused_moe gemm", err))) return s;
+  }
 
   void *out = c->out[0].tensor.data;
   const int vec = aligned16(out) && hidden % 8 == 0;
@@ -683,10 +724,10 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   size_t blocks = (items + MOE_GPU_BLOCK - 1) / MOE_GPU_BLOCK, cap = (size_t)moe_gpu_sm_count(b) * 16;
   if (blocks > cap) blocks = cap;
   if (args->act == MOE_BF16)
-    sum_kernel<A_BF16><<<(unsigned)blocks, MOE_GPU_BLOCK, 0, st>>>(y_buf, ids, (int)tokens, (int)k, (int)hidden,
-                                                                   (int)cfg->expert_offset, (int)el, vec, (uint16_t *)out);
+    sum_kernel<A_BF16><<<(unsigned)blocks, MOE_GPU_BLOCK, 0, st>>>(
+        y_buf, ids, (int)tokens, (int)k, (int)hidden, (int)cfg->expert_offset, (int)el, vec, (uint16_t *)out);
   else
-    sum_kernel<A_F16><<<(unsigned)blocks, MOE_GPU_BLOCK, 0, st>>>(y_buf, ids, (int)tokens, (int)k, (int)hidden,
-                                                                  (int)cfg->expert_offset, (int)el, vec, (uint16_t *)out);
+    sum_kernel<A_F16><<<(unsigned)blocks, MOE_GPU_BLOCK, 0, st>>>(
+        y_buf, ids, (int)tokens, (int)k, (int)hidden, (int)cfg->expert_offset, (int)el, vec, (uint16_t *)out);
   return moe_gpu_check(hipGetLastError(), "fused_moe sum", err);
 }

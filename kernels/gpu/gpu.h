@@ -3,6 +3,7 @@
 #ifndef MOE_GPU_GPU_H
 #define MOE_GPU_GPU_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "hip_compat.h"
@@ -40,6 +41,27 @@ moe_status moe_gpu_set_weights(moe_backend *b, const moe_expert_set *set, void *
 /* Drops (and frees, stream-ordered) the device copies of `set`; a no-op when
  * none are cached. Safe to call for any set, on any GPU backend. */
 void moe_backend_gpu_forget_set(moe_backend *b, const moe_expert_set *set);
+
+/* fused_moe's tensor-core path (kernels/gpu/fused_moe_tc.hip) reads its
+ * weights in a packed layout. moe_gpu_fused_packs: whether sets of this
+ * configuration take that path on b (shape, scheme and device only).
+ * moe_gpu_fused_pack: allocates dst[slot] (b's memory) for every slot that
+ * has a packed form and packs src (device tensors of `set`, the files'
+ * layout) into it on b's stream; NULL elsewhere; nothing allocated on
+ * failure. moe_gpu_set_weights packs a loaded set once (and frees the
+ * originals); moe_gpu_inline_packed keeps packed copies of inline weights. */
+bool moe_gpu_fused_packs(moe_backend *b, const moe_expert_config *cfg);
+moe_status moe_gpu_fused_pack(moe_backend *b, const moe_expert_set *set,
+                              void *const src[MOE_EXPERT_TENSOR_COUNT], void *dst[MOE_EXPERT_TENSOR_COUNT],
+                              moe_error *err);
+/* Packed copies of an inline-weight set's tensors dev (device pointers, the
+ * call's inputs), replaced in dev: made on the first call and reused while
+ * the same device buffers come back; an entry is dropped when one of its
+ * source buffers is freed or written through this backend (free, copy_in),
+ * and the least recently used go past MOE_GPU_PACKED_INLINE entries. */
+#define MOE_GPU_PACKED_INLINE 4
+moe_status moe_gpu_inline_packed(moe_backend *b, const moe_expert_set *set,
+                                 void *dev[MOE_EXPERT_TENSOR_COUNT], moe_error *err);
 
 /* moe.topk routing of rows [0, T) of `logits` (device) into ids/weights
  * (device, [T, r->top_k]); bias: device F32 [E] or NULL. Queued on b's

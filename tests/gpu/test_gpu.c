@@ -52,9 +52,15 @@ static moe_tensor tensor2(moe_dtype dt, int64_t r, int64_t c, void *data) {
   return t;
 }
 
-static moe_param pstr(const char *name, const char *v) { return (moe_param){.name = name, .type = MOE_PARAM_STRING, .s = v}; }
-static moe_param pbool(const char *name, bool v) { return (moe_param){.name = name, .type = MOE_PARAM_BOOL, .b = v}; }
-static moe_param pdbl(const char *name, double v) { return (moe_param){.name = name, .type = MOE_PARAM_DOUBLE, .d = v}; }
+static moe_param pstr(const char *name, const char *v) {
+  return (moe_param){.name = name, .type = MOE_PARAM_STRING, .s = v};
+}
+static moe_param pbool(const char *name, bool v) {
+  return (moe_param){.name = name, .type = MOE_PARAM_BOOL, .b = v};
+}
+static moe_param pdbl(const char *name, double v) {
+  return (moe_param){.name = name, .type = MOE_PARAM_DOUBLE, .d = v};
+}
 
 /* Runs a prepared call on the GPU: inputs copied to device buffers that
  * start `misalign` bytes past a pool block, outputs poisoned with `poison`
@@ -109,9 +115,9 @@ static uint8_t next_poison(void) {
 /* Prepares `op` (expert set `set` or none) and runs it on the CPU into
  * ref[i] and on the GPU into got[i] (both malloc'ed, output i's nbytes in
  * nbytes[i]). Returns the number of outputs. */
-static size_t run_both(const char *op, const moe_named_tensor *in, size_t nin, const moe_param *params, size_t np,
-                       const moe_expert_set *set, size_t misalign, const char *label, void **ref, void **got,
-                       size_t *nbytes) {
+static size_t run_both(const char *op, const moe_named_tensor *in, size_t nin, const moe_param *params,
+                       size_t np, const moe_expert_set *set, size_t misalign, const char *label, void **ref,
+                       void **got, size_t *nbytes) {
   moe_params P = {params, np};
   moe_call *c = NULL;
   moe_error err = {{0}};
@@ -137,8 +143,8 @@ static size_t run_both(const char *op, const moe_named_tensor *in, size_t nin, c
 
 /* Runs `op` on the CPU and the GPU backend with the same host inputs and
  * compares every output byte. */
-static void check_op(const char *op, const moe_named_tensor *in, size_t nin, const moe_param *params, size_t np,
-                     size_t misalign, const char *label) {
+static void check_op(const char *op, const moe_named_tensor *in, size_t nin, const moe_param *params,
+                     size_t np, size_t misalign, const char *label) {
   void *ref[8] = {0}, *got[8] = {0};
   size_t nbytes[8] = {0};
   size_t no = run_both(op, in, nin, params, np, NULL, misalign, label, ref, got, nbytes);
@@ -146,11 +152,13 @@ static void check_op(const char *op, const moe_named_tensor *in, size_t nin, con
     size_t n = nbytes[i];
     if (memcmp(ref[i], got[i], n) != 0) {
       size_t k = 0;
-      while (((uint8_t *)ref[i])[k] == ((uint8_t *)got[i])[k]) k++;
+      while (((uint8_t *)ref[i])[k] == ((uint8_t *)got[i])[k])
+        k++;
       size_t nbad = 0;
-      for (size_t m = k; m < n; m++) nbad += ((uint8_t *)ref[i])[m] != ((uint8_t *)got[i])[m];
-      ck_abort_msg("%s: output %zu differs at byte %zu of %zu (cpu 0x%02x, gpu 0x%02x; %zu bytes differ)", label, i,
-                   k, n, ((uint8_t *)ref[i])[k], ((uint8_t *)got[i])[k], nbad);
+      for (size_t m = k; m < n; m++)
+        nbad += ((uint8_t *)ref[i])[m] != ((uint8_t *)got[i])[m];
+      ck_abort_msg("%s: output %zu differs at byte %zu of %zu (cpu 0x%02x, gpu 0x%02x; %zu bytes differ)",
+                   label, i, k, n, ((uint8_t *)ref[i])[k], ((uint8_t *)got[i])[k], nbad);
     }
     bytes_compared += n;
     free(ref[i]);
@@ -161,7 +169,8 @@ static void check_op(const char *op, const moe_named_tensor *in, size_t nin, con
 /* Every 16-bit pattern, in order. */
 static uint16_t *all_patterns(void) {
   uint16_t *p = malloc(65536 * sizeof *p);
-  for (uint32_t i = 0; i < 65536; i++) p[i] = (uint16_t)i;
+  for (uint32_t i = 0; i < 65536; i++)
+    p[i] = (uint16_t)i;
   return p;
 }
 
@@ -174,19 +183,24 @@ static void shuffle16(uint16_t *p, size_t n) {
   }
 }
 
-static float widen(moe_dtype dt, uint16_t h) { return dt == MOE_BF16 ? moe_bf16_to_f32(h) : moe_f16_to_f32(h); }
+static float widen(moe_dtype dt, uint16_t h) {
+  return dt == MOE_BF16 ? moe_bf16_to_f32(h) : moe_f16_to_f32(h);
+}
 
 /* >= 300 finite positive scales: every 3rd power of two over the whole fp32
  * range (subnormals included), the format maxima and their reciprocals,
  * FLT_MIN/MAX neighbours, and log-uniform random values. */
 static size_t make_scales(float *s, size_t cap) {
   size_t n = 0;
-  for (int e = -149; e <= 127 && n < cap; e += 3) s[n++] = moe_pow2f(e);
-  const float special[] = {1.0f, 448.0f, 240.0f, 127.0f, 57344.0f, 6.0f, 1.0f / 448.0f, 1.0f / 240.0f,
-                           1.0f / 127.0f, 1.0f / 6.0f, 0.1f, 0.3f, 3.0f, 1e-3f, 1e3f, 1.1754942e-38f,
-                           1.1754944e-38f, 1.4e-45f, 2.8e-45f, 3.4028235e38f, 3.0e38f, 65504.0f, 1.0f / 65504.0f,
-                           0.999999940f, 1.00000012f};
-  for (size_t i = 0; i < sizeof special / sizeof special[0] && n < cap; i++) s[n++] = special[i];
+  for (int e = -149; e <= 127 && n < cap; e += 3)
+    s[n++] = moe_pow2f(e);
+  const float special[] = {
+      1.0f,          448.0f,          240.0f,         127.0f,     57344.0f, 6.0f,          1.0f / 448.0f,
+      1.0f / 240.0f, 1.0f / 127.0f,   1.0f / 6.0f,    0.1f,       0.3f,     3.0f,          1e-3f,
+      1e3f,          1.1754942e-38f,  1.1754944e-38f, 1.4e-45f,   2.8e-45f, 3.4028235e38f, 3.0e38f,
+      65504.0f,      1.0f / 65504.0f, 0.999999940f,   1.00000012f};
+  for (size_t i = 0; i < sizeof special / sizeof special[0] && n < cap; i++)
+    s[n++] = special[i];
   while (n < cap) {
     uint32_t bits = (uint32_t)(rng() % 0x7F7FFFFFu) + 1u; /* finite, > 0 */
     s[n++] = moe_f32_from_bits(bits);
@@ -209,13 +223,14 @@ START_TEST(per_tensor_static_exhaustive) {
   for (int d = 0; d < 2; d++) {
     for (size_t si = 0; si < nscales_used(); si++) {
       float s = scales[si];
-      moe_named_tensor in[2] = {{"x", tensor2(half_types[d], 256, 256, x)}, {"scale", tensor2(MOE_F32, 1, 1, &s)}};
+      moe_named_tensor in[2] = {{"x", tensor2(half_types[d], 256, 256, x)},
+                                {"scale", tensor2(MOE_F32, 1, 1, &s)}};
       in[1].tensor.ndim = 1;
       for (int o = 0; o < 3; o++)
         for (int ex = 0; ex < 2; ex++) {
           moe_param p[2] = {pstr("out_dtype", scaled_out[o]), pbool("exact_division", ex)};
-          snprintf(label, sizeof label, "per_tensor static %s s=%a %s exact=%d", moe_dtype_name(half_types[d]),
-                   (double)s, scaled_out[o], ex);
+          snprintf(label, sizeof label, "per_tensor static %s s=%a %s exact=%d",
+                   moe_dtype_name(half_types[d]), (double)s, scaled_out[o], ex);
           check_op("quant.per_tensor", in, 2, p, 2, 0, label);
         }
     }
@@ -258,7 +273,8 @@ START_TEST(per_tensor_dynamic) {
   }
   /* all zeros (s = 1), all NaN/inf (no finite element: s = 1), odd lengths */
   memset(y, 0, 65536 * 2);
-  for (int i = 0; i < 100; i++) y[i] = (uint16_t)(i & 1 ? 0x7FC0 : 0xFF80);
+  for (int i = 0; i < 100; i++)
+    y[i] = (uint16_t)(i & 1 ? 0x7FC0 : 0xFF80);
   size_t lens[] = {1, 7, 100, 4097, 65536};
   for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++)
     for (int o = 0; o < 3; o++) {
@@ -286,11 +302,12 @@ START_TEST(per_tensor_random_f32) {
       for (int ex = 0; ex < 2; ex++)
         for (int st = 0; st < 2; st++) {
           float s = scales[(size_t)(round * 7 + o) % nscales_used()];
-          moe_named_tensor in[2] = {{"x", tensor2(MOE_F32, 1, (int64_t)n, x)}, {"scale", tensor2(MOE_F32, 1, 1, &s)}};
+          moe_named_tensor in[2] = {{"x", tensor2(MOE_F32, 1, (int64_t)n, x)},
+                                    {"scale", tensor2(MOE_F32, 1, 1, &s)}};
           in[1].tensor.ndim = 1;
           moe_param p[2] = {pstr("out_dtype", scaled_out[o]), pbool("exact_division", ex)};
-          snprintf(label, sizeof label, "per_tensor f32 random round %d %s exact=%d static=%d", round, scaled_out[o],
-                   ex, st);
+          snprintf(label, sizeof label, "per_tensor f32 random round %d %s exact=%d static=%d", round,
+                   scaled_out[o], ex, st);
           check_op("quant.per_tensor", in, st ? 2 : 1, p, 2, round == 1 ? 4 : 0, label);
         }
   }
@@ -315,8 +332,8 @@ START_TEST(per_token_exhaustive) {
             moe_named_tensor in[1] = {{"x", tensor2(half_types[d], shapes[si][0], shapes[si][1], y)}};
             moe_param p[2] = {pstr("out_dtype", scaled_out[o]), pdbl("scale_ub", ubs[u])};
             snprintf(label, sizeof label, "per_token %s [%lld,%lld] shuffled=%d ub=%g %s",
-                     moe_dtype_name(half_types[d]), (long long)shapes[si][0], (long long)shapes[si][1], shuf, ubs[u],
-                     scaled_out[o]);
+                     moe_dtype_name(half_types[d]), (long long)shapes[si][0], (long long)shapes[si][1], shuf,
+                     ubs[u], scaled_out[o]);
             check_op("quant.per_token", in, 1, p, u ? 2 : 1, (si == 1 && shuf) ? 4 : 0, label);
           }
       }
@@ -324,7 +341,8 @@ START_TEST(per_token_exhaustive) {
   size_t rows = nscales_used(), k = 7168;
   float *xf = malloc(rows * k * 4);
   for (size_t r = 0; r < rows; r++)
-    for (size_t j = 0; j < k; j++) xf[r * k + j] = widen(MOE_BF16, x[(r * k + j * 9) & 0xFFFF]) * scales[r];
+    for (size_t j = 0; j < k; j++)
+      xf[r * k + j] = widen(MOE_BF16, x[(r * k + j * 9) & 0xFFFF]) * scales[r];
   for (int o = 0; o < 3; o++) {
     moe_named_tensor in[1] = {{"x", tensor2(MOE_F32, (int64_t)rows, (int64_t)k, xf)}};
     moe_param p[1] = {pstr("out_dtype", scaled_out[o])};
@@ -349,7 +367,8 @@ static void mx_all_variants(const moe_named_tensor *in, size_t misalign, const c
       for (int h = 0; h < (f == 0 ? 2 : 1); h++) {
         moe_param p[3] = {pstr("format", mx_formats[f]), pstr("scale_rule", mx_rules[r]),
                           pstr("element_rounding", h ? "half_up" : "rne")};
-        snprintf(label, sizeof label, "quant.mx %s %s %s %s", what, mx_formats[f], mx_rules[r], h ? "half_up" : "rne");
+        snprintf(label, sizeof label, "quant.mx %s %s %s %s", what, mx_formats[f], mx_rules[r],
+                 h ? "half_up" : "rne");
         check_op("quant.mx", in, 1, p, 3, misalign, label);
       }
 }
@@ -372,7 +391,8 @@ START_TEST(mx_exhaustive) {
     for (size_t si = 0; si < nscales_used(); si++) {
       memcpy(y, x, 65536 * 2);
       if (si & 1) shuffle16(y, 65536);
-      for (size_t i = 0; i < 65536; i++) xf[i] = widen(half_types[d], y[i]) * scales[si];
+      for (size_t i = 0; i < 65536; i++)
+        xf[i] = widen(half_types[d], y[i]) * scales[si];
       moe_named_tensor in[1] = {{"x", tensor2(MOE_F32, 2048, 32, xf)}};
       snprintf(what, sizeof what, "%s patterns x %a", moe_dtype_name(half_types[d]), (double)scales[si]);
       mx_all_variants(in, 0, what);
@@ -390,7 +410,8 @@ static const char *const float_out[] = {"fp32", "fp16", "bf16"};
 
 START_TEST(dequant_per_tensor_exhaustive) {
   uint8_t *q = malloc(4096 + 3);
-  for (size_t i = 0; i < 4096 + 3; i++) q[i] = (uint8_t)(i * 7 + (i >> 8));
+  for (size_t i = 0; i < 4096 + 3; i++)
+    q[i] = (uint8_t)(i * 7 + (i >> 8));
   char label[160];
   for (size_t si = 0; si < nscales_used(); si++)
     for (int t = 0; t < 3; t++)
@@ -401,8 +422,8 @@ START_TEST(dequant_per_tensor_exhaustive) {
                                   {"scale", tensor2(MOE_F32, 1, 1, &s)}};
         in[1].tensor.ndim = 1;
         moe_param p[2] = {pstr("in_dtype", scaled_out[t]), pstr("out_dtype", float_out[o])};
-        snprintf(label, sizeof label, "dequant.per_tensor %s -> %s s=%a n=%zu", scaled_out[t], float_out[o], (double)s,
-                 n);
+        snprintf(label, sizeof label, "dequant.per_tensor %s -> %s s=%a n=%zu", scaled_out[t], float_out[o],
+                 (double)s, n);
         check_op("dequant.per_tensor", in, 2, p, 2, (si % 5 == 1) ? 4 : 0, label);
       }
   free(q);
@@ -413,12 +434,14 @@ START_TEST(dequant_mx_exhaustive) {
   /* every code with every scale byte: fp8 block i has scale i / 8 and codes
    * 32 (i % 8) ..; fp4 block i has scale i / 16 and bytes 16 (i % 16) .. */
   uint8_t *q = malloc(65536), *sc = malloc(4096);
-  for (size_t i = 0; i < 65536; i++) q[i] = (uint8_t)i;
+  for (size_t i = 0; i < 65536; i++)
+    q[i] = (uint8_t)i;
   char label[160];
   for (int f = 0; f < 3; f++) {
     bool fp4 = f == 0;
     int64_t blocks = fp4 ? 4096 : 2048;
-    for (int64_t b = 0; b < blocks; b++) sc[b] = (uint8_t)(fp4 ? b / 16 : b / 8);
+    for (int64_t b = 0; b < blocks; b++)
+      sc[b] = (uint8_t)(fp4 ? b / 16 : b / 8);
     for (int o = 0; o < 3; o++)
       for (int mis = 0; mis < 2; mis++) {
         moe_named_tensor in[2] = {{"q", tensor2(MOE_UINT8, blocks, fp4 ? 16 : 32, q)},
@@ -436,7 +459,9 @@ END_TEST
 /* ---- moe.topk ---------------------------------------------------------------------- */
 
 static float urand(float lo, float hi) { return lo + (hi - lo) * (float)(rng() >> 40) / (float)(1ull << 24); }
-static moe_param pint(const char *name, int64_t v) { return (moe_param){.name = name, .type = MOE_PARAM_INT, .i = v}; }
+static moe_param pint(const char *name, int64_t v) {
+  return (moe_param){.name = name, .type = MOE_PARAM_INT, .i = v};
+}
 
 /* ids must be identical; weights within 1e-6 relative (the two backends'
  * exp may differ in the last bit: kernels/gpu/topk.hip). */
@@ -460,14 +485,14 @@ typedef struct topk_case {
 
 START_TEST(topk_vs_cpu) {
   static const topk_case cases[] = {
-      {8, 2, "softmax", true, false, 0, 0, 1.0},     /* Mixtral */
-      {128, 8, "softmax", true, false, 0, 0, 1.0},   /* Qwen3 */
+      {8, 2, "softmax", true, false, 0, 0, 1.0},   /* Mixtral */
+      {128, 8, "softmax", true, false, 0, 0, 1.0}, /* Qwen3 */
       {64, 6, "softmax", false, false, 0, 0, 1.0},
       {256, 8, "sigmoid", true, true, 8, 4, 2.5},    /* DeepSeek-V3 */
       {160, 6, "softmax", false, false, 8, 3, 16.0}, /* DeepSeek-V2: grouped, no bias */
       {60, 4, "sigmoid", false, true, 0, 0, 1.0},
-      {16, 16, "softmax", true, false, 0, 0, 1.0},   /* k = E */
-      {4, 1, "sigmoid", false, false, 4, 1, 1.0},    /* groups of one expert */
+      {16, 16, "softmax", true, false, 0, 0, 1.0}, /* k = E */
+      {4, 1, "sigmoid", false, false, 4, 1, 1.0},  /* groups of one expert */
   };
   static const moe_dtype logit_types[] = {MOE_F32, MOE_BF16, MOE_F16};
   char label[200];
@@ -488,13 +513,17 @@ START_TEST(topk_vs_cpu) {
         else
           ((uint16_t *)lg)[i] = logit_types[d] == MOE_BF16 ? moe_f32_to_bf16(v) : moe_f32_to_f16(v);
       }
-      for (int64_t e = 0; e < E; e++) bias[e] = urand(-0.1f, 0.1f);
+      for (int64_t e = 0; e < E; e++)
+        bias[e] = urand(-0.1f, 0.1f);
       moe_named_tensor in[2] = {{"router_logits", tensor2(logit_types[d], T, E, lg)},
                                 {"correction_bias", tensor2(MOE_F32, 1, E, bias)}};
       in[1].tensor.ndim = 1;
       in[1].tensor.shape[0] = E;
-      moe_param p[6] = {pint("top_k", tc->k), pstr("scoring", tc->scoring), pbool("renormalize", tc->renorm),
-                        pint("num_expert_group", tc->groups), pint("topk_group", tc->topk_group),
+      moe_param p[6] = {pint("top_k", tc->k),
+                        pstr("scoring", tc->scoring),
+                        pbool("renormalize", tc->renorm),
+                        pint("num_expert_group", tc->groups),
+                        pint("topk_group", tc->topk_group),
                         pdbl("routed_scaling_factor", tc->scale)};
       snprintf(label, sizeof label, "moe.topk E=%lld k=%lld %s renorm=%d bias=%d groups=%lld/%lld logits %s",
                (long long)E, (long long)tc->k, tc->scoring, tc->renorm, tc->bias, (long long)tc->groups,
@@ -564,11 +593,13 @@ static void store16(void *p, moe_dtype t, size_t i, float v) {
     ((uint16_t *)p)[i] = t == MOE_F16 ? moe_f32_to_f16(v) : moe_f32_to_bf16(v);
 }
 
-static void fm_add(fm_model *m, moe_expert_tensor slot, moe_dtype dt, int64_t d0, int64_t d1, int64_t d2, size_t elem) {
+static void fm_add(fm_model *m, moe_expert_tensor slot, moe_dtype dt, int64_t d0, int64_t d1, int64_t d2,
+                   size_t elem) {
   size_t n = (size_t)(d0 * d1 * d2);
   m->buf[slot] = malloc(n * elem);
   ck_assert_ptr_nonnull(m->buf[slot]);
-  m->t[m->nt++] = (moe_named_tensor){moe_expert_tensor_names[slot], {dt, 3, {d0, d1, d2}, m->buf[slot], n * elem}};
+  m->t[m->nt++] =
+      (moe_named_tensor){moe_expert_tensor_names[slot], {dt, 3, {d0, d1, d2}, m->buf[slot], n * elem}};
 }
 
 /* Weights ~ U(-1, 1) * 2 / sqrt(K) (outputs of order one); wna16 codes
@@ -581,8 +612,10 @@ static void fm_make(fm_model *m, const fm_case *c, moe_activation act) {
   if (c->scheme != MOE_SCHEME_WNA16) {
     fm_add(m, MOE_W13, c->act, e, i2, h, 2);
     fm_add(m, MOE_W2, c->act, e, h, in, 2);
-    for (size_t j = 0; j < (size_t)(e * i2 * h); j++) store16(m->buf[MOE_W13], c->act, j, urand(-2, 2) / sqrtf((float)h));
-    for (size_t j = 0; j < (size_t)(e * h * in); j++) store16(m->buf[MOE_W2], c->act, j, urand(-2, 2) / sqrtf((float)in));
+    for (size_t j = 0; j < (size_t)(e * i2 * h); j++)
+      store16(m->buf[MOE_W13], c->act, j, urand(-2, 2) / sqrtf((float)h));
+    for (size_t j = 0; j < (size_t)(e * h * in); j++)
+      store16(m->buf[MOE_W2], c->act, j, urand(-2, 2) / sqrtf((float)in));
     return;
   }
   const int div = c->bits == 4 ? 2 : 1;
@@ -605,15 +638,18 @@ static void fm_make(fm_model *m, const fm_case *c, moe_activation act) {
         store16(t->data, c->scale_t, j, urand(1.0f, 3.0f) / sqrtf(k) / (c->bits == 4 ? 8.0f : 128.0f));
     } else if (strstr(m->t[i].name, "_qzeros")) {
       for (size_t j = 0; j < n; j++)
-        ((uint8_t *)t->data)[j] = c->bits == 4 ? (uint8_t)(0x77 + (rng() % 3) * 0x11) : (uint8_t)(126 + rng() % 5);
+        ((uint8_t *)t->data)[j] =
+            c->bits == 4 ? (uint8_t)(0x77 + (rng() % 3) * 0x11) : (uint8_t)(126 + rng() % 5);
     } else {
-      for (size_t j = 0; j < n; j++) ((uint8_t *)t->data)[j] = (uint8_t)rng();
+      for (size_t j = 0; j < n; j++)
+        ((uint8_t *)t->data)[j] = (uint8_t)rng();
     }
   }
 }
 
 static void fm_free(fm_model *m) {
-  for (int s = 0; s < MOE_EXPERT_TENSOR_COUNT; s++) free(m->buf[s]);
+  for (int s = 0; s < MOE_EXPERT_TENSOR_COUNT; s++)
+    free(m->buf[s]);
 }
 
 /* Token inputs: x [T, H] in the act dtype, distinct random ids (global, in
@@ -630,7 +666,8 @@ static void fm_tokens_make(fm_tokens *tk, const fm_case *c, int64_t T, int64_t E
   tk->x = malloc((size_t)(T * c->hidden) * 2 + 2);
   tk->ids = malloc((size_t)(T * FM_TOPK) * 4 + 4);
   tk->w = malloc((size_t)(T * FM_TOPK) * 4 + 4);
-  for (int64_t i = 0; i < T * c->hidden; i++) store16(tk->x, c->act, (size_t)i, urand(-1, 1));
+  for (int64_t i = 0; i < T * c->hidden; i++)
+    store16(tk->x, c->act, (size_t)i, urand(-1, 1));
   for (int64_t t = 0; t < T; t++)
     for (int k = 0; k < FM_TOPK; k++) {
       int32_t id;
@@ -638,7 +675,8 @@ static void fm_tokens_make(fm_tokens *tk, const fm_case *c, int64_t T, int64_t E
       do {
         id = (int32_t)(rng() % (uint64_t)E);
         dup = false;
-        for (int j = 0; j < k; j++) dup |= tk->ids[t * FM_TOPK + j] == id;
+        for (int j = 0; j < k; j++)
+          dup |= tk->ids[t * FM_TOPK + j] == id;
       } while (dup);
       tk->ids[t * FM_TOPK + k] = id;
       tk->w[t * FM_TOPK + k] = urand(0.05f, 1.0f);
@@ -662,7 +700,8 @@ static void fm_run(const fm_model *m, const moe_expert_set *set, const fm_tokens
   in[n++] = (moe_named_tensor){"topk_ids", tensor2(MOE_INT32, tk->T, FM_TOPK, tk->ids)};
   in[n++] = (moe_named_tensor){"topk_weights", tensor2(MOE_F32, tk->T, FM_TOPK, tk->w)};
   if (!set)
-    for (size_t i = 0; i < m->nt; i++) in[n++] = m->t[i];
+    for (size_t i = 0; i < m->nt; i++)
+      in[n++] = m->t[i];
   moe_param p[1] = {pstr("activation", moe_activation_names[m->activation])};
   void *r[8], *g[8];
   size_t nb[8];
@@ -676,8 +715,8 @@ static void fm_run(const fm_model *m, const moe_expert_set *set, const fm_tokens
  * twice it apart: one run (a single token is a small sample) must be within
  * 2 x tol, and the sums over all runs of a case (fm_case_check) within tol.
  * *num and *den accumulate the squared norms. */
-static double fm_compare(const fm_case *c, const uint16_t *ref, const uint16_t *got, size_t n, const char *label,
-                         double *num_acc, double *den_acc) {
+static double fm_compare(const fm_case *c, const uint16_t *ref, const uint16_t *got, size_t n,
+                         const char *label, double *num_acc, double *den_acc) {
   double num = 0, den = 0;
   for (size_t i = 0; i < n; i++) {
     float a = c->act == MOE_BF16 ? moe_bf16_to_f32(ref[i]) : moe_f16_to_f32(ref[i]);
@@ -711,7 +750,8 @@ START_TEST(fused_vs_cpu) {
         fm_tokens tk;
         fm_tokens_make(&tk, m.c, Ts[ti], FM_EXPERTS);
         uint16_t *ref, *got;
-        snprintf(label, sizeof label, "fused_moe %s %s T=%lld", m.c->name, moe_activation_names[a], (long long)Ts[ti]);
+        snprintf(label, sizeof label, "fused_moe %s %s T=%lld", m.c->name, moe_activation_names[a],
+                 (long long)Ts[ti]);
         fm_run(&m, NULL, &tk, ti == 2 ? 4 : 0, label, &ref, &got); /* 4: scalar paths */
         fm_compare(m.c, ref, got, (size_t)(Ts[ti] * m.c->hidden), label, &num, &den);
         bytes_compared += (size_t)(Ts[ti] * m.c->hidden) * 2;
@@ -720,8 +760,8 @@ START_TEST(fused_vs_cpu) {
         fm_tokens_free(&tk);
       }
       const double rel = sqrt(num / den), tol = m.c->act == MOE_BF16 ? 1e-3 : 2.5e-4;
-      ck_assert_msg(rel <= tol, "fused_moe %s %s: over all T, ||gpu - cpu|| / ||cpu|| = %.3g > %.3g", m.c->name,
-                    moe_activation_names[a], rel, tol);
+      ck_assert_msg(rel <= tol, "fused_moe %s %s: over all T, ||gpu - cpu|| / ||cpu|| = %.3g > %.3g",
+                    m.c->name, moe_activation_names[a], rel, tol);
       double *w = &worst_rel[m.c->act == MOE_F16];
       if (rel > *w) *w = rel;
       fm_free(&m);
@@ -776,6 +816,47 @@ START_TEST(fused_batch_invariance) {
 }
 END_TEST
 
+/* GPU only: every tile configuration the tensor-core path can pick for a
+ * batch (MOE_GPU_FUSED_TILE forces one; the batch size picks one in
+ * service) gives the same bits for the same batch, so a token's result
+ * cannot depend on the configuration its batch size selects. Shapes the
+ * path does not take ignore the variable and pass trivially. */
+START_TEST(fused_tile_configs) {
+  const size_t picks[] = {0, 1,  4,  5,
+                          7, 12, 13, 14}; /* bf16, fp16, int4 g128, g128 zp, g32 zp, g16, int8 g128, g64 zp */
+  static const char *const configs[] = {"small", "medium", "large"};
+  char label[200];
+  for (size_t pi = 0; pi < sizeof picks / sizeof picks[0]; pi++) {
+    const fm_case *c = &fm_cases[picks[pi]];
+    fm_model m;
+    fm_make(&m, c, (moe_activation)(pi % MOE_ACT_COUNT));
+    fm_tokens tk;
+    fm_tokens_make(&tk, c, quick ? 37 : 150, FM_EXPERTS);
+    uint16_t *first = NULL;
+    for (size_t k = 0; k < sizeof configs / sizeof configs[0]; k++) {
+      setenv("MOE_GPU_FUSED_TILE", configs[k], 1);
+      uint16_t *r, *g;
+      snprintf(label, sizeof label, "tile config %s %s", configs[k], c->name);
+      fm_run(&m, NULL, &tk, 0, label, &r, &g);
+      fm_compare(c, r, g, (size_t)(tk.T * c->hidden), label, NULL, NULL);
+      free(r);
+      if (!first) {
+        first = g;
+        continue;
+      }
+      for (int64_t t = 0; t < tk.T; t++)
+        ck_assert_msg(memcmp(first + t * c->hidden, g + t * c->hidden, (size_t)c->hidden * 2) == 0,
+                      "%s: token %lld differs from config %s", label, (long long)t, configs[0]);
+      free(g);
+    }
+    unsetenv("MOE_GPU_FUSED_TILE");
+    free(first);
+    fm_tokens_free(&tk);
+    fm_free(&m);
+  }
+}
+END_TEST
+
 /* A loaded set (uploaded once, cached by the backend): routing by
  * router_logits on the device, grouped with a correction bias, and an
  * expert shard [offset, offset + E_local) of E global. */
@@ -805,17 +886,20 @@ START_TEST(fused_set_routing_shard) {
     cfg.routing.routed_scaling_factor = 1.5;
     const int64_t Eg = cfg.global_num_experts, T = quick ? 33 : 257;
     float *bias = malloc((size_t)Eg * 4);
-    for (int64_t e = 0; e < Eg; e++) bias[e] = urand(-0.2f, 0.2f);
+    for (int64_t e = 0; e < Eg; e++)
+      bias[e] = urand(-0.2f, 0.2f);
     moe_named_tensor ts[MOE_EXPERT_TENSOR_COUNT + 1];
     memcpy(ts, m.t, m.nt * sizeof *ts);
     ts[m.nt] = (moe_named_tensor){"correction_bias", {MOE_F32, 1, {Eg}, bias, (size_t)Eg * 4}};
     moe_expert_set *set = NULL;
     moe_error err = {{0}};
-    ck_assert_msg(moe_expert_set_from_tensors("gpu-test", &cfg, ts, m.nt + 1, &set, &err) == MOE_OK, "set: %s", err.msg);
+    ck_assert_msg(moe_expert_set_from_tensors("gpu-test", &cfg, ts, m.nt + 1, &set, &err) == MOE_OK,
+                  "set: %s", err.msg);
     fm_tokens tk;
     fm_tokens_make(&tk, c, T, Eg);
     float *logits = malloc((size_t)(T * Eg) * 4);
-    for (int64_t i = 0; i < T * Eg; i++) logits[i] = urand(-4, 4);
+    for (int64_t i = 0; i < T * Eg; i++)
+      logits[i] = urand(-4, 4);
     for (int pass = 0; pass < 2; pass++) { /* the second call uses the cached copies */
       moe_named_tensor in[3] = {{"hidden_states", tensor2(c->act, T, c->hidden, tk.x)},
                                 {"router_logits", tensor2(MOE_F32, T, Eg, logits)},
@@ -823,8 +907,8 @@ START_TEST(fused_set_routing_shard) {
       moe_named_tensor in_ids[2] = {in[0], {"topk_weights", tensor2(MOE_F32, T, FM_TOPK, tk.w)}};
       void *r[8], *g[8];
       size_t nb[8];
-      snprintf(label, sizeof label, "fused_moe set %s %s%s pass %d", c->name, pass ? "topk_ids" : "router_logits",
-               shard ? " shard" : "", pass);
+      snprintf(label, sizeof label, "fused_moe set %s %s%s pass %d", c->name,
+               pass ? "topk_ids" : "router_logits", shard ? " shard" : "", pass);
       if (pass == 0) {
         run_both("fused_moe", in, 2, NULL, 0, set, 0, label, r, g, nb);
       } else {
@@ -835,11 +919,12 @@ START_TEST(fused_set_routing_shard) {
       if (shard && pass == 1) { /* tokens routed only outside the shard: exactly zero */
         for (int64_t t = 0; t < T; t++) {
           bool any = false;
-          for (int k = 0; k < FM_TOPK; k++) any |= tk.ids[t * FM_TOPK + k] >= FM_EXPERTS && tk.ids[t * FM_TOPK + k] < 2 * FM_EXPERTS;
+          for (int k = 0; k < FM_TOPK; k++)
+            any |= tk.ids[t * FM_TOPK + k] >= FM_EXPERTS && tk.ids[t * FM_TOPK + k] < 2 * FM_EXPERTS;
           if (!any)
             for (int64_t h = 0; h < c->hidden; h++)
-              ck_assert_msg((((uint16_t *)g[0])[t * c->hidden + h] & 0x7FFF) == 0, "%s: token %lld not zero", label,
-                            (long long)t);
+              ck_assert_msg((((uint16_t *)g[0])[t * c->hidden + h] & 0x7FFF) == 0, "%s: token %lld not zero",
+                            label, (long long)t);
         }
       }
       free(r[0]);
@@ -890,6 +975,7 @@ int main(void) {
   tcase_add_test(tm, topk_vs_cpu);
   tcase_add_test(tm, fused_vs_cpu);
   tcase_add_test(tm, fused_batch_invariance);
+  tcase_add_test(tm, fused_tile_configs);
   tcase_add_test(tm, fused_set_routing_shard);
   suite_add_tcase(s, tm);
   SRunner *sr = srunner_create(s);
@@ -897,9 +983,11 @@ int main(void) {
   srunner_run_all(sr, CK_VERBOSE);
   int failed = srunner_ntests_failed(sr);
   srunner_free(sr);
-  printf("gpu vs cpu: %llu op runs compared, %llu output bytes, quant ops bit-identical and moe.topk ids identical "
-         "unless reported above; fused_moe worst case (all T) ||gpu - cpu|| / ||cpu||: bf16 %.3g, fp16 %.3g\n",
-         runs, bytes_compared, worst_rel[0], worst_rel[1]);
+  printf(
+      "gpu vs cpu: %llu op runs compared, %llu output bytes, quant ops bit-identical and moe.topk ids "
+      "identical "
+      "unless reported above; fused_moe worst case (all T) ||gpu - cpu|| / ||cpu||: bf16 %.3g, fp16 %.3g\n",
+      runs, bytes_compared, worst_rel[0], worst_rel[1]);
   moe_backend_destroy(gpu);
   moe_backend_destroy(cpu);
   return failed ? 1 : 0;

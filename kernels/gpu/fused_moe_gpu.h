@@ -1,0 +1,87 @@
+/* Internal to kernels/gpu/: what fused_moe.hip (the pipeline and the
+ * portable GEMM) and fused_moe_tc.hip (the tensor-core GEMM, NVIDIA sm_80+)
+ * share: the activation dtype helpers, NUMERICS.md's activation epilogue,
+ * and the tensor-core path's entry points. HIP/CUDA C++ only. */
+#ifndef MOE_GPU_FUSED_MOE_GPU_H
+#define MOE_GPU_FUSED_MOE_GPU_H
+
+#include "gpu.h"
+#include "moe/codec.h"
+
+extern "C" {
+#include "../ops/op.h"
+}
+
+enum { A_BF16, A_F16 };
+
+template <int ACT> __device__ __forceinline__ float act_round(float v) {
+  return ACT == A_BF16 ? moe_bf16_to_f32(moe_f32_to_bf16(v)) : moe_f16_to_f32(moe_f32_to_f16(v));
+}
+template <int ACT> __device__ __forceinline__ uint16_t to16(float v) {
+  return ACT == A_BF16 ? moe_f32_to_bf16(v) : moe_f32_to_f16(v);
+}
+template <int ACT> __device__ __forceinline__ float from16(uint32_t h) {
+  return ACT == A_BF16 ? moe_bf16_to_f32((uint16_t)h) : moe_f16_to_f32((uint16_t)h);
+}
+
+/* exp and erf rounded once from double: close to the CPU's libm (the same
+ * functions, correctly rounded but for rare cases). */
+__device__ __forceinline__ float exp_cr(float x) { return (float)exp((double)x); }
+__device__ __forceinline__ float erf_cr(float x) { return (float)erf((double)x); }
+
+/* NUMERICS.md: a = act(act(f(g)) * u), or swiglu_oai; g and u act-rounded.
+ * The CPU's expressions (kernels/cpu/fused_moe.c activate()). */
+template <int ACT> __device__ __forceinline__ float activate(int fn, float g, float u) {
+  if (fn == MOE_ACT_GELU)
+    return act_round<ACT>(act_round<ACT>(0.5f * g * (1.0f + erf_cr(g * 0.70710678118654752f))) * u);
+  if (fn == MOE_ACT_SWIGLU_OAI) {
+    g = g > 7.0f ? 7.0f : g;
+    u = u > 7.0f ? 7.0f : (u < -7.0f ? -7.0f : u);
+    return act_round<ACT>((u + 1.0f) * g * (1.0f / (1.0f + exp_cr(-(1.702f * g)))));
+  }
+  return act_round<ACT>(act_round<ACT>(g / (1.0f + exp_cr(-g))) * u);
+}
+
+/* ---- the tensor-core path (fused_moe_tc.hip) ----------------------------------- */
+
+/* Tile configurations of the tensor-core GEMM (token rows per tile BT):
+ * a launch choice from the batch only; every one computes each output
+ * element with the same instruction sequence (fused_moe_tc.hip's header). */
+enum { TC_SMALL, TC_MEDIUM, TC_LARGE, TC_CONFIGS };
+int moe_tc_rows(int config); /* BT of a configuration */
+
+/* One GEMM of the pipeline on packed weights (moe_gpu_fused_pack). */
+struct TcArgs {
+  const uint8_t *w;    /* packed weights */
+  const float *scale;  /* wna16: packed scales [E][groups][N], fp32 */
+  const uint8_t *zero; /* wna16 with zero points: packed [E][groups][N]; NULL: the midpoint */
+  int n, k, groups, group;
+  int scale16;   /* the set's scales are in the activation dtype: 16-bit dequant */
+  int phase;     /* 1: gate_up -> a; 2: down -> y */
+  const void *x; /* phase 1: hidden_states [T, H]; phase 2: a [slots, I] */
+  int x_vec;     /* x 16-byte aligned: cp.async rows */
+  int inter, hidden, top_k, activation;
+  const int *sorted, *ntiles;
+  const int4 *tiles;
+  const float *tw;
+  uint16_t *out;
+};
+
+/* Whether a set of this configuration runs (and is stored) on the
+ * tensor-core path of device `b`: a function of the shape, the scheme and
+ * the device only, never of a call. */
+bool moe_tc_eligible(moe_backend *b, const moe_expert_config *cfg);
+/* Bytes of the packed form of expert tensor `slot` (0: not packed). The
+ * packing itself: gpu.h's moe_gpu_fused_pack. */
+size_t moe_tc_packed_bytes(const moe_expert_config *cfg, int slot);
+/* Packs the uploaded tensors `src` (device, files' layout; scale_dt: the
+ * dtypes of W13's and W2's scales) into `dst` (device, moe_tc_packed_bytes
+ * each; NULL where that is 0). On b's stream. */
+moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_dtype scale_dt[2],
+                       void *const src[MOE_EXPERT_TENSOR_COUNT], void *dst[MOE_EXPERT_TENSOR_COUNT],
+                       moe_error *err);
+/* One GEMM launch (grid over the worst-case tile count). */
+moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, int config, int max_tiles,
+                       const TcArgs &a, moe_error *err);
+
+#endif

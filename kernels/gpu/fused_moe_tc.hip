@@ -1,0 +1,781 @@
+/* GPU: fused_moe's GEMMs on the tensor cores (NVIDIA sm_80+: mma.sync
+ * m16n8k16, bf16/fp16 operands, fp32 accumulators; cp.async pipeline).
+ * fused_moe.hip runs the pipeline (route, align, sum) and calls
+ * moe_tc_gemm for gate_up and down when moe_tc_eligible says the set's
+ * shape and scheme run here; everything else (and AMD) takes the portable
+ * GEMM in fused_moe.hip.
+ *
+ * Operands. A = the weights (16 rows of W per mma: the mma's M is the
+ * GEMM's N), B = the tokens of one expert's tile (8 per mma: n8). A is
+ * read from a packed copy made once when the weights reach the device
+ * (moe_tc_pack): for each 16-row x 64-column block of an expert's matrix,
+ * the 32 lanes' fragment registers are stored lane after lane, so a
+ * stage is a straight 16-byte cp.async copy and each lane reads its
+ * fragments with one 16-byte shared load, no ldmatrix and no bank
+ * conflicts. int4 codes are stored so that one lop3 makes two 16-bit
+ * floats (code | 0x4300 in bf16 = 128 + q, | 0x6400 in fp16 = 1024 + q);
+ * int8 codes by prmt (fp16: 0x64qq) or through fp32 (bf16: 0x4B0000qq).
+ * NUMERICS.md's w = act((q - z) * s): (q - z) is an exact small integer in
+ * either form; when the scales are in the activation dtype, one packed
+ * 16-bit multiply by s rounds the exact product once, which is the
+ * contract's fp32 product (exact: at most 9 x 11 significant bits) rounded
+ * to act; other scales take an fp32 multiply and one conversion, as the
+ * contract writes it. W13's rows are packed as 8 gate rows then the 8 up
+ * rows of the same units in each 16-row block, so one lane holds a unit's
+ * gate and up sums and applies the activation in registers.
+ *
+ * Batch invariance. Every output element (weight row n, token slot) is one
+ * fp32 accumulator that starts at 0 and takes one mma.m16n8k16 per 16
+ * columns of K in ascending order: the same instruction on the same 16 +
+ * 16 operand values in the same order whatever the tile configuration
+ * (BT, BN, warp layout: chosen from the batch size), the token's position
+ * in its tile, the other tokens, or the grid. No split K, no atomics. The
+ * dequantized weights are the same bits in every configuration (the
+ * per-group path is chosen from the set's dtypes, not from the call).
+ * Results are deterministic and independent of batching; across backends
+ * NUMERICS.md's tolerance applies (another summation order than the CPU).
+ *
+ * Grid: x = the tile list (fastest, so the tiles of one expert that share a
+ * weight strip run together and hit L2), y = the weight strips. Blocks past
+ * the tile count the align step wrote return at once. */
+#include <string.h>
+
+#include "fused_moe_gpu.h"
+
+/* moe_tc_packed_bytes is plain arithmetic on the configuration; the rest
+ * exists on NVIDIA only (AMD: moe_tc_eligible is false). */
+size_t moe_tc_packed_bytes(const moe_expert_config *cfg, int slot) {
+  const size_t e = (size_t)cfg->num_experts, h = (size_t)cfg->hidden_size,
+               in = (size_t)cfg->intermediate_size;
+  const bool w13 =
+      slot == MOE_W13 || slot == MOE_W13_QWEIGHT || slot == MOE_W13_SCALES || slot == MOE_W13_QZEROS;
+  const size_t n = w13 ? 2 * in : h, k = w13 ? h : in;
+  const size_t groups = cfg->group_size == -1 ? 1 : k / (size_t)cfg->group_size;
+  if (cfg->scheme != MOE_SCHEME_WNA16) return slot == MOE_W13 || slot == MOE_W2 ? e * n * k * 2 : 0;
+  if (slot == MOE_W13_QWEIGHT || slot == MOE_W2_QWEIGHT) return e * n * k * (size_t)cfg->bits / 8;
+  if (slot == MOE_W13_SCALES || slot == MOE_W2_SCALES) return e * groups * n * 4;
+  if ((slot == MOE_W13_QZEROS || slot == MOE_W2_QZEROS) && cfg->has_zero_points) return e * groups * n;
+  return 0;
+}
+
+extern "C" bool moe_gpu_fused_packs(moe_backend *b, const moe_expert_config *cfg) {
+  return moe_tc_eligible(b, cfg);
+}
+
+extern "C" moe_status moe_gpu_fused_pack(moe_backend *b, const moe_expert_set *set,
+                                         void *const src[MOE_EXPERT_TENSOR_COUNT],
+                                         void *dst[MOE_EXPERT_TENSOR_COUNT], moe_error *err) {
+  const moe_expert_config *cfg = &set->cfg;
+  moe_status s = MOE_OK;
+  for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++) {
+    dst[i] = NULL;
+    const size_t bytes = moe_tc_packed_bytes(cfg, i);
+    if (!s && bytes && src[i] && (s = b->iface->alloc(b, bytes, &dst[i])))
+      moe_fail(err, s, "expert set '%s': %zu bytes of device memory for the packed %s", set->name, bytes,
+               moe_expert_tensor_names[i]);
+  }
+  const moe_dtype sdt[2] = {set->t[MOE_W13_SCALES].dtype, set->t[MOE_W2_SCALES].dtype};
+  if (!s) s = moe_tc_pack(b, cfg, sdt, src, dst, err);
+  if (s)
+    for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
+      if (dst[i]) {
+        b->iface->free(b, dst[i]);
+        dst[i] = NULL;
+      }
+  return s;
+}
+
+#if defined(MOE_GPU_CUDA)
+namespace {
+
+constexpr int KB = 64;    /* K columns per pipeline stage */
+constexpr int SG_MAX = 4; /* scale groups per stage (G = 16) */
+
+enum { TW_16, TW_INT4, TW_INT8 };
+
+/* bytes of one packed 16-row x KB block */
+__host__ __device__ constexpr int chunk_bytes(int w) { return w == TW_16 ? 2048 : w == TW_INT8 ? 1024 : 512; }
+
+int tc_wkind(const moe_expert_config *cfg) {
+  return cfg->scheme != MOE_SCHEME_WNA16 ? TW_16 : cfg->bits == 4 ? TW_INT4 : TW_INT8;
+}
+
+/* Tile configurations: WG warpgroups, each 64 weight rows (16 per warp) x
+ * BT tokens; STAGES deep. */
+template <int WG_, int BT_> struct Cfg {
+  static constexpr int WG = WG_, BT = BT_, NT = BT_ / 8;
+  static constexpr int BN = 64 * WG, THREADS = 128 * WG;
+};
+using CfgS = Cfg<1, 8>;   /* decode: 64 x 8 */
+using CfgM = Cfg<1, 32>;  /* 64 x 32 */
+using CfgL = Cfg<2, 128>; /* 128 x 128 */
+
+/* One stage: B (the tokens, 128-byte rows, 16-byte chunks swizzled by
+ * row: the wgmma 128-byte swizzle, so the stage is 1024-byte aligned), A
+ * (packed weights), and for wna16 the scales and zero points. */
+template <int W, class C> struct Smem {
+  static constexpr bool WNA16 = W != TW_16;
+  static constexpr int B = C::BT * KB * 2;
+  static constexpr int A = C::BN / 16 * chunk_bytes(W);
+  static constexpr int S = WNA16 ? SG_MAX * C::BN * 4 : 0;
+  static constexpr int Z = WNA16 ? SG_MAX * C::BN : 0;
+  static constexpr int STAGE = (B + A + S + Z + 1023) / 1024 * 1024;
+  /* ~48 KB of stages in flight per block, 3 to 8 deep */
+  static constexpr int STAGES = 49152 / STAGE < 3 ? 3 : 49152 / STAGE > 8 ? 8 : 49152 / STAGE;
+  static constexpr int BYTES = STAGES * STAGE + 1024; /* + alignment slack */
+};
+
+/* ---- device primitives --------------------------------------------------------- */
+
+__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+/* 16 bytes global -> shared; zero-filled when !ok (src must still be valid) */
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+#if !defined(__CUDA_ARCH_FEAT_SM90_ALL) /* the mma.sync path's B loads */
+__device__ __forceinline__ void ldmatrix_x2(uint32_t &d0, uint32_t &d1, const void *p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(d0), "=r"(d1)
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t &d0, uint32_t &d1, uint32_t &d2, uint32_t &d3,
+                                            const void *p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
+               : "r"(smem_addr(p)));
+}
+
+#endif
+
+template <int ACT>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if (ACT == A_BF16)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* sm_90a: every configuration multiplies with wgmma (A = the weight
+ * fragments from registers, B = the token stage through a descriptor);
+ * elsewhere every configuration uses mma.sync. One instruction family per
+ * device: that is what makes the configurations bit-identical. */
+#define MOE_TC_WGMMA 1
+
+/* K-major operand, 128-byte swizzle, 8-row groups 1024 bytes apart */
+__device__ __forceinline__ uint64_t wgmma_desc(uint32_t saddr) {
+  return (uint64_t)((saddr & 0x3FFFFu) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 |
+         (uint64_t)1 << 62;
+}
+/* cp.async and plain stores are generic-proxy writes; wgmma reads through
+ * the async proxy */
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait0() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+/* D (64 x N, fp32, this thread's N / 2 values: n8 block j, c0..c3 as in
+ * mma.sync's C) += A (this warp's 16 x 16 fragment) x B (N x 16 at desc) */
+template <int N, int ACT>
+__device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (N == 8 && ACT == A_BF16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "%8, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
+                 : "memory");
+  } else if constexpr (N == 8 && ACT == A_F16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, "
+                 "p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
+                 : "memory");
+  } else if constexpr (N == 32 && ACT == A_BF16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+                 "%9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+                   "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
+                 : "memory");
+  } else if constexpr (N == 32 && ACT == A_F16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+                 "%9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+                   "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
+                 : "memory");
+  } else if constexpr (N == 128 && ACT == A_BF16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+                 "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
+                 "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
+                 "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, "
+                 "%63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+                   "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+                   "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+                   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+                   "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+                   "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),
+                   "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]),
+                   "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+                   "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]),
+                   "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]),
+                   "+f"(d[15][2]), "+f"(d[15][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
+                 : "memory");
+  } else if constexpr (N == 128 && ACT == A_F16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+                 "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
+                 "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
+                 "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, "
+                 "%63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+                   "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+                   "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+                   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+                   "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+                   "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),
+                   "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]),
+                   "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+                   "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]),
+                   "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]),
+                   "+f"(d[15][2]), "+f"(d[15][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
+                 : "memory");
+  }
+}
+#endif
+
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t d; /* (a & mask) | bits */
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
+  return d;
+}
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+/* packed 16-bit pairs: a - b, a * b (one rounding each, RNE, subnormals kept) */
+template <int ACT> __device__ __forceinline__ uint32_t sub2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if (ACT == A_BF16)
+    asm("{ .reg .b32 one; mov.b32 one, 0xBF80BF80; fma.rn.bf16x2 %0, %2, one, %1; }\n"
+        : "=r"(d)
+        : "r"(a), "r"(b));
+  else
+    asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+template <int ACT> __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if (ACT == A_BF16)
+    asm("{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.bf16x2 %0, %1, %2, z; }\n" : "=r"(d) : "r"(a), "r"(b));
+  else
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+/* two fp32 -> one pair of act values (lo, hi), RNE */
+template <int ACT> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t d;
+  if (ACT == A_BF16)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+template <int ACT> __device__ __forceinline__ void unpack2(uint32_t v, float &lo, float &hi) {
+  lo = from16<ACT>(v & 0xFFFFu);
+  hi = from16<ACT>(v >> 16);
+}
+
+/* Per-row dequantization state of one lane's two rows (r and r + 8). */
+struct Deq {
+  uint32_t s16[2];  /* {s, s} in act (scale16) */
+  uint32_t zb16[2]; /* {B + z, B + z} in act: the 16-bit code base plus the zero point */
+  float s[2];       /* fp32 scale */
+  float zb32[2];    /* 2^23 + z (int8 in bf16) */
+};
+
+/* Eight fragment values (a0..a7) of one lane for one 16 x 16 block, as
+ * four act pairs: pair p holds row (p & 1 ? r + 8 : r). */
+template <int W, int ACT>
+__device__ __forceinline__ void dequant(const uint32_t *words, const Deq &d, bool scale16,
+                                        uint32_t (&out)[4]) {
+  if (W == TW_INT4) {
+    const uint32_t base = ACT == A_BF16 ? 0x43004300u : 0x64006400u, w = words[0];
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+      const uint32_t x = lop3_and_or(w >> (4 * p), 0x000F000Fu, base);
+      const uint32_t qz = sub2<ACT>(x, d.zb16[p & 1]); /* q - z, exact */
+      if (scale16) {
+        out[p] = mul2<ACT>(qz, d.s16[p & 1]);
+      } else {
+        float lo, hi;
+        unpack2<ACT>(qz, lo, hi);
+        out[p] = pack2<ACT>(lo * d.s[p & 1], hi * d.s[p & 1]);
+      }
+    }
+  } else { /* int8: words[0] = a0..a3, words[1] = a4..a7 */
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+      const uint32_t w = words[p >> 1], b0 = (p & 1) * 2;
+      if (ACT == A_F16) {
+        const uint32_t x = prmt(w, 0x64646464u, 0x4140u + b0 * 0x0101u); /* {1024 + q0, 1024 + q1} */
+        const uint32_t qz = sub2<ACT>(x, d.zb16[p & 1]);
+        if (scale16) {
+          out[p] = mul2<ACT>(qz, d.s16[p & 1]);
+        } else {
+          float lo, hi;
+          unpack2<ACT>(qz, lo, hi);
+          out[p] = pack2<ACT>(lo * d.s[p & 1], hi * d.s[p & 1]);
+        }
+      } else {
+        const float lo = __uint_as_float(prmt(w, 0x4B000000u, 0x7440u + b0)) - d.zb32[p & 1];
+        const float hi = __uint_as_float(prmt(w, 0x4B000000u, 0x7441u + b0)) - d.zb32[p & 1];
+        out[p] = scale16 ? mul2<ACT>(pack2<ACT>(lo, hi), d.s16[p & 1])
+                         : pack2<ACT>(lo * d.s[p & 1], hi * d.s[p & 1]);
+      }
+    }
+  }
+}
+
+/* ---- the GEMM kernel ------------------------------------------------------------- */
+
+template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
+  using S = Smem<W, C>;
+  constexpr int BN = C::BN, BT = C::BT, NT = C::NT, CH = chunk_bytes(W), THREADS = C::THREADS;
+  constexpr bool WNA16 = S::WNA16;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  __shared__ int src_row[BT], slot_of[BT];
+  /* stages start on a 1024-byte boundary of the shared window (the swizzle) */
+  uint8_t *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+
+  const int ti = (int)blockIdx.x;
+  if (ti >= *a.ntiles) return;
+  const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int4 tile = a.tiles[ti];
+  const int e = tile.x, row0 = tile.y, rows = tile.z;
+  const int N = a.n, K = a.k, nkb = K / KB, mtc = N / 16;
+  const int n0 = (int)blockIdx.y * BN;
+  const int mt = n0 / 16 + warp; /* this warp's 16-row block */
+  for (int i = tid; i < BT; i += THREADS) {
+    const int slot = i < rows ? a.sorted[row0 + i] : -1;
+    slot_of[i] = slot;
+    src_row[i] = i >= rows ? -1 : a.phase == 1 ? slot / a.top_k : row0 + i;
+  }
+  __syncthreads();
+
+  const uint8_t *wexp = a.w + (size_t)e * (size_t)mtc * (size_t)nkb * CH;
+  const int G = a.group, sg = G < KB ? KB / G : 1; /* scale groups per stage */
+
+  /* Per-thread copy assignments, fixed for the tile: piece tid + q THREADS
+   * of the A stage and of the B stage; only the K offset moves per stage. */
+  constexpr int APC = CH / 16;                            /* 16-byte pieces per 16-row block */
+  constexpr int AP = (S::A / 16 + THREADS - 1) / THREADS; /* A pieces per thread */
+  constexpr int BP = (BT * 8 + THREADS - 1) / THREADS;    /* B pieces per thread */
+  const uint8_t *a_src[AP];
+  bool a_ok[AP];
+#pragma unroll
+  for (int q = 0; q < AP; q++) {
+    const int i = tid + q * THREADS, m = n0 / 16 + i / APC;
+    a_ok[q] = i < S::A / 16 && m < mtc;
+    a_src[q] = a_ok[q] ? wexp + (size_t)m * nkb * CH + (i % APC) * 16 : a.w;
+  }
+  const uint16_t *b_src[BP];
+  int b_ok[BP]; /* 1: row present; 0: zero-fill; -1: no piece */
+#pragma unroll
+  for (int q = 0; q < BP; q++) {
+    const int i = tid + q * THREADS, r = i >> 3, c = i & 7;
+    const int xr = i < BT * 8 ? src_row[r] : -1;
+    b_ok[q] = i >= BT * 8 ? -1 : xr >= 0;
+    b_src[q] = (const uint16_t *)a.x + (xr < 0 ? 0 : (size_t)xr * (size_t)K + c * 8);
+  }
+
+  auto issue = [&](int kb, int stage) {
+    uint8_t *sb = smem + stage * S::STAGE, *sa = sb + S::B;
+#pragma unroll
+    for (int q = 0; q < AP; q++) {
+      const int i = tid + q * THREADS;
+      if (i < S::A / 16) cp_async16(sa + i * 16, a_src[q] + (a_ok[q] ? (size_t)kb * CH : 0), a_ok[q]);
+    }
+#pragma unroll
+    for (int q = 0; q < BP; q++) {
+      if (b_ok[q] < 0) continue;
+      const int i = tid + q * THREADS, r = i >> 3, c = i & 7;
+      uint8_t *dst = sb + r * 128 + ((c ^ (r & 7)) << 4);
+      const uint16_t *src = b_src[q] + (b_ok[q] ? kb * KB : 0);
+      if (a.x_vec) {
+        cp_async16(dst, src, b_ok[q]);
+      } else { /* unaligned rows: 16-bit loads, ordered by the barrier before use */
+        uint16_t v[8];
+#pragma unroll
+        for (int e8 = 0; e8 < 8; e8++)
+          v[e8] = b_ok[q] ? src[e8] : 0;
+        uint4 u;
+        u.x = v[0] | (uint32_t)v[1] << 16;
+        u.y = v[2] | (uint32_t)v[3] << 16;
+        u.z = v[4] | (uint32_t)v[5] << 16;
+        u.w = v[6] | (uint32_t)v[7] << 16;
+        *(uint4 *)dst = u;
+      }
+    }
+    /* scales and zero points: only where a group starts (compute reloads there) */
+    if (WNA16 && (sg > 1 || (kb * KB) % G == 0)) {
+      float *ss = (float *)(sa + S::A);
+      uint8_t *sz = (uint8_t *)(ss + SG_MAX * BN);
+      for (int i = tid; i < sg * (BN / 4); i += THREADS) {
+        const int j = i / (BN / 4), q = i % (BN / 4), g = kb * KB / G + j, n = n0 + 4 * q;
+        const bool ok = n < N;
+        cp_async16(ss + j * BN + 4 * q, ok ? a.scale + ((size_t)e * a.groups + g) * (size_t)N + n : a.scale,
+                   ok);
+      }
+      if (a.zero)
+        for (int i = tid; i < sg * (BN / 16); i += THREADS) {
+          const int j = i / (BN / 16), q = i % (BN / 16), g = kb * KB / G + j, n = n0 + 16 * q;
+          const bool ok = n < N;
+          cp_async16(sz + j * BN + 16 * q, ok ? a.zero + ((size_t)e * a.groups + g) * (size_t)N + n : a.zero,
+                     ok);
+        }
+    }
+  };
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; j++)
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+      acc[j][q] = 0.0f;
+
+  const uint32_t zdef = W == TW_INT4 ? 8 : 128;
+  Deq dq; /* the group's scales and zero points: reloaded where a group starts */
+  auto compute = [&](int kb, int stage) {
+    const uint8_t *sb = smem + stage * S::STAGE, *sa = sb + S::B;
+    const float *ss = (const float *)(sa + S::A);
+    const uint8_t *sz = (const uint8_t *)(ss + SG_MAX * BN);
+    /* this warp's A fragments of the stage (rows past N: zeros, results unused) */
+    uint32_t af[KB / 16][4];
+    uint4 raw[CH / 512];
+#pragma unroll
+    for (int h = 0; h < CH / 512; h++)
+      raw[h] = *(const uint4 *)(sa + (warp * CH + h * 512 + lane * 16));
+#pragma unroll
+    for (int ks = 0; ks < KB / 16; ks++) {
+      if (WNA16 && ((ks == 0 && (kb * KB) % G == 0) || (sg > 1 && (ks * 16) % G == 0))) {
+        const int j = sg > 1 ? ks * 16 / G : 0;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          const int r = warp * 16 + (lane >> 2) + 8 * h;
+          const float sc = ss[j * BN + r];
+          const uint32_t z = a.zero ? sz[j * BN + r] : zdef;
+          dq.s[h] = sc;
+          dq.s16[h] = pack2<ACT>(sc, sc); /* exact when scale16 */
+          /* 128 + z (bf16) and 1024 + z (fp16) by their bits: z < 2^7 resp. 2^10 */
+          const uint32_t zb = (ACT == A_BF16 ? 0x4300u : 0x6400u) + z;
+          dq.zb16[h] = zb | zb << 16;
+          dq.zb32[h] = __uint_as_float(0x4B000000u + z);
+        }
+      }
+      if (W == TW_16) {
+        const uint4 u = raw[ks];
+        af[ks][0] = u.x;
+        af[ks][1] = u.y;
+        af[ks][2] = u.z;
+        af[ks][3] = u.w;
+      } else if (W == TW_INT4) {
+        const uint32_t wd[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
+        dequant<W, ACT>(&wd[ks], dq, a.scale16, af[ks]);
+      } else {
+        const uint4 u = raw[(ks >> 1) & (CH / 512 - 1)];
+        const uint32_t wd[2] = {(ks & 1) ? u.z : u.x, (ks & 1) ? u.w : u.y};
+        dequant<W, ACT>(wd, dq, a.scale16, af[ks]);
+      }
+    }
+#if defined(MOE_TC_WGMMA)
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KB / 16; ks++)
+      wgmma<BT, ACT>(acc, af[ks], wgmma_desc(smem_addr(sb) + ks * 32));
+    wgmma_commit();
+    wgmma_wait0(); /* the stage and af are reused after the next barrier */
+#else
+#pragma unroll
+    for (int ks = 0; ks < KB / 16; ks++) {
+#pragma unroll
+      for (int j = 0; j < NT; j += 2) {
+        const int mat = lane >> 3, t = j + (NT > 1 ? mat >> 1 : 0), r = t * 8 + (lane & 7);
+        const int chunk = 2 * ks + (mat & 1);
+        const uint8_t *p = sb + r * 128 + ((chunk ^ (r & 7)) << 4);
+        uint32_t b0, b1, b2, b3;
+        if (NT > 1) {
+          ldmatrix_x4(b0, b1, b2, b3, p);
+          mma<ACT>(acc[j], af[ks], b0, b1);
+          mma<ACT>(acc[j + 1], af[ks], b2, b3);
+        } else {
+          ldmatrix_x2(b0, b1, p);
+          mma<ACT>(acc[j], af[ks], b0, b1);
+        }
+      }
+    }
+#endif
+  };
+
+  constexpr int ST = S::STAGES;
+#pragma unroll
+  for (int s = 0; s < ST - 1; s++) {
+    if (s < nkb) issue(s, s);
+    cp_async_commit();
+  }
+  for (int kb = 0; kb < nkb; kb++) {
+    cp_async_wait<ST - 2>();
+#if defined(MOE_TC_WGMMA)
+    fence_proxy_async();
+#endif
+    __syncthreads(); /* stage kb landed for everyone; stage kb - 1 is free */
+    if (kb + ST - 1 < nkb) issue(kb + ST - 1, (kb + ST - 1) % ST);
+    cp_async_commit();
+    compute(kb, kb % ST);
+  }
+  cp_async_wait<0>();
+
+  /* epilogue: c0, c1 = row r (lane / 4), tokens 2 (lane % 4) + {0, 1}; c2, c3 = row r + 8 */
+  if (mt >= mtc) return;
+#pragma unroll
+  for (int j = 0; j < NT; j++)
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+      const int tok = j * 8 + 2 * (lane & 3) + q;
+      if (tok >= rows) continue;
+      if (a.phase == 1) { /* packed rows: gate of unit 8 mt + r, then its up */
+        const int unit = 8 * mt + (lane >> 2);
+        const float v = activate<ACT>(a.activation, act_round<ACT>(acc[j][q]), act_round<ACT>(acc[j][2 + q]));
+        a.out[(size_t)(row0 + tok) * (size_t)a.inter + (size_t)unit] = to16<ACT>(v);
+      } else {
+        const int slot = slot_of[tok], h = 16 * mt + (lane >> 2);
+        const float w = a.tw[slot];
+        a.out[(size_t)slot * (size_t)a.hidden + (size_t)h] = to16<ACT>(acc[j][q] * w);
+        a.out[(size_t)slot * (size_t)a.hidden + (size_t)(h + 8)] = to16<ACT>(acc[j][2 + q] * w);
+      }
+    }
+}
+
+/* ---- packing ------------------------------------------------------------------------ */
+
+/* Original row of packed row p of a matrix with N rows (W13: N = 2I). */
+__device__ __forceinline__ int orig_row(int p, bool w13, int inter, bool interleaved) {
+  if (!w13) return p;
+  const int unit = (p >> 4) * 8 + (p & 7), up = (p >> 3) & 1;
+  return interleaved ? 2 * unit + up : up * inter + unit;
+}
+
+/* One thread per (expert, 16-row block, KB block, lane). */
+template <int W>
+__global__ void pack_weights(const uint8_t *src, uint8_t *dst, int experts, int n, int k, int w13, int inter,
+                             int interleaved) {
+  const int mtc = n / 16, nkb = k / KB;
+  const size_t total = (size_t)experts * mtc * nkb * 32;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const int lane = (int)(i % 32), kb = (int)(i / 32 % nkb), mt = (int)(i / 32 / nkb % mtc);
+    const int e = (int)(i / 32 / nkb / mtc);
+    const int g = lane >> 2, c = lane & 3;
+    const int rows[2] = {orig_row(mt * 16 + g, w13, inter, interleaved),
+                         orig_row(mt * 16 + g + 8, w13, inter, interleaved)};
+    uint8_t *out = dst + ((size_t)e * mtc * nkb + (size_t)mt * nkb + kb) * chunk_bytes(W);
+    for (int ks = 0; ks < 4; ks++) {
+      uint32_t v[8]; /* a0..a7: (row, col) = (g | g + 8 by bit 1, 2c + bit 0 + 8 by bit 2) */
+      for (int q = 0; q < 8; q++) {
+        const size_t row = (size_t)e * n + rows[(q >> 1) & 1];
+        const int col = kb * KB + ks * 16 + 2 * c + (q & 1) + 8 * (q >> 2);
+        if (W == TW_16) {
+          v[q] = ((const uint16_t *)src)[row * k + col];
+        } else if (W == TW_INT8) {
+          v[q] = src[row * k + col];
+        } else {
+          const uint8_t b = src[row * (size_t)(k / 2) + col / 2];
+          v[q] = (col & 1) ? b >> 4 : b & 15u;
+        }
+      }
+      if (W == TW_16) {
+        uint32_t *o = (uint32_t *)(out + ks * 512 + lane * 16);
+        for (int p = 0; p < 4; p++)
+          o[p] = v[2 * p] | v[2 * p + 1] << 16;
+      } else if (W == TW_INT8) {
+        uint32_t *o = (uint32_t *)(out + (ks >> 1) * 512 + lane * 16 + (ks & 1) * 8);
+        o[0] = v[0] | v[1] << 8 | v[2] << 16 | v[3] << 24;
+        o[1] = v[4] | v[5] << 8 | v[6] << 16 | v[7] << 24;
+      } else { /* pair p: low element at nibble p, high at nibble p + 4 */
+        uint32_t wd = 0;
+        for (int p = 0; p < 4; p++)
+          wd |= v[2 * p] << (4 * p) | v[2 * p + 1] << (4 * (p + 4));
+        *(uint32_t *)(out + lane * 16 + ks * 4) = wd;
+      }
+    }
+  }
+}
+
+/* scales [E][N][groups] (any float dtype) -> fp32 [E][groups][N packed];
+ * zero points (int4 packed along N, or int8) -> uint8 [E][groups][N packed] */
+__global__ void pack_groups(const void *scales, int scale_dt, const uint8_t *zeros, int bits, float *s_out,
+                            uint8_t *z_out, int experts, int n, int groups, int w13, int inter,
+                            int interleaved) {
+  const size_t total = (size_t)experts * groups * n;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const int p = (int)(i % n), g = (int)(i / n % groups), e = (int)(i / n / groups);
+    const int r = orig_row(p, w13, inter, interleaved);
+    const size_t si = ((size_t)e * n + r) * groups + g;
+    s_out[i] = scale_dt == MOE_F16    ? moe_f16_to_f32(((const uint16_t *)scales)[si])
+               : scale_dt == MOE_BF16 ? moe_bf16_to_f32(((const uint16_t *)scales)[si])
+                                      : ((const float *)scales)[si];
+    if (zeros) {
+      if (bits == 4) {
+        const uint8_t b = zeros[((size_t)e * (n / 2) + r / 2) * groups + g];
+        z_out[i] = (r & 1) ? b >> 4 : b & 15u;
+      } else {
+        z_out[i] = zeros[si];
+      }
+    }
+  }
+}
+
+template <int W, int ACT, class C>
+moe_status launch(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err) {
+  using S = Smem<W, C>;
+  /* the limit is an attribute of the function per device; set once each
+   * (a benign race: every thread sets the same value) */
+  static bool attr_set[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64 || !attr_set[dev]) {
+    moe_status s = moe_gpu_check(
+        cudaFuncSetAttribute(tc_gemm<W, ACT, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::BYTES),
+        "fused_moe tensor-core smem", err);
+    if (s) return s;
+    if (dev >= 0 && dev < 64) attr_set[dev] = true;
+  }
+  const dim3 grid((unsigned)max_tiles, (unsigned)((a.n + C::BN - 1) / C::BN));
+  tc_gemm<W, ACT, C><<<grid, C::THREADS, S::BYTES, moe_gpu_stream(b)>>>(a);
+  return moe_gpu_check(hipGetLastError(), "fused_moe tensor-core gemm", err);
+}
+
+template <int W, int ACT>
+moe_status launch_cfg(moe_backend *b, int config, int max_tiles, const TcArgs &a, moe_error *err) {
+  switch (config) {
+  case TC_SMALL: return launch<W, ACT, CfgS>(b, max_tiles, a, err);
+  case TC_MEDIUM: return launch<W, ACT, CfgM>(b, max_tiles, a, err);
+  default: return launch<W, ACT, CfgL>(b, max_tiles, a, err);
+  }
+}
+
+template <int W>
+moe_status launch_act(moe_backend *b, int act, int config, int max_tiles, const TcArgs &a, moe_error *err) {
+  return act == A_BF16 ? launch_cfg<W, A_BF16>(b, config, max_tiles, a, err)
+                       : launch_cfg<W, A_F16>(b, config, max_tiles, a, err);
+}
+
+unsigned blocks_for(size_t items, moe_backend *b) {
+  size_t blocks = (items + 255) / 256, cap = (size_t)moe_gpu_sm_count(b) * 16;
+  return (unsigned)(blocks < 1 ? 1 : blocks > cap ? cap : blocks);
+}
+
+} // namespace
+
+int moe_tc_rows(int config) {
+  return config == TC_SMALL ? CfgS::BT : config == TC_MEDIUM ? CfgM::BT : CfgL::BT;
+}
+
+bool moe_tc_eligible(moe_backend *b, const moe_expert_config *cfg) {
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 8)
+    return false;
+  const int64_t h = cfg->hidden_size, in = cfg->intermediate_size, g = cfg->group_size;
+  if (h % KB || in % KB) return false;
+  if (cfg->scheme != MOE_SCHEME_WNA16) return true;
+  return g == -1 || g % KB == 0 || g == 16 || g == 32;
+}
+
+moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_dtype scale_dt[2],
+                       void *const src[MOE_EXPERT_TENSOR_COUNT], void *dst[MOE_EXPERT_TENSOR_COUNT],
+                       moe_error *err) {
+  hipStream_t st = moe_gpu_stream(b);
+  const int e = (int)cfg->num_experts, h = (int)cfg->hidden_size, in = (int)cfg->intermediate_size;
+  const int il = cfg->activation == MOE_ACT_SWIGLU_OAI, w = tc_wkind(cfg);
+  for (int m = 0; m < 2; m++) {
+    const bool w13 = m == 0;
+    const int n = w13 ? 2 * in : h, k = w13 ? h : in;
+    const int ws =
+        cfg->scheme != MOE_SCHEME_WNA16 ? (w13 ? MOE_W13 : MOE_W2) : (w13 ? MOE_W13_QWEIGHT : MOE_W2_QWEIGHT);
+    const unsigned nb = blocks_for((size_t)e * (n / 16) * (k / KB) * 32, b);
+    const uint8_t *s = (const uint8_t *)src[ws];
+    uint8_t *d = (uint8_t *)dst[ws];
+    if (w == TW_16)
+      pack_weights<TW_16><<<nb, 256, 0, st>>>(s, d, e, n, k, w13, in, il);
+    else if (w == TW_INT4)
+      pack_weights<TW_INT4><<<nb, 256, 0, st>>>(s, d, e, n, k, w13, in, il);
+    else
+      pack_weights<TW_INT8><<<nb, 256, 0, st>>>(s, d, e, n, k, w13, in, il);
+    if (w != TW_16) {
+      const int ss = w13 ? MOE_W13_SCALES : MOE_W2_SCALES, zs = w13 ? MOE_W13_QZEROS : MOE_W2_QZEROS;
+      const int groups = cfg->group_size == -1 ? 1 : k / (int)cfg->group_size;
+      pack_groups<<<blocks_for((size_t)e * groups * n, b), 256, 0, st>>>(
+          src[ss], (int)scale_dt[m], cfg->has_zero_points ? (const uint8_t *)src[zs] : NULL, cfg->bits,
+          (float *)dst[ss], cfg->has_zero_points ? (uint8_t *)dst[zs] : NULL, e, n, groups, w13, in, il);
+    }
+  }
+  return moe_gpu_check(hipGetLastError(), "fused_moe weight packing", err);
+}
+
+moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, int config, int max_tiles,
+                       const TcArgs &a, moe_error *err) {
+  switch (tc_wkind(cfg)) {
+  case TW_INT4: return launch_act<TW_INT4>(b, act, config, max_tiles, a, err);
+  case TW_INT8: return launch_act<TW_INT8>(b, act, config, max_tiles, a, err);
+  default: return launch_act<TW_16>(b, act, config, max_tiles, a, err);
+  }
+}
+
+#else /* AMD: no tensor-core path yet (the portable GEMM serves every shape) */
+
+int moe_tc_rows(int config) { return 8; }
+bool moe_tc_eligible(moe_backend *b, const moe_expert_config *cfg) { return false; }
+moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_dtype scale_dt[2],
+                       void *const src[MOE_EXPERT_TENSOR_COUNT], void *dst[MOE_EXPERT_TENSOR_COUNT],
+                       moe_error *err) {
+  return moe_fail(err, MOE_EUNSUPPORTED, "fused_moe: no tensor-core path on this GPU");
+}
+moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, int config, int max_tiles,
+                       const TcArgs &a, moe_error *err) {
+  return moe_fail(err, MOE_EUNSUPPORTED, "fused_moe: no tensor-core path on this GPU");
+}
+#endif
