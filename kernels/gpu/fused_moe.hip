@@ -534,34 +534,31 @@ struct Plan {
   }
 };
 
+/* Instantiated: tile heights 1 and 8 only, and the 16-bit weight formats
+ * with their own activation dtype only (the op rejects the others): the
+ * file's compile time is that of these kernels. */
 template <int W, int ACT, int PHASE> void launch_gemm(int bm, dim3 grid, hipStream_t st, const GemmArgs &g) {
-  switch (bm) {
-  case 1: gemm_kernel<W, ACT, PHASE, 1><<<grid, MOE_GPU_BLOCK, 0, st>>>(g); break;
-  case 4: gemm_kernel<W, ACT, PHASE, 4><<<grid, MOE_GPU_BLOCK, 0, st>>>(g); break;
-  default: gemm_kernel<W, ACT, PHASE, 8><<<grid, MOE_GPU_BLOCK, 0, st>>>(g); break;
-  }
+  if (bm == 1)
+    gemm_kernel<W, ACT, PHASE, 1><<<grid, MOE_GPU_BLOCK, 0, st>>>(g);
+  else
+    gemm_kernel<W, ACT, PHASE, 8><<<grid, MOE_GPU_BLOCK, 0, st>>>(g);
+}
+
+template <int W, int ACT>
+void launch_phases(int bm, dim3 g1, dim3 g2, hipStream_t st, const GemmArgs &a1, const GemmArgs &a2) {
+  launch_gemm<W, ACT, 1>(bm, g1, st, a1);
+  launch_gemm<W, ACT, 2>(bm, g2, st, a2);
 }
 
 template <int ACT>
 void launch_both(int w, int bm, dim3 g1, dim3 g2, hipStream_t st, const GemmArgs &a1, const GemmArgs &a2) {
-  switch (w) {
-  case W_F16:
-    launch_gemm<W_F16, ACT, 1>(bm, g1, st, a1);
-    launch_gemm<W_F16, ACT, 2>(bm, g2, st, a2);
-    break;
-  case W_INT4:
-    launch_gemm<W_INT4, ACT, 1>(bm, g1, st, a1);
-    launch_gemm<W_INT4, ACT, 2>(bm, g2, st, a2);
-    break;
-  case W_INT8:
-    launch_gemm<W_INT8, ACT, 1>(bm, g1, st, a1);
-    launch_gemm<W_INT8, ACT, 2>(bm, g2, st, a2);
-    break;
-  default:
-    launch_gemm<W_BF16, ACT, 1>(bm, g1, st, a1);
-    launch_gemm<W_BF16, ACT, 2>(bm, g2, st, a2);
-    break;
-  }
+  constexpr int W16 = ACT == A_BF16 ? W_BF16 : W_F16;
+  if (w == W_INT4)
+    launch_phases<W_INT4, ACT>(bm, g1, g2, st, a1, a2);
+  else if (w == W_INT8)
+    launch_phases<W_INT8, ACT>(bm, g1, g2, st, a1, a2);
+  else
+    launch_phases<W16, ACT>(bm, g1, g2, st, a1, a2);
 }
 
 } // namespace
@@ -598,12 +595,11 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   const int64_t avg = n64 / (el < n64 ? el : n64);
   int tc_config = avg <= 8 ? TC_SMALL : avg <= 48 ? TC_MEDIUM : TC_LARGE;
   if (const char *force = getenv("MOE_GPU_FUSED_TILE")) {
-    tc_config = !strcmp(force, "small")    ? TC_SMALL
-                : !strcmp(force, "medium") ? TC_MEDIUM
-                : !strcmp(force, "large")  ? TC_LARGE
-                                           : tc_config;
+    static const char *const names[TC_CONFIGS] = {"small", "medium", "large"};
+    for (int i = 0; i < TC_CONFIGS; i++)
+      if (!strcmp(force, names[i])) tc_config = i;
   }
-  const int bm = tc ? moe_tc_rows(tc_config) : avg < 2 ? 1 : avg < 6 ? 4 : 8;
+  const int bm = tc ? moe_tc_rows(tc_config) : avg < 4 ? 1 : 8;
   const int64_t max_tiles = (n64 + bm - 1) / bm + (el < n64 ? el : n64);
   const int nc = (int)(n64 / 16 < 1 ? 1 : n64 / 16 > ALIGN_THREADS ? ALIGN_THREADS : n64 / 16);
   const int len = (n + nc - 1) / nc;

@@ -101,14 +101,18 @@ int tc_wkind(const moe_expert_config *cfg) {
 }
 
 /* Tile configurations: WG warpgroups, each 64 weight rows (16 per warp) x
- * BT tokens; STAGES deep. */
-template <int WG_, int BT_> struct Cfg {
-  static constexpr int WG = WG_, BT = BT_, NT = BT_ / 8;
+ * BT tokens; BUDGET bytes of shared memory for the stages (small tiles
+ * leave room for several blocks per SM, the large one takes one SM and a
+ * deep pipeline). The large tile is 256 x 128 because the L2 -> SM path,
+ * not the tensor cores, bounded a 128 x 128 one (32 KB per 2 MFLOP per 64
+ * columns of K); 128 x 256 (two warpgroups of n256) measured slower. */
+template <int WG_, int BT_, int BUDGET_> struct Cfg {
+  static constexpr int WG = WG_, BT = BT_, NT = BT_ / 8, BUDGET = BUDGET_;
   static constexpr int BN = 64 * WG, THREADS = 128 * WG;
 };
-using CfgS = Cfg<1, 8>;   /* decode: 64 x 8 */
-using CfgM = Cfg<1, 32>;  /* 64 x 32 */
-using CfgL = Cfg<2, 128>; /* 128 x 128 */
+using CfgS = Cfg<1, 8, 49152>;    /* decode: 64 x 8 */
+using CfgM = Cfg<1, 32, 49152>;   /* 64 x 32 */
+using CfgL = Cfg<4, 128, 200704>; /* 256 x 128 */
 
 /* One stage: B (the tokens, 128-byte rows, 16-byte chunks swizzled by
  * row: the wgmma 128-byte swizzle, so the stage is 1024-byte aligned), A
@@ -120,8 +124,8 @@ template <int W, class C> struct Smem {
   static constexpr int S = WNA16 ? SG_MAX * C::BN * 4 : 0;
   static constexpr int Z = WNA16 ? SG_MAX * C::BN : 0;
   static constexpr int STAGE = (B + A + S + Z + 1023) / 1024 * 1024;
-  /* ~48 KB of stages in flight per block, 3 to 8 deep */
-  static constexpr int STAGES = 49152 / STAGE < 3 ? 3 : 49152 / STAGE > 8 ? 8 : 49152 / STAGE;
+  /* the budget's worth of stages, 3 to 8 deep */
+  static constexpr int STAGES = C::BUDGET / STAGE < 3 ? 3 : C::BUDGET / STAGE > 8 ? 8 : C::BUDGET / STAGE;
   static constexpr int BYTES = STAGES * STAGE + 1024; /* + alignment slack */
 };
 
@@ -189,8 +193,12 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void wgmma_wait0() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/* registers an in-flight wgmma reads: live (not reused) until this point */
+__device__ __forceinline__ void keep_alive(uint32_t (&r)[4]) {
+  asm volatile("" : "+r"(r[0]), "+r"(r[1]), "+r"(r[2]), "+r"(r[3])::"memory");
 }
 
 /* D (64 x N, fp32, this thread's N / 2 values: n8 block j, c0..c3 as in
@@ -479,12 +487,14 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
 
   const uint32_t zdef = W == TW_INT4 ? 8 : 128;
   Deq dq; /* the group's scales and zero points: reloaded where a group starts */
-  auto compute = [&](int kb, int stage) {
+  /* compute: this warp's A fragments of stage kb into af (rows past N:
+   * zeros, results unused), then the stage's multiply-adds. With wgmma they
+   * stay in flight when compute returns (af and the stage too, until the
+   * next compute's wait): af alternates between two buffers. */
+  auto compute = [&](int kb, int stage, uint32_t(&af)[KB / 16][4], uint32_t(&af_prev)[KB / 16][4]) {
     const uint8_t *sb = smem + stage * S::STAGE, *sa = sb + S::B;
     const float *ss = (const float *)(sa + S::A);
     const uint8_t *sz = (const uint8_t *)(ss + SG_MAX * BN);
-    /* this warp's A fragments of the stage (rows past N: zeros, results unused) */
-    uint32_t af[KB / 16][4];
     uint4 raw[CH / 512];
 #pragma unroll
     for (int h = 0; h < CH / 512; h++)
@@ -527,8 +537,12 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
     for (int ks = 0; ks < KB / 16; ks++)
       wgmma<BT, ACT>(acc, af[ks], wgmma_desc(smem_addr(sb) + ks * 32));
     wgmma_commit();
-    wgmma_wait0(); /* the stage and af are reused after the next barrier */
+    wgmma_wait<1>(); /* the previous stage's products are done: af_prev and its stage are free */
+#pragma unroll
+    for (int ks = 0; ks < KB / 16; ks++)
+      keep_alive(af_prev[ks]);
 #else
+    (void)af_prev;
 #pragma unroll
     for (int ks = 0; ks < KB / 16; ks++) {
 #pragma unroll
@@ -550,22 +564,37 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
 #endif
   };
 
+  /* PF stages ahead; with wgmma one fewer, the stage still being read by
+   * the products in flight */
   constexpr int ST = S::STAGES;
+#if defined(MOE_TC_WGMMA)
+  constexpr int PF = ST - 2;
+#else
+  constexpr int PF = ST - 1;
+#endif
 #pragma unroll
-  for (int s = 0; s < ST - 1; s++) {
+  for (int s = 0; s < PF; s++) {
     if (s < nkb) issue(s, s);
     cp_async_commit();
   }
-  for (int kb = 0; kb < nkb; kb++) {
-    cp_async_wait<ST - 2>();
+  auto step = [&](int kb, uint32_t(&af)[KB / 16][4], uint32_t(&af_prev)[KB / 16][4]) {
+    cp_async_wait<PF - 1>();
 #if defined(MOE_TC_WGMMA)
     fence_proxy_async();
 #endif
-    __syncthreads(); /* stage kb landed for everyone; stage kb - 1 is free */
-    if (kb + ST - 1 < nkb) issue(kb + ST - 1, (kb + ST - 1) % ST);
+    __syncthreads(); /* stage kb landed for everyone; the stage PF ahead is free */
+    if (kb + PF < nkb) issue(kb + PF, (kb + PF) % ST);
     cp_async_commit();
-    compute(kb, kb % ST);
+    compute(kb, kb % ST, af, af_prev);
+  };
+  uint32_t af0[KB / 16][4], af1[KB / 16][4];
+  for (int kb = 0; kb < nkb; kb += 2) { /* by two: the fragment buffers alternate by name */
+    step(kb, af0, af1);
+    if (kb + 1 < nkb) step(kb + 1, af1, af0);
   }
+#if defined(MOE_TC_WGMMA)
+  wgmma_wait<0>();
+#endif
   cp_async_wait<0>();
 
   /* epilogue: c0, c1 = row r (lane / 4), tokens 2 (lane % 4) + {0, 1}; c2, c3 = row r + 8 */
