@@ -601,7 +601,9 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   }
   const int bm = tc ? moe_tc_rows(tc_config) : avg < 4 ? 1 : 8;
   const int64_t max_tiles = (n64 + bm - 1) / bm + (el < n64 ? el : n64);
-  const int nc = (int)(n64 / 16 < 1 ? 1 : n64 / 16 > ALIGN_THREADS ? ALIGN_THREADS : n64 / 16);
+  /* chunks of about 64 slots, at most 256: the serial per-expert scan over
+   * chunks and the per-chunk walk stay short (the order does not depend on it) */
+  const int nc = (int)(n64 / 64 < 1 ? 1 : n64 / 64 > 256 ? 256 : n64 / 64);
   const int len = (n + nc - 1) / nc;
 
   Plan p;

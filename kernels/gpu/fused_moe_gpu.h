@@ -24,22 +24,23 @@ template <int ACT> __device__ __forceinline__ float from16(uint32_t h) {
   return ACT == A_BF16 ? moe_bf16_to_f32((uint16_t)h) : moe_f16_to_f32((uint16_t)h);
 }
 
-/* exp and erf rounded once from double: close to the CPU's libm (the same
- * functions, correctly rounded but for rare cases). */
-__device__ __forceinline__ float exp_cr(float x) { return (float)exp((double)x); }
-__device__ __forceinline__ float erf_cr(float x) { return (float)erf((double)x); }
+/* exp and erf in fp32 (CUDA's and HIP's accurate expf/erff: within 2 ulp
+ * of libm's, far inside NUMERICS.md's tolerance; rounding from double cost
+ * a tenth of a large gate_up GEMM in fp64 work). */
+__device__ __forceinline__ float exp_f(float x) { return expf(x); }
+__device__ __forceinline__ float erf_f(float x) { return erff(x); }
 
 /* NUMERICS.md: a = act(act(f(g)) * u), or swiglu_oai; g and u act-rounded.
  * The CPU's expressions (kernels/cpu/fused_moe.c activate()). */
 template <int ACT> __device__ __forceinline__ float activate(int fn, float g, float u) {
   if (fn == MOE_ACT_GELU)
-    return act_round<ACT>(act_round<ACT>(0.5f * g * (1.0f + erf_cr(g * 0.70710678118654752f))) * u);
+    return act_round<ACT>(act_round<ACT>(0.5f * g * (1.0f + erf_f(g * 0.70710678118654752f))) * u);
   if (fn == MOE_ACT_SWIGLU_OAI) {
     g = g > 7.0f ? 7.0f : g;
     u = u > 7.0f ? 7.0f : (u < -7.0f ? -7.0f : u);
-    return act_round<ACT>((u + 1.0f) * g * (1.0f / (1.0f + exp_cr(-(1.702f * g)))));
+    return act_round<ACT>((u + 1.0f) * g * (1.0f / (1.0f + exp_f(-(1.702f * g)))));
   }
-  return act_round<ACT>(act_round<ACT>(g / (1.0f + exp_cr(-g))) * u);
+  return act_round<ACT>(act_round<ACT>(g / (1.0f + exp_f(-g))) * u);
 }
 
 /* ---- the tensor-core path (fused_moe_tc.hip) ----------------------------------- */

@@ -196,6 +196,12 @@ __device__ __forceinline__ void wgmma_commit() {
 template <int N> __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+/* the accumulators as they are here (no copies across the wgmma region) */
+template <int NT> __device__ __forceinline__ void fence_acc(float (&d)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; j++)
+    asm volatile("" : "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])::"memory");
+}
 /* registers an in-flight wgmma reads: live (not reused) until this point */
 __device__ __forceinline__ void keep_alive(uint32_t (&r)[4]) {
   asm volatile("" : "+r"(r[0]), "+r"(r[1]), "+r"(r[2]), "+r"(r[3])::"memory");
@@ -532,15 +538,21 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
       }
     }
 #if defined(MOE_TC_WGMMA)
+    /* everything the products read or write is in place before the fence
+     * and untouched until their wait (else ptxas serializes them) */
+#pragma unroll
+    for (int ks = 0; ks < KB / 16; ks++)
+      keep_alive(af[ks]);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < KB / 16; ks++)
       wgmma<BT, ACT>(acc, af[ks], wgmma_desc(smem_addr(sb) + ks * 32));
     wgmma_commit();
-    wgmma_wait<1>(); /* the previous stage's products are done: af_prev and its stage are free */
-#pragma unroll
-    for (int ks = 0; ks < KB / 16; ks++)
-      keep_alive(af_prev[ks]);
+    /* the stage's products complete here: with one group kept in flight
+     * across stages (wait 1, PF = ST - 2) results went wrong on the H200
+     * for reasons not yet found, so the stage and af are free again */
+    wgmma_wait<0>();
+    (void)af_prev;
 #else
     (void)af_prev;
 #pragma unroll
@@ -564,14 +576,9 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
 #endif
   };
 
-  /* PF stages ahead; with wgmma one fewer, the stage still being read by
-   * the products in flight */
+  /* PF stages ahead */
   constexpr int ST = S::STAGES;
-#if defined(MOE_TC_WGMMA)
-  constexpr int PF = ST - 2;
-#else
   constexpr int PF = ST - 1;
-#endif
 #pragma unroll
   for (int s = 0; s < PF; s++) {
     if (s < nkb) issue(s, s);
@@ -588,9 +595,9 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
     compute(kb, kb % ST, af, af_prev);
   };
   uint32_t af0[KB / 16][4], af1[KB / 16][4];
-  for (int kb = 0; kb < nkb; kb += 2) { /* by two: the fragment buffers alternate by name */
+  for (int kb = 0; kb < nkb; kb += 2) { /* by two (nkb is even): the fragment buffers alternate by name */
     step(kb, af0, af1);
-    if (kb + 1 < nkb) step(kb + 1, af1, af0);
+    step(kb + 1, af1, af0);
   }
 #if defined(MOE_TC_WGMMA)
   wgmma_wait<0>();
@@ -748,8 +755,9 @@ bool moe_tc_eligible(moe_backend *b, const moe_expert_config *cfg) {
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 8)
     return false;
+  /* K of both GEMMs a multiple of 2 KB: the main loop runs stages in pairs */
   const int64_t h = cfg->hidden_size, in = cfg->intermediate_size, g = cfg->group_size;
-  if (h % KB || in % KB) return false;
+  if (h % (2 * KB) || in % (2 * KB)) return false;
   if (cfg->scheme != MOE_SCHEME_WNA16) return true;
   return g == -1 || g % KB == 0 || g == 16 || g == 32;
 }
