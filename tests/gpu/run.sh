@@ -4,7 +4,9 @@
 # bf16 matmul ceiling, the fused_moe bench. Every log goes to LOGDIR; a summary to stdout.
 #   tests/gpu/run.sh LOGDIR            build here (CMake, nvcc, Check) and run
 #   tests/gpu/run.sh LOGDIR BINDIR     run prebuilt test_gpu + moe-bench-gpu
-#                                      (BINDIR/lib: shared libs they need)
+#                                      (BINDIR/lib: shared libs they need;
+#                                      BINDIR/bin.tar.xz: both binaries packed
+#                                      by tests/gpu/pack.sh, unpacked here)
 set -u
 LOG=${1:?usage: tests/gpu/run.sh LOGDIR [BINDIR]}
 BIN=${2:-}
@@ -18,9 +20,18 @@ if [ -z "$BIN" ]; then
   TEST=$ROOT/build-gpu/tests/gpu/test_gpu
   BENCH=$ROOT/build-gpu/bench/gpu/moe-bench-gpu
 else
-  TEST=$BIN/test_gpu
-  BENCH=$BIN/moe-bench-gpu
+  BIN=$(cd "$BIN" && pwd)
   export LD_LIBRARY_PATH=$BIN/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  if [ -f "$BIN/bin.tar.xz" ]; then
+    UNPACK=$(mktemp -d)
+    python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$BIN/bin.tar.xz" "$UNPACK"
+    chmod +x "$UNPACK"/*
+    TEST=$UNPACK/test_gpu
+    BENCH=$UNPACK/moe-bench-gpu
+  else
+    TEST=$BIN/test_gpu
+    BENCH=$BIN/moe-bench-gpu
+  fi
 fi
 rc=0
 nvidia-smi >"$LOG/nvidia-smi.txt" 2>&1 && head -12 "$LOG/nvidia-smi.txt"
