@@ -51,6 +51,7 @@ typedef struct packed_entry {
 typedef struct gpu_ctx {
   int device;
   int sm_count;
+  int cc_major; /* compute capability (NVIDIA) or gfx major (AMD) */
   hipStream_t stream;
   pool_node *free_list[POOL_CLASSES];
   live_slot *live; /* open addressing, power-of-two capacity */
@@ -189,12 +190,11 @@ static moe_status gpu_alloc(moe_backend *b, size_t nbytes, void **out) {
   return MOE_OK;
 }
 
-static void packed_drop_overlapping(moe_backend *b, const void *p, size_t n);
-
-static void gpu_free(moe_backend *b, void *ptr) {
+/* Returns a block to the pool (the backend's own blocks: workspace, set
+ * copies, packed copies); gpu_free is the API's free. */
+static void pool_free(moe_backend *b, void *ptr) {
   gpu_ctx *ctx = b->context;
   if (!ptr) return;
-  packed_drop_overlapping(b, ptr, 1);
   int cls = live_remove(ctx, ptr);
   if (cls < 0) return; /* not ours */
   pool_node *n = malloc(sizeof *n);
@@ -213,7 +213,7 @@ void *moe_gpu_workspace(moe_backend *b, size_t bytes) {
   if (bytes <= ctx->ws_size && ctx->ws) return ctx->ws;
   void *p;
   if (gpu_alloc(b, bytes, &p) != MOE_OK) return NULL;
-  if (ctx->ws) gpu_free(b, ctx->ws); /* stream-ordered reuse: safe */
+  if (ctx->ws) pool_free(b, ctx->ws); /* stream-ordered reuse: safe */
   ctx->ws = p;
   ctx->ws_size = bytes;
   return p;
@@ -221,6 +221,7 @@ void *moe_gpu_workspace(moe_backend *b, size_t bytes) {
 
 hipStream_t moe_gpu_stream(moe_backend *b) { return ((gpu_ctx *)b->context)->stream; }
 int moe_gpu_sm_count(const moe_backend *b) { return ((const gpu_ctx *)b->context)->sm_count; }
+int moe_gpu_cc_major(const moe_backend *b) { return ((const gpu_ctx *)b->context)->cc_major; }
 
 moe_status moe_gpu_enter(moe_backend *b, moe_error *err) {
   return moe_gpu_check(hipSetDevice(((gpu_ctx *)b->context)->device), "hipSetDevice", err);
@@ -229,6 +230,8 @@ moe_status moe_gpu_enter(moe_backend *b, moe_error *err) {
 /* ---- copies through pinned staging ----------------------------------------
  * Pageable host memory cannot be copied asynchronously; two pinned chunks
  * alternate so that the host memcpy of one overlaps the DMA of the other. */
+
+static void packed_drop_overlapping(moe_backend *b, const void *p, size_t n);
 
 static moe_status gpu_copy_in(moe_backend *b, void *dst, const void *src, size_t n) {
   gpu_ctx *ctx = b->context;
@@ -278,7 +281,7 @@ static moe_status gpu_copy_out(moe_backend *b, void *dst, const void *src, size_
 
 static void set_entry_free(moe_backend *b, set_entry *e) {
   for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
-    if (e->dev[i]) gpu_free(b, e->dev[i]); /* stream-ordered reuse: safe */
+    if (e->dev[i]) pool_free(b, e->dev[i]); /* stream-ordered reuse: safe */
   free(e);
 }
 
@@ -325,7 +328,7 @@ moe_status moe_gpu_set_weights(moe_backend *b, const moe_expert_set *set, void *
       }
       for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
         if (packed[i]) {
-          gpu_free(b, e->dev[i]);
+          pool_free(b, e->dev[i]);
           e->dev[i] = packed[i];
         }
     }
@@ -340,7 +343,7 @@ moe_status moe_gpu_set_weights(moe_backend *b, const moe_expert_set *set, void *
 
 static void packed_entry_free(moe_backend *b, packed_entry *e) {
   for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
-    if (e->dst[i]) gpu_free(b, e->dst[i]); /* stream-ordered reuse: safe */
+    if (e->dst[i]) pool_free(b, e->dst[i]); /* stream-ordered reuse: safe */
   free(e);
 }
 
@@ -419,6 +422,13 @@ moe_status moe_gpu_inline_packed(moe_backend *b, const moe_expert_set *set,
   for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
     if (e->dst[i]) dev[i] = e->dst[i];
   return MOE_OK;
+}
+
+/* The API's free: a buffer a packed copy was made from takes that copy along. */
+static void gpu_free(moe_backend *b, void *ptr) {
+  if (!ptr) return;
+  packed_drop_overlapping(b, ptr, 1);
+  pool_free(b, ptr);
 }
 
 static moe_status gpu_sync(moe_backend *b) {
@@ -505,6 +515,7 @@ moe_status moe_backend_gpu_create(int device, moe_backend **out, moe_error *err)
   if ((s = moe_gpu_check(hipSetDevice(device), "hipSetDevice", err))) goto fail;
   if ((s = moe_gpu_check(hipGetDeviceProperties(&prop, device), "hipGetDeviceProperties", err))) goto fail;
   ctx->sm_count = prop.multiProcessorCount > 0 ? prop.multiProcessorCount : 1;
+  ctx->cc_major = prop.major;
   snprintf(b->name, sizeof b->name, "gpu%d: %.48s", device, prop.name);
   if ((s = moe_gpu_check(hipStreamCreateWithFlags(&ctx->stream, hipStreamNonBlocking), "stream", err)))
     goto fail;

@@ -591,7 +591,7 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
    * the portable path's) is a launch choice from the batch only: results
    * do not depend on it. MOE_GPU_FUSED_TILE=small|medium|large forces one
    * tensor-core configuration (tests compare them bit for bit). */
-  const bool tc = moe_tc_eligible(b, cfg);
+  const bool tc = moe_gpu_fused_packs(b, cfg);
   const int64_t avg = n64 / (el < n64 ? el : n64);
   int tc_config = avg <= 8 ? TC_SMALL : avg <= 48 ? TC_MEDIUM : TC_LARGE;
   if (const char *force = getenv("MOE_GPU_FUSED_TILE")) {

@@ -68,10 +68,7 @@ struct TcArgs {
   uint16_t *out;
 };
 
-/* Whether a set of this configuration runs (and is stored) on the
- * tensor-core path of device `b`: a function of the shape, the scheme and
- * the device only, never of a call. */
-bool moe_tc_eligible(moe_backend *b, const moe_expert_config *cfg);
+/* Whether a set takes this path: gpu.h's moe_gpu_fused_packs. */
 /* Bytes of the packed form of expert tensor `slot` (0: not packed). The
  * packing itself: gpu.h's moe_gpu_fused_pack. */
 size_t moe_tc_packed_bytes(const moe_expert_config *cfg, int slot);

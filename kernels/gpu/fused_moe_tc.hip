@@ -1,7 +1,7 @@
 /* GPU: fused_moe's GEMMs on the tensor cores (NVIDIA sm_80+: mma.sync
  * m16n8k16, bf16/fp16 operands, fp32 accumulators; cp.async pipeline).
  * fused_moe.hip runs the pipeline (route, align, sum) and calls
- * moe_tc_gemm for gate_up and down when moe_tc_eligible says the set's
+ * moe_tc_gemm for gate_up and down when moe_gpu_fused_packs says the set's
  * shape and scheme run here; everything else (and AMD) takes the portable
  * GEMM in fused_moe.hip.
  *
@@ -43,7 +43,7 @@
 #include "fused_moe_gpu.h"
 
 /* moe_tc_packed_bytes is plain arithmetic on the configuration; the rest
- * exists on NVIDIA only (AMD: moe_tc_eligible is false). */
+ * exists on NVIDIA only (AMD: moe_gpu_fused_packs is false). */
 size_t moe_tc_packed_bytes(const moe_expert_config *cfg, int slot) {
   const size_t e = (size_t)cfg->num_experts, h = (size_t)cfg->hidden_size,
                in = (size_t)cfg->intermediate_size;
@@ -56,10 +56,6 @@ size_t moe_tc_packed_bytes(const moe_expert_config *cfg, int slot) {
   if (slot == MOE_W13_SCALES || slot == MOE_W2_SCALES) return e * groups * n * 4;
   if ((slot == MOE_W13_QZEROS || slot == MOE_W2_QZEROS) && cfg->has_zero_points) return e * groups * n;
   return 0;
-}
-
-extern "C" bool moe_gpu_fused_packs(moe_backend *b, const moe_expert_config *cfg) {
-  return moe_tc_eligible(b, cfg);
 }
 
 extern "C" moe_status moe_gpu_fused_pack(moe_backend *b, const moe_expert_set *set,
@@ -711,8 +707,8 @@ moe_status launch(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err
   /* the limit is an attribute of the function per device; set once each
    * (a benign race: every thread sets the same value) */
   static bool attr_set[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64 || !attr_set[dev]) {
+  const int dev = b->device;
+  if (dev < 0 || dev >= 64 || !attr_set[dev]) {
     moe_status s = moe_gpu_check(
         cudaFuncSetAttribute(tc_gemm<W, ACT, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::BYTES),
         "fused_moe tensor-core smem", err);
@@ -750,11 +746,8 @@ int moe_tc_rows(int config) {
   return config == TC_SMALL ? CfgS::BT : config == TC_MEDIUM ? CfgM::BT : CfgL::BT;
 }
 
-bool moe_tc_eligible(moe_backend *b, const moe_expert_config *cfg) {
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 8)
-    return false;
+extern "C" bool moe_gpu_fused_packs(moe_backend *b, const moe_expert_config *cfg) {
+  if (moe_gpu_cc_major(b) < 8) return false;
   /* K of both GEMMs a multiple of 2 KB: the main loop runs stages in pairs */
   const int64_t h = cfg->hidden_size, in = cfg->intermediate_size, g = cfg->group_size;
   if (h % (2 * KB) || in % (2 * KB)) return false;
@@ -805,7 +798,7 @@ moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, in
 #else /* AMD: no tensor-core path yet (the portable GEMM serves every shape) */
 
 int moe_tc_rows(int config) { return 8; }
-bool moe_tc_eligible(moe_backend *b, const moe_expert_config *cfg) { return false; }
+extern "C" bool moe_gpu_fused_packs(moe_backend *b, const moe_expert_config *cfg) { return false; }
 moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_dtype scale_dt[2],
                        void *const src[MOE_EXPERT_TENSOR_COUNT], void *dst[MOE_EXPERT_TENSOR_COUNT],
                        moe_error *err) {

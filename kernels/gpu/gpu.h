@@ -18,6 +18,8 @@ extern "C" {
 hipStream_t moe_gpu_stream(moe_backend *b);
 /* Multiprocessors (compute units) of b's device, for grid sizing. */
 int moe_gpu_sm_count(const moe_backend *b);
+/* Major compute capability of b's device (NVIDIA; the gfx major on AMD). */
+int moe_gpu_cc_major(const moe_backend *b);
 /* Device scratch of at least `bytes`, owned by the backend and reused across
  * calls (no device malloc per call once it has grown). Valid until the next
  * call of this function on `b`; work queued on b's stream may use it. NULL
