@@ -14,7 +14,8 @@
  * --matmul-tflops (bench/gpu/matmul_ceiling.py, same run).
  *
  *   moe-bench-gpu [--runs N] [--max-mib 1024]
- *   moe-bench-gpu --fused [--runs N] [--matmul-tflops X] [--max-tokens T] [--only NAME|bf16|int4] */
+ *   moe-bench-gpu --fused [--runs N] [--matmul-tflops X] [--max-tokens T] [--only NAME|bf16|int4[,...]]
+ *                 [--tokens T1,T2,...] */
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -159,8 +160,31 @@ static void *dev_alloc(moe_backend *b, size_t n) {
 
 #define ROT 8
 
+/* --only A,B,...: every entry names part of the layer or the scheme (bf16, int4) */
+static bool selected(const char *only, const char *layer, const char *scheme) {
+  if (!only) return true;
+  char buf[256];
+  snprintf(buf, sizeof buf, "%s", only);
+  for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save))
+    if (!strstr(layer, tok) && strcmp(scheme, tok)) return false;
+  return true;
+}
+
+/* --tokens T1,T2,...: the token counts to run (all when absent) */
+static bool token_selected(const char *list, int64_t t) {
+  if (!list) return true;
+  for (const char *p = list; *p;) {
+    char *end;
+    const long long v = strtoll(p, &end, 10);
+    if (end == p) return false;
+    if (v == t) return true;
+    p = *end == ',' ? end + 1 : end;
+  }
+  return false;
+}
+
 static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64_t max_tokens,
-                        const char *only) {
+                        const char *only, const char *only_tokens) {
   static const struct {
     const char *name;
     int64_t e, k, h, i;
@@ -173,7 +197,7 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
          "|---|---|---|---|---|---|---|---|---|\n");
   for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++)
     for (int int4 = 0; int4 < 2; int4++) {
-      if (only && !strstr(models[mi].name, only) && strcmp(int4 ? "int4" : "bf16", only)) continue;
+      if (!selected(only, models[mi].name, int4 ? "int4" : "bf16")) continue;
       const int64_t E = models[mi].e, K = models[mi].k, H = models[mi].h, I = models[mi].i;
       /* weights on the device, inline inputs of model fused_moe */
       moe_named_tensor w[4];
@@ -209,6 +233,7 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
       for (size_t ti = 0; ti < sizeof tokens / sizeof tokens[0]; ti++) {
         const int64_t T = tokens[ti];
         if (T > tmax) break;
+        if (!token_selected(only_tokens, T)) continue;
         moe_call *calls[ROT];
         void *dids[ROT], *dw[ROT];
         double wbytes = 0;
@@ -313,7 +338,8 @@ int main(int argc, char **argv) {
   bool fused = false;
   double mm_tflops = 0;
   int64_t max_tokens = 4096;
-  const char *only = NULL; /* --only NAME: the layers whose name contains NAME, or one scheme (bf16, int4) */
+  const char *only = NULL;        /* --only A,B: layers whose name contains each, or a scheme (bf16, int4) */
+  const char *only_tokens = NULL; /* --tokens T1,T2 */
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--runs") && i + 1 < argc)
       runs = atoi(argv[++i]);
@@ -327,6 +353,8 @@ int main(int argc, char **argv) {
       max_tokens = atol(argv[++i]);
     else if (!strcmp(argv[i], "--only") && i + 1 < argc)
       only = argv[++i];
+    else if (!strcmp(argv[i], "--tokens") && i + 1 < argc)
+      only_tokens = argv[++i];
   }
   setvbuf(stdout, NULL, _IOLBF, 0); /* lines reach a pipe as they are printed */
   const char *why;
@@ -362,7 +390,7 @@ int main(int argc, char **argv) {
   b->iface->free(b, dst);
   if (fused) {
     b->iface->free(b, src);
-    bench_fused(b, copy_gbs, mm_tflops, max_tokens, only);
+    bench_fused(b, copy_gbs, mm_tflops, max_tokens, only, only_tokens);
     moe_backend_destroy(b);
     return 0;
   }

@@ -363,16 +363,21 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK, BM >= 8 ? 1 : 2) gemm_kernel(Ge
 
 /* ---- align: slots grouped by local expert, and the tile list ----------------------- */
 
-constexpr int ALIGN_THREADS = 1024;
+constexpr int ALIGN_THREADS = 1024, ALIGN_SMEM_HIST = 8192;
 
 /* One block. Chunk c (thread c < nc) holds slots [c L, (c + 1) L).
  * hist[e * nc + c]: count of expert e in chunk c, then its exclusive prefix
  * over chunks, then the placement cursor. Placement is chunk by chunk in
  * slot order, so each expert's rows are its slots in ascending order. */
 __global__ void __launch_bounds__(ALIGN_THREADS)
-    align_kernel(const int32_t *ids, int n, int el, int offset, int bm, int nc, int len, int *hist,
+    align_kernel(const int32_t *ids, int n, int el, int offset, int bm, int nc, int len, int *hist_g,
                  int *start, int *tstart, int4 *tiles, int *ntiles, int *sorted) {
   const int tid = (int)threadIdx.x;
+  /* the per-chunk counters in shared memory when they fit (each chunk's
+   * thread updates its counters one slot after another: global memory
+   * would make that a chain of round trips) */
+  __shared__ int hist_s[ALIGN_SMEM_HIST];
+  int *hist = el * nc <= ALIGN_SMEM_HIST ? hist_s : hist_g;
   for (int i = tid; i < el * nc; i += ALIGN_THREADS)
     hist[i] = 0;
   __syncthreads();
@@ -446,6 +451,7 @@ __global__ void __launch_bounds__(ALIGN_THREADS)
 
 /* out[t, h .. h + 8) = act(sum over k of y[t k + kk, ...]), experts held
  * elsewhere skipped; 8 columns per thread. */
+constexpr int SUM_K = 8;
 template <int ACT>
 __global__ void __launch_bounds__(MOE_GPU_BLOCK)
     sum_kernel(const uint16_t *y, const int32_t *ids, int tokens, int k, int hidden, int offset, int el,
@@ -456,20 +462,37 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK)
        i += (size_t)gridDim.x * blockDim.x) {
     const int t = (int)(i / (size_t)per_row), h0 = (int)(i % (size_t)per_row) * 8;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int kk = 0; kk < k; kk++) {
-      const size_t slot = (size_t)t * (size_t)k + (size_t)kk;
-      const int le = ids[slot] - offset;
-      if (le < 0 || le >= el) continue;
-      const uint16_t *src = y + slot * (size_t)hidden + (size_t)h0;
-      if (vec) {
-        const uint4 u = *(const uint4 *)src;
-        const uint32_t wd[4] = {u.x, u.y, u.z, u.w};
+    /* SUM_K slots at a time: their ids, then their rows, are loaded
+     * together (one memory round trip each, not one per slot); the adds
+     * stay in ascending kk order */
+    for (int k0 = 0; k0 < k; k0 += SUM_K) {
+      const size_t slot0 = (size_t)t * (size_t)k + (size_t)k0;
+      bool held[SUM_K];
 #pragma unroll
-        for (int q = 0; q < 8; q++)
-          acc[q] += from16<ACT>((wd[q >> 1] >> (16 * (q & 1))) & 0xFFFFu);
+      for (int j = 0; j < SUM_K; j++) {
+        const int le = k0 + j < k ? ids[slot0 + j] - offset : -1;
+        held[j] = le >= 0 && le < el;
+      }
+      if (vec) {
+        uint4 u[SUM_K];
+#pragma unroll
+        for (int j = 0; j < SUM_K; j++)
+          if (held[j]) u[j] = *(const uint4 *)(y + (slot0 + j) * (size_t)hidden + (size_t)h0);
+#pragma unroll
+        for (int j = 0; j < SUM_K; j++) {
+          if (!held[j]) continue;
+          const uint32_t wd[4] = {u[j].x, u[j].y, u[j].z, u[j].w};
+#pragma unroll
+          for (int q = 0; q < 8; q++)
+            acc[q] += from16<ACT>((wd[q >> 1] >> (16 * (q & 1))) & 0xFFFFu);
+        }
       } else {
-        for (int q = 0; q < 8 && h0 + q < hidden; q++)
-          acc[q] += from16<ACT>(src[q]);
+        for (int j = 0; j < SUM_K; j++) {
+          if (!held[j]) continue;
+          const uint16_t *src = y + (slot0 + j) * (size_t)hidden + (size_t)h0;
+          for (int q = 0; q < 8 && h0 + q < hidden; q++)
+            acc[q] += from16<ACT>(src[q]);
+        }
       }
     }
     uint16_t *dst = out + (size_t)t * (size_t)hidden + (size_t)h0;
@@ -589,16 +612,14 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   /* The tensor-core path serves every shape and scheme it can (a property
    * of the set and the device, never of the call); its tile height (and
    * the portable path's) is a launch choice from the batch only: results
-   * do not depend on it. MOE_GPU_FUSED_TILE=small|medium|large forces one
-   * tensor-core configuration (tests compare them bit for bit). */
+   * do not depend on it. MOE_GPU_FUSED_TILE=small|medium|wide|large
+   * forces one tensor-core configuration (tests compare them bit for bit). */
   const bool tc = moe_gpu_fused_packs(b, cfg);
   const int64_t avg = n64 / (el < n64 ? el : n64);
-  int tc_config = avg <= 8 ? TC_SMALL : avg <= 48 ? TC_MEDIUM : TC_LARGE;
-  if (const char *force = getenv("MOE_GPU_FUSED_TILE")) {
-    static const char *const names[TC_CONFIGS] = {"small", "medium", "large"};
+  int tc_config = moe_tc_choose(cfg, avg);
+  if (const char *force = getenv("MOE_GPU_FUSED_TILE"))
     for (int i = 0; i < TC_CONFIGS; i++)
-      if (!strcmp(force, names[i])) tc_config = i;
-  }
+      if (!strcmp(force, moe_tc_config_names[i])) tc_config = i;
   const int bm = tc ? moe_tc_rows(tc_config) : avg < 4 ? 1 : 8;
   const int64_t max_tiles = (n64 + bm - 1) / bm + (el < n64 ? el : n64);
   /* chunks of about 64 slots, at most 256: the serial per-expert scan over

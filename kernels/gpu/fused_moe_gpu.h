@@ -48,8 +48,12 @@ template <int ACT> __device__ __forceinline__ float activate(int fn, float g, fl
 /* Tile configurations of the tensor-core GEMM (token rows per tile BT):
  * a launch choice from the batch only; every one computes each output
  * element with the same instruction sequence (fused_moe_tc.hip's header). */
-enum { TC_SMALL, TC_MEDIUM, TC_LARGE, TC_CONFIGS };
-int moe_tc_rows(int config); /* BT of a configuration */
+enum { TC_SMALL, TC_MEDIUM, TC_WIDE, TC_LARGE, TC_CONFIGS };
+extern const char *const moe_tc_config_names[TC_CONFIGS]; /* small, medium, wide, large */
+int moe_tc_rows(int config);                              /* BT of a configuration */
+/* The configuration for a batch of `avg` slots per routed expert (measured
+ * on the H200: bench/RESULTS.md) */
+int moe_tc_choose(const moe_expert_config *cfg, int64_t avg);
 
 /* One GEMM of the pipeline on packed weights (moe_gpu_fused_pack). */
 struct TcArgs {

@@ -35,9 +35,15 @@
  * Results are deterministic and independent of batching; across backends
  * NUMERICS.md's tolerance applies (another summation order than the CPU).
  *
- * Grid: x = the tile list (fastest, so the tiles of one expert that share a
- * weight strip run together and hit L2), y = the weight strips. Blocks past
- * the tile count the align step wrote return at once. */
+ * Grid: x = the tile list, y = the weight strips; blocks run in groups of
+ * RASTER tiles x every strip (tiles fastest), so the tiles of one expert
+ * that share a weight strip run together and hit L2. Blocks past the tile
+ * count the align step wrote return at once.
+ *
+ * Pipeline (sm_90a): a stage's wgmma group stays in flight while the next
+ * stage is dequantized and issued (wgmma.wait_group 1), so a stage slot is
+ * refilled two stages after its use and the fragment registers alternate
+ * between two buffers that are kept live until their products are done. */
 #include <string.h>
 
 #include "fused_moe_gpu.h"
@@ -57,6 +63,8 @@ size_t moe_tc_packed_bytes(const moe_expert_config *cfg, int slot) {
   if ((slot == MOE_W13_QZEROS || slot == MOE_W2_QZEROS) && cfg->has_zero_points) return e * groups * n;
   return 0;
 }
+
+const char *const moe_tc_config_names[TC_CONFIGS] = {"small", "medium", "wide", "large"};
 
 extern "C" moe_status moe_gpu_fused_pack(moe_backend *b, const moe_expert_set *set,
                                          void *const src[MOE_EXPERT_TENSOR_COUNT],
@@ -86,6 +94,7 @@ namespace {
 
 constexpr int KB = 64;    /* K columns per pipeline stage */
 constexpr int SG_MAX = 4; /* scale groups per stage (G = 16) */
+constexpr int RASTER = 8; /* tiles per group of the block order (tc_gemm) */
 
 enum { TW_16, TW_INT4, TW_INT8 };
 
@@ -101,13 +110,17 @@ int tc_wkind(const moe_expert_config *cfg) {
  * leave room for several blocks per SM, the large one takes one SM and a
  * deep pipeline). The large tile is 256 x 128 because the L2 -> SM path,
  * not the tensor cores, bounded a 128 x 128 one (32 KB per 2 MFLOP per 64
- * columns of K); 128 x 256 (two warpgroups of n256) measured slower. */
+ * columns of K); 128 x 256 (two warpgroups of n256) measured slower, and
+ * so did 192 x 128 (three warpgroups, five stages) and 128 x 128 with six
+ * stages: four warpgroups keep the tensor cores busier than a deeper
+ * pipeline does. */
 template <int WG_, int BT_, int BUDGET_> struct Cfg {
   static constexpr int WG = WG_, BT = BT_, NT = BT_ / 8, BUDGET = BUDGET_;
   static constexpr int BN = 64 * WG, THREADS = 128 * WG;
 };
 using CfgS = Cfg<1, 8, 49152>;    /* decode: 64 x 8 */
 using CfgM = Cfg<1, 32, 49152>;   /* 64 x 32 */
+using CfgW = Cfg<2, 64, 98304>;   /* 128 x 64, two blocks per SM */
 using CfgL = Cfg<4, 128, 200704>; /* 256 x 128 */
 
 /* One stage: B (the tokens, 128-byte rows, 16-byte chunks swizzled by
@@ -204,85 +217,49 @@ __device__ __forceinline__ void keep_alive(uint32_t (&r)[4]) {
 }
 
 /* D (64 x N, fp32, this thread's N / 2 values: n8 block j, c0..c3 as in
- * mma.sync's C) += A (this warp's 16 x 16 fragment) x B (N x 16 at desc) */
+ * mma.sync's C) += A (this warp's 16 x 16 fragment) x B (N x 16 at desc).
+ * One asm per (N, dtype); the operand lists are spelled by the macros. */
+#define MOE_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define MOE_D16(j) MOE_D4(j), MOE_D4(j + 1), MOE_D4(j + 2), MOE_D4(j + 3)
+#define MOE_WGMMA_TY(SHAPE, TY, DREGS, AREGS, ...)                                                           \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." TY      \
+               "." TY " " DREGS ", " AREGS ", p, 1, 1, 0;\n}\n"                                              \
+               : __VA_ARGS__                                                                                 \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)                                       \
+               : "memory")
+#define MOE_WGMMA(SHAPE, DREGS, AREGS, ...)                                                                  \
+  do {                                                                                                       \
+    if (ACT == A_BF16)                                                                                       \
+      MOE_WGMMA_TY(SHAPE, "bf16", DREGS, AREGS, __VA_ARGS__);                                                \
+    else                                                                                                     \
+      MOE_WGMMA_TY(SHAPE, "f16", DREGS, AREGS, __VA_ARGS__);                                                 \
+  } while (0)
 template <int N, int ACT>
 __device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc) {
-  if constexpr (N == 8 && ACT == A_BF16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "%8, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
-                 : "memory");
-  } else if constexpr (N == 8 && ACT == A_F16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, "
-                 "p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
-                 : "memory");
-  } else if constexpr (N == 32 && ACT == A_BF16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
-                 "%9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-                   "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
-                 : "memory");
-  } else if constexpr (N == 32 && ACT == A_F16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
-                 "%9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-                   "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
-                 : "memory");
-  } else if constexpr (N == 128 && ACT == A_BF16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
-                 "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
-                 "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
-                 "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, "
-                 "%63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-                   "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
-                   "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-                   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
-                   "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-                   "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),
-                   "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]),
-                   "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-                   "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]),
-                   "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]),
-                   "+f"(d[15][2]), "+f"(d[15][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
-                 : "memory");
-  } else if constexpr (N == 128 && ACT == A_F16) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
-                 "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
-                 "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
-                 "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, "
-                 "%63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
-                   "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
-                   "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-                   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
-                   "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-                   "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),
-                   "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]),
-                   "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-                   "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]),
-                   "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]),
-                   "+f"(d[15][2]), "+f"(d[15][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
-                 : "memory");
-  }
+  if constexpr (N == 8)
+    MOE_WGMMA("m64n8k16", "{%0, %1, %2, %3}", "{%4, %5, %6, %7}, %8", MOE_D4(0));
+  else if constexpr (N == 32)
+    MOE_WGMMA("m64n32k16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}",
+              "{%16, %17, %18, %19}, %20", MOE_D16(0));
+  else if constexpr (N == 64)
+    MOE_WGMMA("m64n64k16",
+              "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+              "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
+              "{%32, %33, %34, %35}, %36", MOE_D16(0), MOE_D16(4));
+  else if constexpr (N == 128)
+    MOE_WGMMA("m64n128k16",
+              "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+              "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
+              "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
+              "%56, %57, %58, %59, %60, %61, %62, %63}",
+              "{%64, %65, %66, %67}, %68", MOE_D16(0), MOE_D16(4), MOE_D16(8), MOE_D16(12));
+  else
+    static_assert(N == 8, "no wgmma shape for this tile");
 }
+#undef MOE_WGMMA
+#undef MOE_WGMMA_TY
+#undef MOE_D16
+#undef MOE_D4
 #endif
 
 __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
@@ -391,13 +368,21 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
   /* stages start on a 1024-byte boundary of the shared window (the swizzle) */
   uint8_t *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
 
-  const int ti = (int)blockIdx.x;
+  /* Block order: groups of RASTER tiles (consecutive tiles are mostly one
+   * expert's) sweep every weight strip, tiles fastest, so a wave of blocks
+   * shares a few strips and one expert's tokens in L2 instead of streaming
+   * every expert's tokens once per strip. */
+  const long long pid = (long long)blockIdx.y * gridDim.x + blockIdx.x,
+                  in_group = (long long)RASTER * gridDim.y;
+  const int first = (int)(pid / in_group) * RASTER, nm = (int)gridDim.x;
+  const int gsz = nm - first < RASTER ? nm - first : RASTER;
+  const int ti = first + (int)(pid % in_group % gsz), strip = (int)(pid % in_group / gsz);
   if (ti >= *a.ntiles) return;
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int4 tile = a.tiles[ti];
   const int e = tile.x, row0 = tile.y, rows = tile.z;
   const int N = a.n, K = a.k, nkb = K / KB, mtc = N / 16;
-  const int n0 = (int)blockIdx.y * BN;
+  const int n0 = strip * BN;
   const int mt = n0 / 16 + warp; /* this warp's 16-row block */
   for (int i = tid; i < BT; i += THREADS) {
     const int slot = i < rows ? a.sorted[row0 + i] : -1;
@@ -494,6 +479,7 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
    * stay in flight when compute returns (af and the stage too, until the
    * next compute's wait): af alternates between two buffers. */
   auto compute = [&](int kb, int stage, uint32_t(&af)[KB / 16][4], uint32_t(&af_prev)[KB / 16][4]) {
+    (void)af_prev;
     const uint8_t *sb = smem + stage * S::STAGE, *sa = sb + S::B;
     const float *ss = (const float *)(sa + S::A);
     const uint8_t *sz = (const uint8_t *)(ss + SG_MAX * BN);
@@ -544,13 +530,16 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
     for (int ks = 0; ks < KB / 16; ks++)
       wgmma<BT, ACT>(acc, af[ks], wgmma_desc(smem_addr(sb) + ks * 32));
     wgmma_commit();
-    /* the stage's products complete here: with one group kept in flight
-     * across stages (wait 1, PF = ST - 2) results went wrong on the H200
-     * for reasons not yet found, so the stage and af are free again */
-    wgmma_wait<0>();
-    (void)af_prev;
+    /* This stage's products stay in flight while the next stage's
+     * fragments are made; the previous stage's are done here. Its
+     * fragments (af_prev) must stay in their registers until this point,
+     * or the compiler may hand those registers to af, written while the
+     * tensor cores still read them (that race gave wrong results). */
+    wgmma_wait<1>();
+#pragma unroll
+    for (int ks = 0; ks < KB / 16; ks++)
+      keep_alive(af_prev[ks]);
 #else
-    (void)af_prev;
 #pragma unroll
     for (int ks = 0; ks < KB / 16; ks++) {
 #pragma unroll
@@ -574,7 +563,11 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
 
   /* PF stages ahead */
   constexpr int ST = S::STAGES;
+#if defined(MOE_TC_WGMMA)
+  constexpr int PF = ST - 2; /* the stage before this one is still being read */
+#else
   constexpr int PF = ST - 1;
+#endif
 #pragma unroll
   for (int s = 0; s < PF; s++) {
     if (s < nkb) issue(s, s);
@@ -597,6 +590,7 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
   }
 #if defined(MOE_TC_WGMMA)
   wgmma_wait<0>();
+  fence_acc(acc); /* the epilogue reads the accumulators after the wait */
 #endif
   cp_async_wait<0>();
 
@@ -715,7 +709,7 @@ moe_status launch(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err
     if (s) return s;
     if (dev >= 0 && dev < 64) attr_set[dev] = true;
   }
-  const dim3 grid((unsigned)max_tiles, (unsigned)((a.n + C::BN - 1) / C::BN));
+  const dim3 grid((unsigned)max_tiles, (unsigned)((a.n + C::BN - 1) / C::BN)); /* tiles x strips */
   tc_gemm<W, ACT, C><<<grid, C::THREADS, S::BYTES, moe_gpu_stream(b)>>>(a);
   return moe_gpu_check(hipGetLastError(), "fused_moe tensor-core gemm", err);
 }
@@ -725,6 +719,7 @@ moe_status launch_cfg(moe_backend *b, int config, int max_tiles, const TcArgs &a
   switch (config) {
   case TC_SMALL: return launch<W, ACT, CfgS>(b, max_tiles, a, err);
   case TC_MEDIUM: return launch<W, ACT, CfgM>(b, max_tiles, a, err);
+  case TC_WIDE: return launch<W, ACT, CfgW>(b, max_tiles, a, err);
   default: return launch<W, ACT, CfgL>(b, max_tiles, a, err);
   }
 }
@@ -743,7 +738,24 @@ unsigned blocks_for(size_t items, moe_backend *b) {
 } // namespace
 
 int moe_tc_rows(int config) {
-  return config == TC_SMALL ? CfgS::BT : config == TC_MEDIUM ? CfgM::BT : CfgL::BT;
+  static const int rows[TC_CONFIGS] = {CfgS::BT, CfgM::BT, CfgW::BT, CfgL::BT};
+  return rows[config];
+}
+
+int moe_tc_choose(const moe_expert_config *cfg, int64_t avg) {
+  /* the largest average slot count each configuration takes, per weight
+   * kind (0: never); measured on the H200 (bench/RESULTS.md, tile choice).
+   * The 128 x 64 tile pays for 16-bit weights only: with int4/int8 its
+   * two warpgroups per block leave too few warps for the dequantization. */
+  static const int64_t upto[3][TC_CONFIGS] = {
+      /* TW_16 */ {4, 16, 48, INT64_MAX},
+      /* TW_INT4 */ {4, 48, 0, INT64_MAX},
+      /* TW_INT8 */ {4, 48, 0, INT64_MAX},
+  };
+  const int w = tc_wkind(cfg);
+  for (int c = 0; c < TC_CONFIGS; c++)
+    if (avg <= upto[w][c]) return c;
+  return TC_LARGE;
 }
 
 extern "C" bool moe_gpu_fused_packs(moe_backend *b, const moe_expert_config *cfg) {
@@ -798,6 +810,7 @@ moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, in
 #else /* AMD: no tensor-core path yet (the portable GEMM serves every shape) */
 
 int moe_tc_rows(int config) { return 8; }
+int moe_tc_choose(const moe_expert_config *cfg, int64_t avg) { return TC_SMALL; }
 extern "C" bool moe_gpu_fused_packs(moe_backend *b, const moe_expert_config *cfg) { return false; }
 moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_dtype scale_dt[2],
                        void *const src[MOE_EXPERT_TENSOR_COUNT], void *dst[MOE_EXPERT_TENSOR_COUNT],

@@ -43,8 +43,14 @@ template <int IN> __device__ __forceinline__ void load8(const void *x, size_t i,
   if (IN == IN_F32) {
     const float4 *p = (const float4 *)((const float *)x + i);
     float4 a = p[0], b = p[1];
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    v[0] = a.x;
+    v[1] = a.y;
+    v[2] = a.z;
+    v[3] = a.w;
+    v[4] = b.x;
+    v[5] = b.y;
+    v[6] = b.z;
+    v[7] = b.w;
   } else {
     uint4 u = *(const uint4 *)((const uint16_t *)x + i);
     uint32_t w[4] = {u.x, u.y, u.z, u.w};
@@ -61,7 +67,8 @@ template <int IN> __device__ __forceinline__ void load8_any(const void *x, size_
     load8<IN>(x, i, v);
   } else {
 #pragma unroll
-    for (int k = 0; k < VEC; k++) v[k] = load1<IN>(x, i + k);
+    for (int k = 0; k < VEC; k++)
+      v[k] = load1<IN>(x, i + k);
   }
 }
 
@@ -72,7 +79,9 @@ template <int OUT> __device__ __forceinline__ uint32_t narrow16(float f) {
 /* fp32 results: a NaN is stored as the codec's quiet NaN 0x7FC00000. The CPU
  * gets those bits by IEEE NaN propagation (every NaN here comes from
  * codec.h's decoders); NVIDIA's multiply returns 0x7FFFFFFF instead. */
-__device__ __forceinline__ float canon_nan(float f) { return moe_f32_isnan(f) ? moe_f32_from_bits(0x7FC00000u) : f; }
+__device__ __forceinline__ float canon_nan(float f) {
+  return moe_f32_isnan(f) ? moe_f32_from_bits(0x7FC00000u) : f;
+}
 
 template <int OUT> __device__ __forceinline__ void store1(void *y, size_t i, float f) {
   if (OUT == OUT_F32)
@@ -85,7 +94,8 @@ template <int OUT> __device__ __forceinline__ void store1(void *y, size_t i, flo
 template <int OUT> __device__ __forceinline__ void store8(void *y, size_t i, const float v[VEC], bool vec) {
   if (!vec) {
 #pragma unroll
-    for (int k = 0; k < VEC; k++) store1<OUT>(y, i + k, v[k]);
+    for (int k = 0; k < VEC; k++)
+      store1<OUT>(y, i + k, v[k]);
   } else if (OUT == OUT_F32) {
     float4 *p = (float4 *)((float *)y + i);
     p[0] = make_float4(canon_nan(v[0]), canon_nan(v[1]), canon_nan(v[2]), canon_nan(v[3]));
@@ -103,9 +113,18 @@ template <int OUT> __device__ __forceinline__ void store8(void *y, size_t i, con
 /* ---- codes (codec.h; the format a compile-time constant so it folds) ------ */
 
 template <int Q> __device__ __forceinline__ moe_narrow_fmt fmt_of() {
-  if (Q == Q_E4M3FNUZ) { moe_narrow_fmt f = MOE_FMT_E4M3FNUZ; return f; }
-  if (Q == Q_E5M2) { moe_narrow_fmt f = MOE_FMT_E5M2; return f; }
-  if (Q == Q_E2M1) { moe_narrow_fmt f = MOE_FMT_E2M1; return f; }
+  if (Q == Q_E4M3FNUZ) {
+    moe_narrow_fmt f = MOE_FMT_E4M3FNUZ;
+    return f;
+  }
+  if (Q == Q_E5M2) {
+    moe_narrow_fmt f = MOE_FMT_E5M2;
+    return f;
+  }
+  if (Q == Q_E2M1) {
+    moe_narrow_fmt f = MOE_FMT_E2M1;
+    return f;
+  }
   moe_narrow_fmt f = MOE_FMT_E4M3FN;
   return f;
 }
@@ -168,14 +187,17 @@ template <int Q, bool HW>
 __device__ __forceinline__ uint2 encode8_pack(const float v[VEC], float s, float r, bool exact) {
   float y[VEC];
 #pragma unroll
-  for (int k = 0; k < VEC; k++) y[k] = exact ? v[k] / s : v[k] * r;
+  for (int k = 0; k < VEC; k++)
+    y[k] = exact ? v[k] / s : v[k] * r;
   uint32_t c[VEC / 2];
   if (HW && hw_has<Q>()) {
 #pragma unroll
-    for (int k = 0; k < VEC / 2; k++) c[k] = encode2_hw<Q>(y[2 * k], y[2 * k + 1]);
+    for (int k = 0; k < VEC / 2; k++)
+      c[k] = encode2_hw<Q>(y[2 * k], y[2 * k + 1]);
   } else {
 #pragma unroll
-    for (int k = 0; k < VEC / 2; k++) c[k] = encode<Q>(y[2 * k], false) | encode<Q>(y[2 * k + 1], false) << 8;
+    for (int k = 0; k < VEC / 2; k++)
+      c[k] = encode<Q>(y[2 * k], false) | encode<Q>(y[2 * k + 1], false) << 8;
   }
   return make_uint2(c[0] | c[1] << 16, c[2] | c[3] << 16);
 }
@@ -229,8 +251,8 @@ __device__ __forceinline__ float scale_from_amax(float amax, float dtype_max) {
 }
 
 template <int Q, bool HW>
-__device__ __forceinline__ void encode8(const float v[VEC], float s, float r, bool exact, uint8_t *q, size_t i,
-                                        bool vec) {
+__device__ __forceinline__ void encode8(const float v[VEC], float s, float r, bool exact, uint8_t *q,
+                                        size_t i, bool vec) {
   uint2 w = encode8_pack<Q, HW>(v, s, r, exact);
   if (vec) {
     *(uint2 *)(q + i) = w;
@@ -247,7 +269,8 @@ __device__ __forceinline__ void encode8(const float v[VEC], float s, float r, bo
 
 /* Pass 1 of the dynamic scale: one partial amax (bits) per block. */
 template <int IN>
-__global__ void __launch_bounds__(MOE_GPU_BLOCK) amax_partials(const void *x, size_t n, int vec, uint32_t *partials) {
+__global__ void __launch_bounds__(MOE_GPU_BLOCK)
+    amax_partials(const void *x, size_t n, int vec, uint32_t *partials) {
   size_t nv = vec ? n / VEC : 0;
   size_t stride = (size_t)gridDim.x * blockDim.x;
   size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -276,12 +299,14 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK) amax_partials(const void *x, si
  * given) amax of the partials / dtype_max, reduced by every block alike. */
 template <int IN, int Q, bool HW>
 __global__ void __launch_bounds__(MOE_GPU_BLOCK)
-    quant_per_tensor_kernel(const void *x, uint8_t *q, size_t n, int vec, float s_static, const uint32_t *partials,
-                            int npart, float dtype_max, int exact, float *scale_out) {
+    quant_per_tensor_kernel(const void *x, uint8_t *q, size_t n, int vec, float s_static,
+                            const uint32_t *partials, int npart, float dtype_max, int exact,
+                            float *scale_out) {
   float s = s_static;
   if (partials) {
     uint32_t m = 0;
-    for (int i = (int)threadIdx.x; i < npart; i += (int)blockDim.x) m = partials[i] > m ? partials[i] : m;
+    for (int i = (int)threadIdx.x; i < npart; i += (int)blockDim.x)
+      m = partials[i] > m ? partials[i] : m;
     s = scale_from_amax(moe_f32_from_bits(block_max(m)), dtype_max);
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = s;
@@ -305,9 +330,7 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK)
 
 /* 8 elements as loaded: one 16-byte word (16-bit input) or two (fp32);
  * half the registers of 8 floats for bf16/fp16. */
-template <int IN> struct raw8 {
-  uint4 w[IN == IN_F32 ? 2 : 1];
-};
+template <int IN> struct raw8 { uint4 w[IN == IN_F32 ? 2 : 1]; };
 
 template <int IN> __device__ __forceinline__ void load_raw8(const void *x, size_t i, raw8<IN> &r) {
   const uint4 *p = (const uint4 *)((const char *)x + i * (IN == IN_F32 ? 4 : 2));
@@ -319,7 +342,8 @@ template <int IN> __device__ __forceinline__ void unpack8(const raw8<IN> &r, flo
   if constexpr (IN == IN_F32) {
     const uint32_t u[8] = {r.w[0].x, r.w[0].y, r.w[0].z, r.w[0].w, r.w[1].x, r.w[1].y, r.w[1].z, r.w[1].w};
 #pragma unroll
-    for (int k = 0; k < VEC; k++) v[k] = moe_f32_from_bits(u[k]);
+    for (int k = 0; k < VEC; k++)
+      v[k] = moe_f32_from_bits(u[k]);
   } else {
     const uint32_t u[4] = {r.w[0].x, r.w[0].y, r.w[0].z, r.w[0].w};
 #pragma unroll
@@ -412,8 +436,8 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK, IN == IN_F32 ? 3 : 5) /* rows i
 /* One thread's 8 elements e (vector v) of a 32-element block: every lane of
  * the warp calls this (active or not) so that the shuffles are whole. */
 template <int Q, bool HW>
-__device__ __forceinline__ void mx_part(const float e[VEC], size_t v, bool active, uint8_t *q, uint8_t *scales,
-                                        int vec, int rule, int half_up) {
+__device__ __forceinline__ void mx_part(const float e[VEC], size_t v, bool active, uint8_t *q,
+                                        uint8_t *scales, int vec, int rule, int half_up) {
   const moe_narrow_fmt f = fmt_of<Q>();
   uint32_t m = 0, special = 0;
 #pragma unroll
@@ -434,7 +458,8 @@ __device__ __forceinline__ void mx_part(const float e[VEC], size_t v, bool activ
   if (special) { /* OCP: a NaN scale makes the whole block NaN */
     sbyte = 0xFF;
 #pragma unroll
-    for (int k = 0; k < VEC; k++) c[k] = 0;
+    for (int k = 0; k < VEC; k++)
+      c[k] = 0;
   } else {
     float mult;
     sbyte = moe_mx_scale(moe_f32_from_bits(m), (moe_mx_rule)rule, &f, &mult);
@@ -447,19 +472,23 @@ __device__ __forceinline__ void mx_part(const float e[VEC], size_t v, bool activ
       }
     } else {
 #pragma unroll
-      for (int k = 0; k < VEC; k++) c[k] = encode<Q>(e[k] * mult, Q == Q_E2M1 && half_up);
+      for (int k = 0; k < VEC; k++)
+        c[k] = encode<Q>(e[k] * mult, Q == Q_E2M1 && half_up);
     }
   }
   if (Q == Q_E2M1) {
-    uint32_t w = c[0] | c[1] << 4 | c[2] << 8 | c[3] << 12 | c[4] << 16 | c[5] << 20 | c[6] << 24 | c[7] << 28;
+    uint32_t w =
+        c[0] | c[1] << 4 | c[2] << 8 | c[3] << 12 | c[4] << 16 | c[5] << 20 | c[6] << 24 | c[7] << 28;
     if (vec) {
       *(uint32_t *)(q + v * 4) = w;
     } else {
 #pragma unroll
-      for (int k = 0; k < 4; k++) q[v * 4 + k] = (uint8_t)(w >> (8 * k));
+      for (int k = 0; k < 4; k++)
+        q[v * 4 + k] = (uint8_t)(w >> (8 * k));
     }
   } else {
-    uint2 w = make_uint2(c[0] | c[1] << 8 | c[2] << 16 | c[3] << 24, c[4] | c[5] << 8 | c[6] << 16 | c[7] << 24);
+    uint2 w =
+        make_uint2(c[0] | c[1] << 8 | c[2] << 16 | c[3] << 24, c[4] | c[5] << 8 | c[6] << 16 | c[7] << 24);
     if (vec) {
       *(uint2 *)(q + v * VEC) = w;
     } else {
@@ -478,7 +507,8 @@ __device__ __forceinline__ void mx_part(const float e[VEC], size_t v, bool activ
  * block-uniform so that every lane reaches the shuffles. */
 template <int IN, int Q, bool HW>
 __global__ void __launch_bounds__(MOE_GPU_BLOCK)
-    quant_mx_kernel(const void *x, uint8_t *q, uint8_t *scales, size_t nblocks, int vec, int rule, int half_up) {
+    quant_mx_kernel(const void *x, uint8_t *q, uint8_t *scales, size_t nblocks, int vec, int rule,
+                    int half_up) {
   const size_t nv = nblocks * 4;
   const size_t stride = (size_t)gridDim.x * blockDim.x;
   for (size_t v0 = (size_t)blockIdx.x * blockDim.x; v0 < nv; v0 += stride) {
@@ -486,7 +516,8 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK)
     const bool active = v < nv;
     float e[VEC];
 #pragma unroll
-    for (int k = 0; k < VEC; k++) e[k] = 0.0f;
+    for (int k = 0; k < VEC; k++)
+      e[k] = 0.0f;
     if (active) load8_any<IN>(x, v * VEC, e, vec);
     mx_part<Q, HW>(e, v, active, q, scales, vec, rule, half_up);
   }
@@ -510,7 +541,8 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK)
     }
     store8<OUT>(y, v * VEC, o, true);
   }
-  for (size_t i = nv * VEC + t; i < n; i += stride) store1<OUT>(y, i, decode<Q>(q[i]) * s);
+  for (size_t i = nv * VEC + t; i < n; i += stride)
+    store1<OUT>(y, i, decode<Q>(q[i]) * s);
 }
 
 /* Thread v: elements 8v..8v+7, in block v/4. */
@@ -529,10 +561,12 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK)
       } else {
         w = 0;
 #pragma unroll
-        for (int k = 0; k < 4; k++) w |= (uint32_t)q[v * 4 + k] << (8 * k);
+        for (int k = 0; k < 4; k++)
+          w |= (uint32_t)q[v * 4 + k] << (8 * k);
       }
 #pragma unroll
-      for (int k = 0; k < VEC; k++) c[k] = (w >> (4 * k)) & 0xFu;
+      for (int k = 0; k < VEC; k++)
+        c[k] = (w >> (4 * k)) & 0xFu;
     } else {
       uint2 w;
       if (vec) {
@@ -553,7 +587,8 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK)
     }
     float o[VEC];
 #pragma unroll
-    for (int k = 0; k < VEC; k++) o[k] = decode<Q>(c[k]) * sc;
+    for (int k = 0; k < VEC; k++)
+      o[k] = decode<Q>(c[k]) * sc;
     store8<OUT>(y, v * VEC, o, vec != 0);
   }
 }
@@ -596,11 +631,11 @@ bool use_hw() {
 
 /* Calls fn.template operator()<IN, Q>() for the runtime kinds. */
 template <typename F> void dispatch_in_q(int in, int qk, F &&fn) {
-#define MOE_Q_CASES(IN)                                                                                           \
-  switch (qk) {                                                                                                   \
-  case Q_E4M3FN: fn.template operator()<IN, Q_E4M3FN>(); break;                                                  \
-  case Q_E4M3FNUZ: fn.template operator()<IN, Q_E4M3FNUZ>(); break;                                              \
-  default: fn.template operator()<IN, Q_INT8>(); break;                                                          \
+#define MOE_Q_CASES(IN)                                                                                      \
+  switch (qk) {                                                                                              \
+  case Q_E4M3FN: fn.template operator()<IN, Q_E4M3FN>(); break;                                              \
+  case Q_E4M3FNUZ: fn.template operator()<IN, Q_E4M3FNUZ>(); break;                                          \
+  default: fn.template operator()<IN, Q_INT8>(); break;                                                      \
   }
   switch (in) {
   case IN_F16: MOE_Q_CASES(IN_F16); break;
@@ -642,13 +677,11 @@ extern "C" moe_status moe_gpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_
   float s_static = a->has_static_scale ? a->static_scale : 1.0f;
   dispatch_in_q(in_kind(x->dtype), q_kind(a->qdtype), [&]<int IN, int Q>() {
     if (hw)
-      quant_per_tensor_kernel<IN, Q, true><<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, n, vec, s_static, partials,
-                                                                           npart, a->dtype_max, a->exact_division,
-                                                                           scale_out);
+      quant_per_tensor_kernel<IN, Q, true><<<grid, MOE_GPU_BLOCK, 0, st>>>(
+          x->data, q, n, vec, s_static, partials, npart, a->dtype_max, a->exact_division, scale_out);
     else
-      quant_per_tensor_kernel<IN, Q, false><<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, n, vec, s_static, partials,
-                                                                            npart, a->dtype_max, a->exact_division,
-                                                                            scale_out);
+      quant_per_tensor_kernel<IN, Q, false><<<grid, MOE_GPU_BLOCK, 0, st>>>(
+          x->data, q, n, vec, s_static, partials, npart, a->dtype_max, a->exact_division, scale_out);
   });
   return launched("quant.per_tensor", err);
 }
@@ -693,20 +726,24 @@ extern "C" moe_status moe_gpu_quant_mx(moe_backend *b, moe_call *c, moe_error *e
   auto go = [&]<int IN>() {
     switch (qk) {
     case Q_E2M1:
-      quant_mx_kernel<IN, Q_E2M1, false><<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, scales, nblocks, vec, a->rule, a->half_up);
+      quant_mx_kernel<IN, Q_E2M1, false>
+          <<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, scales, nblocks, vec, a->rule, a->half_up);
       break;
     case Q_E5M2:
       if (hw)
-        quant_mx_kernel<IN, Q_E5M2, true><<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, scales, nblocks, vec, a->rule, 0);
+        quant_mx_kernel<IN, Q_E5M2, true>
+            <<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, scales, nblocks, vec, a->rule, 0);
       else
-        quant_mx_kernel<IN, Q_E5M2, false><<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, scales, nblocks, vec, a->rule, 0);
+        quant_mx_kernel<IN, Q_E5M2, false>
+            <<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, scales, nblocks, vec, a->rule, 0);
       break;
     default:
       if (hw)
-        quant_mx_kernel<IN, Q_E4M3FN, true><<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, scales, nblocks, vec, a->rule, 0);
+        quant_mx_kernel<IN, Q_E4M3FN, true>
+            <<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, scales, nblocks, vec, a->rule, 0);
       else
-        quant_mx_kernel<IN, Q_E4M3FN, false><<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, scales, nblocks, vec, a->rule,
-                                                                            0);
+        quant_mx_kernel<IN, Q_E4M3FN, false>
+            <<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, scales, nblocks, vec, a->rule, 0);
       break;
     }
   };
@@ -731,8 +768,12 @@ extern "C" moe_status moe_gpu_dequant_per_tensor(moe_backend *b, moe_call *c, mo
   float s = a->static_scale;
   auto go = [&]<int Q>() {
     switch (out_kind(a->out_dtype)) {
-    case OUT_F16: dequant_per_tensor_kernel<Q, OUT_F16><<<grid, MOE_GPU_BLOCK, 0, st>>>(q, y, n, vec, s); break;
-    case OUT_BF16: dequant_per_tensor_kernel<Q, OUT_BF16><<<grid, MOE_GPU_BLOCK, 0, st>>>(q, y, n, vec, s); break;
+    case OUT_F16:
+      dequant_per_tensor_kernel<Q, OUT_F16><<<grid, MOE_GPU_BLOCK, 0, st>>>(q, y, n, vec, s);
+      break;
+    case OUT_BF16:
+      dequant_per_tensor_kernel<Q, OUT_BF16><<<grid, MOE_GPU_BLOCK, 0, st>>>(q, y, n, vec, s);
+      break;
     default: dequant_per_tensor_kernel<Q, OUT_F32><<<grid, MOE_GPU_BLOCK, 0, st>>>(q, y, n, vec, s); break;
     }
   };
@@ -758,8 +799,12 @@ extern "C" moe_status moe_gpu_dequant_mx(moe_backend *b, moe_call *c, moe_error 
   hipStream_t st = moe_gpu_stream(b);
   auto go = [&]<int Q>() {
     switch (out_kind(a->out_dtype)) {
-    case OUT_F16: dequant_mx_kernel<Q, OUT_F16><<<grid, MOE_GPU_BLOCK, 0, st>>>(q, scales, y, nblocks, vec); break;
-    case OUT_BF16: dequant_mx_kernel<Q, OUT_BF16><<<grid, MOE_GPU_BLOCK, 0, st>>>(q, scales, y, nblocks, vec); break;
+    case OUT_F16:
+      dequant_mx_kernel<Q, OUT_F16><<<grid, MOE_GPU_BLOCK, 0, st>>>(q, scales, y, nblocks, vec);
+      break;
+    case OUT_BF16:
+      dequant_mx_kernel<Q, OUT_BF16><<<grid, MOE_GPU_BLOCK, 0, st>>>(q, scales, y, nblocks, vec);
+      break;
     default: dequant_mx_kernel<Q, OUT_F32><<<grid, MOE_GPU_BLOCK, 0, st>>>(q, scales, y, nblocks, vec); break;
     }
   };

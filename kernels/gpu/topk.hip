@@ -32,7 +32,9 @@ constexpr int THREADS = 64; /* one wavefront on AMD, two warps on NVIDIA */
 __device__ __forceinline__ float exp_cr(float x) { return (float)exp((double)x); }
 
 /* a beats b: larger, or a number against NaN (kernels/cpu/topk.c beats()). */
-__device__ __forceinline__ bool beats(float a, float b) { return a > b || (moe_f32_isnan(b) && !moe_f32_isnan(a)); }
+__device__ __forceinline__ bool beats(float a, float b) {
+  return a > b || (moe_f32_isnan(b) && !moe_f32_isnan(a));
+}
 
 /* (av, ai) comes first in the order of every choice; index -1: none. */
 __device__ __forceinline__ bool first(float av, int ai, float bv, int bi) {
@@ -62,9 +64,8 @@ __device__ int best_of(const float *v, const unsigned char *eligible, int n, int
   return best;
 }
 
-__global__ void __launch_bounds__(THREADS)
-    route_kernel(const void *logits, int dt, int E, const float *bias, route_params p, int32_t *ids_out,
-                 float *w_out) {
+__global__ void __launch_bounds__(THREADS) route_kernel(const void *logits, int dt, int E, const float *bias,
+                                                        route_params p, int32_t *ids_out, float *w_out) {
   extern __shared__ float smem[];
   float *score = smem, *key = score + E, *gscore = key + E;
   unsigned char *eligible = (unsigned char *)(gscore + E), *unchosen = eligible + E;
@@ -75,9 +76,11 @@ __global__ void __launch_bounds__(THREADS)
   const size_t row = blockIdx.x;
   const size_t base = row * (size_t)E;
 
-  for (int e = tid; e < E; e += THREADS) score[e] = load_logit(logits, dt, base + (size_t)e);
+  for (int e = tid; e < E; e += THREADS)
+    score[e] = load_logit(logits, dt, base + (size_t)e);
   if (p.scoring == MOE_SCORING_SIGMOID) {
-    for (int e = tid; e < E; e += THREADS) score[e] = 1.0f / (1.0f + exp_cr(-score[e]));
+    for (int e = tid; e < E; e += THREADS)
+      score[e] = 1.0f / (1.0f + exp_cr(-score[e]));
   } else {
     /* max: NaN never compares greater, so it is skipped (as on the CPU); the
      * sign of a zero maximum cannot change exp(x - m) */
@@ -94,16 +97,19 @@ __global__ void __launch_bounds__(THREADS)
     }
     __syncthreads();
     m = red_v[0];
-    for (int e = tid; e < E; e += THREADS) score[e] = exp_cr(score[e] - m);
+    for (int e = tid; e < E; e += THREADS)
+      score[e] = exp_cr(score[e] - m);
     __syncthreads();
     if (tid == 0) { /* summed in index order, as on the CPU */
       float sum = 0.0f;
-      for (int e = 0; e < E; e++) sum += score[e];
+      for (int e = 0; e < E; e++)
+        sum += score[e];
       total = sum;
     }
     __syncthreads();
     const float sum = total;
-    for (int e = tid; e < E; e += THREADS) score[e] = score[e] / sum;
+    for (int e = tid; e < E; e += THREADS)
+      score[e] = score[e] / sum;
   }
   for (int e = tid; e < E; e += THREADS) {
     key[e] = p.has_bias ? score[e] + bias[e] : score[e];
@@ -122,9 +128,11 @@ __global__ void __launch_bounds__(THREADS)
     }
     __syncthreads();
     if (tid == 0)
-      for (int i = 0; i < p.topk_group; i++) unchosen[best_of(gscore, unchosen, p.groups, -1)] = 0;
+      for (int i = 0; i < p.topk_group; i++)
+        unchosen[best_of(gscore, unchosen, p.groups, -1)] = 0;
     __syncthreads();
-    for (int e = tid; e < E; e += THREADS) eligible[e] = !unchosen[e / per];
+    for (int e = tid; e < E; e += THREADS)
+      eligible[e] = !unchosen[e / per];
     __syncthreads();
   }
   /* top-k: k block-wide argmaxes under the total order of first() */
@@ -159,10 +167,13 @@ __global__ void __launch_bounds__(THREADS)
     float *w = w_out + row * (size_t)p.top_k;
     if (p.renormalize) {
       float sum = 0.0f;
-      for (int i = 0; i < p.top_k; i++) sum += w[i];
-      for (int i = 0; i < p.top_k; i++) w[i] = w[i] / sum;
+      for (int i = 0; i < p.top_k; i++)
+        sum += w[i];
+      for (int i = 0; i < p.top_k; i++)
+        w[i] = w[i] / sum;
     }
-    for (int i = 0; i < p.top_k; i++) w[i] = w[i] * p.scale;
+    for (int i = 0; i < p.top_k; i++)
+      w[i] = w[i] * p.scale;
   }
 }
 
@@ -175,7 +186,8 @@ extern "C" moe_status moe_gpu_route(moe_backend *b, const moe_tensor *logits, co
   /* score, key, group scores (fp32) and two flag bytes per expert */
   const size_t smem = (size_t)E * (3 * sizeof(float) + 2);
   if (smem > 40 * 1024 || T > 0x7FFFFFFF)
-    return moe_fail(err, MOE_EUNSUPPORTED, "moe.topk on the GPU: at most 3400 experts and 2^31 - 1 rows (got %lld x %lld)",
+    return moe_fail(err, MOE_EUNSUPPORTED,
+                    "moe.topk on the GPU: at most 3400 experts and 2^31 - 1 rows (got %lld x %lld)",
                     (long long)T, (long long)E);
   route_params p;
   p.scoring = (int)r->scoring;
@@ -185,8 +197,8 @@ extern "C" moe_status moe_gpu_route(moe_backend *b, const moe_tensor *logits, co
   p.topk_group = (int)r->topk_group;
   p.top_k = (int)r->top_k;
   p.scale = (float)r->routed_scaling_factor;
-  route_kernel<<<(unsigned)T, THREADS, smem, moe_gpu_stream(b)>>>(logits->data, (int)logits->dtype, (int)E, bias, p,
-                                                                 ids, weights);
+  route_kernel<<<(unsigned)T, THREADS, smem, moe_gpu_stream(b)>>>(logits->data, (int)logits->dtype, (int)E,
+                                                                  bias, p, ids, weights);
   return moe_gpu_check(hipGetLastError(), "moe.topk", err);
 }
 

@@ -826,7 +826,7 @@ END_TEST
 START_TEST(fused_tile_configs) {
   const size_t picks[] = {0, 1,  4,  5,
                           7, 12, 13, 14}; /* bf16, fp16, int4 g128, g128 zp, g32 zp, g16, int8 g128, g64 zp */
-  static const char *const configs[] = {"small", "medium", "large"};
+  static const char *const configs[] = {"small", "medium", "wide", "large"};
   char label[200];
   for (size_t pi = 0; pi < sizeof picks / sizeof picks[0]; pi++) {
     const fm_case *c = &fm_cases[picks[pi]];
