@@ -14,6 +14,7 @@ typedef struct worker {
   pthread_t thread;
   moe_backend *backend;
   moe_backend *fallback; /* GPU workers: a CPU backend for ops without a GPU kernel */
+  unsigned trim_seen;    /* d->trim_gen when this worker last trimmed (d->mu) */
 } worker;
 
 struct moed_devices {
@@ -23,6 +24,10 @@ struct moed_devices {
   int queued, max_queued;
   bool stopping;
   bool stopped; /* workers joined */
+  /* expert sets left to device caches only (moe_expert_set_unused_count)
+   * as last seen; each change asks every worker to trim its backends */
+  uint64_t unused_seen;
+  unsigned trim_gen;
   worker *workers;
   int num_workers;
   moe_backend *inline_backend; /* the CQ thread's (host backends only) */
@@ -30,12 +35,44 @@ struct moed_devices {
 
 bool moed_backend_is_host(const moe_backend *b) { return b->kind == MOE_BACKEND_CPU; }
 
+/* d->mu held. */
+static void poll_locked(moed_devices *d) {
+  const uint64_t n = moe_expert_set_unused_count();
+  if (n == d->unused_seen) return;
+  d->unused_seen = n;
+  d->trim_gen++;
+  pthread_cond_broadcast(&d->cv);
+}
+
+void moed_devices_poll(moed_devices *d) {
+  if (!d) return;
+  pthread_mutex_lock(&d->mu);
+  poll_locked(d);
+  pthread_mutex_unlock(&d->mu);
+}
+
+/* On the worker's thread (a backend is used by one thread at a time). */
+static void trim(worker *w) {
+  const size_t freed = moe_backend_trim(w->backend) + moe_backend_trim(w->fallback);
+  if (freed)
+    moed_log(MOED_LOG_INFO, "device_trim", "%s: %zu bytes of unused expert sets freed", w->backend->name,
+             freed);
+}
+
 static void *worker_main(void *arg) {
   worker *w = arg;
   moed_devices *d = w->d;
   pthread_mutex_lock(&d->mu);
   for (;;) {
-    while (!d->head && !d->stopping) pthread_cond_wait(&d->cv, &d->mu);
+    while (!d->head && !d->stopping && w->trim_seen == d->trim_gen)
+      pthread_cond_wait(&d->cv, &d->mu);
+    if (w->trim_seen != d->trim_gen) {
+      w->trim_seen = d->trim_gen;
+      pthread_mutex_unlock(&d->mu);
+      trim(w);
+      pthread_mutex_lock(&d->mu);
+      continue;
+    }
     moed_job *job = d->head;
     if (!job) break; /* stopping and nothing left */
     d->head = job->next;
@@ -45,6 +82,7 @@ static void *worker_main(void *arg) {
     job->next = NULL;
     job->run(job, w->backend);
     pthread_mutex_lock(&d->mu);
+    poll_locked(d); /* the job may have dropped a set's last use */
   }
   pthread_mutex_unlock(&d->mu);
   return NULL;
@@ -85,7 +123,8 @@ int moed_devices_create(const moed_config *cfg, moed_devices **out) {
     worker *w = &d->workers[i];
     moe_error err = {{0}};
     w->d = d;
-    moe_status s = gpus ? moe_backend_gpu_create(i, &w->backend, &err) : moe_backend_cpu_create(threads, &w->backend, &err);
+    moe_status s = gpus ? moe_backend_gpu_create(i, &w->backend, &err)
+                        : moe_backend_cpu_create(threads, &w->backend, &err);
     if (!s && gpus) s = moe_backend_cpu_create(threads, &w->fallback, &err);
     if (s != MOE_OK) {
       moed_log(MOED_LOG_ERROR, "backend_failed", "worker %d: %s", i, err.msg);
@@ -141,6 +180,13 @@ bool moed_devices_submit(moed_devices *d, moed_job *job) {
 
 moe_backend *moed_devices_inline_backend(moed_devices *d) { return d->inline_backend; }
 
+int moed_devices_count(const moed_devices *d) { return d ? d->num_workers : 0; }
+
+const char *moed_devices_memory(const moed_devices *d, int i, moe_backend_memory *out) {
+  moe_backend_memory_get(d->workers[i].backend, out);
+  return d->workers[i].backend->name;
+}
+
 const char *moed_devices_backend_name(moed_devices *d) {
   return d->num_workers ? d->workers[0].backend->name : "none";
 }
@@ -151,7 +197,8 @@ void moed_devices_stop(moed_devices *d) {
   d->stopping = true;
   pthread_cond_broadcast(&d->cv);
   pthread_mutex_unlock(&d->mu);
-  for (int i = 0; i < d->num_workers; i++) pthread_join(d->workers[i].thread, NULL);
+  for (int i = 0; i < d->num_workers; i++)
+    pthread_join(d->workers[i].thread, NULL);
   d->stopped = true;
 }
 

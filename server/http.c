@@ -63,8 +63,8 @@ static void hist(wbuf *b, const char *metric, const char *model, const moed_hist
   for (int i = 0; i < MOED_HIST_BUCKETS; i++) {
     cum += atomic_load(&h->le[i]);
     if (i < MOED_HIST_BUCKETS - 1)
-      wb_printf(b, "%s_bucket{model=\"%s\",le=\"%g\"} %llu\n", metric, model, (double)moed_hist_bounds_ns[i] / 1e9,
-                (unsigned long long)cum);
+      wb_printf(b, "%s_bucket{model=\"%s\",le=\"%g\"} %llu\n", metric, model,
+                (double)moed_hist_bounds_ns[i] / 1e9, (unsigned long long)cum);
     else
       wb_printf(b, "%s_bucket{model=\"%s\",le=\"+Inf\"} %llu\n", metric, model, (unsigned long long)cum);
   }
@@ -92,7 +92,8 @@ static void model_metrics(moed_model *m, void *arg) {
   case 2: hist(b, "moed_compute_seconds", m->name, &st->compute_hist); break;
   case 3: hist(b, "moed_request_seconds", m->name, &st->total_hist); break;
   case 4:
-    wb_printf(b, "moed_bytes_in_total{model=\"%s\"} %llu\n", m->name, (unsigned long long)atomic_load(&st->bytes_in));
+    wb_printf(b, "moed_bytes_in_total{model=\"%s\"} %llu\n", m->name,
+              (unsigned long long)atomic_load(&st->bytes_in));
     break;
   case 5:
     wb_printf(b, "moed_bytes_out_total{model=\"%s\"} %llu\n", m->name,
@@ -103,8 +104,10 @@ static void model_metrics(moed_model *m, void *arg) {
 
 static void render_metrics(moed_server *s, wbuf *b) {
   static const char *const heads[] = {
-      "# HELP moed_requests_total Inference requests by model and outcome.\n# TYPE moed_requests_total counter\n",
-      "# HELP moed_queue_seconds Time from arrival to the start of compute.\n# TYPE moed_queue_seconds histogram\n",
+      "# HELP moed_requests_total Inference requests by model and outcome.\n# TYPE moed_requests_total "
+      "counter\n",
+      "# HELP moed_queue_seconds Time from arrival to the start of compute.\n# TYPE moed_queue_seconds "
+      "histogram\n",
       "# HELP moed_compute_seconds Time running the op.\n# TYPE moed_compute_seconds histogram\n",
       "# HELP moed_request_seconds Time from arrival to response.\n# TYPE moed_request_seconds histogram\n",
       "# HELP moed_bytes_in_total Input tensor bytes received.\n# TYPE moed_bytes_in_total counter\n",
@@ -115,11 +118,13 @@ static void render_metrics(moed_server *s, wbuf *b) {
     metrics_pass p = {b, sec};
     moed_repository_foreach(s->repo, model_metrics, &p);
   }
-  wb_printf(b, "# HELP moed_inflight_requests Admitted inference requests not yet answered.\n"
-               "# TYPE moed_inflight_requests gauge\nmoed_inflight_requests %d\n",
+  wb_printf(b,
+            "# HELP moed_inflight_requests Admitted inference requests not yet answered.\n"
+            "# TYPE moed_inflight_requests gauge\nmoed_inflight_requests %d\n",
             atomic_load(&s->inflight));
-  wb_printf(b, "# HELP moed_rejected_total Requests refused (limits, drain).\n"
-               "# TYPE moed_rejected_total counter\nmoed_rejected_total %llu\n",
+  wb_printf(b,
+            "# HELP moed_rejected_total Requests refused (limits, drain).\n"
+            "# TYPE moed_rejected_total counter\nmoed_rejected_total %llu\n",
             (unsigned long long)atomic_load(&s->rejected));
   if (s->weights) {
     moed_weight_cache_stats cs;
@@ -136,8 +141,20 @@ static void render_metrics(moed_server *s, wbuf *b) {
               (unsigned long long)cs.hits, (unsigned long long)cs.misses, (unsigned long long)cs.evictions,
               (unsigned long long)cs.bytes);
   }
-  wb_printf(b, "# HELP moed_ready Whether the server accepts inference.\n# TYPE moed_ready gauge\nmoed_ready %d\n",
-            atomic_load(&s->ready) ? 1 : 0);
+  wb_printf(b, "# HELP moed_device_memory_bytes Device memory per worker: resident (expert sets and packed "
+               "weights kept on the device) and held (all the backend took from the device).\n"
+               "# TYPE moed_device_memory_bytes gauge\n");
+  for (int i = 0; i < moed_devices_count(s->devices); i++) {
+    moe_backend_memory mem;
+    const char *name = moed_devices_memory(s->devices, i, &mem);
+    wb_printf(b, "moed_device_memory_bytes{worker=\"%d\",backend=\"%s\",kind=\"resident\"} %zu\n", i, name,
+              mem.resident);
+    wb_printf(b, "moed_device_memory_bytes{worker=\"%d\",backend=\"%s\",kind=\"held\"} %zu\n", i, name,
+              mem.held);
+  }
+  wb_printf(
+      b, "# HELP moed_ready Whether the server accepts inference.\n# TYPE moed_ready gauge\nmoed_ready %d\n",
+      atomic_load(&s->ready) ? 1 : 0);
 }
 
 /* ---- connections -------------------------------------------------------------- */
@@ -165,8 +182,8 @@ static void on_written(uv_write_t *w, int status) {
 static void respond(conn *c, int code, const char *reason, const char *ctype, const char *body, size_t len) {
   wbuf b = {0};
   c->responded = true;
-  wb_printf(&b, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n", code,
-            reason, ctype, len);
+  wb_printf(&b, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n",
+            code, reason, ctype, len);
   if (!b.oom && len) {
     char *g = realloc(b.p, b.len + len);
     if (!g) {

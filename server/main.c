@@ -15,9 +15,9 @@ typedef struct app {
   moed_config cfg;
   uv_loop_t loop;
   uv_signal_t sigterm, sigint;
-  uv_timer_t tick;  /* watch reaping; drain progress */
+  uv_timer_t tick; /* watch reaping; drain progress */
   moed_http *http;
-  int stage;        /* 0 serving, 1 draining, 2 rpc shutting down, 3 done */
+  int stage; /* 0 serving, 1 draining, 2 rpc shutting down, 3 done */
   uint64_t stage_deadline_ns;
   bool cancelled_all;
 } app;
@@ -40,6 +40,7 @@ static void on_tick(uv_timer_t *t) {
   app *a = t->data;
   moed_server *s = &a->srv;
   moed_health_changed(s);
+  moed_devices_poll(s->devices); /* sets unloaded or replaced leave the devices */
   uint64_t now = moed_now_ns();
   if (a->stage == 1 && (atomic_load(&s->inflight) == 0 || now >= a->stage_deadline_ns)) {
     if (atomic_load(&s->inflight))
@@ -113,11 +114,13 @@ int main(int argc, char **argv) {
   if (moed_devices_create(&a.cfg, &s->devices) != 0) goto out;
   if (moed_batcher_create(s, &s->batcher) != 0) goto out;
   if (a.cfg.cache_bytes && moed_weight_cache_create(a.cfg.cache_bytes, &s->weights) != 0) goto out;
-  if (moed_rpc_start(&a.cfg, &a.loop, moed_handle_request, moed_handle_inline, s, &s->rpc, &grpc_port) != 0) goto out;
+  if (moed_rpc_start(&a.cfg, &a.loop, moed_handle_request, moed_handle_inline, s, &s->rpc, &grpc_port) != 0)
+    goto out;
   if (a.cfg.http_port >= 0 && moed_http_start(s, a.cfg.address, a.cfg.http_port, &a.http, &http_port) != 0) {
     moed_rpc_shutdown(s->rpc);
     moed_rpc_cancel_all(s->rpc);
-    while (!moed_rpc_quiet(s->rpc)) uv_run(&a.loop, UV_RUN_NOWAIT);
+    while (!moed_rpc_quiet(s->rpc))
+      uv_run(&a.loop, UV_RUN_NOWAIT);
     moed_rpc_destroy(s->rpc);
     s->rpc = NULL;
     uv_run(&a.loop, UV_RUN_DEFAULT);

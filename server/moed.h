@@ -38,13 +38,13 @@ typedef struct moed_config {
   double drain_timeout_s;       /* SIGTERM: wait for in-flight work */
   int log_level;                /* 0 error, 1 warn, 2 info, 3 debug */
   bool log_json;
-  const char *port_file;        /* write "grpc_port http_port" once bound (tests) */
-  size_t cache_bytes;           /* inline-weight device cache; 0 = off */
-  bool cache_host;              /* also cache on host backends (they read in place) */
-  int64_t max_batch_tokens;     /* rows merged per batch; 0 = no batching */
-  int64_t max_queue_delay_us;   /* longest wait for a batch to fill */
-  size_t max_upload_bytes;      /* ExpertStore: tensor bytes per upload */
-  size_t inline_bytes;          /* unbatched requests up to this size run on the CQ thread (host backends) */
+  const char *port_file;      /* write "grpc_port http_port" once bound (tests) */
+  size_t cache_bytes;         /* inline-weight device cache; 0 = off */
+  bool cache_host;            /* also cache on host backends (they read in place) */
+  int64_t max_batch_tokens;   /* rows merged per batch; 0 = no batching */
+  int64_t max_queue_delay_us; /* longest wait for a batch to fill */
+  size_t max_upload_bytes;    /* ExpertStore: tensor bytes per upload */
+  size_t inline_bytes;        /* unbatched requests up to this size run on the CQ thread (host backends) */
 } moed_config;
 
 /* 0: run; 1: exit 0 (--help); -1: bad flags (message printed). */
@@ -116,8 +116,8 @@ typedef bool (*moed_inline_fn)(moed_request *req, void *arg);
 /* Binds, registers the methods, starts the CQ thread; each request reaches
  * `on_request` on the loop thread unless `try_inline` (may be NULL) took it
  * on the CQ thread. *bound_port gets the port. */
-int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_request, moed_inline_fn try_inline,
-                   void *arg, moed_rpc_server **out, int *bound_port);
+int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_request,
+                   moed_inline_fn try_inline, void *arg, moed_rpc_server **out, int *bound_port);
 /* Calls accepted and not yet freed. */
 int moed_rpc_active(moed_rpc_server *s);
 /* Shutdown in steps driven by the loop (which keeps serving hand-offs
@@ -176,10 +176,10 @@ typedef struct moed_model_stats {
 
 typedef struct moed_model {
   char name[128];
-  const moe_op *op;     /* fused_moe for expert sets */
-  moe_expert_set *set;  /* NULL for built-ins (fused_moe: inline weights) */
+  const moe_op *op;    /* fused_moe for expert sets */
+  moe_expert_set *set; /* NULL for built-ins (fused_moe: inline weights) */
   bool builtin;
-  _Atomic int refs;     /* the repository's + one per request using it */
+  _Atomic int refs;        /* the repository's + one per request using it */
   moed_model_stats *stats; /* shared by every load of the same name */
 } moed_model;
 
@@ -221,8 +221,8 @@ typedef void (*moed_job_fn)(moed_job *job, moe_backend *b);
 
 struct moed_job {
   moed_job *next;
-  moed_job_fn run;     /* on a worker thread */
-  moed_job_fn cancel;  /* instead of run when the queues stop (b NULL) */
+  moed_job_fn run;    /* on a worker thread */
+  moed_job_fn cancel; /* instead of run when the queues stop (b NULL) */
 };
 
 int moed_devices_create(const moed_config *cfg, moed_devices **out);
@@ -239,6 +239,14 @@ moe_backend *moed_devices_inline_backend(moed_devices *d);
 /* Stops, then destroys the backends. */
 void moed_devices_destroy(moed_devices *d);
 const char *moed_devices_backend_name(moed_devices *d);
+/* Asks every worker to trim its backends (moe_backend_trim) when an expert
+ * set was left to device caches since the last call; workers also check
+ * after each job. Any thread (main.c's tick). */
+void moed_devices_poll(moed_devices *d);
+/* Workers, and the device memory of worker i's backend (its name returned);
+ * any thread. */
+int moed_devices_count(const moed_devices *d);
+const char *moed_devices_memory(const moed_devices *d, int i, moe_backend_memory *out);
 /* True when the backend's memory is host memory (tensors need no copies). */
 bool moed_backend_is_host(const moe_backend *b);
 
@@ -257,7 +265,7 @@ typedef struct moed_server {
   _Atomic bool draining;
   _Atomic int inflight; /* admitted infer requests not yet answered */
   _Atomic uint64_t rejected;
-  struct moed_watch *watches; /* health Watch streams (loop thread) */
+  struct moed_watch *watches;  /* health Watch streams (loop thread) */
   struct moed_upload *uploads; /* uploads in progress (loop thread) */
   moed_batcher *batcher;
   moed_weight_cache *weights;

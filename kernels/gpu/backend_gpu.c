@@ -30,10 +30,12 @@ typedef struct live_slot {
   int cls;
 } live_slot;
 
-/* Device copies of one loaded expert set (moe_gpu_set_weights). */
+/* Device copies of one loaded expert set (moe_gpu_set_weights). The entry
+ * holds a reference to the set: gpu_trim frees both once it is the last. */
 typedef struct set_entry {
-  uint64_t set_id; /* moe_expert_set.id: addresses get reused, ids do not */
+  moe_expert_set *set;
   void *dev[MOE_EXPERT_TENSOR_COUNT];
+  size_t bytes; /* pool bytes of dev[] */
   struct set_entry *next;
 } set_entry;
 
@@ -45,6 +47,7 @@ typedef struct packed_entry {
   moe_expert_config cfg;
   moe_dtype scale_dt[2];
   void *dst[MOE_EXPERT_TENSOR_COUNT];
+  size_t bytes; /* pool bytes of dst[] */
   struct packed_entry *next;
 } packed_entry;
 
@@ -61,8 +64,10 @@ typedef struct gpu_ctx {
   size_t ws_size;
   void *stage[2]; /* pinned host staging, STAGE_CHUNK each */
   hipEvent_t stage_done[2];
-  set_entry *sets;      /* a short list: a worker serves a few sets */
-  packed_entry *packed; /* most recently used first, at most MOE_GPU_PACKED_INLINE */
+  set_entry *sets;          /* a short list: a worker serves a few sets */
+  packed_entry *packed;     /* most recently used first, at most MOE_GPU_PACKED_INLINE */
+  size_t resident;          /* pool bytes of sets and packed entries */
+  moe_backend_memory shown; /* resident and pool_bytes for other threads (__atomic) */
 } gpu_ctx;
 
 moe_status moe_gpu_check(hipError_t e, const char *what, moe_error *err) {
@@ -146,6 +151,18 @@ static int live_remove(gpu_ctx *ctx, void *ptr) {
   return cls;
 }
 
+/* Bytes of size class cls (the inverse of size_class). */
+static size_t class_bytes(int cls) {
+  const int p = cls / 4, q = cls % 4;
+  return ((size_t)1 << p) + (p >= 2 ? ((size_t)1 << (p - 2)) * (size_t)q : 0);
+}
+
+/* The counters other threads read (moe_backend_memory_get). */
+static void publish(gpu_ctx *ctx) {
+  __atomic_store_n(&ctx->shown.resident, ctx->resident, __ATOMIC_RELAXED);
+  __atomic_store_n(&ctx->shown.held, ctx->pool_bytes, __ATOMIC_RELAXED);
+}
+
 /* Returns every cached (free) block to the device. */
 static void pool_trim(gpu_ctx *ctx) {
   hipStreamSynchronize(ctx->stream);
@@ -154,9 +171,11 @@ static void pool_trim(gpu_ctx *ctx) {
       pool_node *n = ctx->free_list[c];
       ctx->free_list[c] = n->next;
       hipFree(n->ptr);
+      ctx->pool_bytes -= class_bytes(c);
       free(n);
     }
   }
+  publish(ctx);
 }
 
 static moe_status gpu_alloc(moe_backend *b, size_t nbytes, void **out) {
@@ -181,6 +200,7 @@ static moe_status gpu_alloc(moe_backend *b, size_t nbytes, void **out) {
       }
     }
     ctx->pool_bytes += sz;
+    publish(ctx);
   }
   if (live_insert(ctx, p, cls) != MOE_OK) {
     hipFree(p);
@@ -201,6 +221,8 @@ static void pool_free(moe_backend *b, void *ptr) {
   if (!n) { /* cannot cache it: give it back */
     hipStreamSynchronize(ctx->stream);
     hipFree(ptr);
+    ctx->pool_bytes -= class_bytes(cls);
+    publish(ctx);
     return;
   }
   n->ptr = ptr;
@@ -279,35 +301,62 @@ static moe_status gpu_copy_out(moe_backend *b, void *dst, const void *src, size_
 
 /* ---- device copies of loaded expert sets ------------------------------------ */
 
+/* Pool bytes of a live block (0: not one of ours). */
+static size_t live_bytes(const gpu_ctx *ctx, const void *ptr) {
+  if (!ptr || !ctx->live_cap) return 0;
+  size_t i = hash_ptr(ptr, ctx->live_cap);
+  while (ctx->live[i].ptr && ctx->live[i].ptr != ptr)
+    i = (i + 1) & (ctx->live_cap - 1);
+  return ctx->live[i].ptr ? class_bytes(ctx->live[i].cls) : 0;
+}
+
+/* Frees the copies (stream-ordered reuse: safe) and drops the entry's
+ * reference to its set (NULL while the entry is being built). */
 static void set_entry_free(moe_backend *b, set_entry *e) {
+  gpu_ctx *ctx = b->context;
   for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
-    if (e->dev[i]) pool_free(b, e->dev[i]); /* stream-ordered reuse: safe */
+    if (e->dev[i]) pool_free(b, e->dev[i]);
+  ctx->resident -= e->bytes;
+  publish(ctx);
+  moe_expert_set_release_hold(e->set);
   free(e);
 }
 
-void moe_backend_gpu_forget_set(moe_backend *b, const moe_expert_set *set) {
-  if (!b || b->kind != MOE_BACKEND_GPU || !b->context) return;
+/* Sets nobody but device caches reference any more (unloaded, replaced)
+ * leave the device; the pool then gives its cached blocks back, so the
+ * device's free memory returns to what it was before the set came. */
+static size_t gpu_trim(moe_backend *b) {
   gpu_ctx *ctx = b->context;
-  for (set_entry **p = &ctx->sets; *p; p = &(*p)->next) {
-    if ((*p)->set_id == set->id) {
-      set_entry *e = *p;
+  size_t freed = 0;
+  for (set_entry **p = &ctx->sets; *p;) {
+    set_entry *e = *p;
+    if (moe_expert_set_unused(e->set)) {
       *p = e->next;
+      freed += e->bytes;
       set_entry_free(b, e);
-      return;
+    } else {
+      p = &e->next;
     }
   }
+  if (freed) pool_trim(ctx);
+  return freed;
+}
+
+static void gpu_memory(const moe_backend *b, moe_backend_memory *out) {
+  const gpu_ctx *ctx = b->context;
+  out->resident = __atomic_load_n(&ctx->shown.resident, __ATOMIC_RELAXED);
+  out->held = __atomic_load_n(&ctx->shown.held, __ATOMIC_RELAXED);
 }
 
 moe_status moe_gpu_set_weights(moe_backend *b, const moe_expert_set *set, void *dev[MOE_EXPERT_TENSOR_COUNT],
                                moe_error *err) {
   gpu_ctx *ctx = b->context;
   set_entry *e = ctx->sets;
-  while (e && e->set_id != set->id)
+  while (e && e->set != set)
     e = e->next;
   if (!e) {
     e = calloc(1, sizeof *e);
     if (!e) return moe_fail(err, MOE_ENOMEM, "out of memory");
-    e->set_id = set->id;
     for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++) {
       const moe_tensor *t = &set->t[i];
       if (!t->data || !t->nbytes) continue;
@@ -332,6 +381,13 @@ moe_status moe_gpu_set_weights(moe_backend *b, const moe_expert_set *set, void *
           e->dev[i] = packed[i];
         }
     }
+    /* the set's refcount is not part of its value: the cache may hold a
+     * reference to a set it was given as const */
+    e->set = moe_expert_set_hold((moe_expert_set *)set);
+    for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
+      e->bytes += live_bytes(ctx, e->dev[i]);
+    ctx->resident += e->bytes;
+    publish(ctx);
     e->next = ctx->sets;
     ctx->sets = e;
   }
@@ -342,8 +398,11 @@ moe_status moe_gpu_set_weights(moe_backend *b, const moe_expert_set *set, void *
 /* ---- packed copies of inline weights ------------------------------------------ */
 
 static void packed_entry_free(moe_backend *b, packed_entry *e) {
+  gpu_ctx *ctx = b->context;
   for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
     if (e->dst[i]) pool_free(b, e->dst[i]); /* stream-ordered reuse: safe */
+  ctx->resident -= e->bytes;
+  publish(ctx);
   free(e);
 }
 
@@ -402,6 +461,10 @@ moe_status moe_gpu_inline_packed(moe_backend *b, const moe_expert_set *set,
         e->src[i] = dev[i];
         e->src_bytes[i] = set->t[i].nbytes;
       }
+    for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
+      e->bytes += live_bytes(ctx, e->dst[i]);
+    ctx->resident += e->bytes;
+    publish(ctx);
     e->cfg = set->cfg;
     e->scale_dt[0] = set->t[MOE_W13_SCALES].dtype;
     e->scale_dt[1] = set->t[MOE_W2_SCALES].dtype;
@@ -452,6 +515,7 @@ static void gpu_destroy(moe_backend *b) {
   while (ctx->sets) {
     set_entry *e = ctx->sets;
     ctx->sets = e->next;
+    moe_expert_set_release_hold(e->set);
     free(e); /* its blocks are live pool blocks: freed just below */
   }
   while (ctx->packed) {
@@ -480,6 +544,8 @@ static const struct moe_backend_i gpu_iface = {
     .synchronize = gpu_sync,
     .run = gpu_run,
     .destroy = gpu_destroy,
+    .trim = gpu_trim,
+    .memory = gpu_memory,
 };
 
 int moe_backend_gpu_count(const char **why) {

@@ -34,15 +34,12 @@ moe_status moe_gpu_enter(moe_backend *b, moe_error *err);
  * pointers: mmapped files), cached by the set's address: the first call
  * uploads every present tensor, later calls return the same copies.
  * dev[slot] is NULL where the set has no tensor. Entries are keyed by the
- * set's process-unique id, so a new set is never served another's weights;
- * moe_backend_gpu_forget_set frees a destroyed set's copies early (else
- * they live until the backend is destroyed). Inline weights (c->owned_set) never come here: their
+ * set, whose reference the cache holds (so its address is not reused while
+ * the entry exists); moe_backend_trim frees the copies once the cache holds
+ * the last reference. Inline weights (c->owned_set) never come here: their
  * tensors are the call's inputs, already device pointers. */
 moe_status moe_gpu_set_weights(moe_backend *b, const moe_expert_set *set, void *dev[MOE_EXPERT_TENSOR_COUNT],
                                moe_error *err);
-/* Drops (and frees, stream-ordered) the device copies of `set`; a no-op when
- * none are cached. Safe to call for any set, on any GPU backend. */
-void moe_backend_gpu_forget_set(moe_backend *b, const moe_expert_set *set);
 
 /* fused_moe's tensor-core path (kernels/gpu/fused_moe_tc.hip) reads its
  * weights in a packed layout. moe_gpu_fused_packs: whether sets of this

@@ -6,7 +6,6 @@
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -163,10 +162,48 @@ static void set_files_destroy(set_files *f) {
   free(f);
 }
 
-void moe_expert_set_destroy(moe_expert_set *set) {
-  if (!set) return;
+static uint64_t unused_count; /* atomic */
+
+moe_expert_set *moe_expert_set_ref(moe_expert_set *set) {
+  if (set) __atomic_fetch_add(&set->refs, 1, __ATOMIC_RELAXED);
+  return set;
+}
+
+moe_expert_set *moe_expert_set_hold(moe_expert_set *set) {
+  if (!set) return NULL;
+  __atomic_fetch_add(&set->holds, 1, __ATOMIC_RELAXED);
+  return moe_expert_set_ref(set);
+}
+
+bool moe_expert_set_unused(const moe_expert_set *set) {
+  /* holds only change on the holders' own threads, and a holder asks
+   * about its own hold: holds cannot fall under what this thread saw */
+  return __atomic_load_n(&set->refs, __ATOMIC_ACQUIRE) == __atomic_load_n(&set->holds, __ATOMIC_ACQUIRE);
+}
+
+uint64_t moe_expert_set_unused_count(void) { return __atomic_load_n(&unused_count, __ATOMIC_ACQUIRE); }
+
+/* Drops a reference; a user's (not a hold's) that leaves only holds makes
+ * the set unused. */
+static void unref(moe_expert_set *set, bool user) {
+  const int left = __atomic_sub_fetch(&set->refs, 1, __ATOMIC_ACQ_REL);
+  if (left > 0) {
+    if (user && left == __atomic_load_n(&set->holds, __ATOMIC_ACQUIRE))
+      __atomic_fetch_add(&unused_count, 1, __ATOMIC_RELEASE);
+    return;
+  }
   set_files_destroy(set->owner);
   free(set);
+}
+
+void moe_expert_set_destroy(moe_expert_set *set) {
+  if (set) unref(set, true);
+}
+
+void moe_expert_set_release_hold(moe_expert_set *set) {
+  if (!set) return;
+  __atomic_fetch_sub(&set->holds, 1, __ATOMIC_RELAXED);
+  unref(set, false);
 }
 
 static int slot_by_name(const char *name) {
@@ -186,10 +223,7 @@ static moe_status set_create(const char *name, const moe_expert_config *cfg, moe
   if (!set) return moe_fail(err, MOE_ENOMEM, "expert set %s: out of memory", name);
   snprintf(set->name, sizeof set->name, "%s", name);
   set->cfg = *cfg;
-  /* unique for the process: device caches key on it, since a later set may
-   * reuse a freed set's address */
-  static _Atomic uint64_t next_id = 1;
-  set->id = atomic_fetch_add(&next_id, 1);
+  set->refs = 1;
   *out = set;
   return MOE_OK;
 }

@@ -10,6 +10,13 @@ void moe_backend_destroy(moe_backend *b) {
   free(b);
 }
 
+size_t moe_backend_trim(moe_backend *b) { return b && b->iface->trim ? b->iface->trim(b) : 0; }
+
+void moe_backend_memory_get(const moe_backend *b, moe_backend_memory *out) {
+  out->resident = out->held = 0;
+  if (b && b->iface->memory) b->iface->memory(b, out);
+}
+
 #ifndef MOE_HAVE_GPU
 int moe_backend_gpu_count(const char **why) {
   if (why) *why = "this build has no GPU backend (no nvcc or hipcc found at configure time)";

@@ -26,9 +26,8 @@
 #include "moe/ops.h"
 
 #if defined(MOE_GPU_CUDA) || defined(MOE_GPU_HIP)
-#include "gpu.h" /* moe_backend_gpu_forget_set */
-#else            /* a build without a GPU backend: the test only says "skipped" */
-#define moe_backend_gpu_forget_set(b, set) ((void)(b), (void)(set))
+#include "gpu.h" /* hipMemGetInfo */
+#define HAVE_GPU_RUNTIME 1
 #endif
 
 static moe_backend *cpu, *gpu;
@@ -932,13 +931,102 @@ START_TEST(fused_set_routing_shard) {
       free(r[0]);
       free(g[0]);
     }
-    moe_backend_gpu_forget_set(gpu, set);
-    moe_expert_set_destroy(set);
+    moe_expert_set_destroy(set); /* the backend's copy holds the last reference now */
+    ck_assert_msg(moe_backend_trim(gpu) > 0, "fused_moe set: trim freed nothing");
     free(logits);
     free(bias);
     fm_tokens_free(&tk);
     fm_free(&m);
   }
+}
+END_TEST
+
+/* A loaded set's device copy lives exactly as long as the set: load (build
+ * the set), serve, unload (drop the owner's reference), trim; 50 times. The
+ * backend's resident bytes go back to zero and the device's free memory
+ * (cudaMemGetInfo) to the same value after every cycle, and every cycle's
+ * output is the same bits (checked against the CPU on the first). */
+START_TEST(set_release_trim) {
+#if defined(HAVE_GPU_RUNTIME)
+  const int64_t E = 8, H = 2048, I = 2048, T = 4, K = 2, cycles = quick ? 5 : 50;
+  const size_t b13 = (size_t)(E * 2 * I * H) * 2, b2 = (size_t)(E * H * I) * 2; /* 128 + 64 MiB */
+  uint16_t *w13 = malloc(b13), *w2 = malloc(b2), *x = malloc((size_t)(T * H) * 2);
+  ck_assert(w13 && w2 && x);
+  for (size_t i = 0; i < b13 / 2; i++)
+    w13[i] = moe_f32_to_bf16(urand(-0.03f, 0.03f));
+  for (size_t i = 0; i < b2 / 2; i++)
+    w2[i] = moe_f32_to_bf16(urand(-0.03f, 0.03f));
+  for (int64_t i = 0; i < T * H; i++)
+    x[i] = moe_f32_to_bf16(urand(-1, 1));
+  int32_t ids[T * K];
+  float tw[T * K];
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t k = 0; k < K; k++) {
+      ids[t * K + k] = (int32_t)((t + 3 * k) % E);
+      tw[t * K + k] = 0.5f;
+    }
+  moe_expert_config cfg;
+  moe_expert_config_defaults(&cfg);
+  cfg.num_experts = cfg.global_num_experts = E;
+  cfg.hidden_size = H;
+  cfg.intermediate_size = I;
+  cfg.routing.top_k = K;
+  const moe_named_tensor ts[2] = {{"w13", {MOE_BF16, 3, {E, 2 * I, H}, w13, b13}},
+                                  {"w2", {MOE_BF16, 3, {E, H, I}, w2, b2}}};
+  const moe_named_tensor in[3] = {{"hidden_states", tensor2(MOE_BF16, T, H, x)},
+                                  {"topk_ids", tensor2(MOE_INT32, T, K, ids)},
+                                  {"topk_weights", tensor2(MOE_F32, T, K, tw)}};
+  moe_backend_trim(gpu);
+  moe_backend_memory m0, m;
+  moe_backend_memory_get(gpu, &m0);
+  size_t free_first = 0, total = 0;
+  uint16_t *first = NULL;
+  for (int64_t cycle = 0; cycle < cycles; cycle++) {
+    moe_expert_set *set = NULL;
+    moe_error err = {{0}};
+    ck_assert_msg(moe_expert_set_from_tensors("trim-test", &cfg, ts, 2, &set, &err) == MOE_OK, "set: %s",
+                  err.msg);
+    char label[64];
+    snprintf(label, sizeof label, "set release cycle %lld", (long long)cycle);
+    void *r[8], *g[8];
+    size_t nb[8];
+    run_both("fused_moe", in, 3, NULL, 0, set, 0, label, r, g, nb);
+    if (!first) { /* the first cycle against the CPU: relative error well inside bf16 tolerance */
+      double num = 0, den = 0;
+      for (int64_t i = 0; i < T * H; i++) {
+        const double a = moe_bf16_to_f32(((uint16_t *)r[0])[i]), b = moe_bf16_to_f32(((uint16_t *)g[0])[i]);
+        num += (a - b) * (a - b);
+        den += a * a;
+      }
+      ck_assert_msg(den > 0 && num <= 1e-4 * den, "%s: ||gpu - cpu|| / ||cpu|| = %g", label, sqrt(num / den));
+      first = g[0];
+    } else {
+      ck_assert_msg(memcmp(first, g[0], nb[0]) == 0, "%s: output differs from cycle 0", label);
+      free(g[0]);
+    }
+    free(r[0]);
+    moe_backend_memory_get(gpu, &m);
+    ck_assert_msg(m.resident >= m0.resident + b13 + b2, "%s: %zu bytes resident while served", label,
+                  m.resident);
+    moe_expert_set_destroy(set); /* unload: the backend holds the last reference */
+    const size_t freed = moe_backend_trim(gpu);
+    ck_assert_msg(freed >= b13 + b2, "%s: trim freed %zu bytes", label, freed);
+    moe_backend_memory_get(gpu, &m);
+    ck_assert_msg(m.resident == m0.resident, "%s: %zu bytes still resident (%zu before)", label, m.resident,
+                  m0.resident);
+    size_t free_now = 0;
+    ck_assert(hipMemGetInfo(&free_now, &total) == hipSuccess);
+    if (cycle == 0) free_first = free_now;
+    /* the runtime's own allocations may move by a page or two, never by the set */
+    const size_t drift = free_now > free_first ? free_now - free_first : free_first - free_now;
+    ck_assert_msg(drift <= ((size_t)4 << 20), "%s: device free memory %zu, %zu after the first cycle", label,
+                  free_now, free_first);
+  }
+  free(first);
+  free(w13);
+  free(w2);
+  free(x);
+#endif
 }
 END_TEST
 
@@ -979,6 +1067,7 @@ int main(void) {
   tcase_add_test(tm, fused_batch_invariance);
   tcase_add_test(tm, fused_tile_configs);
   tcase_add_test(tm, fused_set_routing_shard);
+  tcase_add_test(tm, set_release_trim);
   suite_add_tcase(s, tm);
   SRunner *sr = srunner_create(s);
   srunner_set_fork_status(sr, CK_NOFORK); /* the device context lives in this process */

@@ -498,6 +498,43 @@ START_TEST(from_tensors_accepts) {
 }
 END_TEST
 
+/* References and device-cache holds: a set is unused once only holds are
+ * left (the count of such events moves by one), and freed with the last
+ * hold; users' references never make it unused. */
+START_TEST(lifetime_refs_and_holds) {
+  moe_error err;
+  mem_set m;
+  moe_expert_config c = small_config(MOE_SCHEME_BF16, 0, -1, false);
+  mem_build(&m, &c, MOE_F32);
+  for (int holders = 0; holders <= 2; holders++) {
+    moe_expert_set *set = NULL;
+    ck_assert_int_eq(moe_expert_set_from_tensors("t", &c, m.t, m.n, &set, &err), MOE_OK);
+    ck_assert(!moe_expert_set_unused(set));
+    for (int h = 0; h < holders; h++)
+      ck_assert_ptr_eq(moe_expert_set_hold(set), set);
+    ck_assert_ptr_eq(moe_expert_set_ref(set), set); /* a second user */
+    const uint64_t before = moe_expert_set_unused_count();
+    moe_expert_set_destroy(set); /* the second user is done: the creator still uses it */
+    ck_assert(!moe_expert_set_unused(set) || holders == 0);
+    ck_assert_uint_eq(moe_expert_set_unused_count(), before);
+    if (holders == 0) {
+      moe_expert_set_destroy(set); /* last reference, no holds: freed, nothing to trim */
+      ck_assert_uint_eq(moe_expert_set_unused_count(), before);
+      continue;
+    }
+    moe_expert_set_destroy(set); /* the creator's: only holds are left */
+    ck_assert(moe_expert_set_unused(set));
+    ck_assert_uint_eq(moe_expert_set_unused_count(), before + 1);
+    for (int h = 0; h < holders; h++) {
+      ck_assert(moe_expert_set_unused(set)); /* still allocated until the last hold */
+      moe_expert_set_release_hold(set);
+    }
+    ck_assert_uint_eq(moe_expert_set_unused_count(), before + 1);
+  }
+  mem_free(&m);
+}
+END_TEST
+
 START_TEST(from_tensors_rejects) {
   moe_error err;
   mem_set m;
@@ -756,6 +793,7 @@ static Suite *suite(void) {
   tcase_add_test(tc, shard_with_offset);
   tcase_add_test(tc, from_tensors_accepts);
   tcase_add_test(tc, from_tensors_rejects);
+  tcase_add_test(tc, lifetime_refs_and_holds);
   tcase_add_test(tc, load_rejects);
   suite_add_tcase(s, tc);
   return s;

@@ -18,6 +18,12 @@ extern "C" {
 typedef struct moe_backend moe_backend;
 typedef struct moe_call moe_call;
 
+/* Memory a backend holds on its device (moe_backend_memory_get). */
+typedef struct moe_backend_memory {
+  size_t resident; /* expert sets and packed inline weights kept on the device */
+  size_t held;     /* everything taken from the device: resident, in use, cached for reuse */
+} moe_backend_memory;
+
 typedef enum moe_backend_kind {
   MOE_BACKEND_CPU = 0,
   MOE_BACKEND_GPU = 1,
@@ -36,6 +42,12 @@ struct moe_backend_i {
   moe_status (*run)(moe_backend *b, moe_call *c, moe_error *err);
   /* releases the context (not the moe_backend struct itself) */
   void (*destroy)(moe_backend *b);
+  /* optional (NULL: nothing resident): frees the device copies of expert
+   * sets whose last reference the backend holds and, when that freed
+   * anything, returns cached memory to the device; bytes freed */
+  size_t (*trim)(moe_backend *b);
+  /* optional: bytes held now (any thread; a snapshot) */
+  void (*memory)(const moe_backend *b, moe_backend_memory *out);
 };
 
 struct moe_backend {
@@ -53,6 +65,11 @@ moe_status moe_backend_cpu_create(int threads, moe_backend **out, moe_error *err
 int moe_backend_gpu_count(const char **why);
 moe_status moe_backend_gpu_create(int device, moe_backend **out, moe_error *err);
 void moe_backend_destroy(moe_backend *b);
+/* The owning thread, between runs: see moe_backend_i.trim (0 when the
+ * backend keeps nothing resident). */
+size_t moe_backend_trim(moe_backend *b);
+/* Any thread: zeros for backends without device memory of their own. */
+void moe_backend_memory_get(const moe_backend *b, moe_backend_memory *out);
 
 #ifdef __cplusplus
 }

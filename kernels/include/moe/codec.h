@@ -102,23 +102,27 @@ MOE_HD uint16_t moe_f32_to_f16(float f) {
 /* ---- narrow floats: fp8 e4m3fn / e4m3fnuz / e5m2, fp4 e2m1 --------------- */
 
 typedef struct moe_narrow_fmt {
-  int mbits;          /* mantissa bits */
-  int bias;           /* exponent bias */
-  int bits;           /* code width: 8, or 4 for fp4 */
-  uint8_t max_mag;    /* magnitude code of the max finite value */
-  int16_t nan_code;   /* code produced for NaN; -1: format has none */
-  bool neg_zero;      /* false: -0 encodes as 0x00 (fnuz) */
-  bool inf_codes;     /* e5m2: exponent field all ones is inf/NaN on decode */
-  bool nan_is_max;    /* e4m3fn: magnitude 0x7F is NaN on decode */
-  bool nan_is_negzero;/* fnuz: 0x80 is NaN on decode */
+  int mbits;           /* mantissa bits */
+  int bias;            /* exponent bias */
+  int bits;            /* code width: 8, or 4 for fp4 */
+  uint8_t max_mag;     /* magnitude code of the max finite value */
+  int16_t nan_code;    /* code produced for NaN; -1: format has none */
+  bool neg_zero;       /* false: -0 encodes as 0x00 (fnuz) */
+  bool inf_codes;      /* e5m2: exponent field all ones is inf/NaN on decode */
+  bool nan_is_max;     /* e4m3fn: magnitude 0x7F is NaN on decode */
+  bool nan_is_negzero; /* fnuz: 0x80 is NaN on decode */
   float max_finite;
-  int emax;           /* floor(log2(max finite)): the MX emax */
+  int emax; /* floor(log2(max finite)): the MX emax */
 } moe_narrow_fmt;
 
-#define MOE_FMT_E4M3FN {3, 7, 8, 0x7E, 0x7F, true, false, true, false, 448.0f, 8}
-#define MOE_FMT_E4M3FNUZ {3, 8, 8, 0x7F, 0x80, false, false, false, true, 240.0f, 7}
-#define MOE_FMT_E5M2 {2, 15, 8, 0x7B, 0x7F, true, true, false, false, 57344.0f, 15}
-#define MOE_FMT_E2M1 {1, 1, 4, 0x7, -1, true, false, false, false, 6.0f, 2}
+#define MOE_FMT_E4M3FN                                                                                       \
+  { 3, 7, 8, 0x7E, 0x7F, true, false, true, false, 448.0f, 8 }
+#define MOE_FMT_E4M3FNUZ                                                                                     \
+  { 3, 8, 8, 0x7F, 0x80, false, false, false, true, 240.0f, 7 }
+#define MOE_FMT_E5M2                                                                                         \
+  { 2, 15, 8, 0x7B, 0x7F, true, true, false, false, 57344.0f, 15 }
+#define MOE_FMT_E2M1                                                                                         \
+  { 1, 1, 4, 0x7, -1, true, false, false, false, 6.0f, 2 }
 
 /* fp32 -> narrow code: round to the format's grid (subnormals included;
  * ties to even, or away from zero with half_up), then satfinite; NaN -> the
@@ -130,19 +134,19 @@ typedef struct moe_narrow_fmt {
 /* fp32 -> fp4 e2m1 by counting the rounding boundaries |f| passes: with
  * only eight magnitudes this is seven compares instead of the generic
  * integer rounding (which gives the same codes for MOE_FMT_E2M1; callers
- * pick this one where the format is known, keeping their loops branch-free). A boundary that is a tie counts when |f| reaches it if
- * the tie goes up (to the even code, or always with half_up), else only when
- * |f| exceeds it. NaN passes none (code 0); sign kept (-0 -> 0x8). */
+ * pick this one where the format is known, keeping their loops branch-free). A boundary that is a tie counts
+ * when |f| reaches it if the tie goes up (to the even code, or always with half_up), else only when |f|
+ * exceeds it. NaN passes none (code 0); sign kept (-0 -> 0x8). */
 MOE_HD uint8_t moe_f32_to_e2m1(float f, bool half_up) {
   const float a = moe_f32_abs(f);
   const uint32_t h = (uint32_t)half_up;
   uint32_t mag = (uint32_t)(a > 0.25f) | ((uint32_t)(a == 0.25f) & h); /* 0 | 0.5: tie to even 0 */
-  mag += (uint32_t)(a >= 0.75f);                                      /* 0.5 | 1: tie to even 1 */
-  mag += (uint32_t)(a > 1.25f) | ((uint32_t)(a == 1.25f) & h);        /* 1 | 1.5: tie to 1 */
-  mag += (uint32_t)(a >= 1.75f);                                      /* 1.5 | 2: tie to 2 */
-  mag += (uint32_t)(a > 2.5f) | ((uint32_t)(a == 2.5f) & h);          /* 2 | 3: tie to 2 */
-  mag += (uint32_t)(a >= 3.5f);                                       /* 3 | 4: tie to 4 */
-  mag += (uint32_t)(a > 5.0f) | ((uint32_t)(a == 5.0f) & h);          /* 4 | 6: tie to 4 */
+  mag += (uint32_t)(a >= 0.75f);                                       /* 0.5 | 1: tie to even 1 */
+  mag += (uint32_t)(a > 1.25f) | ((uint32_t)(a == 1.25f) & h);         /* 1 | 1.5: tie to 1 */
+  mag += (uint32_t)(a >= 1.75f);                                       /* 1.5 | 2: tie to 2 */
+  mag += (uint32_t)(a > 2.5f) | ((uint32_t)(a == 2.5f) & h);           /* 2 | 3: tie to 2 */
+  mag += (uint32_t)(a >= 3.5f);                                        /* 3 | 4: tie to 4 */
+  mag += (uint32_t)(a > 5.0f) | ((uint32_t)(a == 5.0f) & h);           /* 4 | 6: tie to 4 */
   return (uint8_t)(((moe_f32_bits(f) >> 31) << 3) | mag);
 }
 

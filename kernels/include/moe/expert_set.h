@@ -29,11 +29,7 @@ typedef enum moe_activation {
   MOE_ACT_COUNT
 } moe_activation;
 
-typedef enum moe_scoring {
-  MOE_SCORING_SOFTMAX = 0,
-  MOE_SCORING_SIGMOID,
-  MOE_SCORING_COUNT
-} moe_scoring;
+typedef enum moe_scoring { MOE_SCORING_SOFTMAX = 0, MOE_SCORING_SIGMOID, MOE_SCORING_COUNT } moe_scoring;
 
 /* Name tables (index = enum value), NULL-terminated, for parsing. */
 extern const char *const moe_scheme_names[];
@@ -58,9 +54,9 @@ typedef struct moe_expert_config {
   int64_t hidden_size;        /* H */
   int64_t intermediate_size;  /* I */
   moe_activation activation;
-  int bits;                   /* wna16: 4 or 8 */
-  int64_t group_size;         /* wna16: divides K of each GEMM; -1 = one group per row */
-  bool has_zero_points;       /* wna16 */
+  int bits;             /* wna16: 4 or 8 */
+  int64_t group_size;   /* wna16: divides K of each GEMM; -1 = one group per row */
+  bool has_zero_points; /* wna16 */
   moe_routing routing;
 } moe_expert_config;
 
@@ -82,10 +78,11 @@ extern const char *const moe_expert_tensor_names[];
 
 struct moe_expert_set {
   char name[128];
-  uint64_t id; /* unique in the process (never reused, unlike the address) */
   moe_expert_config cfg;
   moe_tensor t[MOE_EXPERT_TENSOR_COUNT]; /* data NULL when absent */
   void *owner;                           /* mappings/buffers; NULL when borrowed */
+  int refs;                              /* references, holds included (atomic) */
+  int holds;                             /* of those, device caches' (atomic; moe_expert_set_hold) */
 };
 
 /* Defaults: bf16, silu, routing softmax top_k 1 renormalize false,
@@ -111,7 +108,24 @@ moe_status moe_expert_set_load(const char *dir, const char *name, moe_expert_set
 moe_status moe_expert_set_from_tensors(const char *name, const moe_expert_config *cfg,
                                        const moe_named_tensor *tensors, size_t n, moe_expert_set **out,
                                        moe_error *err);
+/* Lifetime. A set starts with one reference, its creator's; users take
+ * more (moe_expert_set_ref) and drop them (moe_expert_set_destroy; the last
+ * frees the set: mappings, buffers). A backend that keeps a device copy of
+ * a set takes a hold instead (a reference that does not keep the set in
+ * use): once every remaining reference is a hold, the set is unused,
+ * moe_expert_set_unused_count() moves on, and each backend frees its copy
+ * and drops its hold in moe_backend_trim. So a set's memory on every device
+ * has one owner and ends with the set's last user. Any thread. */
+moe_expert_set *moe_expert_set_ref(moe_expert_set *set);
 void moe_expert_set_destroy(moe_expert_set *set);
+moe_expert_set *moe_expert_set_hold(moe_expert_set *set);
+void moe_expert_set_release_hold(moe_expert_set *set);
+/* Whether only holds remain (a snapshot; a set that is unused stays so:
+ * nobody who could take a new reference is left). */
+bool moe_expert_set_unused(const moe_expert_set *set);
+/* How many times a held set became unused in this process (monotonic):
+ * the device workers trim when it changes. */
+uint64_t moe_expert_set_unused_count(void);
 
 /* Writes a synthetic set with seeded random weights into `dir` (created). */
 moe_status moe_expert_set_write_random(const char *dir, const moe_expert_config *cfg, uint64_t seed,

@@ -19,8 +19,7 @@ typedef struct moe_safetensors moe_safetensors;
  * shape, data_offsets (ordered, inside the file, size = numel * dtype size). */
 moe_status moe_safetensors_open(const char *path, moe_safetensors **out, moe_error *err);
 /* Same over a caller-owned buffer (not copied; must outlive the object). */
-moe_status moe_safetensors_open_buffer(const void *data, size_t size, moe_safetensors **out,
-                                       moe_error *err);
+moe_status moe_safetensors_open_buffer(const void *data, size_t size, moe_safetensors **out, moe_error *err);
 void moe_safetensors_close(moe_safetensors *st);
 
 size_t moe_safetensors_count(const moe_safetensors *st);
@@ -28,14 +27,12 @@ const char *moe_safetensors_name(const moe_safetensors *st, size_t i);
 /* The tensor named `name` (data points into the mapping); MOE_ENOTFOUND
  * when absent. Safetensors dtypes map to ours: F32, F16, BF16, U8, I8, I32,
  * F8_E4M3 (fp8_e4m3fn), F8_E5M2; others are reported as unsupported. */
-moe_status moe_safetensors_get(const moe_safetensors *st, const char *name, moe_tensor *out,
-                               moe_error *err);
+moe_status moe_safetensors_get(const moe_safetensors *st, const char *name, moe_tensor *out, moe_error *err);
 
 /* Writes tensors to `path` in safetensors format (used by the synthetic
  * expert-set writer and by tests). */
 typedef struct moe_named_tensor moe_named_tensor;
-moe_status moe_safetensors_write(const char *path, const moe_named_tensor *tensors, size_t n,
-                                 moe_error *err);
+moe_status moe_safetensors_write(const char *path, const moe_named_tensor *tensors, size_t n, moe_error *err);
 
 #ifdef __cplusplus
 }
