@@ -1,5 +1,5 @@
 /* batcher: merges inference requests for the same model and the same
- * parameters along the token axis (DESIGN.md "Batching"), on the loop
+ * parameters along the token axis (docs/design.md "Batching"), on the loop
  * thread. A request joins the open batch with its batch key
  * (moed_infer_same_batch); a batch goes to the device queues when it holds
  * max_batch_tokens rows or when its timer (max_queue_delay_us, rounded up

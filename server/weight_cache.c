@@ -1,5 +1,5 @@
 /* weight_cache: device copies of the weights that requests to the built-in
- * fused_moe model carry inline (DESIGN.md "Ops"), keyed by content, so a
+ * fused_moe model carry inline (docs/design.md "Ops"), keyed by content, so a
  * caller sending the same weights again skips their copy to the device.
  *
  * Key: XXH3-128 over every weight tensor's name, dtype, shape and bytes,

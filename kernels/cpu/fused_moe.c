@@ -1,4 +1,4 @@
-/* fused_moe on the CPU (NUMERICS.md "fused_moe"). One pipeline for every
+/* fused_moe on the CPU (docs/numerics.md "fused_moe"). One pipeline for every
  * weight format (kernels/cpu/weight_format.h):
  *
  *   route (when router_logits are given)

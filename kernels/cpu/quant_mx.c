@@ -1,4 +1,4 @@
-/* CPU: quant.mx and dequant.mx (NUMERICS.md "quant.mx"), one 32-element
+/* CPU: quant.mx and dequant.mx (docs/numerics.md "quant.mx"), one 32-element
  * block at a time; blocks are independent, so any thread split gives the
  * same bits. */
 #include "../ops/op.h"

@@ -1,4 +1,4 @@
-/* CPU: the scaled quant ops (NUMERICS.md quant.per_tensor, quant.per_token,
+/* CPU: the scaled quant ops (docs/numerics.md quant.per_tensor, quant.per_token,
  * dequant.per_tensor). Element-wise, so any split across threads gives the
  * same bits. */
 #include "../ops/op.h"

@@ -1,4 +1,4 @@
-/* moe.topk on the CPU (NUMERICS.md "moe.topk"): each row routed on its own,
+/* moe.topk on the CPU (docs/numerics.md "moe.topk"): each row routed on its own,
  * in fp32, with every choice ordered by (value descending, index ascending). */
 #include <math.h>
 #include <stdbool.h>

@@ -1,4 +1,4 @@
-/* Internal: routing of one row of router logits on the host (NUMERICS.md
+/* Internal: routing of one row of router logits on the host (docs/numerics.md
  * "moe.topk"), shared by moe.topk and fused_moe's CPU functions. */
 #ifndef MOE_CPU_TOPK_H
 #define MOE_CPU_TOPK_H

@@ -1,4 +1,4 @@
-/* The weight formats of fused_moe on the CPU (NUMERICS.md "fused_moe",
+/* The weight formats of fused_moe on the CPU (docs/numerics.md "fused_moe",
  * weights): bf16/fp16 values, and wna16 int4/int8 codes with per-group
  * scales and optional zero points, w = act((q - z) * scale). */
 #include <string.h>

@@ -1,9 +1,9 @@
 /* Internal: the weight formats of fused_moe on the CPU.
  *
- * DESIGN.md: a weight scheme plugs into fused_moe as a small weight-format
+ * docs/design.md: a weight scheme plugs into fused_moe as a small weight-format
  * interface, never as a copy of the pipeline. A format knows one thing: how
  * to turn a tile of one expert's matrix into fp32 values already rounded to
- * the activation dtype (NUMERICS.md "fused_moe": w = act(...)). The pipeline
+ * the activation dtype (docs/numerics.md "fused_moe": w = act(...)). The pipeline
  * (kernels/cpu/fused_moe.c) does the rest, the same for every format. */
 #ifndef MOE_CPU_WEIGHT_FORMAT_H
 #define MOE_CPU_WEIGHT_FORMAT_H

@@ -1,4 +1,4 @@
-/* GPU: fused_moe (NUMERICS.md "fused_moe"). One pipeline, all on the
+/* GPU: fused_moe (docs/numerics.md "fused_moe"). One pipeline, all on the
  * backend's stream, no host sync:
  *
  *   route       moe_gpu_route (topk.hip), when router_logits are given
@@ -28,7 +28,7 @@
  * That order depends on K and the scheme only: not on the token's tile, the
  * tile height BM (a launch choice from the batch size), the rows beside it
  * or the grid. No atomics, no split K. Results are deterministic; they are
- * not bit-identical to the CPU's (another summation order: NUMERICS.md's
+ * not bit-identical to the CPU's (another summation order: docs/numerics.md's
  * tolerance applies). */
 #include <stdlib.h>
 #include <string.h>

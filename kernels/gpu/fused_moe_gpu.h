@@ -1,6 +1,6 @@
 /* Internal to kernels/gpu/: what fused_moe.hip (the pipeline and the
  * portable GEMM) and fused_moe_tc.hip (the tensor-core GEMM, NVIDIA sm_80+)
- * share: the activation dtype helpers, NUMERICS.md's activation epilogue,
+ * share: the activation dtype helpers, docs/numerics.md's activation epilogue,
  * and the tensor-core path's entry points. HIP/CUDA C++ only. */
 #ifndef MOE_GPU_FUSED_MOE_GPU_H
 #define MOE_GPU_FUSED_MOE_GPU_H
@@ -25,12 +25,12 @@ template <int ACT> __device__ __forceinline__ float from16(uint32_t h) {
 }
 
 /* exp and erf in fp32 (CUDA's and HIP's accurate expf/erff: within 2 ulp
- * of libm's, far inside NUMERICS.md's tolerance; rounding from double cost
+ * of libm's, far inside docs/numerics.md's tolerance; rounding from double cost
  * a tenth of a large gate_up GEMM in fp64 work). */
 __device__ __forceinline__ float exp_f(float x) { return expf(x); }
 __device__ __forceinline__ float erf_f(float x) { return erff(x); }
 
-/* NUMERICS.md: a = act(act(f(g)) * u), or swiglu_oai; g and u act-rounded.
+/* docs/numerics.md: a = act(act(f(g)) * u), or swiglu_oai; g and u act-rounded.
  * The CPU's expressions (kernels/cpu/fused_moe.c activate()). */
 template <int ACT> __device__ __forceinline__ float activate(int fn, float g, float u) {
   if (fn == MOE_ACT_GELU)

@@ -15,7 +15,7 @@
  * conflicts. int4 codes are stored so that one lop3 makes two 16-bit
  * floats (code | 0x4300 in bf16 = 128 + q, | 0x6400 in fp16 = 1024 + q);
  * int8 codes by prmt (fp16: 0x64qq) or through fp32 (bf16: 0x4B0000qq).
- * NUMERICS.md's w = act((q - z) * s): (q - z) is an exact small integer in
+ * docs/numerics.md's w = act((q - z) * s): (q - z) is an exact small integer in
  * either form; when the scales are in the activation dtype, one packed
  * 16-bit multiply by s rounds the exact product once, which is the
  * contract's fp32 product (exact: at most 9 x 11 significant bits) rounded
@@ -33,7 +33,7 @@
  * dequantized weights are the same bits in every configuration (the
  * per-group path is chosen from the set's dtypes, not from the call).
  * Results are deterministic and independent of batching; across backends
- * NUMERICS.md's tolerance applies (another summation order than the CPU).
+ * docs/numerics.md's tolerance applies (another summation order than the CPU).
  *
  * Grid: x = the tile list, y = the weight strips; blocks run in groups of
  * RASTER tiles x every strip (tiles fastest), so the tiles of one expert

@@ -1,4 +1,4 @@
-/* The one place where HIP names meet CUDA's (DESIGN.md "GPU builds").
+/* The one place where HIP names meet CUDA's (docs/design.md "GPU builds").
  *
  * GPU code in kernels/gpu/ (and the GPU test and bench) is written against
  * the HIP runtime API and HIP's device intrinsics. On AMD, hipcc compiles it

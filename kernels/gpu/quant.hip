@@ -1,4 +1,4 @@
-/* GPU: every quant op (NUMERICS.md quant.per_tensor, quant.per_token,
+/* GPU: every quant op (docs/numerics.md quant.per_tensor, quant.per_token,
  * quant.mx, dequant.per_tensor, dequant.mx), bit-exact with the CPU backend
  * (kernels/cpu/quant_scaled.c, quant_mx.c).
  *
@@ -208,7 +208,7 @@ template <int Q> __device__ __forceinline__ float decode(uint32_t code) {
   return moe_narrow_to_f32((uint8_t)code, &f);
 }
 
-/* |x| bits when x is finite, else 0: the amax of NUMERICS.md ignores NaN and
+/* |x| bits when x is finite, else 0: the amax of docs/numerics.md ignores NaN and
  * inf, and the max of non-negative floats is the max of their bits. */
 __device__ __forceinline__ uint32_t finite_abs_bits(float x) {
   uint32_t b = moe_f32_bits(x) & 0x7FFFFFFFu;
@@ -244,7 +244,7 @@ __device__ uint32_t block_max(uint32_t m) {
   return m;
 }
 
-/* s = amax / dtype_max, 1 when that is 0 (NUMERICS.md dynamic scale). */
+/* s = amax / dtype_max, 1 when that is 0 (docs/numerics.md dynamic scale). */
 __device__ __forceinline__ float scale_from_amax(float amax, float dtype_max) {
   float s = amax / dtype_max;
   return s == 0.0f ? 1.0f : s;

@@ -1,4 +1,4 @@
-/* GPU: moe.topk (NUMERICS.md "moe.topk"), also fused_moe's routing step
+/* GPU: moe.topk (docs/numerics.md "moe.topk"), also fused_moe's routing step
  * (moe_gpu_route). One block per row; the row mirrors the CPU's
  * (kernels/cpu/topk.c) operation for operation, so that ids are the same and
  * weights the same up to exp:

@@ -1,5 +1,5 @@
 /* Expert sets: the tensors of one MoE layer checked against their config
- * (layouts of NUMERICS.md "fused_moe"), loaded from a directory of
+ * (layouts of docs/numerics.md "fused_moe"), loaded from a directory of
  * safetensors files, built over borrowed tensors, or written with synthetic
  * weights. docs/expert-set.md describes the directory. */
 #include <dirent.h>

@@ -1,4 +1,4 @@
-/* dequant.mx: y = value(code) * 2^(b - 127), b = 0xFF -> NaN (NUMERICS.md). */
+/* dequant.mx: y = value(code) * 2^(b - 127), b = 0xFF -> NaN (docs/numerics.md). */
 #include "quant_args.h"
 
 static const moe_op_io_desc inputs[] = {

@@ -1,4 +1,4 @@
-/* dequant.per_tensor: y = float(q) * s, rounded to out_dtype (NUMERICS.md). */
+/* dequant.per_tensor: y = float(q) * s, rounded to out_dtype (docs/numerics.md). */
 #include "quant_args.h"
 
 static const moe_op_io_desc inputs[] = {

@@ -1,4 +1,4 @@
-/* fused_moe: the op table entry and its validation (NUMERICS.md "fused_moe").
+/* fused_moe: the op table entry and its validation (docs/numerics.md "fused_moe").
  *
  * Called two ways: as a loaded expert set (moe_op_prepare's `set`), or as
  * the built-in model "fused_moe" with the weights as inputs, from which

@@ -133,7 +133,7 @@ static inline float moe_load_float(const void *p, moe_dtype t, size_t i) {
   default: return ((const float *)p)[i];
   }
 }
-/* Stores v into element i of a F32/F16/BF16 array with NUMERICS.md rounding. */
+/* Stores v into element i of a F32/F16/BF16 array with docs/numerics.md rounding. */
 static inline void moe_store_float(void *p, moe_dtype t, size_t i, float v) {
   switch (t) {
   case MOE_F16: ((uint16_t *)p)[i] = moe_f32_to_f16(v); break;

@@ -5,7 +5,7 @@
 
 const moe_dtype moe_float_dtypes[] = {MOE_F32, MOE_F16, MOE_BF16, MOE_DTYPE_INVALID};
 
-/* The per-tensor / per-token formats and their dtype_max (NUMERICS.md). */
+/* The per-tensor / per-token formats and their dtype_max (docs/numerics.md). */
 static const struct {
   const char *name;
   moe_dtype dtype;

@@ -13,7 +13,7 @@ moe_status moe_parse_scaled_dtype(const moe_params *p, const char *param, moe_dt
 moe_status moe_parse_mx_format(const moe_params *p, moe_mx_args *a, moe_error *err);
 /* `out_dtype` of a dequant op: fp32 (default) | fp16 | bf16. */
 moe_status moe_parse_out_float(const moe_params *p, moe_dtype *out, moe_error *err);
-/* A scale tensor: F32 with one element, finite and > 0 (NUMERICS.md
+/* A scale tensor: F32 with one element, finite and > 0 (docs/numerics.md
  * quant.per_tensor "Static"); its value into *out. */
 moe_status moe_read_static_scale(const moe_tensor *t, const char *what, float *out, moe_error *err);
 

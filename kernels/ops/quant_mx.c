@@ -1,4 +1,4 @@
-/* quant.mx: NUMERICS.md "quant.mx (mxfp4, mxfp8 e4m3fn, mxfp8 e5m2)". */
+/* quant.mx: docs/numerics.md "quant.mx (mxfp4, mxfp8 e4m3fn, mxfp8 e5m2)". */
 #include "quant_args.h"
 
 static const moe_op_io_desc inputs[] = {

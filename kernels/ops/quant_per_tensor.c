@@ -1,4 +1,4 @@
-/* quant.per_tensor: NUMERICS.md "quant.per_tensor (static and dynamic)". */
+/* quant.per_tensor: docs/numerics.md "quant.per_tensor (static and dynamic)". */
 #include "quant_args.h"
 
 static const moe_op_io_desc inputs[] = {

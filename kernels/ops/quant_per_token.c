@@ -1,4 +1,4 @@
-/* quant.per_token: NUMERICS.md "quant.per_token". */
+/* quant.per_token: docs/numerics.md "quant.per_token". */
 #include "quant_args.h"
 
 static const moe_op_io_desc inputs[] = {

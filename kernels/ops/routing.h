@@ -1,4 +1,4 @@
-/* Internal: the routing parameters of moe.topk (NUMERICS.md "moe.topk"),
+/* Internal: the routing parameters of moe.topk (docs/numerics.md "moe.topk"),
  * shared with fused_moe, which routes router_logits by the same definition. */
 #ifndef MOE_OPS_ROUTING_H
 #define MOE_OPS_ROUTING_H

@@ -1,4 +1,4 @@
-/* moe.topk: the op table entry and its validation (NUMERICS.md "moe.topk").
+/* moe.topk: the op table entry and its validation (docs/numerics.md "moe.topk").
  * The routing parameters are parsed and checked here for fused_moe too. */
 #include <math.h>
 

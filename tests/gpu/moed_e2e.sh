@@ -2,7 +2,7 @@
 # End to end on a GPU machine: the same requests through moec to a moed on
 # the GPU (--device gpu) and to a moed on the CPU (--device cpu). Quant ops
 # must come back bit-identical, moe.topk with identical ids, fused_moe within
-# NUMERICS.md's tolerance of each other (2x the per-backend bound).
+# docs/numerics.md's tolerance of each other (2x the per-backend bound).
 #   tests/gpu/moed_e2e.sh BINDIR LOGDIR     (BINDIR: moed, moec, moe-mkset)
 set -euo pipefail
 bin=$(cd "$1" && pwd); log=$2

@@ -1,4 +1,4 @@
-/* The GPU backend against the CPU backend (issue: GPU backend; NUMERICS.md
+/* The GPU backend against the CPU backend (issue: GPU backend; docs/numerics.md
  * "Tolerances"): every quant op run on both backends on the same inputs,
  * outputs poisoned (differently on each side) before each run, every output
  * byte compared. Exhaustive over the fp16 and bf16 bit patterns x >= 300
@@ -8,7 +8,7 @@
  * No GPU (CI): prints "skipped: no GPU" and passes.
  * moe.topk: ids identical, weights within 1e-6 (kernels/gpu/topk.hip says
  * why not bit-exact). fused_moe: every scheme, group size, zero points and
- * activation within NUMERICS.md's tolerance of the CPU backend, never NaN
+ * activation within docs/numerics.md's tolerance of the CPU backend, never NaN
  * (outputs poisoned), bit-identical across batchings on the GPU; loaded
  * sets (the backend's device copies), routing on the device, shards.
  *
@@ -711,7 +711,7 @@ static void fm_run(const fm_model *m, const moe_expert_set *set, const fm_tokens
   *got = g[0];
 }
 
-/* ||gpu - cpu|| / ||cpu||; never NaN. NUMERICS.md's tolerance bounds each
+/* ||gpu - cpu|| / ||cpu||; never NaN. docs/numerics.md's tolerance bounds each
  * backend's distance to the float64 reference, so two backends may be up to
  * twice it apart: one run (a single token is a small sample) must be within
  * 2 x tol, and the sums over all runs of a case (fm_case_check) within tol.

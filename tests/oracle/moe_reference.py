@@ -1,11 +1,11 @@
 """Independent float64 reference of moe.topk and fused_moe, written from
-/work/shared/NUMERICS.md ("Common", "moe.topk", "fused_moe", "Tolerances")
+docs/numerics.md ("Common", "moe.topk", "fused_moe", "Tolerances")
 only -- not from the C kernels.
 
 Every rounding point named by the contract is reproduced exactly (RNE to the
 activation dtype, done here on float64 values); the sums between them are
 computed in float64, so the reference differs from a conforming fp32 backend
-only by the backend's fp32 summation error (see NUMERICS.md "Tolerances").
+only by the backend's fp32 summation error (see docs/numerics.md "Tolerances").
 
     python moe_reference.py      # runs the self-checks (hand-computed cases)
 """

@@ -1,5 +1,5 @@
 """Independent numpy oracle of moed's quantization ops, written from
-/work/shared/NUMERICS.md alone (not from the C kernels).
+docs/numerics.md alone (not from the C kernels).
 
 Everything works on numpy arrays in *storage* form, as moelib passes them:
 fp32 as float32, fp16/bf16 as uint16 bit patterns, fp8/fp4/e8m0 as uint8
@@ -10,12 +10,12 @@ Narrow-format conversion is done twice, by two independent routes:
   * `cvt_codes` (the oracle proper): exact float64 grid arithmetic
     (frexp/ldexp/rint) on the magnitude clipped to max finite, then a lookup
     of the code in a table built by decoding every code with our own
-    bit-level decoder (`decode_codes`) from NUMERICS.md's format table.
+    bit-level decoder (`decode_codes`) from docs/numerics.md's format table.
   * `cvt_codes_ml` (cross-check): ml_dtypes' own RNE cast, with the contract
     laid on top (clip before the cast since ml_dtypes turns out-of-range into
     NaN; NaN -> the format's NaN code; e4m3fnuz has no -0).
 `self_check()` asserts that both routes agree, that our decoder agrees with
-ml_dtypes' and checks the hand-picked cases quoted in NUMERICS.md.
+ml_dtypes' and checks the hand-picked cases quoted in docs/numerics.md.
 """
 import ml_dtypes
 import numpy as np
@@ -43,7 +43,7 @@ def _sign_bit(fmt):
 
 
 def decode_codes(codes, fmt):
-    """Value (float64) of each code, from the format table of NUMERICS.md:
+    """Value (float64) of each code, from the format table of docs/numerics.md:
     bias/exponent/mantissa, subnormals at e == 0, specials per format
     (e4m3fn: 0x7F/0xFF NaN, no inf; e4m3fnuz: 0x80 NaN, no -0, no inf;
     e5m2: IEEE-like, exponent 31 = inf (m == 0) / NaN; fp4: no specials)."""
@@ -109,7 +109,7 @@ def round_grid(a, fmt, half_up=False):
 
 
 def cvt_codes(v, fmt, half_up=False):
-    """fp32 values -> codes (uint8) per NUMERICS.md: RNE (or half_up) to the
+    """fp32 values -> codes (uint8) per docs/numerics.md: RNE (or half_up) to the
     grid, saturate to +-max finite (inf too), NaN -> NaN code, sign kept
     (-0 kept) except e4m3fnuz where every zero is 0x00."""
     v = np.asarray(v, dtype=F32)
@@ -248,7 +248,7 @@ def quant_per_tensor(x, out_dtype, scale=None, exact_division=False):
 
 def quant_per_token(x, out_dtype, scale_ub=None, exact_division=False):
     """x fp32 [.., K]. Returns (q, scales fp32 [rows, 1]). exact_division is
-    not in DESIGN.md's table for per_token; NUMERICS.md makes per_token "the
+    not in docs/design.md's table for per_token; docs/numerics.md makes per_token "the
     same as dynamic per-tensor", which has it (default false)."""
     x = np.asarray(x, dtype=F32)
     K = x.shape[-1]
@@ -382,13 +382,13 @@ def self_check(verbose=False):
     assert np.array_equal(np.isnan(mine), np.isnan(theirs))
     eq(mine[:255], theirs[:255], "decode e8m0")
     eq(mine[[0, 127, 254]], [2.0 ** -127, 1.0, 2.0 ** 127], "e8m0 table")
-    # Table of NUMERICS.md.
+    # Table of docs/numerics.md.
     eq(decode_codes([0x7E], "fp8_e4m3fn"), [448.0], "e4m3fn max")
     eq(decode_codes([0x7F], "fp8_e4m3fnuz"), [240.0], "e4m3fnuz max")
     eq(decode_codes([0x7B], "fp8_e5m2"), [57344.0], "e5m2 max")
     eq(decode_codes(np.arange(8), "fp4_e2m1"), [0, .5, 1, 1.5, 2, 3, 4, 6], "fp4 values")
 
-    # Hand-picked conversions from NUMERICS.md.
+    # Hand-picked conversions from docs/numerics.md.
     fp4 = lambda vals, hu=False: cvt_codes(np.array(vals, F32), "fp4_e2m1", hu)  # noqa: E731
     eq(fp4([0.25, 0.75, 1.25, 2.5, 5.0]), [0, 2, 2, 4, 6], "fp4 ties RNE")   # 0,1.0,1.0,2,4
     eq(fp4([-0.25, -0.75, -1.25, -2.5, -5.0]), [8, 10, 10, 12, 14], "fp4 -ties")

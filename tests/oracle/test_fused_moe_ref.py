@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """fused_moe of libmoe against the independent float64 reference
-(moe_reference.fused_moe_ref, written from NUMERICS.md "fused_moe").
+(moe_reference.fused_moe_ref, written from docs/numerics.md "fused_moe").
 
-Criterion (NUMERICS.md "Tolerances"): ||out - ref|| / ||ref|| <= 1e-3 (BF16),
+Criterion (docs/numerics.md "Tolerances"): ||out - ref|| / ||ref|| <= 1e-3 (BF16),
 <= 2.5e-4 (F16), no NaN/inf, output [T, H] in the activation dtype. The
 reference has the contract's rounding points, float64 sums between them.
 The norm is taken over a case's pooled draws (same weights, fresh tokens and

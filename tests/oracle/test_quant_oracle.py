@@ -1,5 +1,5 @@
 """Bit-exact check of libmoe's quantization ops against the independent numpy
-oracle (quant_oracle.py, written from /work/shared/NUMERICS.md).
+oracle (quant_oracle.py, written from docs/numerics.md).
 
 Run by ctest (MOE_LIB points at libmoe.so). Exit 0 when every output bit
 matches; otherwise the first mismatches are printed with their inputs.
@@ -387,8 +387,8 @@ def check_per_token():
             for od in ("fp8_e4m3fn", "fp8_e4m3fnuz", "int8"):
                 for ub in ubs:
                     per_token_case(group, xs, xdtype, od, ub, tag)
-                # exact_division: not in DESIGN.md's per_token row, but per_token
-                # is "the same as dynamic per-tensor" (NUMERICS.md).
+                # exact_division: not in docs/design.md's per_token row, but per_token
+                # is "the same as dynamic per-tensor" (docs/numerics.md).
                 for ub in (None, 0.1, 1e-40):
                     per_token_case(group, xs, xdtype, od, ub, tag, exact=True)
                 per_token_case(group, xs, xdtype, od, None, tag, exact=False)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """moe.topk of libmoe against the independent float64 reference
-(moe_reference.topk_ref, written from NUMERICS.md "moe.topk").
+(moe_reference.topk_ref, written from docs/numerics.md "moe.topk").
 
 ids must match exactly (ties -> lower index, deliberate ties included);
 weights within 1e-6 relative (the C side computes in fp32), widened to the
@@ -197,7 +197,7 @@ def run_case(c):
 
 def hand_cases():
     """Cases where fp32 (the contract's arithmetic) ties but float64 does not:
-    expected values derived by hand from NUMERICS.md, not from topk_ref."""
+    expected values derived by hand from docs/numerics.md, not from topk_ref."""
     out = []
     # sigmoid saturates: 1/(1+expf(-30)) == 1/(1+expf(-40)) == 1.0f -> tie -> lower index
     out.append(("hand: sigmoid saturation tie", np.array([[30.0, 40.0, 0.0]]), None,

@@ -1,7 +1,7 @@
 /* moe/codec.h against independent references over every input pattern:
  * fp16 <-> fp32 against the CPU's own conversion instructions (F16C), bf16
  * rounding against nearest-of-two-candidates in double precision. These
- * conversions carry every fp16/bf16 result of every op (NUMERICS.md
+ * conversions carry every fp16/bf16 result of every op (docs/numerics.md
  * "Common"). Sanitizer builds walk a prime stride instead of all 2^32. */
 #include <check.h>
 #include <immintrin.h>
@@ -43,7 +43,7 @@ START_TEST(f32_to_f16_every_pattern) {
   for (uint64_t u = 0; u <= 0xFFFFFFFFu; u += STRIDE) {
     float f = moe_f32_from_bits((uint32_t)u);
     uint16_t got = moe_f32_to_f16(f);
-    /* NUMERICS.md: NaN -> the canonical 0x7E00 (hardware keeps payloads) */
+    /* docs/numerics.md: NaN -> the canonical 0x7E00 (hardware keeps payloads) */
     uint16_t want = isnan(f) ? 0x7E00 : hw_f32_to_f16(f);
     if (want != got) ck_abort_msg("f32 0x%08x: want 0x%04x, codec 0x%04x", (uint32_t)u, want, got);
     checked++;

@@ -1,8 +1,8 @@
-/* fused_moe on the CPU backend (NUMERICS.md "fused_moe"):
+/* fused_moe on the CPU backend (docs/numerics.md "fused_moe"):
  * - each scheme (bf16, fp16, wna16 int4/int8 with and without zero points,
  *   group sizes 32/64/128/-1, odd sizes) and activation against a plain
  *   float64 reference with the same rounding points, written here from the
- *   definition (tolerances of NUMERICS.md);
+ *   definition (tolerances of docs/numerics.md);
  * - batch invariance: a token's output bits alone and inside batches of 2, 7
  *   and 64 random tokens are identical;
  * - outputs poisoned with NaN before each call are fully written;
@@ -177,7 +177,7 @@ static moe_expert_set *model_set(const model *m, const moe_expert_config *cfg) {
   return set;
 }
 
-/* ---- the reference: NUMERICS.md "fused_moe" in float64 sums ------------------------ */
+/* ---- the reference: docs/numerics.md "fused_moe" in float64 sums ------------------------ */
 
 /* w[e][n][j] of W13 (down = false, N = 2I, K = H) or W2 (N = H, K = I). */
 static float ref_weight(const model *m, bool down, int64_t e, int64_t n, int64_t j) {

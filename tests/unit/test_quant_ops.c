@@ -1,5 +1,5 @@
 /* Quant ops through the generic op API: hand-computed cases from
- * NUMERICS.md (ties, saturation, NaN, -0, scale rules) and every bad-input
+ * docs/numerics.md (ties, saturation, NaN, -0, scale rules) and every bad-input
  * path (status + the offending field named). The exhaustive bit-exact sweep
  * against an independent oracle lives in tests/oracle/. */
 #include <check.h>
@@ -45,7 +45,7 @@ static void expect_einval(const char *op, moe_named_tensor *in, size_t nin, moe_
 /* ---- values ------------------------------------------------------------------- */
 
 START_TEST(fp4_ties_follow_rne) {
-  /* NUMERICS.md: 0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 2.5 -> 2, 5 -> 4; block
+  /* docs/numerics.md: 0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 2.5 -> 2, 5 -> 4; block
    * amax 6 gives scale 2^0 under `even` for e2m1 (emax 2). */
   float x[32] = {0.25f, 0.75f, 1.25f, 2.5f, 5.0f, 6.0f, -0.25f, -6.0f};
   int64_t shape[1] = {32};

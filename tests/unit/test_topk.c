@@ -1,4 +1,4 @@
-/* moe.topk (NUMERICS.md "moe.topk"): ties to the lower index, grouped
+/* moe.topk (docs/numerics.md "moe.topk"): ties to the lower index, grouped
  * routing (group max, and the DeepSeek-V3 sum of the top two with a
  * correction bias), bias-chosen experts with unbiased weights,
  * renormalization and the scaling factor, each on a small case whose

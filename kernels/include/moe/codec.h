@@ -1,4 +1,4 @@
-/* moe: scalar codecs of every number format in NUMERICS.md ("Common",
+/* moe: scalar codecs of every number format in docs/numerics.md ("Common",
  * "Narrow formats", the scale rules of "quant.mx").
  *
  * One definition for every backend: this header compiles as C (CPU backend)
@@ -203,7 +203,7 @@ MOE_HD int8_t moe_f32_to_int8(float f) {
   return (int8_t)(int32_t)((v + magic) - magic);
 }
 
-/* ---- MX block scales (NUMERICS.md "quant.mx") ----------------------------- */
+/* ---- MX block scales (docs/numerics.md "quant.mx") ----------------------------- */
 
 typedef enum moe_mx_rule {
   MOE_MX_EVEN = 0,

@@ -30,7 +30,7 @@ typedef enum moe_dtype {
   MOE_DTYPE_COUNT
 } moe_dtype;
 
-/* Name as used in op parameters and NUMERICS.md ("bf16", "fp8_e4m3fn"). */
+/* Name as used in op parameters and docs/numerics.md ("bf16", "fp8_e4m3fn"). */
 const char *moe_dtype_name(moe_dtype t);
 /* MOE_DTYPE_INVALID when unknown. */
 moe_dtype moe_dtype_from_name(const char *name);
