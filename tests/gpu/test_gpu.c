@@ -5,7 +5,7 @@
  * scales; random fp32 bits; tails, odd shapes and misaligned buffers (the
  * kernels' scalar paths).
  *
- * No GPU (CI): prints "skipped: no GPU" and passes.
+ * No GPU (CI): prints "skipped: no GPU" and exits 77 (ctest: skipped).
  * moe.topk: ids identical, weights within 1e-6 (kernels/gpu/topk.hip says
  * why not bit-exact). fused_moe: every scheme, group size, zero points and
  * activation within docs/numerics.md's tolerance of the CPU backend, never NaN
@@ -1037,7 +1037,7 @@ int main(void) {
   int n = moe_backend_gpu_count(&why);
   if (n <= 0) {
     printf("skipped: no GPU (%s)\n", why ? why : "");
-    return 0;
+    return 77; /* SKIP_RETURN_CODE (tests/gpu/CMakeLists.txt) */
   }
   const char *qe = getenv("MOE_GPU_TEST_QUICK");
   quick = qe && *qe && strcmp(qe, "0") != 0;
