@@ -27,6 +27,7 @@
 #include "expert_store.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "grpc_service.pb-c.h"
+#include "kserve_types.h"
 #include "moe/ops.h"
 #include "moe/safetensors.h"
 #include "npy.h"
@@ -168,14 +169,9 @@ static int cmd_models(client *c) {
   return 0;
 }
 
-static const struct { const char *descr, *kserve; } npy_kserve[] = {
-    {"<f4", "FP32"}, {"<f2", "FP16"}, {"<u2", "BF16"}, {"|u1", "UINT8"}, {"|i1", "INT8"}, {"<i4", "INT32"},
-};
-
 static const char *descr_for(const char *kserve) {
-  for (size_t i = 0; i < sizeof npy_kserve / sizeof npy_kserve[0]; i++)
-    if (strcmp(npy_kserve[i].kserve, kserve) == 0) return npy_kserve[i].descr;
-  return NULL;
+  const moed_kserve_type *k = moed_kserve_by_name(kserve);
+  return k ? k->npy : NULL;
 }
 
 /* "k=v": bool, int, double or string by the look of v. */
@@ -238,9 +234,7 @@ static int cmd_infer(client *c, const char *model, char **inputs, int n_in, char
     }
     loaded++;
     const char *kserve = dt;
-    if (!kserve)
-      for (size_t k = 0; k < sizeof npy_kserve / sizeof npy_kserve[0]; k++)
-        if (strcmp(npy_kserve[k].descr, arr[i].descr) == 0) kserve = npy_kserve[k].kserve;
+    if (!kserve && moed_kserve_by_npy(arr[i].descr)) kserve = moed_kserve_by_npy(arr[i].descr)->name;
     if (!kserve) {
       fprintf(stderr, "moec: %s: npy dtype %s has no KServe datatype\n", file, arr[i].descr);
       goto done;

@@ -143,8 +143,6 @@ static void health(moed_server *s, moed_request *req, bool watch) {
 
 /* ---- model metadata and config ------------------------------------------------------------ */
 
-static bool is_weight_input(const char *name) { return strncmp(name, "w13", 3) == 0 || strncmp(name, "w2", 2) == 0; }
-
 /* The first dtype of a comma-separated list, as a KServe datatype. */
 static const char *first_datatype(const char *list) {
   char first[32];
@@ -157,14 +155,8 @@ static const char *first_datatype(const char *list) {
 }
 
 static int config_type(const char *kserve) {
-  static const struct { const char *n; int t; } map[] = {
-      {"FP32", INFERENCE__DATA_TYPE__TYPE_FP32}, {"FP16", INFERENCE__DATA_TYPE__TYPE_FP16},
-      {"BF16", INFERENCE__DATA_TYPE__TYPE_BF16}, {"UINT8", INFERENCE__DATA_TYPE__TYPE_UINT8},
-      {"INT8", INFERENCE__DATA_TYPE__TYPE_INT8}, {"INT32", INFERENCE__DATA_TYPE__TYPE_INT32},
-  };
-  for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
-    if (strcmp(map[i].n, kserve) == 0) return map[i].t;
-  return INFERENCE__DATA_TYPE__TYPE_INVALID;
+  const moed_kserve_type *k = moed_kserve_by_name(kserve);
+  return k ? k->config_type : INFERENCE__DATA_TYPE__TYPE_INVALID;
 }
 
 #define MAX_IO 16
@@ -181,7 +173,7 @@ static void model_io(const moed_model *m, bool inputs, io_list *out) {
   size_t n = inputs ? info->num_inputs : info->num_outputs;
   out->n = 0;
   for (size_t i = 0; i < n && out->n < MAX_IO; i++)
-    if (!(inputs && m->set && is_weight_input(v[i].name))) out->d[out->n++] = &v[i];
+    if (!(inputs && m->set && moe_expert_tensor_is_weight(v[i].name))) out->d[out->n++] = &v[i];
 }
 
 static moed_model *model_or_reply(moed_server *s, moed_request *req, const char *name, const char *version) {

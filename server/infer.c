@@ -24,30 +24,6 @@
 #define MAX_SMALL_INPUT 4096
 #define SMALL_RESPONSE 16384 /* responses up to this size are sent as one slice */ /* rank <= 1 inputs of a batch must be byte-equal: bounded */
 
-/* ---- the datatype table: KServe name <-> moe dtype ---------------------------- */
-
-typedef struct wire_type {
-  const char *kserve;
-  moe_dtype dtype;
-  size_t size;
-} wire_type;
-
-static const wire_type wire_types[] = {
-    {"FP32", MOE_F32, 4}, {"FP16", MOE_F16, 2},   {"BF16", MOE_BF16, 2},
-    {"UINT8", MOE_UINT8, 1}, {"INT8", MOE_INT8, 1}, {"INT32", MOE_INT32, 4},
-};
-
-static const wire_type *wire_from_name(const char *name) {
-  for (size_t i = 0; i < sizeof wire_types / sizeof wire_types[0]; i++)
-    if (name && strcmp(wire_types[i].kserve, name) == 0) return &wire_types[i];
-  return NULL;
-}
-
-const char *moed_kserve_datatype(moe_dtype t) {
-  for (size_t i = 0; i < sizeof wire_types / sizeof wire_types[0]; i++)
-    if (wire_types[i].dtype == t) return wire_types[i].kserve;
-  return "UINT8"; /* narrow formats travel as bytes */
-}
 
 /* ---- a decoded request --------------------------------------------------------------- */
 
@@ -271,7 +247,7 @@ static grpc_status_code unpack_message(moed_infer_req *r) {
 
 /* Element count and byte size of a wire-declared shape, overflow-checked. */
 static grpc_status_code check_shape(moed_infer_req *c, const moed_config *cfg, size_t i,
-                                    const Inference__ModelInferRequest__InferInputTensor *t, const wire_type *wt,
+                                    const Inference__ModelInferRequest__InferInputTensor *t, const moed_kserve_type *wt,
                                     moe_tensor *out, size_t *numel) {
   if (t->n_shape > MOE_MAX_DIMS)
     return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': rank %zu exceeds %d", i, t->name, t->n_shape,
@@ -365,7 +341,7 @@ static grpc_status_code decode_inputs(moed_infer_req *c, const moed_config *cfg)
   for (size_t i = 0; i < r->n_inputs; i++) {
     const Inference__ModelInferRequest__InferInputTensor *t = r->inputs[i];
     if (!t->name || !*t->name) return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu]: name is empty", i);
-    const wire_type *wt = wire_from_name(t->datatype);
+    const moed_kserve_type *wt = moed_kserve_by_name(t->datatype);
     if (!wt)
       return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': datatype '%s' not supported", i, t->name,
                   t->datatype);
@@ -823,8 +799,6 @@ static void ctx_cleanup(run_ctx *c) {
   moe_call_destroy(c->call);
 }
 
-static bool is_weight_name(const char *n) { return strncmp(n, "w13", 3) == 0 || strncmp(n, "w2", 2) == 0; }
-
 /* Inline fused_moe weights through the device cache: a hit skips their copy
  * to the device. Rebinds the weight inputs; *done[i] marks them. */
 static void bind_cached_weights(run_ctx *c, const moed_model *m, bool *done) {
@@ -834,7 +808,7 @@ static void bind_cached_weights(run_ctx *c, const moed_model *m, bool *done) {
   size_t idx[MAX_INPUTS], n = 0;
   for (size_t i = 0; i < moe_call_num_inputs(c->call) && i < MAX_INPUTS; i++) {
     moe_named_tensor *t = moe_call_input(c->call, i);
-    if (t->name && t->tensor.data && is_weight_name(t->name)) {
+    if (t->name && t->tensor.data && moe_expert_tensor_is_weight(t->name)) {
       w[n] = *t;
       idx[n++] = i;
     }

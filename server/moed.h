@@ -15,6 +15,7 @@
 
 #include "moe/backend.h"
 #include "moe/expert_set.h"
+#include "kserve_types.h"
 #include "moe/ops.h"
 
 #define MOED_VERSION "0.1.0"
@@ -312,8 +313,6 @@ void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, siz
 void moed_infer_reject(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *why);
 /* Answers a request that was never decoded the same way. */
 void moed_request_reject(moed_server *srv, moed_request *req, grpc_status_code code, const char *why);
-/* "FP32", "BF16", ...; narrow formats: "UINT8". */
-const char *moed_kserve_datatype(moe_dtype t);
 
 /* ---- batcher.c: merging requests along the token axis (loop thread) --------- */
 

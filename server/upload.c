@@ -25,6 +25,7 @@
 #include <xxhash.h>
 
 #include "expert_store.pb-c.h"
+#include "moe/safetensors.h"
 #include "moed.h"
 
 typedef struct moed_upload {
@@ -52,14 +53,6 @@ typedef struct moed_upload {
   grpc_byte_buffer *response;
 } moed_upload;
 
-/* moe dtype -> safetensors dtype (docs/expert-set.md "safetensors files") */
-static const struct {
-  moe_dtype t;
-  const char *st;
-} st_dtypes[] = {
-    {MOE_F32, "F32"}, {MOE_F16, "F16"},   {MOE_BF16, "BF16"},          {MOE_UINT8, "U8"},
-    {MOE_INT8, "I8"}, {MOE_INT32, "I32"}, {MOE_FP8_E4M3FN, "F8_E4M3"}, {MOE_FP8_E5M2, "F8_E5M2"},
-};
 
 static bool upload_fail(moed_upload *u, grpc_status_code code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -146,9 +139,7 @@ static bool start_tensor(moed_upload *u, const Moe__V1__TensorHeader *t) {
   if (u->seen[slot])
     return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "chunk.tensor.name: '%s' sent twice", t->name);
   moe_dtype dt = moe_dtype_from_name(t->dtype);
-  const char *st = NULL;
-  for (size_t i = 0; i < sizeof st_dtypes / sizeof st_dtypes[0]; i++)
-    if (st_dtypes[i].t == dt) st = st_dtypes[i].st;
+  const char *st = moe_safetensors_dtype_name(dt);
   if (!st)
     return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT,
                        "chunk.tensor.dtype: '%s' not supported (tensor '%s')", t->dtype, t->name);

@@ -19,6 +19,12 @@ const char *const moe_expert_tensor_names[] = {
     "w13",        "w2",        "w13_qweight", "w13_scales",      "w13_qzeros",
     "w2_qweight", "w2_scales", "w2_qzeros",   "correction_bias", NULL};
 
+bool moe_expert_tensor_is_weight(const char *name) {
+  for (int i = 0; name && moe_expert_tensor_names[i]; i++)
+    if (i != MOE_CORRECTION_BIAS && strcmp(moe_expert_tensor_names[i], name) == 0) return true;
+  return false;
+}
+
 /* Sizes and expert counts beyond this are corruption, not a model; the cap
  * also keeps products such as 2 * I far from int64 overflow. */
 #define CFG_MAX_DIM ((int64_t)INT32_MAX)

@@ -71,6 +71,11 @@ static size_t st_dtype_by_moe(moe_dtype t) {
   return ST_DTYPE_COUNT;
 }
 
+const char *moe_safetensors_dtype_name(moe_dtype t) {
+  const size_t row = st_dtype_by_moe(t);
+  return row < ST_DTYPE_COUNT ? st_dtypes[row].name : NULL;
+}
+
 /* ---- the reader ---------------------------------------------------------------- */
 
 typedef struct st_entry {

@@ -75,6 +75,10 @@ typedef enum moe_expert_tensor {
 } moe_expert_tensor;
 
 extern const char *const moe_expert_tensor_names[];
+/* Whether `name` is one of an expert set's weight tensors (the w13 / w2
+ * matrices, scales and zero points; not the routing's correction_bias):
+ * what a fused_moe request carries inline and the weight cache keys on. */
+bool moe_expert_tensor_is_weight(const char *name);
 
 struct moe_expert_set {
   char name[128];

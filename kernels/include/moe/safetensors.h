@@ -28,6 +28,9 @@ const char *moe_safetensors_name(const moe_safetensors *st, size_t i);
  * when absent. Safetensors dtypes map to ours: F32, F16, BF16, U8, I8, I32,
  * F8_E4M3 (fp8_e4m3fn), F8_E5M2; others are reported as unsupported. */
 moe_status moe_safetensors_get(const moe_safetensors *st, const char *name, moe_tensor *out, moe_error *err);
+/* The safetensors name of dtype t ("BF16", "F8_E4M3"); NULL when the format
+ * has none. */
+const char *moe_safetensors_dtype_name(moe_dtype t);
 
 /* Writes tensors to `path` in safetensors format (used by the synthetic
  * expert-set writer and by tests). */
