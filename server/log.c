@@ -2,8 +2,11 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include <cjson/cJSON.h>
 
 #include "moed.h"
 
@@ -14,23 +17,6 @@ static const char *const level_names[] = {"error", "warn", "info", "debug"};
 void moed_log_init(int level, bool json) {
   log_level = level;
   log_json = json;
-}
-
-/* Escapes a message for a JSON string (quotes, backslashes, controls). */
-static void json_escape(char *dst, size_t cap, const char *src) {
-  size_t o = 0;
-  for (; *src && o + 7 < cap; src++) {
-    unsigned char c = (unsigned char)*src;
-    if (c == '"' || c == '\\') {
-      dst[o++] = '\\';
-      dst[o++] = (char)c;
-    } else if (c < 0x20) {
-      o += (size_t)snprintf(dst + o, cap - o, "\\u%04x", c);
-    } else {
-      dst[o++] = (char)c;
-    }
-  }
-  dst[o] = 0;
 }
 
 void moed_log(int level, const char *event, const char *fmt, ...) {
@@ -46,12 +32,19 @@ void moed_log(int level, const char *event, const char *fmt, ...) {
   gmtime_r(&now.tv_sec, &tm);
   size_t n = strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%S", &tm);
   snprintf(ts + n, sizeof ts - n, ".%03ldZ", now.tv_nsec / 1000000);
-  if (log_json) {
-    char esc[2200];
-    json_escape(esc, sizeof esc, msg);
-    fprintf(stderr, "{\"ts\":\"%s\",\"level\":\"%s\",\"event\":\"%s\",\"msg\":\"%s\"}\n", ts, level_names[level],
-            event, esc);
-  } else {
-    fprintf(stderr, "%s %-5s %s: %s\n", ts, level_names[level], event, msg);
+  if (log_json) { /* cJSON escapes; out of memory: the plain line below */
+    cJSON *o = cJSON_CreateObject();
+    char *line = o && cJSON_AddStringToObject(o, "ts", ts) &&
+                         cJSON_AddStringToObject(o, "level", level_names[level]) &&
+                         cJSON_AddStringToObject(o, "event", event) && cJSON_AddStringToObject(o, "msg", msg)
+                     ? cJSON_PrintUnformatted(o)
+                     : NULL;
+    cJSON_Delete(o);
+    if (line) {
+      fprintf(stderr, "%s\n", line);
+      free(line);
+      return;
+    }
   }
+  fprintf(stderr, "%s %-5s %s: %s\n", ts, level_names[level], event, msg);
 }

@@ -53,7 +53,6 @@ typedef struct moed_upload {
   grpc_byte_buffer *response;
 } moed_upload;
 
-
 static bool upload_fail(moed_upload *u, grpc_status_code code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static bool upload_fail(moed_upload *u, grpc_status_code code, const char *fmt, ...) {
@@ -161,14 +160,12 @@ static bool start_tensor(moed_upload *u, const Moe__V1__TensorHeader *t) {
                        "chunk.tensor.nbytes: upload exceeds the limit of %zu bytes",
                        u->srv->cfg->max_upload_bytes);
 
-  char json[1024];
-  int n = snprintf(json, sizeof json, "{\"%s\":{\"dtype\":\"%s\",\"shape\":[", t->name, st);
+  moe_named_tensor desc = {t->name, {dt, (int)t->n_shape, {0}, NULL, (size_t)t->nbytes}};
   for (size_t d = 0; d < t->n_shape; d++)
-    n += snprintf(json + n, sizeof json - (size_t)n, "%s%lld", d ? "," : "", (long long)t->shape[d]);
-  n += snprintf(json + n, sizeof json - (size_t)n, "],\"data_offsets\":[0,%llu]}}",
-                (unsigned long long)t->nbytes);
-  while (n % 8)
-    json[n++] = ' '; /* data 8-byte aligned, as the reader requires per element size */
+    desc.tensor.shape[d] = t->shape[d];
+  size_t n = 0;
+  char *json = moe_safetensors_header(&desc, &n);
+  if (!json) return upload_fail(u, GRPC_STATUS_RESOURCE_EXHAUSTED, "tensor '%s': out of memory", t->name);
   uint8_t len[8];
   for (int i = 0; i < 8; i++)
     len[i] = (uint8_t)((uint64_t)n >> (8 * i));
@@ -176,8 +173,9 @@ static bool start_tensor(moed_upload *u, const Moe__V1__TensorHeader *t) {
   char path[PATH_MAX + 64];
   snprintf(path, sizeof path, "%s/%s.safetensors", u->dir, t->name);
   u->fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (u->fd < 0 || !write_all(u->fd, len, 8) || !write_all(u->fd, json, (size_t)n))
-    return upload_fail(u, GRPC_STATUS_INTERNAL, "cannot write %s: %s", path, strerror(errno));
+  const bool written = u->fd >= 0 && write_all(u->fd, len, 8) && write_all(u->fd, json, n);
+  free(json);
+  if (!written) return upload_fail(u, GRPC_STATUS_INTERNAL, "cannot write %s: %s", path, strerror(errno));
   u->seen[slot] = true;
   snprintf(u->tensor, sizeof u->tensor, "%s", t->name);
   u->left = t->nbytes;

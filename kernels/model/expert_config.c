@@ -9,8 +9,8 @@
 
 #include <cjson/cJSON.h>
 
-#include "moe/expert_set.h"
 #include "../ops/routing.h"
+#include "moe/expert_set.h"
 
 const char *const moe_scheme_names[] = {"bf16", "fp16", "wna16", NULL};
 const char *const moe_activation_names[] = {"silu", "gelu", "swiglu_oai", NULL};
@@ -291,45 +291,32 @@ fail:
 /* ---- serializing -------------------------------------------------------------------- */
 
 /* snprintf semantics: the length the JSON needs, written when it fits. */
-static int format_config(char *buf, size_t cap, const moe_expert_config *c) {
-  const moe_routing *r = &c->routing;
-  char quant[160] = "";
-  if (c->scheme == MOE_SCHEME_WNA16)
-    snprintf(quant, sizeof quant, "  \"bits\": %d,\n  \"group_size\": %lld,\n  \"has_zero_points\": %s,\n",
-             c->bits, (long long)c->group_size, c->has_zero_points ? "true" : "false");
-  /* %.17g: the double reads back exactly */
-  return snprintf(buf, cap,
-                  "{\n"
-                  "  \"scheme\": \"%s\",\n"
-                  "  \"num_experts\": %lld,\n"
-                  "  \"global_num_experts\": %lld,\n"
-                  "  \"expert_offset\": %lld,\n"
-                  "  \"hidden_size\": %lld,\n"
-                  "  \"intermediate_size\": %lld,\n"
-                  "  \"activation\": \"%s\",\n"
-                  "%s"
-                  "  \"top_k\": %lld,\n"
-                  "  \"scoring\": \"%s\",\n"
-                  "  \"renormalize\": %s,\n"
-                  "  \"num_expert_group\": %lld,\n"
-                  "  \"topk_group\": %lld,\n"
-                  "  \"routed_scaling_factor\": %.17g\n"
-                  "}\n",
-                  moe_scheme_names[c->scheme], (long long)c->num_experts, (long long)c->global_num_experts,
-                  (long long)c->expert_offset, (long long)c->hidden_size, (long long)c->intermediate_size,
-                  moe_activation_names[c->activation], quant, (long long)r->top_k,
-                  moe_scoring_names[r->scoring], r->renormalize ? "true" : "false",
-                  (long long)r->num_expert_group, (long long)r->topk_group, r->routed_scaling_factor);
-}
-
 char *moe_expert_config_to_json(const moe_expert_config *cfg) {
   if (!cfg || (unsigned)cfg->scheme >= MOE_SCHEME_COUNT || (unsigned)cfg->activation >= MOE_ACT_COUNT ||
       (unsigned)cfg->routing.scoring >= MOE_SCORING_COUNT)
     return NULL;
-  /* every field is bounded (ints of 20 digits, %.17g, short names): the
-   * text always fits, the check only guards the reasoning */
-  char buf[1024];
-  int n = format_config(buf, sizeof buf, cfg);
-  if (n < 0 || (size_t)n >= sizeof buf) return NULL;
-  return strdup(buf);
+  const moe_routing *r = &cfg->routing;
+  cJSON *o = cJSON_CreateObject();
+  /* sizes are at most CFG_MAX_DIM (exact as doubles); cJSON prints the
+   * double so that it reads back exactly */
+  bool ok = o && cJSON_AddStringToObject(o, "scheme", moe_scheme_names[cfg->scheme]) &&
+            cJSON_AddNumberToObject(o, "num_experts", (double)cfg->num_experts) &&
+            cJSON_AddNumberToObject(o, "global_num_experts", (double)cfg->global_num_experts) &&
+            cJSON_AddNumberToObject(o, "expert_offset", (double)cfg->expert_offset) &&
+            cJSON_AddNumberToObject(o, "hidden_size", (double)cfg->hidden_size) &&
+            cJSON_AddNumberToObject(o, "intermediate_size", (double)cfg->intermediate_size) &&
+            cJSON_AddStringToObject(o, "activation", moe_activation_names[cfg->activation]);
+  if (ok && cfg->scheme == MOE_SCHEME_WNA16)
+    ok = cJSON_AddNumberToObject(o, "bits", cfg->bits) &&
+         cJSON_AddNumberToObject(o, "group_size", (double)cfg->group_size) &&
+         cJSON_AddBoolToObject(o, "has_zero_points", cfg->has_zero_points);
+  ok = ok && cJSON_AddNumberToObject(o, "top_k", (double)r->top_k) &&
+       cJSON_AddStringToObject(o, "scoring", moe_scoring_names[r->scoring]) &&
+       cJSON_AddBoolToObject(o, "renormalize", r->renormalize) &&
+       cJSON_AddNumberToObject(o, "num_expert_group", (double)r->num_expert_group) &&
+       cJSON_AddNumberToObject(o, "topk_group", (double)r->topk_group) &&
+       cJSON_AddNumberToObject(o, "routed_scaling_factor", r->routed_scaling_factor);
+  char *text = ok ? cJSON_Print(o) : NULL;
+  cJSON_Delete(o);
+  return text;
 }

@@ -389,69 +389,41 @@ moe_status moe_safetensors_get(const moe_safetensors *st, const char *name, moe_
 /* ---- the writer ----------------------------------------------------------------- */
 
 /* A growing string for the header. */
-typedef struct strbuf {
-  char *p;
-  size_t len, cap;
-  bool failed; /* out of memory: later appends do nothing */
-} strbuf;
-
-static void sb_reserve(strbuf *b, size_t more) {
-  size_t need;
-  if (b->failed || !moe_add_size(b->len, more, &need) || !moe_add_size(need, 1, &need)) {
-    b->failed = true;
-    return;
-  }
-  if (need <= b->cap) return;
-  size_t cap = b->cap ? b->cap : 256;
-  while (cap < need) {
-    if (!moe_mul_size(cap, 2, &cap)) {
-      b->failed = true;
-      return;
+/* The header text: {name: {dtype, shape, data_offsets}} in the given order
+ * (cJSON: names escaped), integers printed exactly (raw: cJSON's numbers are
+ * doubles), padded with spaces to a multiple of 8 so that the data start
+ * aligned. NULL when out of memory. */
+static char *header_json(const moe_named_tensor *t, size_t n, const size_t *rows, const size_t *begin,
+                         size_t *len) {
+  cJSON *root = cJSON_CreateObject();
+  bool ok = root != NULL;
+  char num[24];
+  for (size_t i = 0; ok && i < n; i++) {
+    cJSON *e = cJSON_AddObjectToObject(root, t[i].name), *shape = NULL, *offs = NULL;
+    ok = e && cJSON_AddStringToObject(e, "dtype", st_dtypes[rows[i]].name) &&
+         (shape = cJSON_AddArrayToObject(e, "shape")) && (offs = cJSON_AddArrayToObject(e, "data_offsets"));
+    for (int d = 0; ok && d < t[i].tensor.ndim; d++) {
+      snprintf(num, sizeof num, "%llu", (unsigned long long)t[i].tensor.shape[d]);
+      ok = cJSON_AddItemToArray(shape, cJSON_CreateRaw(num));
+    }
+    for (int k = 0; ok && k < 2; k++) {
+      snprintf(num, sizeof num, "%llu", (unsigned long long)begin[i] + (k ? t[i].tensor.nbytes : 0));
+      ok = cJSON_AddItemToArray(offs, cJSON_CreateRaw(num));
     }
   }
-  char *p = realloc(b->p, cap);
-  if (!p) {
-    b->failed = true;
-    return;
+  char *text = ok ? cJSON_PrintUnformatted(root) : NULL;
+  cJSON_Delete(root);
+  if (!text) return NULL;
+  size_t l = strlen(text), padded = (l + 7) / 8 * 8;
+  char *out = realloc(text, padded + 1);
+  if (!out) {
+    free(text);
+    return NULL;
   }
-  b->p = p;
-  b->cap = cap;
-}
-
-static void sb_putc(strbuf *b, char c) {
-  sb_reserve(b, 1);
-  if (b->failed) return;
-  b->p[b->len++] = c;
-  b->p[b->len] = '\0';
-}
-
-static void sb_puts(strbuf *b, const char *s) {
-  while (*s)
-    sb_putc(b, *s++);
-}
-
-static void sb_putu(strbuf *b, unsigned long long v) {
-  char tmp[24];
-  snprintf(tmp, sizeof tmp, "%llu", v);
-  sb_puts(b, tmp);
-}
-
-/* A JSON string literal: quotes, backslashes and control bytes escaped. */
-static void sb_put_json_string(strbuf *b, const char *s) {
-  sb_putc(b, '"');
-  for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
-    if (*c == '"' || *c == '\\') {
-      sb_putc(b, '\\');
-      sb_putc(b, (char)*c);
-    } else if (*c < 0x20) {
-      char tmp[8];
-      snprintf(tmp, sizeof tmp, "\\u%04x", *c);
-      sb_puts(b, tmp);
-    } else {
-      sb_putc(b, (char)*c);
-    }
-  }
-  sb_putc(b, '"');
+  memset(out + l, ' ', padded - l);
+  out[padded] = 0;
+  *len = padded;
+  return out;
 }
 
 /* Data-section order: larger elements first, so that every tensor starts at
@@ -490,12 +462,18 @@ static moe_status check_write_inputs(const moe_named_tensor *t, size_t n, size_t
   return MOE_OK;
 }
 
+char *moe_safetensors_header(const moe_named_tensor *tensor, size_t *len) {
+  const size_t row = st_dtype_by_moe(tensor->tensor.dtype), begin = 0;
+  return row < ST_DTYPE_COUNT ? header_json(tensor, 1, &row, &begin, len) : NULL;
+}
+
 moe_status moe_safetensors_write(const char *path, const moe_named_tensor *tensors, size_t n,
                                  moe_error *err) {
   moe_status s = MOE_OK;
   size_t *rows = NULL, *begin = NULL;
   write_slot *order = NULL;
-  strbuf hdr = {0};
+  char *hdr = NULL;
+  size_t hdr_len = 0;
   char *tmp = NULL;
   FILE *f = NULL;
 
@@ -522,28 +500,8 @@ moe_status moe_safetensors_write(const char *path, const moe_named_tensor *tenso
   }
 
   /* the header lists tensors in the caller's order */
-  sb_putc(&hdr, '{');
-  for (size_t i = 0; i < n; i++) {
-    const moe_tensor *t = &tensors[i].tensor;
-    if (i) sb_putc(&hdr, ',');
-    sb_put_json_string(&hdr, tensors[i].name);
-    sb_puts(&hdr, ":{\"dtype\":\"");
-    sb_puts(&hdr, st_dtypes[rows[i]].name);
-    sb_puts(&hdr, "\",\"shape\":[");
-    for (int d = 0; d < t->ndim; d++) {
-      if (d) sb_putc(&hdr, ',');
-      sb_putu(&hdr, (unsigned long long)t->shape[d]);
-    }
-    sb_puts(&hdr, "],\"data_offsets\":[");
-    sb_putu(&hdr, begin[i]);
-    sb_putc(&hdr, ',');
-    sb_putu(&hdr, (unsigned long long)begin[i] + t->nbytes);
-    sb_puts(&hdr, "]}");
-  }
-  sb_putc(&hdr, '}');
-  while (!hdr.failed && hdr.len % 8)
-    sb_putc(&hdr, ' '); /* data starts 8-aligned */
-  if (hdr.failed) {
+  hdr = header_json(tensors, n, rows, begin, &hdr_len);
+  if (!hdr) {
     s = moe_fail(err, MOE_ENOMEM, "%s: out of memory for the header", path);
     goto fail;
   }
@@ -564,8 +522,8 @@ moe_status moe_safetensors_write(const char *path, const moe_named_tensor *tenso
   }
   unsigned char len8[8];
   for (int i = 0; i < 8; i++)
-    len8[i] = (unsigned char)((uint64_t)hdr.len >> (8 * i));
-  bool ok = fwrite(len8, 1, 8, f) == 8 && fwrite(hdr.p, 1, hdr.len, f) == hdr.len;
+    len8[i] = (unsigned char)((uint64_t)hdr_len >> (8 * i));
+  bool ok = fwrite(len8, 1, 8, f) == 8 && fwrite(hdr, 1, hdr_len, f) == hdr_len;
   for (size_t i = 0; ok && i < n; i++) {
     const moe_tensor *t = &tensors[order[i].index].tensor;
     if (t->nbytes) ok = fwrite(t->data, 1, t->nbytes, f) == t->nbytes;
@@ -583,7 +541,7 @@ fail:
     unlink(tmp);
   }
   free(tmp);
-  free(hdr.p);
+  free(hdr);
   free(order);
   free(begin);
   free(rows);

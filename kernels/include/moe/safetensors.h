@@ -31,10 +31,15 @@ moe_status moe_safetensors_get(const moe_safetensors *st, const char *name, moe_
 /* The safetensors name of dtype t ("BF16", "F8_E4M3"); NULL when the format
  * has none. */
 const char *moe_safetensors_dtype_name(moe_dtype t);
+typedef struct moe_named_tensor moe_named_tensor;
+/* The header of a file that holds `tensor` alone (its data, which the
+ * caller writes, at offsets [0, nbytes)): malloc'ed JSON padded to a
+ * multiple of 8, *len its length, without the 8-byte length prefix. NULL
+ * when the dtype has no safetensors name or memory runs out. */
+char *moe_safetensors_header(const moe_named_tensor *tensor, size_t *len);
 
 /* Writes tensors to `path` in safetensors format (used by the synthetic
  * expert-set writer and by tests). */
-typedef struct moe_named_tensor moe_named_tensor;
 moe_status moe_safetensors_write(const char *path, const moe_named_tensor *tensors, size_t n, moe_error *err);
 
 #ifdef __cplusplus
