@@ -58,7 +58,8 @@ static uint16_t *random_bf16(size_t n, float a, uint64_t seed) {
 static uint8_t *random_bytes(size_t n, uint64_t seed) {
   uint8_t *p = xalloc(n);
 #pragma omp parallel for schedule(static)
-  for (size_t i = 0; i < n; i++) p[i] = (uint8_t)(mix(seed + i) >> 56);
+  for (size_t i = 0; i < n; i++)
+    p[i] = (uint8_t)(mix(seed + i) >> 56);
   return p;
 }
 
@@ -74,7 +75,8 @@ static double memcpy_gbs(size_t bytes, int threads) {
 #pragma omp parallel num_threads(threads)
     {
       int t = omp_get_thread_num(), n = omp_get_num_threads();
-      size_t lo = bytes / (size_t)n * (size_t)t, hi = t == n - 1 ? bytes : bytes / (size_t)n * (size_t)(t + 1);
+      size_t lo = bytes / (size_t)n * (size_t)t,
+             hi = t == n - 1 ? bytes : bytes / (size_t)n * (size_t)(t + 1);
       memcpy(b + lo, a + lo, hi - lo);
     }
     best[r] = now() - t0;
@@ -126,7 +128,8 @@ static double bench_op(const char *op, moe_named_tensor *in, size_t nin, moe_par
     *out_bytes += o->tensor.nbytes;
   }
   double t = time_call(c, b, 3);
-  for (size_t i = 0; i < moe_call_num_outputs(c); i++) free(moe_call_output(c, i)->tensor.data);
+  for (size_t i = 0; i < moe_call_num_outputs(c); i++)
+    free(moe_call_output(c, i)->tensor.data);
   moe_call_destroy(c);
   return t;
 }
@@ -165,8 +168,8 @@ static void bench_quant(moe_backend *b, double ceiling, size_t mib) {
     /* dynamic per-tensor reads the input twice when it does not fit on chip */
     double bytes = (double)(n * 2 + ob);
     double gbs = bytes / t / 1e9;
-    printf("| %s | bf16 [%lld, %lld] %zu MiB | %.3f ms | %.2f GB/s | %.0f%% |\n", cases[i].label, (long long)m,
-           (long long)k, mib, t * 1e3, gbs, 100.0 * gbs / ceiling);
+    printf("| %s | bf16 [%lld, %lld] %zu MiB | %.3f ms | %.2f GB/s | %.0f%% |\n", cases[i].label,
+           (long long)m, (long long)k, mib, t * 1e3, gbs, 100.0 * gbs / ceiling);
   }
   free(x);
 }
@@ -178,7 +181,8 @@ typedef struct layer {
   int64_t e, k, h, i;
 } layer;
 
-static void bench_fused(moe_backend *b, double ceiling, const layer *L, bool wna16, const int *tokens, int nt) {
+static void bench_fused(moe_backend *b, double ceiling, const layer *L, bool wna16, const int *tokens,
+                        int nt) {
   moe_expert_config cfg;
   moe_expert_config_defaults(&cfg);
   cfg.scheme = wna16 ? MOE_SCHEME_WNA16 : MOE_SCHEME_BF16;
@@ -204,10 +208,14 @@ static void bench_fused(moe_backend *b, double ceiling, const layer *L, bool wna
     bufs[1] = random_bf16(e * 2 * in * (h / 128), 0.004f, 22);
     bufs[2] = random_bytes(e * h * in / 2, 23);
     bufs[3] = random_bf16(e * h * (in / 128), 0.004f, 24);
-    t[nt_w++] = (moe_named_tensor){"w13_qweight", {MOE_UINT8, 3, {L->e, 2 * L->i, L->h / 2}, bufs[0], e * 2 * in * h / 2}};
-    t[nt_w++] = (moe_named_tensor){"w13_scales", {MOE_BF16, 3, {L->e, 2 * L->i, L->h / 128}, bufs[1], e * 2 * in * (h / 128) * 2}};
-    t[nt_w++] = (moe_named_tensor){"w2_qweight", {MOE_UINT8, 3, {L->e, L->h, L->i / 2}, bufs[2], e * h * in / 2}};
-    t[nt_w++] = (moe_named_tensor){"w2_scales", {MOE_BF16, 3, {L->e, L->h, L->i / 128}, bufs[3], e * h * (in / 128) * 2}};
+    t[nt_w++] = (moe_named_tensor){"w13_qweight",
+                                   {MOE_UINT8, 3, {L->e, 2 * L->i, L->h / 2}, bufs[0], e * 2 * in * h / 2}};
+    t[nt_w++] = (moe_named_tensor){
+        "w13_scales", {MOE_BF16, 3, {L->e, 2 * L->i, L->h / 128}, bufs[1], e * 2 * in * (h / 128) * 2}};
+    t[nt_w++] =
+        (moe_named_tensor){"w2_qweight", {MOE_UINT8, 3, {L->e, L->h, L->i / 2}, bufs[2], e * h * in / 2}};
+    t[nt_w++] = (moe_named_tensor){"w2_scales",
+                                   {MOE_BF16, 3, {L->e, L->h, L->i / 128}, bufs[3], e * h * (in / 128) * 2}};
   }
   moe_expert_set *set;
   moe_error err;
@@ -215,7 +223,8 @@ static void bench_fused(moe_backend *b, double ceiling, const layer *L, bool wna
     fprintf(stderr, "expert set: %s\n", err.msg);
     exit(1);
   }
-  double w_per_expert = wna16 ? (double)(3 * in * h) / 2 + (double)(3 * in * h / 128) * 2 : (double)(3 * in * h) * 2;
+  double w_per_expert =
+      wna16 ? (double)(3 * in * h) / 2 + (double)(3 * in * h / 128) * 2 : (double)(3 * in * h) * 2;
   for (int ti = 0; ti < nt; ti++) {
     int64_t T = tokens[ti];
     size_t tk = (size_t)T * (size_t)L->k;
@@ -231,14 +240,16 @@ static void bench_fused(moe_backend *b, double ceiling, const layer *L, bool wna
         do {
           id = (int32_t)(mix(s++ * 7919) % e);
           dup = false;
-          for (size_t q = 0; q < j; q++) dup |= ids[r * (size_t)L->k + q] == id;
+          for (size_t q = 0; q < j; q++)
+            dup |= ids[r * (size_t)L->k + q] == id;
         } while (dup);
         ids[r * (size_t)L->k + j] = id;
         w[r * (size_t)L->k + j] = 1.0f / (float)L->k;
         used[id] = 1;
       }
     size_t n_used = 0;
-    for (size_t q = 0; q < e; q++) n_used += used[q];
+    for (size_t q = 0; q < e; q++)
+      n_used += used[q];
     moe_named_tensor inputs[3] = {
         {"hidden_states", {MOE_BF16, 2, {T, L->h}, x, (size_t)T * h * 2}},
         {"topk_ids", {MOE_INT32, 2, {T, L->k}, ids, tk * 4}},
@@ -250,7 +261,8 @@ static void bench_fused(moe_backend *b, double ceiling, const layer *L, bool wna
     double flops = 2.0 * (double)T * (double)L->k * (double)(h * 2 * in + in * h);
     double gbs = bytes / sec / 1e9;
     printf("| %s | %s | %lld | %.3f ms | %.2f GB/s | %.0f%% | %.1f GFLOP/s |\n", L->name,
-           wna16 ? "wna16 int4 g128" : "bf16", (long long)T, sec * 1e3, gbs, 100.0 * gbs / ceiling, flops / sec / 1e9);
+           wna16 ? "wna16 int4 g128" : "bf16", (long long)T, sec * 1e3, gbs, 100.0 * gbs / ceiling,
+           flops / sec / 1e9);
     fflush(stdout);
     free(x);
     free(ids);
@@ -258,16 +270,21 @@ static void bench_fused(moe_backend *b, double ceiling, const layer *L, bool wna
     free(used);
   }
   moe_expert_set_destroy(set);
-  for (int q = 0; q < 6; q++) free(bufs[q]);
+  for (int q = 0; q < 6; q++)
+    free(bufs[q]);
 }
 
 int main(int argc, char **argv) {
   int threads = 0, quick = 0;
-  static const struct option opts[] = {{"threads", required_argument, 0, 't'}, {"quick", no_argument, 0, 'q'},
-                                       {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
+  static const struct option opts[] = {{"threads", required_argument, 0, 't'},
+                                       {"quick", no_argument, 0, 'q'},
+                                       {"help", no_argument, 0, 'h'},
+                                       {0, 0, 0, 0}};
   for (int ch; (ch = getopt_long(argc, argv, "t:qh", opts, NULL)) != -1;) {
-    if (ch == 't') threads = atoi(optarg);
-    else if (ch == 'q') quick = 1;
+    if (ch == 't')
+      threads = atoi(optarg);
+    else if (ch == 'q')
+      quick = 1;
     else {
       printf("usage: %s [--threads N] [--quick]\n", argv[0]);
       return ch == 'h' ? 0 : 2;
@@ -283,8 +300,10 @@ int main(int argc, char **argv) {
   printf("backend: %s; memcpy ceiling (1 GiB, read+write): %.2f GB/s\n\n", b->name, ceiling);
   printf("| op | input | median | GB/s | %% of memcpy |\n|---|---|---|---|---|\n");
   bench_quant(b, ceiling, 64);
-  printf("\n| layer | scheme | T | median | weight GB/s | %% of memcpy | GFLOP/s |\n|---|---|---|---|---|---|---|\n");
-  static const layer qwen = {"qwen3-30b-a3b", 128, 8, 2048, 768}, mixtral = {"mixtral-8x7b", 8, 2, 4096, 14336};
+  printf("\n| layer | scheme | T | median | weight GB/s | %% of memcpy | GFLOP/s "
+         "|\n|---|---|---|---|---|---|---|\n");
+  static const layer qwen = {"qwen3-30b-a3b", 128, 8, 2048, 768},
+                     mixtral = {"mixtral-8x7b", 8, 2, 4096, 14336};
   static const int toks[] = {1, 16, 256};
   int nt = quick ? 2 : 3;
   bench_fused(b, ceiling, &qwen, true, toks, nt);

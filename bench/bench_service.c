@@ -21,8 +21,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "grpc_service.pb-c.h"
 #include "../client/grpc_args.h"
+#include "grpc_service.pb-c.h"
 
 static double now_s(void) {
   struct timespec ts;

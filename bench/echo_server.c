@@ -8,6 +8,7 @@
  *
  *   echo_server [--port N] [--port-file PATH] [--slots N]
  * Runs until SIGINT/SIGTERM. */
+#include "../client/grpc_args.h"
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/time.h>
@@ -16,7 +17,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include "../client/grpc_args.h"
 
 typedef struct slot {
   grpc_call *call;

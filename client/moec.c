@@ -14,9 +14,9 @@
 #include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
+#include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
-#include <grpc/byte_buffer_reader.h>
 #include <grpc/support/time.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,12 +26,12 @@
 
 #include "expert_store.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
+#include "grpc_args.h"
 #include "grpc_service.pb-c.h"
 #include "kserve_types.h"
 #include "moe/ops.h"
 #include "moe/safetensors.h"
 #include "npy.h"
-#include "grpc_args.h"
 
 #define MAX_TENSORS 16
 
@@ -53,7 +53,8 @@ static grpc_slice moec_flatten(grpc_byte_buffer *bb) {
 
 /* One unary call. Returns the gRPC status; *resp unpacked on OK. */
 static grpc_status_code unary(client *c, const char *method, const ProtobufCMessage *req,
-                              const ProtobufCMessageDescriptor *rd, ProtobufCMessage **resp, char *msg, size_t cap) {
+                              const ProtobufCMessageDescriptor *rd, ProtobufCMessage **resp, char *msg,
+                              size_t cap) {
   size_t n = protobuf_c_message_get_packed_size(req);
   grpc_slice s = grpc_slice_malloc(n);
   protobuf_c_message_pack(req, GRPC_SLICE_START_PTR(s));
@@ -63,7 +64,8 @@ static grpc_status_code unary(client *c, const char *method, const ProtobufCMess
                                                            gpr_time_from_millis(c->timeout_ms, GPR_TIMESPAN))
                                             : gpr_inf_future(GPR_CLOCK_REALTIME);
   grpc_slice m = grpc_slice_from_static_string(method);
-  grpc_call *call = grpc_channel_create_call(c->ch, NULL, GRPC_PROPAGATE_DEFAULTS, c->cq, m, NULL, deadline, NULL);
+  grpc_call *call =
+      grpc_channel_create_call(c->ch, NULL, GRPC_PROPAGATE_DEFAULTS, c->cq, m, NULL, deadline, NULL);
   grpc_slice_unref(m);
   grpc_metadata_array md, trailing;
   grpc_metadata_array_init(&md);
@@ -113,10 +115,11 @@ static grpc_status_code unary(client *c, const char *method, const ProtobufCMess
 }
 
 static const char *code_name(grpc_status_code c) {
-  static const char *const names[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
-                                      "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
-                                      "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
-                                      "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  static const char *const names[] = {
+      "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+      "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+      "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
+      "DATA_LOSS", "UNAUTHENTICATED"};
   return (unsigned)c < sizeof names / sizeof names[0] ? names[c] : "?";
 }
 
@@ -137,8 +140,8 @@ static int cmd_health(client *c) {
   int live = ((Inference__ServerLiveResponse *)r)->live;
   protobuf_c_message_free_unpacked(r, NULL);
   Inference__ServerReadyRequest rq = INFERENCE__SERVER_READY_REQUEST__INIT;
-  st = unary(c, "/inference.GRPCInferenceService/ServerReady", &rq.base, &inference__server_ready_response__descriptor,
-             &r, msg, sizeof msg);
+  st = unary(c, "/inference.GRPCInferenceService/ServerReady", &rq.base,
+             &inference__server_ready_response__descriptor, &r, msg, sizeof msg);
   if (st) return report("ServerReady", st, msg);
   int ready = ((Inference__ServerReadyResponse *)r)->ready;
   protobuf_c_message_free_unpacked(r, NULL);
@@ -149,7 +152,8 @@ static int cmd_health(client *c) {
   Inference__ServerMetadataResponse *m = (Inference__ServerMetadataResponse *)r;
   printf("live: %s\nready: %s\nserver: %s %s\nextensions:", live ? "true" : "false", ready ? "true" : "false",
          m->name, m->version);
-  for (size_t i = 0; i < m->n_extensions; i++) printf(" %s", m->extensions[i]);
+  for (size_t i = 0; i < m->n_extensions; i++)
+    printf(" %s", m->extensions[i]);
   printf("\n");
   protobuf_c_message_free_unpacked(r, NULL);
   return ready ? 0 : 3;
@@ -175,7 +179,8 @@ static const char *descr_for(const char *kserve) {
 }
 
 /* "k=v": bool, int, double or string by the look of v. */
-static int parse_param(char *kv, Inference__ModelInferRequest__ParametersEntry *e, Inference__InferParameter *p) {
+static int parse_param(char *kv, Inference__ModelInferRequest__ParametersEntry *e,
+                       Inference__InferParameter *p) {
   char *eq = strchr(kv, '=');
   if (!eq) return -1;
   *eq = 0;
@@ -279,10 +284,12 @@ static int cmd_infer(client *c, const char *model, char **inputs, int n_in, char
     const char *real = "";
     for (size_t k = 0; k < o->n_parameters; k++)
       if (strcmp(o->parameters[k]->key, "dtype") == 0 && o->parameters[k]->value &&
-          o->parameters[k]->value->parameter_choice_case == INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_STRING_PARAM)
+          o->parameters[k]->value->parameter_choice_case ==
+              INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_STRING_PARAM)
         real = o->parameters[k]->value->string_param;
     printf("%s %s [", o->name, o->datatype);
-    for (size_t d = 0; d < o->n_shape; d++) printf("%s%lld", d ? ", " : "", (long long)o->shape[d]);
+    for (size_t d = 0; d < o->n_shape; d++)
+      printf("%s%lld", d ? ", " : "", (long long)o->shape[d]);
     printf("]%s%s\n", *real ? " dtype=" : "", real);
     const char *descr = descr_for(o->datatype);
     if (i >= resp->n_raw_output_contents || !descr) {
@@ -300,7 +307,8 @@ static int cmd_infer(client *c, const char *model, char **inputs, int n_in, char
   }
   protobuf_c_message_free_unpacked(r, NULL);
 done:
-  for (int i = 0; i < loaded; i++) npy_free(&arr[i]);
+  for (int i = 0; i < loaded; i++)
+    npy_free(&arr[i]);
   return rc;
 }
 
@@ -372,8 +380,8 @@ static char *read_text(const char *path) {
   if (!f) return NULL;
   char *buf = NULL;
   long n = -1;
-  if (fseek(f, 0, SEEK_END) == 0 && (n = ftell(f)) >= 0 && fseek(f, 0, SEEK_SET) == 0 && (buf = malloc((size_t)n + 1)) &&
-      fread(buf, 1, (size_t)n, f) == (size_t)n) {
+  if (fseek(f, 0, SEEK_END) == 0 && (n = ftell(f)) >= 0 && fseek(f, 0, SEEK_SET) == 0 &&
+      (buf = malloc((size_t)n + 1)) && fread(buf, 1, (size_t)n, f) == (size_t)n) {
     buf[n] = 0;
   } else {
     free(buf);
@@ -404,9 +412,11 @@ static int cmd_upload(client *c, const char *dir, const char *name, bool replace
     snprintf(model, sizeof model, "%s", name);
   } else { /* the directory's name */
     const char *end = dir + strlen(dir);
-    while (end > dir && end[-1] == '/') end--;
+    while (end > dir && end[-1] == '/')
+      end--;
     const char *start = end;
-    while (start > dir && start[-1] != '/') start--;
+    while (start > dir && start[-1] != '/')
+      start--;
     int len = end - start < (int)sizeof model - 1 ? (int)(end - start) : (int)sizeof model - 1;
     snprintf(model, sizeof model, "%.*s", len, start);
   }
@@ -415,7 +425,8 @@ static int cmd_upload(client *c, const char *dir, const char *name, bool replace
                                                            gpr_time_from_millis(c->timeout_ms, GPR_TIMESPAN))
                                             : gpr_inf_future(GPR_CLOCK_REALTIME);
   grpc_slice method = grpc_slice_from_static_string("/moe.v1.ExpertStore/Upload");
-  u.call = grpc_channel_create_call(c->ch, NULL, GRPC_PROPAGATE_DEFAULTS, c->cq, method, NULL, deadline, NULL);
+  u.call =
+      grpc_channel_create_call(c->ch, NULL, GRPC_PROPAGATE_DEFAULTS, c->cq, method, NULL, deadline, NULL);
   grpc_slice_unref(method);
   grpc_metadata_array md, trailing;
   grpc_metadata_array_init(&md);
@@ -480,11 +491,13 @@ static int cmd_upload(client *c, const char *dir, const char *name, bool replace
   grpc_completion_queue_pluck(c->cq, (void *)9, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
   if (status != GRPC_STATUS_OK) {
     char msg[1024];
-    snprintf(msg, sizeof msg, "%.*s", (int)GRPC_SLICE_LENGTH(details), (const char *)GRPC_SLICE_START_PTR(details));
+    snprintf(msg, sizeof msg, "%.*s", (int)GRPC_SLICE_LENGTH(details),
+             (const char *)GRPC_SLICE_START_PTR(details));
     report("Upload", status, msg);
   } else if (ok && recv) {
     grpc_slice all = moec_flatten(recv);
-    Moe__V1__UploadResponse *r = moe__v1__upload_response__unpack(NULL, GRPC_SLICE_LENGTH(all), GRPC_SLICE_START_PTR(all));
+    Moe__V1__UploadResponse *r =
+        moe__v1__upload_response__unpack(NULL, GRPC_SLICE_LENGTH(all), GRPC_SLICE_START_PTR(all));
     grpc_slice_unref(all);
     uint64_t mine = XXH3_64bits_digest(u.hash);
     if (!r) {
@@ -506,7 +519,8 @@ static int cmd_upload(client *c, const char *dir, const char *name, bool replace
   grpc_metadata_array_destroy(&trailing);
   grpc_call_unref(u.call);
 done:
-  for (int f = 0; f < nfiles; f++) free(files[f]);
+  for (int f = 0; f < nfiles; f++)
+    free(files[f]);
   free(files);
   free(config);
   XXH3_freeState(u.hash);
@@ -533,12 +547,17 @@ int main(int argc, char **argv) {
   bool replace = false;
   size_t chunk = (size_t)4 << 20;
   static const struct option opts[] = {
-      {"address", required_argument, NULL, 'a'}, {"model", required_argument, NULL, 'm'},
-      {"input", required_argument, NULL, 'i'},   {"param", required_argument, NULL, 'p'},
-      {"output-dir", required_argument, NULL, 'o'}, {"timeout-ms", required_argument, NULL, 't'},
-      {"name", required_argument, NULL, 'n'},   {"replace", no_argument, NULL, 'r'},
+      {"address", required_argument, NULL, 'a'},
+      {"model", required_argument, NULL, 'm'},
+      {"input", required_argument, NULL, 'i'},
+      {"param", required_argument, NULL, 'p'},
+      {"output-dir", required_argument, NULL, 'o'},
+      {"timeout-ms", required_argument, NULL, 't'},
+      {"name", required_argument, NULL, 'n'},
+      {"replace", no_argument, NULL, 'r'},
       {"chunk-bytes", required_argument, NULL, 'c'},
-      {"help", no_argument, NULL, 'h'},          {NULL, 0, NULL, 0},
+      {"help", no_argument, NULL, 'h'},
+      {NULL, 0, NULL, 0},
   };
   int opt;
   /* GNU getopt permutes: the command word may stand anywhere */
@@ -578,7 +597,8 @@ int main(int argc, char **argv) {
   grpc_arg args[2];
   grpc_channel_args chargs = moec_size_args(args, 1 << 30);
   grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-  client c = {grpc_channel_create(addr, creds, &chargs), grpc_completion_queue_create_for_pluck(NULL), timeout_ms};
+  client c = {grpc_channel_create(addr, creds, &chargs), grpc_completion_queue_create_for_pluck(NULL),
+              timeout_ms};
   grpc_channel_credentials_release(creds);
   int rc;
   if (strcmp(cmd, "health") == 0)
@@ -606,7 +626,8 @@ int main(int argc, char **argv) {
   }
   grpc_channel_destroy(c.ch);
   grpc_completion_queue_shutdown(c.cq);
-  while (grpc_completion_queue_pluck(c.cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {
+  while (grpc_completion_queue_pluck(c.cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+         GRPC_QUEUE_SHUTDOWN) {
   }
   grpc_completion_queue_destroy(c.cq);
   grpc_shutdown();

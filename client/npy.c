@@ -12,7 +12,10 @@
 static const char magic[] = "\x93NUMPY";
 
 size_t npy_itemsize(const char *d) {
-  static const struct { const char *descr; size_t size; } table[] = {
+  static const struct {
+    const char *descr;
+    size_t size;
+  } table[] = {
       {"<f4", 4}, {"<f2", 2}, {"<u2", 2}, {"|u1", 1}, {"|i1", 1}, {"<i4", 4}, {"<f8", 8}, {"<i8", 8},
   };
   for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
@@ -27,7 +30,8 @@ static const char *dict_value(const char *hdr, const char *key) {
   const char *p = strstr(hdr, pat);
   if (!p) return NULL;
   p += strlen(pat);
-  while (*p == ' ') p++;
+  while (*p == ' ')
+    p++;
   return p;
 }
 
@@ -60,7 +64,8 @@ int npy_read(const char *path, npy_array *out, char *err, size_t cap) {
   if (!hdr || fread(hdr, 1, hlen, f) != hlen) goto short_read;
   hdr[hlen] = 0;
   const char *d = dict_value(hdr, "descr");
-  if (!d || *d != '\'' || !strchr(d + 1, '\'') || (size_t)(strchr(d + 1, '\'') - d - 1) >= sizeof out->descr) {
+  if (!d || *d != '\'' || !strchr(d + 1, '\'') ||
+      (size_t)(strchr(d + 1, '\'') - d - 1) >= sizeof out->descr) {
     snprintf(err, cap, "%s: no descr in header", path);
     goto fail;
   }
@@ -86,7 +91,8 @@ int npy_read(const char *path, npy_array *out, char *err, size_t cap) {
   sh++;
   size_t numel = 1;
   while (*sh && *sh != ')') {
-    while (*sh == ' ' || *sh == ',') sh++;
+    while (*sh == ' ' || *sh == ',')
+      sh++;
     if (*sh == ')') break;
     char *end;
     errno = 0;
@@ -126,12 +132,13 @@ fail:
   return -1;
 }
 
-int npy_write(const char *path, const char *descr, int ndim, const int64_t *shape, const void *data, size_t nbytes,
-              char *err, size_t cap) {
+int npy_write(const char *path, const char *descr, int ndim, const int64_t *shape, const void *data,
+              size_t nbytes, char *err, size_t cap) {
   char dict[512];
   int n = snprintf(dict, sizeof dict, "{'descr': '%s', 'fortran_order': False, 'shape': (", descr);
   for (int i = 0; i < ndim; i++)
-    n += snprintf(dict + n, sizeof dict - (size_t)n, "%lld%s", (long long)shape[i], ndim == 1 ? "," : (i + 1 < ndim ? ", " : ""));
+    n += snprintf(dict + n, sizeof dict - (size_t)n, "%lld%s", (long long)shape[i],
+                  ndim == 1 ? "," : (i + 1 < ndim ? ", " : ""));
   n += snprintf(dict + n, sizeof dict - (size_t)n, "), }");
   /* pad with spaces so that the data starts on a 64-byte boundary */
   size_t total = 10 + (size_t)n + 1;
@@ -149,7 +156,8 @@ int npy_write(const char *path, const char *descr, int ndim, const int64_t *shap
     return -1;
   }
   bool ok = fwrite(pre, 1, 10, f) == 10 && fwrite(dict, 1, (size_t)n, f) == (size_t)n;
-  for (size_t i = 10 + (size_t)n; ok && i + 1 < padded; i++) ok = fputc(' ', f) != EOF;
+  for (size_t i = 10 + (size_t)n; ok && i + 1 < padded; i++)
+    ok = fputc(' ', f) != EOF;
   ok = ok && fputc('\n', f) != EOF;
   ok = ok && (nbytes == 0 || fwrite(data, 1, nbytes, f) == nbytes);
   if (fclose(f) != 0) ok = false;

@@ -26,6 +26,7 @@ pkgs=(
   libcjson-dev libxxhash-dev libjemalloc-dev
   python3 python3-venv python3-dev
   valgrind
+  clang-format                              # .ci/run: the tree stays formatted (scripts/check-format.sh)
 )
 # AMD compile check: Debian's HIP toolchain.
 [ "$want_hip" = 1 ] && pkgs+=(hipcc libamdhip64-dev rocm-device-libs)

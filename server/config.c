@@ -26,7 +26,8 @@ static const char usage[] =
     "  --max-queue-size N        queued jobs per device queue (default 1024)\n"
     "  --request-slots N         armed accepts per method (default 16)\n"
     "  --drain-timeout SECONDS   SIGTERM: wait for in-flight work (MOED_DRAIN_TIMEOUT, default 30)\n"
-    "  --cache-bytes N           inline fused_moe weight cache on the device (MOED_CACHE_BYTES, default 1 GiB; 0 = off)\n"
+    "  --cache-bytes N           inline fused_moe weight cache on the device (MOED_CACHE_BYTES, default 1 "
+    "GiB; 0 = off)\n"
     "  --cache-host              use that cache on host backends too (they read request bytes in place)\n"
     "  --max-batch-tokens N      rows merged into one call for row-independent ops (MOED_MAX_BATCH_TOKENS,\n"
     "                            default 4096; 0 = no batching)\n"
@@ -41,9 +42,30 @@ static const char usage[] =
     "  --help                    this text\n";
 
 enum {
-  OPT_ADDRESS = 256, OPT_GRPC_PORT, OPT_HTTP_PORT, OPT_REPO, OPT_WORKERS, OPT_TPW, OPT_MAX_MSG, OPT_MAX_TENSOR,
-  OPT_MAX_TOKENS, OPT_MAX_INFLIGHT, OPT_MAX_QUEUE, OPT_SLOTS, OPT_DRAIN, OPT_CACHE, OPT_LOG_LEVEL, OPT_LOG_JSON,
-  OPT_PORT_FILE, OPT_HELP, OPT_CACHE_HOST, OPT_BATCH_TOKENS, OPT_QUEUE_DELAY, OPT_MAX_UPLOAD, OPT_INLINE, OPT_DEVICE,
+  OPT_ADDRESS = 256,
+  OPT_GRPC_PORT,
+  OPT_HTTP_PORT,
+  OPT_REPO,
+  OPT_WORKERS,
+  OPT_TPW,
+  OPT_MAX_MSG,
+  OPT_MAX_TENSOR,
+  OPT_MAX_TOKENS,
+  OPT_MAX_INFLIGHT,
+  OPT_MAX_QUEUE,
+  OPT_SLOTS,
+  OPT_DRAIN,
+  OPT_CACHE,
+  OPT_LOG_LEVEL,
+  OPT_LOG_JSON,
+  OPT_PORT_FILE,
+  OPT_HELP,
+  OPT_CACHE_HOST,
+  OPT_BATCH_TOKENS,
+  OPT_QUEUE_DELAY,
+  OPT_MAX_UPLOAD,
+  OPT_INLINE,
+  OPT_DEVICE,
 };
 
 static const struct option options[] = {
@@ -135,14 +157,26 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   return ok;
 }
 
-static const struct { const char *env; int opt; } env_map[] = {
-    {"MOED_ADDRESS", OPT_ADDRESS},         {"MOED_GRPC_PORT", OPT_GRPC_PORT},
-    {"MOED_HTTP_PORT", OPT_HTTP_PORT},     {"MOED_MODEL_REPOSITORY", OPT_REPO},
-    {"MOED_WORKERS", OPT_WORKERS},         {"MOED_THREADS_PER_WORKER", OPT_TPW},
-    {"MOED_MAX_MESSAGE_BYTES", OPT_MAX_MSG}, {"MOED_MAX_INFLIGHT", OPT_MAX_INFLIGHT},
-    {"MOED_DRAIN_TIMEOUT", OPT_DRAIN},     {"MOED_LOG_LEVEL", OPT_LOG_LEVEL},
-    {"MOED_LOG_JSON", OPT_LOG_JSON},       {"MOED_CACHE_BYTES", OPT_CACHE},
-    {"MOED_INLINE_BYTES", OPT_INLINE},     {"MOED_DEVICE", OPT_DEVICE},     {"MOED_MAX_BATCH_TOKENS", OPT_BATCH_TOKENS}, {"MOED_MAX_QUEUE_DELAY_US", OPT_QUEUE_DELAY},
+static const struct {
+  const char *env;
+  int opt;
+} env_map[] = {
+    {"MOED_ADDRESS", OPT_ADDRESS},
+    {"MOED_GRPC_PORT", OPT_GRPC_PORT},
+    {"MOED_HTTP_PORT", OPT_HTTP_PORT},
+    {"MOED_MODEL_REPOSITORY", OPT_REPO},
+    {"MOED_WORKERS", OPT_WORKERS},
+    {"MOED_THREADS_PER_WORKER", OPT_TPW},
+    {"MOED_MAX_MESSAGE_BYTES", OPT_MAX_MSG},
+    {"MOED_MAX_INFLIGHT", OPT_MAX_INFLIGHT},
+    {"MOED_DRAIN_TIMEOUT", OPT_DRAIN},
+    {"MOED_LOG_LEVEL", OPT_LOG_LEVEL},
+    {"MOED_LOG_JSON", OPT_LOG_JSON},
+    {"MOED_CACHE_BYTES", OPT_CACHE},
+    {"MOED_INLINE_BYTES", OPT_INLINE},
+    {"MOED_DEVICE", OPT_DEVICE},
+    {"MOED_MAX_BATCH_TOKENS", OPT_BATCH_TOKENS},
+    {"MOED_MAX_QUEUE_DELAY_US", OPT_QUEUE_DELAY},
 };
 
 int moed_config_parse(moed_config *c, int argc, char **argv) {

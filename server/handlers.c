@@ -21,7 +21,6 @@ static grpc_byte_buffer *pack(const ProtobufCMessage *m) {
   return moed_rpc_buffer_take(buf, n);
 }
 
-
 static void reply(moed_request *req, const ProtobufCMessage *m) {
   grpc_byte_buffer *bb = pack(m);
   if (!bb)
@@ -256,8 +255,8 @@ static void model_config(moed_server *s, moed_request *req) {
       mi[i].data_type = (Inference__DataType)config_type(first_datatype(ins.d[i]->dtypes));
       mi[i].n_dims = 1;
       mi[i].dims = any_dims;
-      mi[i].optional = ins.d[i]->optional || (m->op == moe_op_find("fused_moe") &&
-                                              strcmp(ins.d[i]->name, "hidden_states") != 0);
+      mi[i].optional = ins.d[i]->optional ||
+                       (m->op == moe_op_find("fused_moe") && strcmp(ins.d[i]->name, "hidden_states") != 0);
       pmi[i] = &mi[i];
     }
     for (size_t i = 0; i < outs.n; i++) {
@@ -405,7 +404,8 @@ static void model_statistics(moed_server *s, moed_request *req) {
     reply_error(req, GRPC_STATUS_NOT_FOUND, "name: model '%s' not found", o.only);
     goto done;
   }
-  for (size_t i = 0; i < o.n; i++) pv[i] = &o.v[i];
+  for (size_t i = 0; i < o.n; i++)
+    pv[i] = &o.v[i];
   Inference__ModelStatisticsResponse r = INFERENCE__MODEL_STATISTICS_RESPONSE__INIT;
   r.n_model_stats = o.n;
   r.model_stats = pv;
@@ -486,7 +486,8 @@ static void repo_change_run(moed_job *job, moe_backend *b) {
   if (!m) goto done;
   const char *name = load ? ((Inference__RepositoryModelLoadRequest *)m)->model_name
                           : ((Inference__RepositoryModelUnloadRequest *)m)->model_name;
-  st = load ? moed_repository_load(j->srv->repo, name, &err) : moed_repository_unload(j->srv->repo, name, &err);
+  st = load ? moed_repository_load(j->srv->repo, name, &err)
+            : moed_repository_unload(j->srv->repo, name, &err);
   if (st != MOE_OK) {
     moed_rpc_finish(req->rpc, moed_status_from_moe(st), err.msg, NULL);
   } else if (load) {
@@ -570,7 +571,8 @@ bool moed_handle_inline(moed_request *req, void *arg) {
  * worker undecoded. */
 static void infer(moed_server *s, moed_request *req) {
   if (!admit(s, req)) return;
-  if (req->payload && grpc_byte_buffer_length(req->payload) > LOOP_DECODE_MAX) return moed_infer_dispatch_raw(s, req);
+  if (req->payload && grpc_byte_buffer_length(req->payload) > LOOP_DECODE_MAX)
+    return moed_infer_dispatch_raw(s, req);
   moed_infer_req *r = moed_infer_decode(s, req);
   if (!r) return;
   if (moed_infer_failed(r))

@@ -22,27 +22,28 @@
 #define MAX_INPUTS 16
 #define MAX_PARAMS 64
 #define MAX_SMALL_INPUT 4096
-#define SMALL_RESPONSE 16384 /* responses up to this size are sent as one slice */ /* rank <= 1 inputs of a batch must be byte-equal: bounded */
-
+#define SMALL_RESPONSE                                                                                       \
+  16384 /* responses up to this size are sent as one slice */ /* rank <= 1 inputs of a batch must be         \
+                                                                 byte-equal: bounded */
 
 /* ---- a decoded request --------------------------------------------------------------- */
 
 struct moed_infer_req {
   moed_request *req;
-  grpc_slice flat;                    /* the message bytes; raw inputs point here */
-  Inference__ModelInferRequest *msg;  /* everything but raw_input_contents */
-  ProtobufCBinaryData *raw;           /* raw_input_contents, in place in `flat` */
+  grpc_slice flat;                   /* the message bytes; raw inputs point here */
+  Inference__ModelInferRequest *msg; /* everything but raw_input_contents */
+  ProtobufCBinaryData *raw;          /* raw_input_contents, in place in `flat` */
   size_t n_raw;
   moed_model *model;
   moe_named_tensor in[MAX_INPUTS];
   size_t n_in;
   moe_param params[MAX_PARAMS];
   size_t n_params;
-  void *owned[MAX_INPUTS];            /* converted typed contents */
-  int64_t rows;                       /* batch rows; 0 = never batched */
-  uint8_t *key;                       /* batch key (see batch_key) */
+  void *owned[MAX_INPUTS]; /* converted typed contents */
+  int64_t rows;            /* batch rows; 0 = never batched */
+  uint8_t *key;            /* batch key (see batch_key) */
   size_t key_len;
-  grpc_status_code code;              /* decode failure */
+  grpc_status_code code; /* decode failure */
   char err[600];
   uint64_t bytes_in;
 };
@@ -60,7 +61,8 @@ static grpc_status_code failf(char *buf, grpc_status_code code, const char *fmt,
 
 static void req_free(moed_infer_req *r) {
   if (!r) return;
-  for (size_t i = 0; i < MAX_INPUTS; i++) moed_hostmem_free(r->owned[i]);
+  for (size_t i = 0; i < MAX_INPUTS; i++)
+    moed_hostmem_free(r->owned[i]);
   free(r->raw);
   free(r->key);
   if (r->msg) inference__model_infer_request__free_unpacked(r->msg, NULL);
@@ -205,9 +207,12 @@ static grpc_slice flatten_aligned(grpc_byte_buffer *bb) {
       pos += wt == 1 ? 8 : 4;
     } else if (wt == 2) {
       if (!read_varint(p, n, &pos, &v)) break;
-      if ((tag >> 3) == 7) data_at = pos;
-      else if (v > n - pos) break;
-      else pos += (size_t)v;
+      if ((tag >> 3) == 7)
+        data_at = pos;
+      else if (v > n - pos)
+        break;
+      else
+        pos += (size_t)v;
     } else {
       break;
     }
@@ -247,16 +252,16 @@ static grpc_status_code unpack_message(moed_infer_req *r) {
 
 /* Element count and byte size of a wire-declared shape, overflow-checked. */
 static grpc_status_code check_shape(moed_infer_req *c, const moed_config *cfg, size_t i,
-                                    const Inference__ModelInferRequest__InferInputTensor *t, const moed_kserve_type *wt,
-                                    moe_tensor *out, size_t *numel) {
+                                    const Inference__ModelInferRequest__InferInputTensor *t,
+                                    const moed_kserve_type *wt, moe_tensor *out, size_t *numel) {
   if (t->n_shape > MOE_MAX_DIMS)
-    return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': rank %zu exceeds %d", i, t->name, t->n_shape,
-                MOE_MAX_DIMS);
+    return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': rank %zu exceeds %d", i, t->name,
+                t->n_shape, MOE_MAX_DIMS);
   size_t n = 1;
   for (size_t d = 0; d < t->n_shape; d++) {
     if (t->shape[d] < 0)
-      return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': shape[%zu] = %lld is negative", i, t->name, d,
-                  (long long)t->shape[d]);
+      return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': shape[%zu] = %lld is negative", i,
+                  t->name, d, (long long)t->shape[d]);
     if (!moe_mul_size(n, (size_t)t->shape[d], &n) || n > (size_t)INT64_MAX)
       return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': shape overflows", i, t->name);
     out->shape[d] = t->shape[d];
@@ -265,13 +270,14 @@ static grpc_status_code check_shape(moed_infer_req *c, const moed_config *cfg, s
   if (!moe_mul_size(n, wt->size, &bytes))
     return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': byte size overflows", i, t->name);
   if (bytes > cfg->max_tensor_bytes)
-    return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': %zu bytes exceed the limit of %zu", i, t->name,
-                bytes, cfg->max_tensor_bytes);
+    return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': %zu bytes exceed the limit of %zu", i,
+                t->name, bytes, cfg->max_tensor_bytes);
   int64_t rows = 1;
-  for (size_t d = 0; d + 1 < t->n_shape; d++) rows *= t->shape[d]; /* <= n: no overflow */
+  for (size_t d = 0; d + 1 < t->n_shape; d++)
+    rows *= t->shape[d]; /* <= n: no overflow */
   if (t->n_shape >= 2 && rows > cfg->max_tokens)
-    return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': %lld rows exceed max tokens %lld", i, t->name,
-                (long long)rows, (long long)cfg->max_tokens);
+    return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': %lld rows exceed max tokens %lld", i,
+                t->name, (long long)rows, (long long)cfg->max_tokens);
   out->dtype = wt->dtype;
   out->ndim = (int32_t)t->n_shape;
   out->nbytes = bytes;
@@ -281,23 +287,34 @@ static grpc_status_code check_shape(moed_infer_req *c, const moed_config *cfg, s
 
 /* The typed `contents` of input i, converted to the storage type. */
 static grpc_status_code typed_contents(moed_infer_req *c, size_t i,
-                                       const Inference__ModelInferRequest__InferInputTensor *t, moe_tensor *out,
-                                       size_t numel) {
+                                       const Inference__ModelInferRequest__InferInputTensor *t,
+                                       moe_tensor *out, size_t numel) {
   const Inference__InferTensorContents *tc = t->contents;
   size_t have = 0;
   const char *field = "";
   switch (out->dtype) {
-  case MOE_F32: have = tc->n_fp32_contents; field = "fp32_contents"; break;
+  case MOE_F32:
+    have = tc->n_fp32_contents;
+    field = "fp32_contents";
+    break;
   case MOE_INT32:
-  case MOE_INT8: have = tc->n_int_contents; field = "int_contents"; break;
-  case MOE_UINT8: have = tc->n_uint_contents; field = "uint_contents"; break;
+  case MOE_INT8:
+    have = tc->n_int_contents;
+    field = "int_contents";
+    break;
+  case MOE_UINT8:
+    have = tc->n_uint_contents;
+    field = "uint_contents";
+    break;
   default:
-    return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': %s has no typed contents; use raw_input_contents",
-                i, t->name, t->datatype);
+    return fail(c, GRPC_STATUS_INVALID_ARGUMENT,
+                "inputs[%zu] '%s': %s has no typed contents; use raw_input_contents", i, t->name,
+                t->datatype);
   }
   if (have != numel)
-    return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': contents.%s has %zu elements, shape needs %zu", i,
-                t->name, field, have, numel);
+    return fail(c, GRPC_STATUS_INVALID_ARGUMENT,
+                "inputs[%zu] '%s': contents.%s has %zu elements, shape needs %zu", i, t->name, field, have,
+                numel);
   switch (out->dtype) {
   case MOE_F32: out->data = tc->fp32_contents; break; /* already fp32, in place */
   case MOE_INT32: out->data = tc->int_contents; break;
@@ -307,8 +324,8 @@ static grpc_status_code typed_contents(moed_infer_req *c, size_t i,
     c->owned[i] = p;
     for (size_t k = 0; k < numel; k++) {
       if (tc->int_contents[k] < -128 || tc->int_contents[k] > 127)
-        return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': contents.int_contents[%zu] out of INT8 range",
-                    i, t->name, k);
+        return fail(c, GRPC_STATUS_INVALID_ARGUMENT,
+                    "inputs[%zu] '%s': contents.int_contents[%zu] out of INT8 range", i, t->name, k);
       p[k] = (int8_t)tc->int_contents[k];
     }
     out->data = p;
@@ -343,8 +360,8 @@ static grpc_status_code decode_inputs(moed_infer_req *c, const moed_config *cfg)
     if (!t->name || !*t->name) return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu]: name is empty", i);
     const moed_kserve_type *wt = moed_kserve_by_name(t->datatype);
     if (!wt)
-      return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': datatype '%s' not supported", i, t->name,
-                  t->datatype);
+      return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': datatype '%s' not supported", i,
+                  t->name, t->datatype);
     memset(&c->in[i], 0, sizeof c->in[i]);
     c->in[i].name = t->name;
     size_t numel = 0;
@@ -354,8 +371,8 @@ static grpc_status_code decode_inputs(moed_infer_req *c, const moed_config *cfg)
       const ProtobufCBinaryData *raw = &c->raw[i];
       if (raw->len != c->in[i].tensor.nbytes)
         return fail(c, GRPC_STATUS_INVALID_ARGUMENT,
-                    "inputs[%zu] '%s': raw_input_contents[%zu] has %zu bytes, shape and %s need %zu", i, t->name, i,
-                    raw->len, t->datatype, c->in[i].tensor.nbytes);
+                    "inputs[%zu] '%s': raw_input_contents[%zu] has %zu bytes, shape and %s need %zu", i,
+                    t->name, i, raw->len, t->datatype, c->in[i].tensor.nbytes);
       c->in[i].tensor.data = raw->data;
       size_t align = moe_dtype_bits(wt->dtype) / 8;
       if (align > 1 && (uintptr_t)raw->data % align) {
@@ -370,8 +387,8 @@ static grpc_status_code decode_inputs(moed_infer_req *c, const moed_config *cfg)
       code = typed_contents(c, i, t, &c->in[i].tensor, numel);
       if (code) return code;
     } else if (numel) {
-      return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': no data (raw_input_contents or contents)", i,
-                  t->name);
+      return fail(c, GRPC_STATUS_INVALID_ARGUMENT,
+                  "inputs[%zu] '%s': no data (raw_input_contents or contents)", i, t->name);
     }
     c->bytes_in += c->in[i].tensor.nbytes;
   }
@@ -383,7 +400,8 @@ static grpc_status_code decode_params(moed_infer_req *c) {
   const Inference__ModelInferRequest *r = c->msg;
   moe_param *p = c->params;
   if (r->n_parameters > MAX_PARAMS)
-    return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters: %zu given, at most %d", r->n_parameters, MAX_PARAMS);
+    return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters: %zu given, at most %d", r->n_parameters,
+                MAX_PARAMS);
   for (size_t i = 0; i < r->n_parameters; i++) {
     const Inference__ModelInferRequest__ParametersEntry *e = r->parameters[i];
     memset(&p[i], 0, sizeof p[i]);
@@ -391,10 +409,22 @@ static grpc_status_code decode_params(moed_infer_req *c) {
     const Inference__InferParameter *v = e->value;
     if (!v) return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters['%s']: no value", e->key);
     switch (v->parameter_choice_case) {
-    case INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_BOOL_PARAM: p[i].type = MOE_PARAM_BOOL; p[i].b = v->bool_param; break;
-    case INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_INT64_PARAM: p[i].type = MOE_PARAM_INT; p[i].i = v->int64_param; break;
-    case INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_STRING_PARAM: p[i].type = MOE_PARAM_STRING; p[i].s = v->string_param; break;
-    case INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_DOUBLE_PARAM: p[i].type = MOE_PARAM_DOUBLE; p[i].d = v->double_param; break;
+    case INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_BOOL_PARAM:
+      p[i].type = MOE_PARAM_BOOL;
+      p[i].b = v->bool_param;
+      break;
+    case INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_INT64_PARAM:
+      p[i].type = MOE_PARAM_INT;
+      p[i].i = v->int64_param;
+      break;
+    case INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_STRING_PARAM:
+      p[i].type = MOE_PARAM_STRING;
+      p[i].s = v->string_param;
+      break;
+    case INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_DOUBLE_PARAM:
+      p[i].type = MOE_PARAM_DOUBLE;
+      p[i].d = v->double_param;
+      break;
     case INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_UINT64_PARAM:
       if (v->uint64_param > (uint64_t)INT64_MAX)
         return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters['%s']: value too large", e->key);
@@ -619,8 +649,8 @@ static void finish_req(moed_server *srv, moed_infer_req *r, grpc_status_code cod
   respond(r->req, r->msg ? r->msg->id : NULL, code, msg, resp);
   if (r->model) {
     uint64_t now = moed_now_ns();
-    record(r->model->stats, code == GRPC_STATUS_OK, (start_ns ? start_ns : now) - r->req->received_ns, compute_ns,
-           now - r->req->received_ns, r->bytes_in, bytes_out);
+    record(r->model->stats, code == GRPC_STATUS_OK, (start_ns ? start_ns : now) - r->req->received_ns,
+           compute_ns, now - r->req->received_ns, r->bytes_in, bytes_out);
   }
   req_free(r);
   atomic_fetch_sub(&srv->inflight, 1);
@@ -628,8 +658,10 @@ static void finish_req(moed_server *srv, moed_infer_req *r, grpc_status_code cod
 
 void moed_infer_reject(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *why) {
   char msg[128];
-  snprintf(msg, sizeof msg, "%s%s", r->req->method == MOED_M_MODEL_STREAM_INFER && code == GRPC_STATUS_UNAVAILABLE
-                                        ? "UNAVAILABLE: " : "", why);
+  snprintf(msg, sizeof msg, "%s%s",
+           r->req->method == MOED_M_MODEL_STREAM_INFER && code == GRPC_STATUS_UNAVAILABLE ? "UNAVAILABLE: "
+                                                                                          : "",
+           why);
   finish_req(srv, r, code, msg, NULL, 0, 0, 0);
 }
 
@@ -650,8 +682,8 @@ static size_t put_varint(uint8_t *p, uint64_t v) {
  * slice data[i] itself (referenced, not copied). Protobuf allows any field
  * order. With `stream`, wrapped as ModelStreamInferResponse.infer_response. */
 static grpc_status_code encode(moed_server *srv, moed_infer_req *r, const moe_named_tensor *outs,
-                               const grpc_slice *data, size_t num_out, grpc_byte_buffer **out, uint64_t *bytes_out,
-                               char *err) {
+                               const grpc_slice *data, size_t num_out, grpc_byte_buffer **out,
+                               uint64_t *bytes_out, char *err) {
   Inference__ModelInferResponse resp = INFERENCE__MODEL_INFER_RESPONSE__INIT;
   Inference__ModelInferResponse__InferOutputTensor ot[MAX_INPUTS];
   Inference__ModelInferResponse__InferOutputTensor *otp[MAX_INPUTS];
@@ -664,7 +696,8 @@ static grpc_status_code encode(moed_server *srv, moed_infer_req *r, const moe_na
 
   /* requested outputs, or all of them */
   if (q->n_outputs) {
-    if (q->n_outputs > MAX_INPUTS) return failf(err, GRPC_STATUS_INVALID_ARGUMENT, "outputs: too many requested");
+    if (q->n_outputs > MAX_INPUTS)
+      return failf(err, GRPC_STATUS_INVALID_ARGUMENT, "outputs: too many requested");
     for (size_t k = 0; k < q->n_outputs; k++) {
       size_t j = num_out;
       for (size_t i = 0; i < num_out; i++)
@@ -675,7 +708,8 @@ static grpc_status_code encode(moed_server *srv, moed_infer_req *r, const moe_na
       sel[nsel++] = j;
     }
   } else {
-    for (size_t i = 0; i < num_out; i++) sel[nsel++] = i;
+    for (size_t i = 0; i < num_out; i++)
+      sel[nsel++] = i;
   }
 
   for (size_t k = 0; k < nsel; k++) {
@@ -684,7 +718,8 @@ static grpc_status_code encode(moed_server *srv, moed_infer_req *r, const moe_na
     otp[k] = &ot[k];
     ot[k].name = (char *)outs[sel[k]].name;
     ot[k].datatype = (char *)moed_kserve_datatype(t->dtype);
-    for (int d = 0; d < t->ndim; d++) shapes[k][d] = t->shape[d];
+    for (int d = 0; d < t->ndim; d++)
+      shapes[k][d] = t->shape[d];
     if (t->dtype == MOE_FP4_E2M1 && t->ndim > 0) shapes[k][t->ndim - 1] /= 2; /* packed bytes on the wire */
     ot[k].n_shape = (size_t)t->ndim;
     ot[k].shape = shapes[k];
@@ -719,12 +754,13 @@ static grpc_status_code encode(moed_server *srv, moed_infer_req *r, const moe_na
       return failf(err, GRPC_STATUS_RESOURCE_EXHAUSTED, "response too large");
   }
   if (total > srv->cfg->max_message_bytes)
-    return failf(err, GRPC_STATUS_RESOURCE_EXHAUSTED, "response of %zu bytes exceeds the message limit %zu", total,
-                 srv->cfg->max_message_bytes);
+    return failf(err, GRPC_STATUS_RESOURCE_EXHAUSTED, "response of %zu bytes exceeds the message limit %zu",
+                 total, srv->cfg->max_message_bytes);
 
   /* the small pieces (wrapper, header, field prefixes) share one slice */
   size_t small = 11 + hdr_len;
-  for (size_t k = 0; k < nsel; k++) small += prefix_len[k];
+  for (size_t k = 0; k < nsel; k++)
+    small += prefix_len[k];
   grpc_slice head = grpc_slice_malloc(small);
   uint8_t *hp = GRPC_SLICE_START_PTR(head);
   size_t off = 0;
@@ -763,13 +799,13 @@ static grpc_status_code encode(moed_server *srv, moed_infer_req *r, const moe_na
     *bytes_out += GRPC_SLICE_LENGTH(data[sel[k]]);
   }
   *out = grpc_raw_byte_buffer_create(slices, ns);
-  for (size_t k = 0; k < ns; k++) grpc_slice_unref(slices[k]);
+  for (size_t k = 0; k < ns; k++)
+    grpc_slice_unref(slices[k]);
   grpc_slice_unref(head);
   return GRPC_STATUS_OK;
 }
 
 /* ---- running ---------------------------------------------------------------------------- */
-
 
 /* One op call and the memory it uses. */
 typedef struct run_ctx {
@@ -831,7 +867,8 @@ static grpc_status_code bind_memory(run_ctx *c, const moed_model *m) {
       moe_named_tensor *t = moe_call_input(c->call, i);
       if (done[i] || !t->name || !t->tensor.data || !t->tensor.nbytes) continue;
       if (b->iface->alloc(b, t->tensor.nbytes, &c->device_in[i]) != MOE_OK)
-        return failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "device memory exhausted for input '%s'", t->name);
+        return failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "device memory exhausted for input '%s'",
+                     t->name);
       if (b->iface->copy_in(b, c->device_in[i], t->tensor.data, t->tensor.nbytes) != MOE_OK)
         return failf(c->err, GRPC_STATUS_INTERNAL, "copy of input '%s' to the device failed", t->name);
       t->tensor.data = c->device_in[i];
@@ -885,8 +922,8 @@ static grpc_status_code still_wanted(moed_rpc *rpc, char *err) {
 
 /* prepare + memory + run + outputs to the host; on error c->err. */
 static grpc_status_code run_call(run_ctx *c, const moed_model *m, const moe_named_tensor *in, size_t n_in,
-                                 const moe_param *params, size_t n_params, void **host_outs, uint64_t *start_ns,
-                                 uint64_t *compute_ns) {
+                                 const moe_param *params, size_t n_params, void **host_outs,
+                                 uint64_t *start_ns, uint64_t *compute_ns) {
   moe_params mp = {params, n_params};
   moe_error err = {{0}};
   moe_status ms = moe_op_prepare(m->op, in, n_in, &mp, m->set, &c->call, &err);
@@ -926,8 +963,10 @@ static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r) {
   }
   code = encode(srv, r, outs, data, c.num_out, &resp, &bytes_out, c.err);
 done:
-  for (size_t i = 0; i < nd; i++) grpc_slice_unref(data[i]);
-  for (size_t i = 0; i < MAX_INPUTS; i++) moed_hostmem_free(host[i]);
+  for (size_t i = 0; i < nd; i++)
+    grpc_slice_unref(data[i]);
+  for (size_t i = 0; i < MAX_INPUTS; i++)
+    moed_hostmem_free(host[i]);
   ctx_cleanup(&c);
   finish_req(srv, r, code, c.err, resp, start_ns, compute_ns, bytes_out);
 }
@@ -942,7 +981,8 @@ typedef struct shared_outputs {
 static void shared_unref(void *p) {
   shared_outputs *s = p;
   if (atomic_fetch_sub(&s->refs, 1) != 1) return;
-  for (size_t i = 0; i < MAX_INPUTS; i++) moed_hostmem_free(s->buf[i]);
+  for (size_t i = 0; i < MAX_INPUTS; i++)
+    moed_hostmem_free(s->buf[i]);
   free(s);
 }
 
@@ -964,7 +1004,8 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
   c.b = b;
   bool ok = false;
   int64_t total = 0;
-  for (size_t k = 0; k < n; k++) total += reqs[k]->rows; /* each <= max_batch_tokens: small */
+  for (size_t k = 0; k < n; k++)
+    total += reqs[k]->rows; /* each <= max_batch_tokens: small */
 
   /* the merged inputs: rank >= 2 concatenated along axis 0, others shared */
   for (size_t i = 0; i < r0->n_in; i++) {
@@ -1021,7 +1062,8 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
     uint64_t bytes_out = 0;
     char err[600];
     grpc_status_code code = encode(srv, rk, mine, data, c.num_out, &resp, &bytes_out, err);
-    for (size_t i = 0; i < c.num_out; i++) grpc_slice_unref(data[i]);
+    for (size_t i = 0; i < c.num_out; i++)
+      grpc_slice_unref(data[i]);
     finish_req(srv, rk, code, err, resp, start_ns, compute_ns, bytes_out);
     reqs[k] = NULL;
   }
@@ -1051,5 +1093,6 @@ void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, siz
    * backend has no kernel for runs on the worker's host fallback */
   if (live && b && !moe_op_supported(reqs[0]->model->op, b)) b = moed_devices_fallback(srv->devices, b);
   if (live > 1 && run_merged(srv, b, reqs, live)) return;
-  for (size_t k = 0; k < live; k++) run_single(srv, b, reqs[k]);
+  for (size_t k = 0; k < live; k++)
+    run_single(srv, b, reqs[k]);
 }

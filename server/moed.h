@@ -13,9 +13,9 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "kserve_types.h"
 #include "moe/backend.h"
 #include "moe/expert_set.h"
-#include "kserve_types.h"
 #include "moe/ops.h"
 
 #define MOED_VERSION "0.1.0"

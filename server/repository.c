@@ -15,13 +15,14 @@
 
 /* Upper bounds of the latency histogram buckets (the last is +Inf). */
 const uint64_t moed_hist_bounds_ns[MOED_HIST_BUCKETS - 1] = {
-    10000,     25000,     50000,      100000,     250000,     500000,      1000000,    2500000,
-    5000000,   10000000,  25000000,   50000000,   100000000,  1000000000,  10000000000,
+    10000,   25000,    50000,    100000,   250000,    500000,     1000000,     2500000,
+    5000000, 10000000, 25000000, 50000000, 100000000, 1000000000, 10000000000,
 };
 
 void moed_hist_observe(moed_hist *h, uint64_t ns) {
   int b = 0;
-  while (b < MOED_HIST_BUCKETS - 1 && ns > moed_hist_bounds_ns[b]) b++;
+  while (b < MOED_HIST_BUCKETS - 1 && ns > moed_hist_bounds_ns[b])
+    b++;
   atomic_fetch_add(&h->le[b], 1);
   atomic_fetch_add(&h->count, 1);
   atomic_fetch_add(&h->sum_ns, ns);
@@ -126,7 +127,8 @@ fail:
 
 void moed_repository_destroy(moed_repository *r) {
   if (!r) return;
-  for (size_t i = 0; i < r->count; i++) moed_model_release(r->models[i]);
+  for (size_t i = 0; i < r->count; i++)
+    moed_model_release(r->models[i]);
   free(r->models);
   for (stats_entry *e = r->stats; e;) {
     stats_entry *next = e->next;
@@ -159,7 +161,8 @@ bool moed_model_name_ok(const char *name) {
 }
 
 moe_status moed_repository_load(moed_repository *r, const char *name, moe_error *err) {
-  if (!moed_model_name_ok(name)) return moe_fail(err, MOE_EINVAL, "model_name: '%s' is not a valid model name", name);
+  if (!moed_model_name_ok(name))
+    return moe_fail(err, MOE_EINVAL, "model_name: '%s' is not a valid model name", name);
   pthread_mutex_lock(&r->mu);
   size_t i = find_locked(r, name);
   bool builtin = i < r->count && r->models[i]->builtin;
@@ -199,8 +202,8 @@ moe_status moed_repository_add(moed_repository *r, moe_expert_set *set, bool rep
     return s;
   }
   moed_log(MOED_LOG_INFO, "model_loaded", "%s: %lld experts, H=%lld I=%lld, %s", m->name,
-           (long long)set->cfg.num_experts, (long long)set->cfg.hidden_size, (long long)set->cfg.intermediate_size,
-           moe_scheme_names[set->cfg.scheme]);
+           (long long)set->cfg.num_experts, (long long)set->cfg.hidden_size,
+           (long long)set->cfg.intermediate_size, moe_scheme_names[set->cfg.scheme]);
   return MOE_OK;
 }
 
@@ -268,7 +271,8 @@ size_t moed_repository_index(moed_repository *r, moed_index_entry **out) {
   while (dir && (e = readdir(dir))) {
     if (!moed_model_name_ok(e->d_name)) continue;
     bool seen = false;
-    for (size_t i = 0; i < n && !seen; i++) seen = strcmp(v[i].name, e->d_name) == 0;
+    for (size_t i = 0; i < n && !seen; i++)
+      seen = strcmp(v[i].name, e->d_name) == 0;
     if (seen) continue;
     if (n == cap) {
       cap = cap ? cap * 2 : 32;
@@ -288,6 +292,7 @@ size_t moed_repository_index(moed_repository *r, moed_index_entry **out) {
 
 void moed_repository_foreach(moed_repository *r, void (*fn)(moed_model *m, void *arg), void *arg) {
   pthread_mutex_lock(&r->mu);
-  for (size_t i = 0; i < r->count; i++) fn(r->models[i], arg);
+  for (size_t i = 0; i < r->count; i++)
+    fn(r->models[i], arg);
   pthread_mutex_unlock(&r->mu);
 }

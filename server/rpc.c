@@ -47,7 +47,15 @@ static const method_desc methods[MOED_M_COUNT] = {
 
 /* ---- types -------------------------------------------------------------------- */
 
-typedef enum tag_kind { TAG_ACCEPT, TAG_GENERIC, TAG_CLOSE, TAG_WRITE, TAG_RECV, TAG_FINISH, TAG_SHUTDOWN } tag_kind;
+typedef enum tag_kind {
+  TAG_ACCEPT,
+  TAG_GENERIC,
+  TAG_CLOSE,
+  TAG_WRITE,
+  TAG_RECV,
+  TAG_FINISH,
+  TAG_SHUTDOWN
+} tag_kind;
 
 typedef struct rpc_tag {
   tag_kind kind;
@@ -91,7 +99,7 @@ struct moed_rpc {
 
   pthread_mutex_t mu; /* the send side and stream bookkeeping below */
   bool md_sent;
-  bool writing;  /* one write batch in flight */
+  bool writing; /* one write batch in flight */
   out_msg *wq_head, *wq_tail;
   grpc_byte_buffer *writing_bb;
   bool finishing; /* final status requested */
@@ -384,8 +392,9 @@ static void arm_slot(moed_rpc_server *s, accept_slot *slot) {
   slot->payload = NULL;
   grpc_metadata_array_init(&slot->md);
   grpc_byte_buffer **payload = methods[slot->method].read_stream ? NULL : &slot->payload;
-  grpc_call_error e = grpc_server_request_registered_call(s->server, slot->registered, &slot->call, &slot->deadline,
-                                                          &slot->md, payload, s->cq, s->cq, &slot->tag);
+  grpc_call_error e =
+      grpc_server_request_registered_call(s->server, slot->registered, &slot->call, &slot->deadline,
+                                          &slot->md, payload, s->cq, s->cq, &slot->tag);
   if (e != GRPC_CALL_OK) moed_log(MOED_LOG_ERROR, "arm_slot", "request_registered_call: %d", (int)e);
 }
 
@@ -523,8 +532,14 @@ static void *cq_thread(void *arg) {
       moed_rpc_release(r);
       break;
     }
-    case TAG_RECV: on_recv(tag->ptr, ok); moed_rpc_release(tag->ptr); break;
-    case TAG_WRITE: on_write(tag->ptr, ok); moed_rpc_release(tag->ptr); break;
+    case TAG_RECV:
+      on_recv(tag->ptr, ok);
+      moed_rpc_release(tag->ptr);
+      break;
+    case TAG_WRITE:
+      on_write(tag->ptr, ok);
+      moed_rpc_release(tag->ptr);
+      break;
     case TAG_FINISH: moed_rpc_release(tag->ptr); break;
     }
   }
@@ -535,8 +550,8 @@ static void *cq_thread(void *arg) {
 
 int moed_rpc_active(moed_rpc_server *s) { return atomic_load(&s->live_calls); }
 
-int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_request, moed_inline_fn try_inline,
-                   void *arg, moed_rpc_server **out, int *bound_port) {
+int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_request,
+                   moed_inline_fn try_inline, void *arg, moed_rpc_server **out, int *bound_port) {
   moed_rpc_server *s = calloc(1, sizeof *s);
   if (!s) return -1;
   s->on_request = on_request;
@@ -591,7 +606,8 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
     goto fail;
   }
   grpc_server_start(s->server);
-  for (size_t i = 0; i < s->num_slots; i++) arm_slot(s, &s->slots[i]);
+  for (size_t i = 0; i < s->num_slots; i++)
+    arm_slot(s, &s->slots[i]);
   arm_generic(s);
 
   uv_async_init(loop, &s->async, on_async);
@@ -609,7 +625,8 @@ fail:
     grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
     grpc_server_cancel_all_calls(s->server);
     grpc_completion_queue_shutdown(s->cq);
-    while (grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type != GRPC_QUEUE_SHUTDOWN) {
+    while (grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
     }
     grpc_server_destroy(s->server);
     grpc_completion_queue_destroy(s->cq);

@@ -23,7 +23,8 @@ ALWAYS_INLINE void quant_block(const void *x, moe_dtype xt, size_t base, const m
   bool fp4 = a->qdtype == MOE_FP4_E2M1;
   if (amax_bits >= 0x7F800000u) { /* NaN or inf: OCP's NaN scale makes the whole block NaN */
     *scale = 0xFF;
-    for (int i = 0; i < (fp4 ? BLOCK / 2 : BLOCK); i++) q[i] = 0;
+    for (int i = 0; i < (fp4 ? BLOCK / 2 : BLOCK); i++)
+      q[i] = 0;
     return;
   }
   /* locals, not loads through `a`: byte stores to q may alias *a, which
@@ -34,18 +35,22 @@ ALWAYS_INLINE void quant_block(const void *x, moe_dtype xt, size_t base, const m
   *scale = moe_mx_scale(amax, a->rule, &fmt, &mult);
   uint8_t codes[BLOCK];
   if (fp4) /* the compare-count encoder; the generic one gives the same codes */
-    for (int i = 0; i < BLOCK; i++) codes[i] = moe_f32_to_e2m1(v[i] * mult, half_up);
+    for (int i = 0; i < BLOCK; i++)
+      codes[i] = moe_f32_to_e2m1(v[i] * mult, half_up);
   else
-    for (int i = 0; i < BLOCK; i++) codes[i] = moe_f32_to_narrow(v[i] * mult, &fmt, half_up);
+    for (int i = 0; i < BLOCK; i++)
+      codes[i] = moe_f32_to_narrow(v[i] * mult, &fmt, half_up);
   if (fp4)
-    for (int i = 0; i < BLOCK / 2; i++) q[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
+    for (int i = 0; i < BLOCK / 2; i++)
+      q[i] = (uint8_t)(codes[2 * i] | (codes[2 * i + 1] << 4));
   else
-    for (int i = 0; i < BLOCK; i++) q[i] = codes[i];
+    for (int i = 0; i < BLOCK; i++)
+      q[i] = codes[i];
 }
 
 /* Blocks [b0, b1). */
-MOE_CPU_HOT static void quant_blocks(const moe_tensor *x, const moe_mx_args *a, size_t b0, size_t b1, uint8_t *q,
-                                     uint8_t *scales) {
+MOE_CPU_HOT static void quant_blocks(const moe_tensor *x, const moe_mx_args *a, size_t b0, size_t b1,
+                                     uint8_t *q, uint8_t *scales) {
   size_t qbytes = a->qdtype == MOE_FP4_E2M1 ? BLOCK / 2 : BLOCK;
   for (size_t blk = b0; blk < b1; blk++) {
     size_t base = blk * BLOCK;
@@ -84,8 +89,8 @@ ALWAYS_INLINE void dequant_block(const uint8_t *q, uint8_t sbyte, const moe_mx_a
   }
 }
 
-MOE_CPU_HOT static void dequant_blocks(const moe_mx_args *a, const uint8_t *q, const uint8_t *scales, size_t b0,
-                                       size_t b1, void *y) {
+MOE_CPU_HOT static void dequant_blocks(const moe_mx_args *a, const uint8_t *q, const uint8_t *scales,
+                                       size_t b0, size_t b1, void *y) {
   size_t qbytes = a->qdtype == MOE_FP4_E2M1 ? BLOCK / 2 : BLOCK;
   for (size_t blk = b0; blk < b1; blk++) {
     const uint8_t *qb = q + blk * qbytes;

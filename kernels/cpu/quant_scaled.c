@@ -36,9 +36,11 @@ MOE_CPU_HOT static float amax_of(const void *x, moe_dtype xt, size_t begin, size
 ALWAYS_INLINE void scale_tile(const void *x, moe_dtype xt, size_t i0, size_t n, float s, float r, bool exact,
                               float *buf) {
   if (exact)
-    for (size_t j = 0; j < n; j++) buf[j] = moe_load_float(x, xt, i0 + j) / s;
+    for (size_t j = 0; j < n; j++)
+      buf[j] = moe_load_float(x, xt, i0 + j) / s;
   else
-    for (size_t j = 0; j < n; j++) buf[j] = moe_load_float(x, xt, i0 + j) * r;
+    for (size_t j = 0; j < n; j++)
+      buf[j] = moe_load_float(x, xt, i0 + j) * r;
 }
 
 /* q[i] = cvt(scaled x[i]) for i in [begin, end), a tile at a time through an
@@ -58,10 +60,12 @@ MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t
     }
     if (a->qdtype == MOE_INT8) {
       int8_t *qi = (int8_t *)q + i0;
-      for (size_t j = 0; j < n; j++) qi[j] = moe_f32_to_int8(buf[j]);
+      for (size_t j = 0; j < n; j++)
+        qi[j] = moe_f32_to_int8(buf[j]);
     } else {
       uint8_t *qn = (uint8_t *)q + i0;
-      for (size_t j = 0; j < n; j++) qn[j] = moe_f32_to_narrow(buf[j], &fmt, false);
+      for (size_t j = 0; j < n; j++)
+        qn[j] = moe_f32_to_narrow(buf[j], &fmt, false);
     }
   }
 }
@@ -107,7 +111,7 @@ moe_status moe_cpu_quant_per_token(moe_backend *b, moe_call *c, moe_error *err) 
   long rows = (long)moe_tensor_rows(x);
   size_t k = (size_t)moe_tensor_cols(x);
   float *scales = c->out[1].tensor.data;
-#pragma omp parallel for num_threads(moe_cpu_threads_for(b, (size_t)rows * k)) schedule(static)
+#pragma omp parallel for num_threads(moe_cpu_threads_for(b, (size_t)rows *k)) schedule(static)
   for (long r = 0; r < rows; r++) {
     size_t begin = (size_t)r * k;
     float amax = amax_of(x->data, x->dtype, begin, begin + k);
@@ -138,9 +142,11 @@ static void decode_lut_build(const moe_scaled_args *a, decode_lut *lut) {
 MOE_CPU_HOT static void decode(const uint8_t *q, const decode_lut *lut, bool f32, size_t begin, size_t end,
                                void *y) {
   if (f32)
-    for (size_t i = begin; i < end; i++) ((uint32_t *)y)[i] = lut->f32[q[i]];
+    for (size_t i = begin; i < end; i++)
+      ((uint32_t *)y)[i] = lut->f32[q[i]];
   else
-    for (size_t i = begin; i < end; i++) ((uint16_t *)y)[i] = lut->f16[q[i]];
+    for (size_t i = begin; i < end; i++)
+      ((uint16_t *)y)[i] = lut->f16[q[i]];
 }
 
 moe_status moe_cpu_dequant_per_tensor(moe_backend *b, moe_call *c, moe_error *err) {

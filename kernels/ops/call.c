@@ -1,7 +1,7 @@
 /* The op table, binding named inputs to an op, and running a prepared call. */
 #include <pthread.h>
-#include <stdlib.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "op.h"
@@ -9,8 +9,9 @@
 /* ---- the table ------------------------------------------------------------ */
 
 static const moe_op *const op_table[] = {
-    &moe_op_quant_per_tensor, &moe_op_quant_per_token, &moe_op_quant_mx, &moe_op_dequant_per_tensor,
-    &moe_op_dequant_mx,       &moe_op_topk,            &moe_op_fused_moe,
+    &moe_op_quant_per_tensor,   &moe_op_quant_per_token, &moe_op_quant_mx,
+    &moe_op_dequant_per_tensor, &moe_op_dequant_mx,      &moe_op_topk,
+    &moe_op_fused_moe,
 };
 #define OP_COUNT (sizeof op_table / sizeof op_table[0])
 
@@ -44,7 +45,8 @@ moe_status moe_check_dtype(const moe_tensor *t, const char *what, const moe_dtyp
                   list);
 }
 
-moe_status moe_check_shape(const moe_tensor *t, const char *what, int min_rank, int max_rank, moe_error *err) {
+moe_status moe_check_shape(const moe_tensor *t, const char *what, int min_rank, int max_rank,
+                           moe_error *err) {
   if (t->ndim < min_rank || t->ndim > max_rank) {
     if (min_rank == max_rank)
       return moe_fail(err, MOE_EINVAL, "%s: rank %d, expected %d", what, t->ndim, min_rank);
@@ -93,7 +95,8 @@ moe_status moe_call_set_output(moe_call *c, size_t i, moe_dtype dt, int32_t ndim
   o->name = c->op->info.outputs[i].name;
   o->tensor.dtype = dt;
   o->tensor.ndim = ndim;
-  for (int d = 0; d < ndim; d++) o->tensor.shape[d] = shape[d];
+  for (int d = 0; d < ndim; d++)
+    o->tensor.shape[d] = shape[d];
   o->tensor.data = NULL;
   if (moe_tensor_bytes(&o->tensor, &o->tensor.nbytes) != MOE_OK)
     return moe_fail(err, MOE_EINVAL, "%s: output shape too large", o->name);
@@ -112,8 +115,7 @@ static moe_status bind_inputs(moe_call *c, const moe_named_tensor *in, size_t n,
     if (slot == info->num_inputs)
       return moe_fail(err, MOE_EINVAL, "unknown input '%s' for model %s", in[j].name ? in[j].name : "(null)",
                       info->name);
-    if (c->in[slot].name)
-      return moe_fail(err, MOE_EINVAL, "input '%s' given twice", in[j].name);
+    if (c->in[slot].name) return moe_fail(err, MOE_EINVAL, "input '%s' given twice", in[j].name);
     if (in[j].tensor.nbytes && !in[j].tensor.data)
       return moe_fail(err, MOE_EINVAL, "input '%s' has no data", in[j].name);
     c->in[slot].name = info->inputs[slot].name;
@@ -123,7 +125,8 @@ static moe_status bind_inputs(moe_call *c, const moe_named_tensor *in, size_t n,
 }
 
 moe_status moe_op_prepare(const moe_op *op, const moe_named_tensor *inputs, size_t num_inputs,
-                          const moe_params *params, const moe_expert_set *set, moe_call **out, moe_error *err) {
+                          const moe_params *params, const moe_expert_set *set, moe_call **out,
+                          moe_error *err) {
   if (!op) return moe_fail(err, MOE_ENOTFOUND, "no such op");
   moe_call *c = calloc(1, sizeof *c);
   if (!c) return moe_fail(err, MOE_ENOMEM, "out of memory");
@@ -134,7 +137,8 @@ moe_status moe_op_prepare(const moe_op *op, const moe_named_tensor *inputs, size
   for (size_t i = 0; i < op->info.num_inputs; i++) {
     /* inputs that an expert set replaces are checked by the op itself */
     if (!c->in[i].name && !op->info.inputs[i].optional) {
-      s = moe_fail(err, MOE_EINVAL, "missing input '%s' for model %s", op->info.inputs[i].name, op->info.name);
+      s = moe_fail(err, MOE_EINVAL, "missing input '%s' for model %s", op->info.inputs[i].name,
+                   op->info.name);
       goto fail;
     }
   }
@@ -150,7 +154,9 @@ fail:
 size_t moe_call_num_outputs(const moe_call *c) { return c->num_out; }
 moe_named_tensor *moe_call_output(moe_call *c, size_t i) { return i < c->num_out ? &c->out[i] : NULL; }
 size_t moe_call_num_inputs(const moe_call *c) { return c->op->info.num_inputs; }
-moe_named_tensor *moe_call_input(moe_call *c, size_t i) { return i < c->op->info.num_inputs ? &c->in[i] : NULL; }
+moe_named_tensor *moe_call_input(moe_call *c, size_t i) {
+  return i < c->op->info.num_inputs ? &c->in[i] : NULL;
+}
 
 moe_status moe_call_run(moe_call *c, moe_backend *b, moe_error *err) {
   for (size_t i = 0; i < c->num_out; i++)
@@ -169,7 +175,8 @@ void moe_call_destroy(moe_call *c) {
 
 void moe_outputs_free(moe_named_tensor *outputs, size_t n) {
   if (!outputs) return;
-  for (size_t i = 0; i < n; i++) free(outputs[i].tensor.data);
+  for (size_t i = 0; i < n; i++)
+    free(outputs[i].tensor.data);
   free(outputs);
 }
 
@@ -212,7 +219,8 @@ moe_status moe_run_host(const char *op_name, const moe_named_tensor *inputs, siz
   return MOE_OK;
 fail:
   if (outs)
-    for (size_t i = 0; i < n; i++) free(outs[i].tensor.data);
+    for (size_t i = 0; i < n; i++)
+      free(outs[i].tensor.data);
   free(outs);
   moe_call_destroy(c);
   return s;

@@ -24,9 +24,11 @@ static moe_status prepare(moe_call *c, const moe_params *p, moe_error *err) {
     return moe_fail(err, MOE_EINVAL, "q: last dimension K = %lld is not a multiple of 32 (MX block size)",
                     (long long)k);
   bool match = sc->ndim == q->ndim && sc->shape[q->ndim - 1] == k / 32;
-  for (int d = 0; match && d + 1 < q->ndim; d++) match = sc->shape[d] == q->shape[d];
-  if (!match) return moe_fail(err, MOE_EINVAL, "scales: shape must be q's with the last axis K/32 = %lld",
-                              (long long)(k / 32));
+  for (int d = 0; match && d + 1 < q->ndim; d++)
+    match = sc->shape[d] == q->shape[d];
+  if (!match)
+    return moe_fail(err, MOE_EINVAL, "scales: shape must be q's with the last axis K/32 = %lld",
+                    (long long)(k / 32));
   return moe_call_set_output(c, 0, a->out_dtype, q->ndim, q->shape, err);
 }
 

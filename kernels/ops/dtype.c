@@ -69,7 +69,8 @@ moe_status moe_tensor_bytes(const moe_tensor *t, size_t *out) {
 
 int64_t moe_tensor_rows(const moe_tensor *t) {
   int64_t r = 1;
-  for (int i = 0; i + 1 < t->ndim; i++) r *= t->shape[i];
+  for (int i = 0; i + 1 < t->ndim; i++)
+    r *= t->shape[i];
   return r;
 }
 

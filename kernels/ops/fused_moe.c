@@ -32,7 +32,9 @@ static const moe_op_io_desc fused_inputs[MOE_FUSED_IN_COUNT] = {
 static const moe_op_io_desc fused_outputs[] = {{"output", false, "fp16,bf16"}};
 
 static const moe_tensor *weight_in(const moe_call *c, moe_expert_tensor slot) {
-  return MOE_FUSED_IN_WEIGHTS + (size_t)slot < MOE_FUSED_IN_COUNT ? moe_call_in(c, MOE_FUSED_IN_WEIGHTS + (size_t)slot) : NULL;
+  return MOE_FUSED_IN_WEIGHTS + (size_t)slot < MOE_FUSED_IN_COUNT
+             ? moe_call_in(c, MOE_FUSED_IN_WEIGHTS + (size_t)slot)
+             : NULL;
 }
 
 /* Checks a rank-3 weight input before its shape is read. */

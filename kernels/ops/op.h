@@ -35,16 +35,16 @@ typedef enum moe_narrow_kind {
 
 /* quant.per_tensor, quant.per_token, dequant.per_tensor */
 typedef struct moe_scaled_args {
-  moe_dtype qdtype;     /* FP8_E4M3FN, FP8_E4M3FNUZ or INT8 */
-  moe_narrow_fmt fmt;   /* codec of qdtype (unused for INT8) */
-  float dtype_max;      /* 448, 240, 127 */
-  bool exact_division;  /* per_tensor: x / s instead of x * (1/s) */
-  bool has_static_scale;/* per_tensor: `scale` input given */
-  float static_scale;   /* its value, read and checked (finite, > 0) by prepare;
-                           also the scale of dequant.per_tensor */
-  bool has_scale_ub;    /* per_token */
+  moe_dtype qdtype;      /* FP8_E4M3FN, FP8_E4M3FNUZ or INT8 */
+  moe_narrow_fmt fmt;    /* codec of qdtype (unused for INT8) */
+  float dtype_max;       /* 448, 240, 127 */
+  bool exact_division;   /* per_tensor: x / s instead of x * (1/s) */
+  bool has_static_scale; /* per_tensor: `scale` input given */
+  float static_scale;    /* its value, read and checked (finite, > 0) by prepare;
+                            also the scale of dequant.per_tensor */
+  bool has_scale_ub;     /* per_token */
   float scale_ub;
-  moe_dtype out_dtype;  /* dequant: F32, F16 or BF16 */
+  moe_dtype out_dtype; /* dequant: F32, F16 or BF16 */
 } moe_scaled_args;
 
 /* quant.mx, dequant.mx */

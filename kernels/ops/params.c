@@ -1,8 +1,8 @@
 /* Typed access to op parameters, tolerant of clients that send every value
  * as a string (tritonclient's parameters map does for some types). */
 #include <errno.h>
-#include <stdlib.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "moe/params.h"

@@ -31,7 +31,8 @@ static moe_status prepare(moe_call *c, const moe_params *p, moe_error *err) {
     return moe_fail(err, MOE_EINVAL, "x: last dimension K = %lld is not a multiple of 32 (MX block size)",
                     (long long)k);
   int64_t scales_shape[MOE_MAX_DIMS];
-  for (int d = 0; d < x->ndim; d++) scales_shape[d] = x->shape[d];
+  for (int d = 0; d < x->ndim; d++)
+    scales_shape[d] = x->shape[d];
   scales_shape[x->ndim - 1] = k / 32;
   s = moe_call_set_output(c, 0, a->qdtype, x->ndim, x->shape, err);
   if (!s) s = moe_call_set_output(c, 1, MOE_E8M0, x->ndim, scales_shape, err);

@@ -15,13 +15,18 @@
 static moe_named_tensor tensor(const char *name, moe_dtype dt, void *data, size_t nbytes, int ndim,
                                const int64_t *shape) {
   moe_named_tensor t = {name, {dt, ndim, {0}, data, nbytes}};
-  for (int i = 0; i < ndim; i++) t.tensor.shape[i] = shape[i];
+  for (int i = 0; i < ndim; i++)
+    t.tensor.shape[i] = shape[i];
   return t;
 }
 
-static moe_param pstr(const char *name, const char *v) { return (moe_param){name, MOE_PARAM_STRING, v, 0, 0, 0}; }
+static moe_param pstr(const char *name, const char *v) {
+  return (moe_param){name, MOE_PARAM_STRING, v, 0, 0, 0};
+}
 static moe_param pbool(const char *name, bool v) { return (moe_param){name, MOE_PARAM_BOOL, NULL, v, 0, 0}; }
-static moe_param pdbl(const char *name, double v) { return (moe_param){name, MOE_PARAM_DOUBLE, NULL, 0, 0, v}; }
+static moe_param pdbl(const char *name, double v) {
+  return (moe_param){name, MOE_PARAM_DOUBLE, NULL, 0, 0, v};
+}
 
 /* Runs op; returns status; outputs in *out (freed by caller). */
 static moe_status run(const char *op, moe_named_tensor *in, size_t nin, moe_param *p, size_t np,
@@ -88,7 +93,8 @@ END_TEST
 
 START_TEST(nan_block_gets_nan_scale) {
   float x[64];
-  for (int i = 0; i < 64; i++) x[i] = (float)i;
+  for (int i = 0; i < 64; i++)
+    x[i] = (float)i;
   x[40] = NAN;
   int64_t shape[2] = {1, 64};
   moe_named_tensor in[1] = {tensor("x", MOE_F32, x, sizeof x, 2, shape)};
@@ -100,7 +106,8 @@ START_TEST(nan_block_gets_nan_scale) {
   const uint8_t *q = out[0].tensor.data, *s = out[1].tensor.data;
   ck_assert_uint_ne(s[0], 0xFF);
   ck_assert_uint_eq(s[1], 0xFF);
-  for (int i = 32; i < 64; i++) ck_assert_uint_eq(q[i], 0);
+  for (int i = 32; i < 64; i++)
+    ck_assert_uint_eq(q[i], 0);
   moe_outputs_free(out, n);
 }
 END_TEST
@@ -181,7 +188,8 @@ END_TEST
 START_TEST(dequant_mx_nan_scale_and_fp4_nibbles) {
   uint8_t q[16] = {0x7F}, s[1] = {128}; /* element 0 = low nibble 0xF (-6), 1 = high 0x7 (6); scale 2 */
   int64_t qs[1] = {16}, ss[1] = {1};
-  moe_named_tensor in[2] = {tensor("q", MOE_UINT8, q, sizeof q, 1, qs), tensor("scales", MOE_UINT8, s, 1, 1, ss)};
+  moe_named_tensor in[2] = {tensor("q", MOE_UINT8, q, sizeof q, 1, qs),
+                            tensor("scales", MOE_UINT8, s, 1, 1, ss)};
   moe_param p[1] = {pstr("format", "mxfp4")};
   moe_named_tensor *out;
   size_t n;
@@ -248,7 +256,8 @@ START_TEST(bad_inputs_are_named) {
     moe_named_tensor in[2] = {tensor("x", MOE_F32, x, sizeof x, 1, s64),
                               tensor("scale", MOE_F32, bad_scales[i], 4, 1, s1)};
     expect_einval("quant.per_tensor", in, 2, NULL, 0, "scale");
-    moe_named_tensor dq[2] = {tensor("q", MOE_UINT8, h, 64, 1, s64), tensor("scale", MOE_F32, bad_scales[i], 4, 1, s1)};
+    moe_named_tensor dq[2] = {tensor("q", MOE_UINT8, h, 64, 1, s64),
+                              tensor("scale", MOE_F32, bad_scales[i], 4, 1, s1)};
     expect_einval("dequant.per_tensor", dq, 2, NULL, 0, "scale");
   }
   moe_named_tensor two_scales[2] = {tensor("x", MOE_F32, x, sizeof x, 1, s64),
@@ -273,7 +282,8 @@ START_TEST(bad_inputs_are_named) {
   expect_einval("quant.per_token", unknown, 2, NULL, 0, "y");
   expect_einval("dequant.per_tensor", ok, 0, NULL, 0, "q");
   /* dequant.mx: scales shape not matching q */
-  moe_named_tensor mismatch[2] = {tensor("q", MOE_UINT8, h, 64, 1, s64), tensor("scales", MOE_UINT8, h, 1, 1, s1)};
+  moe_named_tensor mismatch[2] = {tensor("q", MOE_UINT8, h, 64, 1, s64),
+                                  tensor("scales", MOE_UINT8, h, 1, 1, s1)};
   moe_param fp8[1] = {pstr("format", "mxfp8_e5m2")};
   expect_einval("dequant.mx", mismatch, 2, fp8, 1, "scales");
 }
