@@ -9,7 +9,6 @@
 
 #include <cjson/cJSON.h>
 
-#include "../ops/routing.h"
 #include "moe/expert_set.h"
 
 const char *const moe_scheme_names[] = {"bf16", "fp16", "wna16", NULL};

@@ -9,7 +9,5 @@
 /* Overrides the fields of *r that `p` names: top_k, scoring, renormalize,
  * num_expert_group, topk_group, routed_scaling_factor. */
 moe_status moe_routing_params(const moe_params *p, moe_routing *r, moe_error *err);
-/* Checks *r against `num_experts` experts, naming the parameter at fault. */
-moe_status moe_routing_check(const moe_routing *r, int64_t num_experts, moe_error *err);
 
 #endif

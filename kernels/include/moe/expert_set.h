@@ -46,6 +46,9 @@ typedef struct moe_routing {
   double routed_scaling_factor; /* default 1 */
 } moe_routing;
 
+/* Checks *r against `num_experts` experts, naming the parameter at fault. */
+moe_status moe_routing_check(const moe_routing *r, int64_t num_experts, moe_error *err);
+
 typedef struct moe_expert_config {
   moe_scheme scheme;
   int64_t num_experts;        /* experts held here, E_local */
