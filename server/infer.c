@@ -822,12 +822,12 @@ typedef struct run_ctx {
 
 static void ctx_cleanup(run_ctx *c) {
   for (size_t i = 0; i < MAX_INPUTS; i++) {
-    if (c->device_in[i]) c->b->iface->free(c->b, c->device_in[i]);
+    if (c->device_in[i]) moe_backend_free(c->b, c->device_in[i]);
     if (c->outputs[i]) {
       if (moed_backend_is_host(c->b))
         moed_hostmem_free(c->outputs[i]);
       else
-        c->b->iface->free(c->b, c->outputs[i]);
+        moe_backend_free(c->b, c->outputs[i]);
     }
     moed_hostmem_free(c->host_out[i]);
   }
@@ -866,10 +866,10 @@ static grpc_status_code bind_memory(run_ctx *c, const moed_model *m) {
     for (size_t i = 0; i < moe_call_num_inputs(c->call) && i < MAX_INPUTS; i++) {
       moe_named_tensor *t = moe_call_input(c->call, i);
       if (done[i] || !t->name || !t->tensor.data || !t->tensor.nbytes) continue;
-      if (b->iface->alloc(b, t->tensor.nbytes, &c->device_in[i]) != MOE_OK)
+      if (moe_backend_alloc(b, t->tensor.nbytes, &c->device_in[i]) != MOE_OK)
         return failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "device memory exhausted for input '%s'",
                      t->name);
-      if (b->iface->copy_in(b, c->device_in[i], t->tensor.data, t->tensor.nbytes) != MOE_OK)
+      if (moe_backend_copy_in(b, c->device_in[i], t->tensor.data, t->tensor.nbytes) != MOE_OK)
         return failf(c->err, GRPC_STATUS_INTERNAL, "copy of input '%s' to the device failed", t->name);
       t->tensor.data = c->device_in[i];
     }
@@ -879,7 +879,7 @@ static grpc_status_code bind_memory(run_ctx *c, const moed_model *m) {
     void *p = NULL;
     if (host)
       p = moed_hostmem_alloc(o->tensor.nbytes);
-    else if (b->iface->alloc(b, o->tensor.nbytes ? o->tensor.nbytes : 1, &p) != MOE_OK)
+    else if (moe_backend_alloc(b, o->tensor.nbytes ? o->tensor.nbytes : 1, &p) != MOE_OK)
       p = NULL;
     if (!p) return failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for output '%s'", o->name);
     c->outputs[i] = p;
@@ -898,11 +898,11 @@ static grpc_status_code copy_out(run_ctx *c, void **take) {
       c->host_out[i] = moed_hostmem_alloc(o->tensor.nbytes);
       if (!c->host_out[i])
         return failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for output '%s'", o->name);
-      if (c->b->iface->copy_out(c->b, c->host_out[i], o->tensor.data, o->tensor.nbytes) != MOE_OK)
+      if (moe_backend_copy_out(c->b, c->host_out[i], o->tensor.data, o->tensor.nbytes) != MOE_OK)
         return failf(c->err, GRPC_STATUS_INTERNAL, "copy of output '%s' from the device failed", o->name);
     }
   }
-  if (!host && c->b->iface->synchronize(c->b) != MOE_OK)
+  if (!host && moe_backend_synchronize(c->b) != MOE_OK)
     return failf(c->err, GRPC_STATUS_INTERNAL, "device synchronize failed");
   for (size_t i = 0; i < c->num_out; i++) {
     void **owner = host ? &c->outputs[i] : &c->host_out[i];

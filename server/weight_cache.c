@@ -48,7 +48,7 @@ int moed_weight_cache_create(size_t limit_bytes, moed_weight_cache **out) {
 
 static void entry_free(moed_weights *w) {
   for (size_t i = 0; i < w->n; i++)
-    if (w->data[i]) w->b->iface->free(w->b, w->data[i]);
+    if (w->data[i]) moe_backend_free(w->b, w->data[i]);
   free(w);
 }
 
@@ -195,10 +195,10 @@ moed_weights *moed_weight_cache_get(moed_weight_cache *c, moe_backend *b, const 
 
   bool ok = true;
   for (size_t i = 0; i < n && ok; i++)
-    ok = b->iface->alloc(b, t[i].tensor.nbytes ? t[i].tensor.nbytes : 1, &w->data[i]) == MOE_OK &&
-         b->iface->copy_in(b, w->data[i], t[i].tensor.data, t[i].tensor.nbytes) == MOE_OK;
+    ok = moe_backend_alloc(b, t[i].tensor.nbytes ? t[i].tensor.nbytes : 1, &w->data[i]) == MOE_OK &&
+         moe_backend_copy_in(b, w->data[i], t[i].tensor.data, t[i].tensor.nbytes) == MOE_OK;
   /* the copy must have landed before another request's kernels read it */
-  ok = ok && b->iface->synchronize(b) == MOE_OK;
+  ok = ok && moe_backend_synchronize(b) == MOE_OK;
 
   pthread_mutex_lock(&c->mu);
   if (!ok) {

@@ -125,11 +125,11 @@ static void fill_device(moe_backend *b, void *dst, size_t n, int kind, float a) 
     uint16_t v = kind == 1 ? (uint16_t)bnext() : moe_f32_to_bf16(kind == 0 ? bunif(-a, a) : bunif(a / 2, a));
     memcpy(h + i, &v, 2);
   }
-  b->iface->copy_in(b, dst, h, len);
+  moe_backend_copy_in(b, dst, h, len);
   for (size_t off = len; off < n; off += len)
     CHECK(hipMemcpyAsync((char *)dst + off, dst, n - off < len ? n - off : len, hipMemcpyDeviceToDevice,
                          moe_gpu_stream(b)));
-  b->iface->synchronize(b);
+  moe_backend_synchronize(b);
   free(h);
 }
 
@@ -151,7 +151,7 @@ static void run_rot(void *p) {
 
 static void *dev_alloc(moe_backend *b, size_t n) {
   void *p;
-  if (b->iface->alloc(b, n, &p) != MOE_OK) {
+  if (moe_backend_alloc(b, n, &p) != MOE_OK) {
     fprintf(stderr, "device alloc of %zu bytes failed\n", n);
     exit(1);
   }
@@ -273,8 +273,8 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
           /* ids were checked on the host; now device copies */
           dids[r] = dev_alloc(b, (size_t)(T * K) * 4);
           dw[r] = dev_alloc(b, (size_t)(T * K) * 4);
-          b->iface->copy_in(b, dids[r], ids, (size_t)(T * K) * 4);
-          b->iface->copy_in(b, dw[r], tw, (size_t)(T * K) * 4);
+          moe_backend_copy_in(b, dids[r], ids, (size_t)(T * K) * 4);
+          moe_backend_copy_in(b, dw[r], tw, (size_t)(T * K) * 4);
           for (size_t q = 0; q < moe_call_num_inputs(calls[r]); q++) {
             moe_named_tensor *t = moe_call_input(calls[r], q);
             if (t->name && !strcmp(t->name, "topk_ids")) t->tensor.data = dids[r];
@@ -282,7 +282,7 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
           }
           moe_call_output(calls[r], 0)->tensor.data = out;
         }
-        b->iface->synchronize(b);
+        moe_backend_synchronize(b);
         rot_arg ra = {calls, ROT, 0, b};
         const int saved = runs;
         { /* one timed run decides the count: >= 20 runs, about 3 s at most */
@@ -319,17 +319,17 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
         fflush(stdout);
         for (int r = 0; r < ROT; r++) {
           moe_call_destroy(calls[r]);
-          b->iface->free(b, dids[r]);
-          b->iface->free(b, dw[r]);
+          moe_backend_free(b, dids[r]);
+          moe_backend_free(b, dw[r]);
         }
         free(ids);
         free(tw);
         free(used);
       }
-      b->iface->free(b, x);
-      b->iface->free(b, out);
+      moe_backend_free(b, x);
+      moe_backend_free(b, out);
       for (size_t q = 0; q < nw; q++)
-        b->iface->free(b, w[q].tensor.data);
+        moe_backend_free(b, w[q].tensor.data);
     }
 }
 
@@ -378,7 +378,7 @@ int main(int argc, char **argv) {
   /* ---- ceiling: D2D copy of 1 GiB, bytes read + written ---- */
   const size_t gib = (size_t)1 << 30;
   void *src, *dst;
-  if (b->iface->alloc(b, gib, &src) || b->iface->alloc(b, gib, &dst)) {
+  if (moe_backend_alloc(b, gib, &src) || moe_backend_alloc(b, gib, &dst)) {
     fprintf(stderr, "alloc failed\n");
     return 1;
   }
@@ -387,9 +387,9 @@ int main(int argc, char **argv) {
   double copy_ms = time_median(st, run_copy, &ca);
   double copy_gbs = 2.0 * (double)gib / (copy_ms * 1e-3) / 1e9;
   printf("ceiling: D2D copy 1 GiB: %.3f ms, %.1f GB/s (read + write)\n", copy_ms, copy_gbs);
-  b->iface->free(b, dst);
+  moe_backend_free(b, dst);
   if (fused) {
-    b->iface->free(b, src);
+    moe_backend_free(b, src);
     bench_fused(b, copy_gbs, mm_tflops, max_tokens, only, only_tokens);
     moe_backend_destroy(b);
     return 0;
@@ -405,8 +405,8 @@ int main(int argc, char **argv) {
     h[i] = moe_f32_to_bf16(v);
   }
   for (size_t off = 0; off < gib; off += tile)
-    b->iface->copy_in(b, (char *)src + off, h, tile);
-  b->iface->synchronize(b);
+    moe_backend_copy_in(b, (char *)src + off, h, tile);
+  moe_backend_synchronize(b);
   free(h);
 
   float one = 0.02f;
@@ -447,7 +447,7 @@ int main(int argc, char **argv) {
       void *outs[4] = {0};
       for (size_t o = 0; o < moe_call_num_outputs(c); o++) {
         moe_named_tensor *ot = moe_call_output(c, o);
-        if (b->iface->alloc(b, ot->tensor.nbytes, &outs[o])) {
+        if (moe_backend_alloc(b, ot->tensor.nbytes, &outs[o])) {
           fprintf(stderr, "alloc failed\n");
           return 1;
         }
@@ -456,8 +456,8 @@ int main(int argc, char **argv) {
       }
       if (bc->static_scale) { /* the kernels take the validated value; the buffer lives on the device too */
         void *ds;
-        b->iface->alloc(b, 4, &ds);
-        b->iface->copy_in(b, ds, &one, 4);
+        moe_backend_alloc(b, 4, &ds);
+        moe_backend_copy_in(b, ds, &one, 4);
         moe_call_input(c, 1)->tensor.data = ds;
       }
       op_arg oa = {c, b};
@@ -471,12 +471,12 @@ int main(int argc, char **argv) {
       }
       printf(" |\n");
       for (size_t o = 0; o < 4; o++)
-        if (outs[o]) b->iface->free(b, outs[o]);
-      if (bc->static_scale) b->iface->free(b, moe_call_input(c, 1)->tensor.data);
+        if (outs[o]) moe_backend_free(b, outs[o]);
+      if (bc->static_scale) moe_backend_free(b, moe_call_input(c, 1)->tensor.data);
       moe_call_destroy(c);
     }
   }
-  b->iface->free(b, src);
+  moe_backend_free(b, src);
   moe_backend_destroy(b);
   return 0;
 }

@@ -10,6 +10,18 @@ void moe_backend_destroy(moe_backend *b) {
   free(b);
 }
 
+moe_status moe_backend_alloc(moe_backend *b, size_t nbytes, void **out) {
+  return b->iface->alloc(b, nbytes, out);
+}
+void moe_backend_free(moe_backend *b, void *ptr) { b->iface->free(b, ptr); }
+moe_status moe_backend_copy_in(moe_backend *b, void *dst, const void *src, size_t nbytes) {
+  return b->iface->copy_in(b, dst, src, nbytes);
+}
+moe_status moe_backend_copy_out(moe_backend *b, void *dst, const void *src, size_t nbytes) {
+  return b->iface->copy_out(b, dst, src, nbytes);
+}
+moe_status moe_backend_synchronize(moe_backend *b) { return b->iface->synchronize(b); }
+
 size_t moe_backend_trim(moe_backend *b) { return b && b->iface->trim ? b->iface->trim(b) : 0; }
 
 void moe_backend_memory_get(const moe_backend *b, moe_backend_memory *out) {

@@ -74,32 +74,32 @@ static void run_gpu(moe_call *c, size_t misalign, uint8_t poison, void **got, co
     moe_tensor *t = &moe_call_input(c, j)->tensor;
     hin[j] = t->data;
     if (!t->data) continue;
-    ck_assert(gpu->iface->alloc(gpu, t->nbytes + misalign, &din[j]) == MOE_OK);
+    ck_assert(moe_backend_alloc(gpu, t->nbytes + misalign, &din[j]) == MOE_OK);
     void *d = (char *)din[j] + misalign;
-    ck_assert(gpu->iface->copy_in(gpu, d, t->data, t->nbytes) == MOE_OK);
+    ck_assert(moe_backend_copy_in(gpu, d, t->data, t->nbytes) == MOE_OK);
     t->data = d;
   }
   for (size_t i = 0; i < no; i++) {
     moe_named_tensor *o = moe_call_output(c, i);
     size_t n = o->tensor.nbytes;
     hout[i] = o->tensor.data;
-    ck_assert(gpu->iface->alloc(gpu, n + misalign, &dout[i]) == MOE_OK);
+    ck_assert(moe_backend_alloc(gpu, n + misalign, &dout[i]) == MOE_OK);
     void *d = (char *)dout[i] + misalign;
     memset(got[i], poison, n);
-    ck_assert(gpu->iface->copy_in(gpu, d, got[i], n) == MOE_OK);
+    ck_assert(moe_backend_copy_in(gpu, d, got[i], n) == MOE_OK);
     o->tensor.data = d;
   }
   moe_status s = moe_call_run(c, gpu, &err);
   ck_assert_msg(s == MOE_OK, "%s: gpu run: %s", label, err.msg);
-  ck_assert_msg(gpu->iface->synchronize(gpu) == MOE_OK, "%s: gpu synchronize failed", label);
+  ck_assert_msg(moe_backend_synchronize(gpu) == MOE_OK, "%s: gpu synchronize failed", label);
   for (size_t i = 0; i < no; i++) {
     moe_named_tensor *o = moe_call_output(c, i);
-    ck_assert(gpu->iface->copy_out(gpu, got[i], o->tensor.data, o->tensor.nbytes) == MOE_OK);
-    gpu->iface->free(gpu, dout[i]);
+    ck_assert(moe_backend_copy_out(gpu, got[i], o->tensor.data, o->tensor.nbytes) == MOE_OK);
+    moe_backend_free(gpu, dout[i]);
     o->tensor.data = hout[i];
   }
   for (size_t j = 0; j < ni; j++) {
-    gpu->iface->free(gpu, din[j]);
+    moe_backend_free(gpu, din[j]);
     moe_call_input(c, j)->tensor.data = hin[j];
   }
   runs++;

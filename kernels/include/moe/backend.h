@@ -65,6 +65,13 @@ moe_status moe_backend_cpu_create(int threads, moe_backend **out, moe_error *err
 int moe_backend_gpu_count(const char **why);
 moe_status moe_backend_gpu_create(int device, moe_backend **out, moe_error *err);
 void moe_backend_destroy(moe_backend *b);
+/* The interface's memory operations, for callers (the server, tests,
+ * benches): they stage tensors through these, never through b->iface. */
+moe_status moe_backend_alloc(moe_backend *b, size_t nbytes, void **out);
+void moe_backend_free(moe_backend *b, void *ptr);
+moe_status moe_backend_copy_in(moe_backend *b, void *dst, const void *src, size_t nbytes);
+moe_status moe_backend_copy_out(moe_backend *b, void *dst, const void *src, size_t nbytes);
+moe_status moe_backend_synchronize(moe_backend *b);
 /* The owning thread, between runs: see moe_backend_i.trim (0 when the
  * backend keeps nothing resident). */
 size_t moe_backend_trim(moe_backend *b);
