@@ -239,7 +239,8 @@ static int cmd_infer(client *c, const char *model, char **inputs, int n_in, char
     }
     loaded++;
     const char *kserve = dt;
-    if (!kserve && moed_kserve_by_npy(arr[i].descr)) kserve = moed_kserve_by_npy(arr[i].descr)->name;
+    const moed_kserve_type *by_descr = moed_kserve_by_npy(arr[i].descr);
+    if (!kserve && by_descr) kserve = by_descr->name;
     if (!kserve) {
       fprintf(stderr, "moec: %s: npy dtype %s has no KServe datatype\n", file, arr[i].descr);
       goto done;

@@ -75,18 +75,22 @@ moe_status moe_gpu_check(hipError_t e, const char *what, moe_error *err) {
   return moe_fail(err, MOE_EDEVICE, "%s: %s", what, hipGetErrorString(e));
 }
 
-static int size_class(size_t n, size_t *class_bytes) {
+/* Bytes of size class cls (the inverse of size_class). */
+static size_t class_bytes(int cls) {
+  const int p = cls / 4, q = cls % 4;
+  return ((size_t)1 << p) + (p >= 2 ? ((size_t)1 << (p - 2)) * (size_t)q : 0);
+}
+
+static int size_class(size_t n, size_t *bytes) {
   size_t want = n < 512 ? 512 : n;
   int p = 63 - __builtin_clzll((unsigned long long)want); /* 2^p <= want */
-  for (int q = 0; q < 4; q++) {
-    size_t sz = ((size_t)1 << p) + (p >= 2 ? (((size_t)1 << (p - 2)) * (size_t)q) : 0);
-    if (sz >= want) {
-      *class_bytes = sz;
+  for (int q = 0; q < 4; q++)
+    if (class_bytes(4 * p + q) >= want) {
+      *bytes = class_bytes(4 * p + q);
       return 4 * p + q;
     }
-  }
   if (p + 1 >= 64) return -1;
-  *class_bytes = (size_t)1 << (p + 1);
+  *bytes = class_bytes(4 * (p + 1));
   return 4 * (p + 1);
 }
 
@@ -131,13 +135,19 @@ static moe_status live_insert(gpu_ctx *ctx, void *ptr, int cls) {
   return MOE_OK;
 }
 
-/* Removes ptr; its class, or -1 when ptr is not a live block of this pool. */
-static int live_remove(gpu_ctx *ctx, void *ptr) {
-  if (!ctx->live_cap) return -1;
+/* The slot holding ptr; SIZE_MAX when ptr is not a live block of this pool. */
+static size_t live_find(const gpu_ctx *ctx, const void *ptr) {
+  if (!ptr || !ctx->live_cap) return SIZE_MAX;
   size_t i = hash_ptr(ptr, ctx->live_cap);
   while (ctx->live[i].ptr && ctx->live[i].ptr != ptr)
     i = (i + 1) & (ctx->live_cap - 1);
-  if (!ctx->live[i].ptr) return -1;
+  return ctx->live[i].ptr ? i : SIZE_MAX;
+}
+
+/* Removes ptr; its class, or -1 when ptr is not a live block of this pool. */
+static int live_remove(gpu_ctx *ctx, void *ptr) {
+  const size_t i = live_find(ctx, ptr);
+  if (i == SIZE_MAX) return -1;
   int cls = ctx->live[i].cls;
   ctx->live[i].ptr = NULL;
   ctx->live_count--;
@@ -149,12 +159,6 @@ static int live_remove(gpu_ctx *ctx, void *ptr) {
     live_insert(ctx, s.ptr, s.cls);
   }
   return cls;
-}
-
-/* Bytes of size class cls (the inverse of size_class). */
-static size_t class_bytes(int cls) {
-  const int p = cls / 4, q = cls % 4;
-  return ((size_t)1 << p) + (p >= 2 ? ((size_t)1 << (p - 2)) * (size_t)q : 0);
 }
 
 /* The counters other threads read (moe_backend_memory_get). */
@@ -301,23 +305,31 @@ static moe_status gpu_copy_out(moe_backend *b, void *dst, const void *src, size_
 
 /* ---- device copies of loaded expert sets ------------------------------------ */
 
-/* Pool bytes of a live block (0: not one of ours). */
-static size_t live_bytes(const gpu_ctx *ctx, const void *ptr) {
-  if (!ptr || !ctx->live_cap) return 0;
-  size_t i = hash_ptr(ptr, ctx->live_cap);
-  while (ctx->live[i].ptr && ctx->live[i].ptr != ptr)
-    i = (i + 1) & (ctx->live_cap - 1);
-  return ctx->live[i].ptr ? class_bytes(ctx->live[i].cls) : 0;
+/* Counts blocks[] (live pool blocks or NULL) as resident; their bytes. */
+static size_t resident_add(gpu_ctx *ctx, void *const blocks[MOE_EXPERT_TENSOR_COUNT]) {
+  size_t bytes = 0;
+  for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++) {
+    const size_t slot = live_find(ctx, blocks[i]);
+    if (slot != SIZE_MAX) bytes += class_bytes(ctx->live[slot].cls);
+  }
+  ctx->resident += bytes;
+  publish(ctx);
+  return bytes;
+}
+
+/* Frees blocks[] to the pool and takes their `bytes` off the resident count. */
+static void resident_free(moe_backend *b, void *const blocks[MOE_EXPERT_TENSOR_COUNT], size_t bytes) {
+  gpu_ctx *ctx = b->context;
+  for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
+    if (blocks[i]) pool_free(b, blocks[i]); /* stream-ordered reuse: safe */
+  ctx->resident -= bytes;
+  publish(ctx);
 }
 
 /* Frees the copies (stream-ordered reuse: safe) and drops the entry's
  * reference to its set (NULL while the entry is being built). */
 static void set_entry_free(moe_backend *b, set_entry *e) {
-  gpu_ctx *ctx = b->context;
-  for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
-    if (e->dev[i]) pool_free(b, e->dev[i]);
-  ctx->resident -= e->bytes;
-  publish(ctx);
+  resident_free(b, e->dev, e->bytes);
   moe_expert_set_release_hold(e->set);
   free(e);
 }
@@ -384,10 +396,7 @@ moe_status moe_gpu_set_weights(moe_backend *b, const moe_expert_set *set, void *
     /* the set's refcount is not part of its value: the cache may hold a
      * reference to a set it was given as const */
     e->set = moe_expert_set_hold((moe_expert_set *)set);
-    for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
-      e->bytes += live_bytes(ctx, e->dev[i]);
-    ctx->resident += e->bytes;
-    publish(ctx);
+    e->bytes = resident_add(ctx, e->dev);
     e->next = ctx->sets;
     ctx->sets = e;
   }
@@ -398,11 +407,7 @@ moe_status moe_gpu_set_weights(moe_backend *b, const moe_expert_set *set, void *
 /* ---- packed copies of inline weights ------------------------------------------ */
 
 static void packed_entry_free(moe_backend *b, packed_entry *e) {
-  gpu_ctx *ctx = b->context;
-  for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
-    if (e->dst[i]) pool_free(b, e->dst[i]); /* stream-ordered reuse: safe */
-  ctx->resident -= e->bytes;
-  publish(ctx);
+  resident_free(b, e->dst, e->bytes);
   free(e);
 }
 
@@ -461,10 +466,7 @@ moe_status moe_gpu_inline_packed(moe_backend *b, const moe_expert_set *set,
         e->src[i] = dev[i];
         e->src_bytes[i] = set->t[i].nbytes;
       }
-    for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
-      e->bytes += live_bytes(ctx, e->dst[i]);
-    ctx->resident += e->bytes;
-    publish(ctx);
+    e->bytes = resident_add(ctx, e->dst);
     e->cfg = set->cfg;
     e->scale_dt[0] = set->t[MOE_W13_SCALES].dtype;
     e->scale_dt[1] = set->t[MOE_W2_SCALES].dtype;
