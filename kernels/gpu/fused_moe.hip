@@ -3,8 +3,8 @@
  *
  *   route       moe_gpu_route (topk.hip), when router_logits are given
  *   align       one block: the (token, k) slots grouped by local expert
- *               (a stable counting sort: chunk histograms, prefix sums,
- *               placement; no atomics), and the list of M tiles (expert,
+ *               (counts, prefix sums, placement at per-expert cursors by
+ *               shared-memory atomics), and the list of M tiles (expert,
  *               first row, rows <= BM) with its length, on the device
  *   gate_up     grouped GEMM over the tiles x strips of W13; activation in
  *               the epilogue -> a [slot rows in sorted order, I] (act dtype)
@@ -27,6 +27,7 @@
  * 32 partial sums are combined by a fixed xor butterfly (16, 8, 4, 2, 1).
  * That order depends on K and the scheme only: not on the token's tile, the
  * tile height BM (a launch choice from the batch size), the rows beside it
+ * (so the order of an expert's rows, which align leaves to its atomics)
  * or the grid. No atomics, no split K. Results are deterministic; they are
  * not bit-identical to the CPU's (another summation order: docs/numerics.md's
  * tolerance applies). */
@@ -363,54 +364,57 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK, BM >= 8 ? 1 : 2) gemm_kernel(Ge
 
 /* ---- align: slots grouped by local expert, and the tile list ----------------------- */
 
-constexpr int ALIGN_THREADS = 1024, ALIGN_SMEM_HIST = 8192;
+constexpr int ALIGN_THREADS = 1024, ALIGN_SMEM_EXPERTS = 2048, ALIGN_UNROLL = 8;
 
-/* One block. Chunk c (thread c < nc) holds slots [c L, (c + 1) L).
- * hist[e * nc + c]: count of expert e in chunk c, then its exclusive prefix
- * over chunks, then the placement cursor. Placement is chunk by chunk in
- * slot order, so each expert's rows are its slots in ascending order. */
+/* slot s's local expert, or -1 (past the end, or an expert held elsewhere) */
+__device__ __forceinline__ int align_key(const int32_t *ids, int s, int n, int offset, int el) {
+  const int le = s < n ? ids[s] - offset : -1;
+  return le >= 0 && le < el ? le : -1;
+}
+
+/* One block: count the slots per expert, scan the counts (-> start) and
+ * the tile counts (-> tstart), place each slot at its expert's cursor
+ * (shared-memory atomics), write the tile list. Every pass is parallel over slots (ALIGN_UNROLL
+ * loads in flight per thread); the counters live in shared memory up to
+ * ALIGN_SMEM_EXPERTS local experts (SMEM), beyond in global scratch.
+ * The order of an expert's slots among its rows is the order the atomics
+ * happened to run in: nothing computed depends on it (each output element
+ * is its own token row times the weights, docs/design.md). */
+template <bool SMEM>
 __global__ void __launch_bounds__(ALIGN_THREADS)
-    align_kernel(const int32_t *ids, int n, int el, int offset, int bm, int nc, int len, int *hist_g,
-                 int *start, int *tstart, int4 *tiles, int *ntiles, int *sorted) {
-  const int tid = (int)threadIdx.x;
-  /* the per-chunk counters in shared memory when they fit (each chunk's
-   * thread updates its counters one slot after another: global memory
-   * would make that a chain of round trips) */
-  __shared__ int hist_s[ALIGN_SMEM_HIST];
-  int *hist = el * nc <= ALIGN_SMEM_HIST ? hist_s : hist_g;
-  for (int i = tid; i < el * nc; i += ALIGN_THREADS)
-    hist[i] = 0;
+    align_kernel(const int32_t *ids, int n, int el, int offset, int bm, int *scratch, int4 *tiles,
+                 int *ntiles, int *sorted) {
+  const int tid = (int)threadIdx.x, nt = (int)blockDim.x; /* a power of two, <= ALIGN_THREADS */
+  __shared__ int s_ctr[SMEM ? ALIGN_SMEM_EXPERTS : 1], s_start[SMEM ? ALIGN_SMEM_EXPERTS + 1 : 1],
+      s_tstart[SMEM ? ALIGN_SMEM_EXPERTS + 1 : 1];
+  int *ctr = SMEM ? s_ctr : scratch, *start = SMEM ? s_start : scratch + el,
+      *tstart = SMEM ? s_tstart : scratch + 2 * el + 1;
+  for (int e = tid; e < el; e += nt)
+    ctr[e] = 0;
   __syncthreads();
-  const int s0 = tid * len, s1 = min(n, s0 + len);
-  if (tid < nc)
-    for (int s = s0; s < s1; s++) {
-      const int le = ids[s] - offset;
-      if (le >= 0 && le < el) hist[le * nc + tid]++;
-    }
-  __syncthreads();
-  for (int e = tid; e < el; e += ALIGN_THREADS) {
-    int run = 0;
-    for (int c = 0; c < nc; c++) {
-      const int h = hist[e * nc + c];
-      hist[e * nc + c] = run;
-      run += h;
-    }
-    tstart[e] = run; /* the expert's count, until the scan below */
+  for (int base = 0; base < n; base += nt * ALIGN_UNROLL) { /* count */
+    int key[ALIGN_UNROLL];
+#pragma unroll
+    for (int u = 0; u < ALIGN_UNROLL; u++)
+      key[u] = align_key(ids, base + u * nt + tid, n, offset, el);
+#pragma unroll
+    for (int u = 0; u < ALIGN_UNROLL; u++)
+      if (key[u] >= 0) atomicAdd(&ctr[key[u]], 1);
   }
   __syncthreads();
-  /* exclusive scans over experts of the counts (-> start) and of the tile
-   * counts (-> tstart), ALIGN_THREADS experts at a time in shared memory
-   * (integer sums: exact in any order) */
+  /* exclusive scans over experts of the counts and of the tile counts,
+   * nt experts at a time (integer sums: exact in any order);
+   * each counter becomes its expert's placement cursor */
   __shared__ int s_pos[ALIGN_THREADS], s_til[ALIGN_THREADS];
   __shared__ int carry_pos, carry_til;
   if (tid == 0) carry_pos = carry_til = 0;
-  for (int base = 0; base < el; base += ALIGN_THREADS) {
+  for (int base = 0; base < el; base += nt) {
     const int e = base + tid;
-    const int cnt = e < el ? tstart[e] : 0, til = (cnt + bm - 1) / bm;
+    const int cnt = e < el ? ctr[e] : 0, til = (cnt + bm - 1) / bm;
     s_pos[tid] = cnt;
     s_til[tid] = til;
     __syncthreads();
-    for (int o = 1; o < ALIGN_THREADS; o <<= 1) {
+    for (int o = 1; o < nt; o <<= 1) {
       const int a = tid >= o ? s_pos[tid - o] : 0, b = tid >= o ? s_til[tid - o] : 0;
       __syncthreads();
       s_pos[tid] += a;
@@ -420,10 +424,10 @@ __global__ void __launch_bounds__(ALIGN_THREADS)
     const int pos = carry_pos + s_pos[tid], t = carry_til + s_til[tid];
     __syncthreads(); /* every thread has read the carries */
     if (e < el) {
-      start[e] = pos - cnt;
+      start[e] = ctr[e] = pos - cnt;
       tstart[e] = t - til;
     }
-    if (tid == ALIGN_THREADS - 1) {
+    if (tid == nt - 1) {
       carry_pos = pos;
       carry_til = t;
     }
@@ -435,15 +439,28 @@ __global__ void __launch_bounds__(ALIGN_THREADS)
     *ntiles = carry_til;
   }
   __syncthreads();
-  if (tid < nc)
-    for (int s = s0; s < s1; s++) {
-      const int le = ids[s] - offset;
-      if (le >= 0 && le < el) sorted[start[le] + hist[le * nc + tid]++] = s;
+  for (int base = 0; base < n; base += nt * ALIGN_UNROLL) { /* place */
+    int key[ALIGN_UNROLL];
+#pragma unroll
+    for (int u = 0; u < ALIGN_UNROLL; u++)
+      key[u] = align_key(ids, base + u * nt + tid, n, offset, el);
+#pragma unroll
+    for (int u = 0; u < ALIGN_UNROLL; u++) {
+      if (key[u] >= 0) sorted[atomicAdd(&ctr[key[u]], 1)] = base + u * nt + tid;
     }
-  for (int e = tid; e < el; e += ALIGN_THREADS) {
-    const int cnt = start[e + 1] - start[e];
-    for (int t = 0; t * bm < cnt; t++)
-      tiles[tstart[e] + t] = make_int4(e, start[e] + t * bm, min(bm, cnt - t * bm), 0);
+  }
+  /* tile i belongs to the last expert whose first tile is <= i */
+  for (int i = tid; i < tstart[el]; i += nt) {
+    int lo = 0, hi = el - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (tstart[mid] <= i)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const int t = i - tstart[lo], cnt = start[lo + 1] - start[lo];
+    tiles[i] = make_int4(lo, start[lo] + t * bm, min(bm, cnt - t * bm), 0);
   }
 }
 
@@ -593,8 +610,7 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   if (tokens == 0) return MOE_OK;
   const int64_t n64 = tokens * k, el = cfg->num_experts, hidden = cfg->hidden_size,
                 inter = cfg->intermediate_size;
-  if (n64 > 0x7FFFFFFF / 2 || el > 0x7FFFFFFF / ALIGN_THREADS || hidden > 0x7FFFFFFF / 2 ||
-      inter > 0x7FFFFFFF / 4)
+  if (n64 > 0x7FFFFFFF / 2 || el > 0x7FFFFFFF / 4 || hidden > 0x7FFFFFFF / 2 || inter > 0x7FFFFFFF / 4)
     return moe_fail(err, MOE_EUNSUPPORTED, "fused_moe on the GPU: sizes past 32-bit indexing");
   const int n = (int)n64;
 
@@ -622,15 +638,10 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
       if (!strcmp(force, moe_tc_config_names[i])) tc_config = i;
   const int bm = tc ? moe_tc_rows(tc_config) : avg < 4 ? 1 : 8;
   const int64_t max_tiles = (n64 + bm - 1) / bm + (el < n64 ? el : n64);
-  /* chunks of about 64 slots, at most 256: the serial per-expert scan over
-   * chunks and the per-chunk walk stay short (the order does not depend on it) */
-  const int nc = (int)(n64 / 64 < 1 ? 1 : n64 / 64 > 256 ? 256 : n64 / 64);
-  const int len = (n + nc - 1) / nc;
-
   Plan p;
   const size_t o_ids = p.take(args->route ? (size_t)n : 0, 4), o_w = p.take(args->route ? (size_t)n : 0, 4);
-  const size_t o_hist = p.take((size_t)el * (size_t)nc, 4), o_start = p.take((size_t)el + 1, 4);
-  const size_t o_tstart = p.take((size_t)el + 1, 4), o_tiles = p.take((size_t)max_tiles, sizeof(int4));
+  const size_t o_scratch = p.take(el > ALIGN_SMEM_EXPERTS ? 3 * (size_t)el + 2 : 0, 4);
+  const size_t o_tiles = p.take((size_t)max_tiles, sizeof(int4));
   const size_t o_ntiles = p.take(1, 4), o_sorted = p.take((size_t)n, 4);
   const size_t o_a = p.take((size_t)n * (size_t)inter, 2), o_y = p.take((size_t)n * (size_t)hidden, 2);
   if (p.overflow) return moe_fail(err, MOE_EOVERFLOW, "fused_moe: workspace size overflows");
@@ -655,9 +666,15 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
 
   int *ntiles = (int *)(ws + o_ntiles), *sorted = (int *)(ws + o_sorted);
   const int4 *tiles = (const int4 *)(ws + o_tiles);
-  align_kernel<<<1, ALIGN_THREADS, 0, st>>>(ids, n, (int)el, (int)cfg->expert_offset, bm, nc, len,
-                                            (int *)(ws + o_hist), (int *)(ws + o_start),
-                                            (int *)(ws + o_tstart), (int4 *)(ws + o_tiles), ntiles, sorted);
+  /* a small batch takes fewer threads (shorter scan, less to start) */
+  const unsigned at = n <= 2048 ? 256 : ALIGN_THREADS;
+  int *scratch = (int *)(ws + o_scratch);
+  if (el <= ALIGN_SMEM_EXPERTS)
+    align_kernel<true><<<1, at, 0, st>>>(ids, n, (int)el, (int)cfg->expert_offset, bm, scratch,
+                                         (int4 *)(ws + o_tiles), ntiles, sorted);
+  else
+    align_kernel<false><<<1, at, 0, st>>>(ids, n, (int)el, (int)cfg->expert_offset, bm, scratch,
+                                          (int4 *)(ws + o_tiles), ntiles, sorted);
   moe_status s = moe_gpu_check(hipGetLastError(), "fused_moe align", err);
   if (s) return s;
 

@@ -582,6 +582,7 @@ static const fm_case fm_cases[] = {
 typedef struct fm_model {
   const fm_case *c;
   moe_activation activation;
+  int64_t experts;
   void *buf[MOE_EXPERT_TENSOR_COUNT];
   moe_named_tensor t[MOE_EXPERT_TENSOR_COUNT];
   size_t nt;
@@ -605,11 +606,12 @@ static void fm_add(fm_model *m, moe_expert_tensor slot, moe_dtype dt, int64_t d0
 
 /* Weights ~ U(-1, 1) * 2 / sqrt(K) (outputs of order one); wna16 codes
  * random with scales of that step and zero points near the midpoint. */
-static void fm_make(fm_model *m, const fm_case *c, moe_activation act) {
+static void fm_make(fm_model *m, const fm_case *c, moe_activation act, int64_t experts) {
   memset(m, 0, sizeof *m);
   m->c = c;
   m->activation = act;
-  const int64_t e = FM_EXPERTS, h = c->hidden, i2 = 2 * c->inter, in = c->inter;
+  m->experts = experts;
+  const int64_t e = experts, h = c->hidden, i2 = 2 * c->inter, in = c->inter;
   if (c->scheme != MOE_SCHEME_WNA16) {
     fm_add(m, MOE_W13, c->act, e, i2, h, 2);
     fm_add(m, MOE_W2, c->act, e, h, in, 2);
@@ -744,7 +746,7 @@ START_TEST(fused_vs_cpu) {
     for (int a = 0; a < MOE_ACT_COUNT; a++) {
       if (quick && a != (int)(ci % MOE_ACT_COUNT)) continue;
       fm_model m;
-      fm_make(&m, &fm_cases[ci], (moe_activation)a);
+      fm_make(&m, &fm_cases[ci], (moe_activation)a, FM_EXPERTS);
       double num = 0, den = 0;
       for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
         if (quick && ti == 3) continue;
@@ -770,6 +772,37 @@ START_TEST(fused_vs_cpu) {
 }
 END_TEST
 
+/* More local experts than the align step keeps in shared memory (2048):
+ * its counters move to global memory; both GEMM paths (tensor-core shape,
+ * odd sizes), a small batch (256 align threads) and a large one. */
+START_TEST(fused_many_experts) {
+  static const fm_case cases[] = {
+      {"bf16 128", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 128, 128},
+      {"bf16 odd sizes", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 72, 20},
+  };
+  const int64_t experts = 2100, Ts[] = {3, 700};
+  char label[200];
+  for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+    fm_model m;
+    fm_make(&m, &cases[ci], MOE_ACT_SILU, experts);
+    for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
+      fm_tokens tk;
+      fm_tokens_make(&tk, m.c, Ts[ti], experts);
+      uint16_t *ref, *got;
+      snprintf(label, sizeof label, "fused_moe %s, %lld experts, T=%lld", m.c->name, (long long)experts,
+               (long long)Ts[ti]);
+      fm_run(&m, NULL, &tk, 0, label, &ref, &got);
+      fm_compare(m.c, ref, got, (size_t)(Ts[ti] * m.c->hidden), label, NULL, NULL);
+      bytes_compared += (size_t)(Ts[ti] * m.c->hidden) * 2;
+      free(ref);
+      free(got);
+      fm_tokens_free(&tk);
+    }
+    fm_free(&m);
+  }
+}
+END_TEST
+
 /* GPU only: a token's output bits alone, in a batch, and in another batch at
  * another position (other tokens, other expert loads) are identical. */
 START_TEST(fused_batch_invariance) {
@@ -778,7 +811,7 @@ START_TEST(fused_batch_invariance) {
   for (size_t pi = 0; pi < sizeof picks / sizeof picks[0]; pi++) {
     const fm_case *c = &fm_cases[picks[pi]];
     fm_model m;
-    fm_make(&m, c, (moe_activation)(pi % MOE_ACT_COUNT));
+    fm_make(&m, c, (moe_activation)(pi % MOE_ACT_COUNT), FM_EXPERTS);
     const int64_t T = quick ? 40 : 200, H = c->hidden;
     fm_tokens big, other;
     fm_tokens_make(&big, c, T, FM_EXPERTS);
@@ -830,7 +863,7 @@ START_TEST(fused_tile_configs) {
   for (size_t pi = 0; pi < sizeof picks / sizeof picks[0]; pi++) {
     const fm_case *c = &fm_cases[picks[pi]];
     fm_model m;
-    fm_make(&m, c, (moe_activation)(pi % MOE_ACT_COUNT));
+    fm_make(&m, c, (moe_activation)(pi % MOE_ACT_COUNT), FM_EXPERTS);
     fm_tokens tk;
     fm_tokens_make(&tk, c, quick ? 37 : 150, FM_EXPERTS);
     uint16_t *first = NULL;
@@ -867,7 +900,7 @@ START_TEST(fused_set_routing_shard) {
     const fm_case *c = &fm_cases[variant & 1 ? 5 : 0]; /* int4 g128 zp fp16, bf16 */
     const bool shard = variant >= 2;
     fm_model m;
-    fm_make(&m, c, MOE_ACT_SILU);
+    fm_make(&m, c, MOE_ACT_SILU, FM_EXPERTS);
     moe_expert_config cfg;
     moe_expert_config_defaults(&cfg);
     cfg.scheme = c->scheme;
@@ -1064,6 +1097,7 @@ int main(void) {
   tcase_set_timeout(tm, 3600);
   tcase_add_test(tm, topk_vs_cpu);
   tcase_add_test(tm, fused_vs_cpu);
+  tcase_add_test(tm, fused_many_experts);
   tcase_add_test(tm, fused_batch_invariance);
   tcase_add_test(tm, fused_tile_configs);
   tcase_add_test(tm, fused_set_routing_shard);
