@@ -1,7 +1,8 @@
 /* batcher: merges inference requests for the same model and the same
  * parameters along the token axis (docs/design.md "Batching"), on the loop
- * thread. A request joins the open batch with its batch key
- * (moed_infer_same_batch); a batch goes to the device queues when it holds
+ * thread. Decoding's last step computes a request's batch key
+ * (moed_batch_key, here since only batching reads it); a request joins the
+ * open batch with the same key; a batch goes to the device queues when it holds
  * max_batch_tokens rows or when its timer (max_queue_delay_us, rounded up
  * to libuv's milliseconds) fires. Delay 0 still merges what arrived in the
  * same loop iteration: the timer fires in the next one. Requests held here
@@ -12,7 +13,127 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "moed.h"
+#include "infer_req.h"
+
+/* ---- the batch key ------------------------------------------------------------------------ */
+
+#define MAX_SMALL_INPUT 4096 /* rank <= 1 inputs of a batch must be byte-equal: bounded */
+
+bool moed_model_batches(const moed_server *srv, const moed_model *m) {
+  return srv->cfg->max_batch_tokens > 0 && moe_op_describe(m->op)->rows_independent &&
+         !(m->builtin && m->op == moe_op_find("fused_moe")); /* inline weights: a batch per weight set */
+}
+
+typedef struct keybuf {
+  uint8_t *p;
+  size_t len, cap;
+  bool oom;
+} keybuf;
+
+static void kb_put(keybuf *k, const void *data, size_t n) {
+  if (k->oom) return;
+  if (n > SIZE_MAX / 2 - k->len) {
+    k->oom = true;
+    return;
+  }
+  if (k->len + n > k->cap) {
+    size_t cap = (k->len + n) * 2 + 64;
+    uint8_t *g = realloc(k->p, cap);
+    if (!g) {
+      k->oom = true;
+      return;
+    }
+    k->p = g;
+    k->cap = cap;
+  }
+  memcpy(k->p + k->len, data, n);
+  k->len += n;
+}
+
+static void kb_str(keybuf *k, const char *s) { kb_put(k, s ? s : "", strlen(s ? s : "") + 1); }
+
+static int cmp_param(const void *a, const void *b) {
+  return strcmp((*(const moe_param *const *)a)->name, (*(const moe_param *const *)b)->name);
+}
+static int cmp_input(const void *a, const void *b) {
+  return strcmp((*(const moe_named_tensor *const *)a)->name, (*(const moe_named_tensor *const *)b)->name);
+}
+
+/* Whether r may be merged with others along the first axis, and the key
+ * that must be equal for two requests to merge: the parameters (sorted by
+ * name), each input's name, dtype and trailing dims (sorted by name), and
+ * the bytes of inputs of rank <= 1 (a static scale, a bias: shared by the
+ * whole batch, so they must be the same). Rows = the first dim shared by
+ * every input of rank >= 2. The op library guarantees that such an op's row
+ * r depends on row r of its inputs only (moe_op_info.rows_independent). */
+void moed_batch_key(moed_infer_req *r, const moed_server *srv) {
+  const moed_config *cfg = srv->cfg;
+  if (!moed_model_batches(srv, r->model)) return;
+  int64_t rows = 0;
+  const moe_named_tensor *ins[MOED_MAX_TENSORS];
+  const moe_param *ps[MOED_MAX_PARAMS];
+  for (size_t i = 0; i < r->n_in; i++) {
+    const moe_tensor *t = &r->in[i].tensor;
+    for (size_t j = 0; j < i; j++)
+      if (strcmp(r->in[j].name, r->in[i].name) == 0) return; /* ambiguous: the op will say so */
+    if (t->ndim >= 2) {
+      if (rows && t->shape[0] != rows) return;
+      rows = t->shape[0];
+    } else if (t->nbytes > MAX_SMALL_INPUT) {
+      return;
+    }
+    ins[i] = &r->in[i];
+  }
+  if (rows <= 0 || rows > cfg->max_batch_tokens) return;
+  for (size_t i = 0; i < r->n_params; i++) {
+    for (size_t j = 0; j < i; j++)
+      if (strcmp(r->params[j].name, r->params[i].name) == 0) return;
+    ps[i] = &r->params[i];
+  }
+  qsort(ins, r->n_in, sizeof ins[0], cmp_input);
+  qsort(ps, r->n_params, sizeof ps[0], cmp_param);
+  keybuf k = {0};
+  for (size_t i = 0; i < r->n_params; i++) {
+    const moe_param *p = ps[i];
+    uint8_t type = (uint8_t)p->type;
+    kb_str(&k, p->name);
+    kb_put(&k, &type, 1);
+    switch (p->type) {
+    case MOE_PARAM_STRING: kb_str(&k, p->s); break;
+    case MOE_PARAM_BOOL: kb_put(&k, &p->b, sizeof p->b); break;
+    case MOE_PARAM_INT: kb_put(&k, &p->i, sizeof p->i); break;
+    case MOE_PARAM_DOUBLE: kb_put(&k, &p->d, sizeof p->d); break;
+    }
+  }
+  for (size_t i = 0; i < r->n_in; i++) {
+    const moe_tensor *t = &ins[i]->tensor;
+    int32_t head[2] = {(int32_t)t->dtype, t->ndim};
+    kb_str(&k, ins[i]->name);
+    kb_put(&k, head, sizeof head);
+    if (t->ndim >= 2) {
+      kb_put(&k, &t->shape[1], sizeof t->shape[0] * (size_t)(t->ndim - 1));
+    } else {
+      kb_put(&k, t->shape, sizeof t->shape[0] * (size_t)t->ndim);
+      kb_put(&k, &t->nbytes, sizeof t->nbytes);
+      if (t->nbytes) kb_put(&k, t->data, t->nbytes);
+    }
+  }
+  if (k.oom) {
+    free(k.p);
+    return; /* unbatched is always correct */
+  }
+  r->key = k.p;
+  r->key_len = k.len;
+  r->rows = rows;
+}
+
+int64_t moed_infer_batch_rows(const moed_infer_req *r) { return r->code ? 0 : r->rows; }
+
+bool moed_infer_same_batch(const moed_infer_req *a, const moed_infer_req *b) {
+  return a->model == b->model && a->key_len == b->key_len && memcmp(a->key, b->key, a->key_len) == 0;
+}
+
+/* ---- the batcher --------------------------------------------------------------------- */
 
 typedef struct open_batch {
   struct open_batch *next;

@@ -552,7 +552,7 @@ static bool admit(moed_server *s, moed_request *req) {
     refuse(s, req, "too many requests in flight");
     return false;
   }
-  return true; /* admitted: from here infer.c answers it and drops the in-flight count */
+  return true; /* admitted: from here the inference path answers it and drops the in-flight count */
 }
 
 bool moed_handle_inline(moed_request *req, void *arg) {

@@ -74,6 +74,13 @@ void moed_hostmem_trim(void);
 
 grpc_status_code moed_status_from_moe(moe_status s);
 
+/* Room for a failure's message (it names the offending field). */
+#define MOED_ERR_LEN 600
+/* Writes the message into buf[0..MOED_ERR_LEN); returns code, so that a
+ * failure is answered in one statement. */
+grpc_status_code moed_failf(char *buf, grpc_status_code code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
 /* ---- rpc.c: gRPC core <-> libuv bridge ------------------------------------- */
 
 typedef enum moed_method {
@@ -155,7 +162,7 @@ grpc_byte_buffer *moed_rpc_buffer_take(void *data, size_t len);
 
 uint64_t moed_now_ns(void);
 
-/* ---- repository.c: models and their reference counts ----------------------- */
+/* ---- model_stats.c: per-model statistics (the repository keeps them by name) */
 
 #define MOED_HIST_BUCKETS 16
 
@@ -174,6 +181,17 @@ typedef struct moed_model_stats {
   _Atomic uint64_t bytes_in, bytes_out;
   moed_hist queue_hist, compute_hist, total_hist;
 } moed_model_stats;
+
+void moed_hist_observe(moed_hist *h, uint64_t ns);
+extern const uint64_t moed_hist_bounds_ns[MOED_HIST_BUCKETS - 1];
+/* One request answered (ok or not): its time queued (arrival to the op's
+ * start), computing, in all, and its tensor bytes in and out. */
+void moed_stats_record(moed_model_stats *st, bool ok, uint64_t queue_ns, uint64_t compute_ns,
+                       uint64_t total_ns, uint64_t in, uint64_t out);
+/* One execution of `size` merged requests (Triton's batch statistics). */
+void moed_stats_record_execution(moed_model_stats *st, size_t size, uint64_t compute_ns);
+
+/* ---- repository.c: models and their reference counts ----------------------- */
 
 typedef struct moed_model {
   char name[128];
@@ -210,9 +228,6 @@ typedef struct moed_index_entry {
 size_t moed_repository_index(moed_repository *r, moed_index_entry **out);
 /* Stats of every loaded model; calls fn for each under the lock. */
 void moed_repository_foreach(moed_repository *r, void (*fn)(moed_model *m, void *arg), void *arg);
-
-void moed_hist_observe(moed_hist *h, uint64_t ns);
-extern const uint64_t moed_hist_bounds_ns[MOED_HIST_BUCKETS - 1];
 
 /* ---- devices.c: device queues (one worker per backend) --------------------- */
 
@@ -284,37 +299,39 @@ void moed_health_changed(moed_server *s);
 /* Ends every Watch stream (shutdown). */
 void moed_health_close(moed_server *s);
 
-/* ---- infer.c: ModelInfer on a worker ----------------------------------------- */
+/* ---- the inference path (infer_req.h: the order of its files) ---------------- */
 
 /* A decoded inference request: message, model reference, inputs (raw
  * contents point into the received bytes, not copied) and parameters.
  * Owns its moed_request (and the reference on the call it holds). */
 typedef struct moed_infer_req moed_infer_req;
 
-/* Decodes req (consuming its payload). NULL only when out of memory (req is
- * then answered and freed). A request that does not decode is returned with
- * an error that moed_infer_run answers; moed_infer_failed tells. */
+/* infer_decode.c: decodes req (consuming its payload). NULL only when out
+ * of memory (req is then answered and freed). A request that does not
+ * decode is returned with an error that moed_infer_run answers;
+ * moed_infer_failed tells. */
 moed_infer_req *moed_infer_decode(moed_server *srv, moed_request *req);
 bool moed_infer_failed(const moed_infer_req *r);
 /* Whether this payload's model may run on the CQ thread: a built-in op
  * that is never batched (its cost follows its message size). Reads only
  * model_name. */
 bool moed_infer_inline_ok(moed_server *srv, grpc_byte_buffer *payload);
+/* infer_run.c: runs reqs[0..n) (one merged call when n > 1; each alone
+ * when merging is refused), answers each, records statistics, frees them. */
+void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n);
+/* infer_answer.c: answers r with `code` (stream: an error message on the
+ * stream) and frees it; it never ran. */
+void moed_infer_reject(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *why);
+/* Answers a request that was never decoded the same way. */
+void moed_request_reject(moed_server *srv, moed_request *req, grpc_status_code code, const char *why);
+
+/* ---- batcher.c: the batch key; merging requests along the token axis (loop) -- */
+
 /* Rows merged along the first axis by the batcher; 0: never batched. */
 int64_t moed_infer_batch_rows(const moed_infer_req *r);
 /* Same model, parameters, input names/dtypes/trailing dims and small
  * inputs: the two may run as one call. */
 bool moed_infer_same_batch(const moed_infer_req *a, const moed_infer_req *b);
-/* Runs reqs[0..n) (one merged call when n > 1; each alone when merging is
- * refused), answers each, records statistics, frees them. */
-void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n);
-/* Answers r with `code` (stream: an error message on the stream) and
- * frees it; it never ran. */
-void moed_infer_reject(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *why);
-/* Answers a request that was never decoded the same way. */
-void moed_request_reject(moed_server *srv, moed_request *req, grpc_status_code code, const char *why);
-
-/* ---- batcher.c: merging requests along the token axis (loop thread) --------- */
 
 int moed_batcher_create(moed_server *s, moed_batcher **out);
 /* Takes r (batchable: moed_infer_batch_rows > 0); it runs within

@@ -13,21 +13,6 @@
 
 #include "moed.h"
 
-/* Upper bounds of the latency histogram buckets (the last is +Inf). */
-const uint64_t moed_hist_bounds_ns[MOED_HIST_BUCKETS - 1] = {
-    10000,   25000,    50000,    100000,   250000,    500000,     1000000,     2500000,
-    5000000, 10000000, 25000000, 50000000, 100000000, 1000000000, 10000000000,
-};
-
-void moed_hist_observe(moed_hist *h, uint64_t ns) {
-  int b = 0;
-  while (b < MOED_HIST_BUCKETS - 1 && ns > moed_hist_bounds_ns[b])
-    b++;
-  atomic_fetch_add(&h->le[b], 1);
-  atomic_fetch_add(&h->count, 1);
-  atomic_fetch_add(&h->sum_ns, ns);
-}
-
 typedef struct stats_entry {
   struct stats_entry *next;
   char name[128];

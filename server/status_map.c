@@ -1,5 +1,9 @@
-/* The one map from the op library's status codes to gRPC's (see
- * kernels/include/moe/status.h; keep the two in step). */
+/* The status a failure is answered with: the one map from the op library's
+ * status codes to gRPC's (see kernels/include/moe/status.h; keep the two in
+ * step), and the message beside it. */
+#include <stdarg.h>
+#include <stdio.h>
+
 #include "moed.h"
 
 grpc_status_code moed_status_from_moe(moe_status s) {
@@ -15,4 +19,12 @@ grpc_status_code moed_status_from_moe(moe_status s) {
   case MOE_EDEVICE: return GRPC_STATUS_INTERNAL;
   }
   return GRPC_STATUS_INTERNAL;
+}
+
+grpc_status_code moed_failf(char *buf, grpc_status_code code, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, MOED_ERR_LEN, fmt, ap);
+  va_end(ap);
+  return code;
 }

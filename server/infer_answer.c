@@ -1,0 +1,86 @@
+/* infer_answer: the last step of every inference request, however far it
+ * got (infer_req.h): the answer on its call or stream, its statistics,
+ * and the request freed with the in-flight count it held. */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "infer_req.h"
+
+/* Frees what decoding and the batch key allocated, and the moed_request. */
+static void req_free(moed_infer_req *r) {
+  if (!r) return;
+  for (size_t i = 0; i < MOED_MAX_TENSORS; i++)
+    moed_hostmem_free(r->owned[i]);
+  free(r->raw);
+  free(r->key);
+  if (r->msg) inference__model_infer_request__free_unpacked(r->msg, NULL);
+  grpc_slice_unref(r->flat);
+  moed_model_release(r->model);
+  if (r->req->payload) grpc_byte_buffer_destroy(r->req->payload);
+  free(r->req);
+  free(r);
+}
+
+static grpc_byte_buffer *pack_stream_error(const char *id, const char *msg) {
+  Inference__ModelStreamInferResponse r = INFERENCE__MODEL_STREAM_INFER_RESPONSE__INIT;
+  Inference__ModelInferResponse ir = INFERENCE__MODEL_INFER_RESPONSE__INIT;
+  ir.id = (char *)(id ? id : "");
+  r.error_message = (char *)msg;
+  r.infer_response = &ir;
+  size_t n = inference__model_stream_infer_response__get_packed_size(&r);
+  uint8_t *buf = malloc(n ? n : 1);
+  if (!buf) return NULL;
+  inference__model_stream_infer_response__pack(&r, buf);
+  return moed_rpc_buffer_take(buf, n);
+}
+
+/* Sends the answer to one request: unary -> status (+ response); stream ->
+ * the response or an error message, and the stream goes on. */
+static void respond(moed_request *req, const char *id, grpc_status_code code, const char *msg,
+                    grpc_byte_buffer *resp) {
+  if (req->method != MOED_M_MODEL_STREAM_INFER) {
+    moed_rpc_finish(req->rpc, code, code ? msg : NULL, resp);
+    return;
+  }
+  if (code != GRPC_STATUS_OK) {
+    if (resp) grpc_byte_buffer_destroy(resp);
+    resp = pack_stream_error(id, msg);
+  }
+  if (resp) moed_rpc_stream_write(req->rpc, resp);
+  moed_rpc_stream_done(req->rpc);
+}
+
+/* A refusal's message: on a stream the status code reaches the client only
+ * as text (the stream itself goes on), so UNAVAILABLE is named there. */
+static void reject_message(char msg[128], const moed_request *req, grpc_status_code code, const char *why) {
+  bool stream = req->method == MOED_M_MODEL_STREAM_INFER;
+  snprintf(msg, 128, "%s%s", stream && code == GRPC_STATUS_UNAVAILABLE ? "UNAVAILABLE: " : "", why);
+}
+
+void moed_request_reject(moed_server *srv, moed_request *req, grpc_status_code code, const char *why) {
+  char msg[128];
+  reject_message(msg, req, code, why);
+  respond(req, NULL, code, msg, NULL);
+  if (req->payload) grpc_byte_buffer_destroy(req->payload);
+  free(req);
+  atomic_fetch_sub(&srv->inflight, 1);
+}
+
+void moed_infer_finish(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *msg,
+                       grpc_byte_buffer *resp, uint64_t start_ns, uint64_t compute_ns, uint64_t bytes_out) {
+  respond(r->req, r->msg ? r->msg->id : NULL, code, msg, resp);
+  if (r->model) {
+    uint64_t now = moed_now_ns();
+    moed_stats_record(r->model->stats, code == GRPC_STATUS_OK,
+                      (start_ns ? start_ns : now) - r->req->received_ns, compute_ns,
+                      now - r->req->received_ns, r->bytes_in, bytes_out);
+  }
+  req_free(r);
+  atomic_fetch_sub(&srv->inflight, 1);
+}
+
+void moed_infer_reject(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *why) {
+  char msg[128];
+  reject_message(msg, r->req, code, why);
+  moed_infer_finish(srv, r, code, msg, NULL, 0, 0, 0);
+}

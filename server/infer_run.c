@@ -1,0 +1,310 @@
+/* infer_run: decoded requests -> one op call on a worker's backend -> each
+ * request's outputs (infer_req.h). Requests with the same batch key run as
+ * one call along the first axis, whose outputs are split back by rows;
+ * inputs and outputs are staged into the backend's memory (none of that on
+ * host backends, whose outputs go to gRPC as slices without a copy). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "infer_req.h"
+
+/* One op call and the memory it uses. */
+typedef struct run_ctx {
+  moed_server *srv;
+  moe_backend *b;
+  moe_call *call;
+  void *device_in[MOED_MAX_TENSORS]; /* device copies of inputs (non-host backends) */
+  void *outputs[MOED_MAX_TENSORS];   /* output buffers (backend memory) */
+  void *host_out[MOED_MAX_TENSORS];  /* host copies (non-host backends) */
+  moed_weights *cached;              /* inline fused_moe weights from the cache */
+  size_t num_out;
+  char err[MOED_ERR_LEN];
+} run_ctx;
+
+static void ctx_cleanup(run_ctx *c) {
+  for (size_t i = 0; i < MOED_MAX_TENSORS; i++) {
+    if (c->device_in[i]) moe_backend_free(c->b, c->device_in[i]);
+    if (c->outputs[i]) {
+      if (moed_backend_is_host(c->b))
+        moed_hostmem_free(c->outputs[i]);
+      else
+        moe_backend_free(c->b, c->outputs[i]);
+    }
+    moed_hostmem_free(c->host_out[i]);
+  }
+  if (c->cached) moed_weight_cache_release(c->srv->weights, c->cached);
+  moe_call_destroy(c->call);
+}
+
+/* Inline fused_moe weights through the device cache: a hit skips their copy
+ * to the device. Rebinds the weight inputs; *done[i] marks them. */
+static void bind_cached_weights(run_ctx *c, const moed_model *m, bool *done) {
+  if (!c->srv->weights || !m->builtin || m->op != moe_op_find("fused_moe")) return;
+  if (moed_backend_is_host(c->b) && !c->srv->cfg->cache_host) return; /* host backends read in place */
+  moe_named_tensor w[MOED_MAX_TENSORS];
+  size_t idx[MOED_MAX_TENSORS], n = 0;
+  for (size_t i = 0; i < moe_call_num_inputs(c->call) && i < MOED_MAX_TENSORS; i++) {
+    moe_named_tensor *t = moe_call_input(c->call, i);
+    if (t->name && t->tensor.data && moe_expert_tensor_is_weight(t->name)) {
+      w[n] = *t;
+      idx[n++] = i;
+    }
+  }
+  void *data[MOED_MAX_TENSORS];
+  if (!n || !(c->cached = moed_weight_cache_get(c->srv->weights, c->b, w, n, data))) return;
+  for (size_t k = 0; k < n; k++) {
+    moe_call_input(c->call, idx[k])->tensor.data = data[k];
+    done[idx[k]] = true;
+  }
+}
+
+static grpc_status_code bind_memory(run_ctx *c, const moed_model *m) {
+  moe_backend *b = c->b;
+  bool host = moed_backend_is_host(b);
+  bool done[MOED_MAX_TENSORS] = {false};
+  bind_cached_weights(c, m, done);
+  if (!host) { /* inputs to the device */
+    for (size_t i = 0; i < moe_call_num_inputs(c->call) && i < MOED_MAX_TENSORS; i++) {
+      moe_named_tensor *t = moe_call_input(c->call, i);
+      if (done[i] || !t->name || !t->tensor.data || !t->tensor.nbytes) continue;
+      if (moe_backend_alloc(b, t->tensor.nbytes, &c->device_in[i]) != MOE_OK)
+        return moed_failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "device memory exhausted for input '%s'",
+                          t->name);
+      if (moe_backend_copy_in(b, c->device_in[i], t->tensor.data, t->tensor.nbytes) != MOE_OK)
+        return moed_failf(c->err, GRPC_STATUS_INTERNAL, "copy of input '%s' to the device failed", t->name);
+      t->tensor.data = c->device_in[i];
+    }
+  }
+  for (size_t i = 0; i < c->num_out; i++) {
+    moe_named_tensor *o = moe_call_output(c->call, i);
+    void *p = NULL;
+    if (host)
+      p = moed_hostmem_alloc(o->tensor.nbytes);
+    else if (moe_backend_alloc(b, o->tensor.nbytes ? o->tensor.nbytes : 1, &p) != MOE_OK)
+      p = NULL;
+    if (!p)
+      return moed_failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for output '%s'", o->name);
+    c->outputs[i] = p;
+    o->tensor.data = p;
+  }
+  return GRPC_STATUS_OK;
+}
+
+/* Host buffers of the outputs: the outputs themselves on host backends,
+ * copies otherwise. Ownership moves to the caller (take[i]). */
+static grpc_status_code copy_out(run_ctx *c, void **take) {
+  bool host = moed_backend_is_host(c->b);
+  for (size_t i = 0; i < c->num_out; i++) {
+    moe_named_tensor *o = moe_call_output(c->call, i);
+    if (!host) {
+      c->host_out[i] = moed_hostmem_alloc(o->tensor.nbytes);
+      if (!c->host_out[i])
+        return moed_failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for output '%s'", o->name);
+      if (moe_backend_copy_out(c->b, c->host_out[i], o->tensor.data, o->tensor.nbytes) != MOE_OK)
+        return moed_failf(c->err, GRPC_STATUS_INTERNAL, "copy of output '%s' from the device failed",
+                          o->name);
+    }
+  }
+  if (!host && moe_backend_synchronize(c->b) != MOE_OK)
+    return moed_failf(c->err, GRPC_STATUS_INTERNAL, "device synchronize failed");
+  for (size_t i = 0; i < c->num_out; i++) {
+    void **owner = host ? &c->outputs[i] : &c->host_out[i];
+    take[i] = *owner;
+    *owner = NULL;
+  }
+  return GRPC_STATUS_OK;
+}
+
+/* Work is skipped when nobody waits for it or it is already too late. */
+static grpc_status_code still_wanted(moed_rpc *rpc, char *err) {
+  if (moed_rpc_cancelled(rpc)) return moed_failf(err, GRPC_STATUS_CANCELLED, "call cancelled");
+  if (moed_now_ns() >= moed_rpc_deadline_ns(rpc))
+    return moed_failf(err, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded before the work started");
+  return GRPC_STATUS_OK;
+}
+
+/* prepare + memory + run + outputs to the host; on error c->err. */
+static grpc_status_code run_call(run_ctx *c, const moed_model *m, const moe_named_tensor *in, size_t n_in,
+                                 const moe_param *params, size_t n_params, void **host_outs,
+                                 uint64_t *start_ns, uint64_t *compute_ns) {
+  moe_params mp = {params, n_params};
+  moe_error err = {{0}};
+  moe_status ms = moe_op_prepare(m->op, in, n_in, &mp, m->set, &c->call, &err);
+  if (ms != MOE_OK) return moed_failf(c->err, moed_status_from_moe(ms), "%s", err.msg);
+  c->num_out = moe_call_num_outputs(c->call);
+  if (c->num_out > MOED_MAX_TENSORS)
+    return moed_failf(c->err, GRPC_STATUS_INTERNAL, "op has too many outputs");
+  grpc_status_code code = bind_memory(c, m);
+  if (code) return code;
+  *start_ns = moed_now_ns();
+  ms = moe_call_run(c->call, c->b, &err);
+  if (ms != MOE_OK) return moed_failf(c->err, moed_status_from_moe(ms), "%s", err.msg);
+  code = copy_out(c, host_outs);
+  *compute_ns = moed_now_ns() - *start_ns;
+  return code;
+}
+
+/* r's response, from outputs in host memory. */
+static grpc_status_code encode(const moed_server *srv, const moed_infer_req *r, const moe_named_tensor *outs,
+                               const grpc_slice *data, size_t num_out, grpc_byte_buffer **out,
+                               uint64_t *bytes_out, char *err) {
+  return moed_kserve_encode(r->msg, r->model->name, r->req->method == MOED_M_MODEL_STREAM_INFER,
+                            srv->cfg->max_message_bytes, outs, data, num_out, out, bytes_out, err);
+}
+
+static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r) {
+  run_ctx c;
+  memset(&c, 0, sizeof c);
+  c.srv = srv;
+  c.b = b;
+  uint64_t start_ns = 0, compute_ns = 0, bytes_out = 0;
+  grpc_byte_buffer *resp = NULL;
+  void *host[MOED_MAX_TENSORS] = {NULL};
+  grpc_slice data[MOED_MAX_TENSORS];
+  size_t nd = 0;
+  grpc_status_code code = still_wanted(r->req->rpc, c.err);
+  if (code) goto done;
+  code = run_call(&c, r->model, r->in, r->n_in, r->params, r->n_params, host, &start_ns, &compute_ns);
+  if (code) goto done;
+  moed_stats_record_execution(r->model->stats, 1, compute_ns);
+  moe_named_tensor outs[MOED_MAX_TENSORS];
+  for (; nd < c.num_out; nd++) { /* each output buffer becomes the slice that owns it */
+    outs[nd] = *moe_call_output(c.call, nd);
+    data[nd] = moed_hostmem_slice(host[nd], outs[nd].tensor.nbytes);
+    host[nd] = NULL;
+  }
+  code = encode(srv, r, outs, data, c.num_out, &resp, &bytes_out, c.err);
+done:
+  for (size_t i = 0; i < nd; i++)
+    grpc_slice_unref(data[i]);
+  for (size_t i = 0; i < MOED_MAX_TENSORS; i++)
+    moed_hostmem_free(host[i]);
+  ctx_cleanup(&c);
+  moed_infer_finish(srv, r, code, c.err, resp, start_ns, compute_ns, bytes_out);
+}
+
+/* The outputs of a merged call, shared by the slices of every request's
+ * response; freed with the last slice. */
+typedef struct shared_outputs {
+  _Atomic size_t refs;
+  void *buf[MOED_MAX_TENSORS];
+} shared_outputs;
+
+static void shared_unref(void *p) {
+  shared_outputs *s = p;
+  if (atomic_fetch_sub(&s->refs, 1) != 1) return;
+  for (size_t i = 0; i < MOED_MAX_TENSORS; i++)
+    moed_hostmem_free(s->buf[i]);
+  free(s);
+}
+
+/* Runs reqs (same batch key, all still wanted) as one call along the first
+ * axis. false: merging was refused (the caller runs them one by one). */
+static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n) {
+  moed_infer_req *r0 = reqs[0];
+  /* the call borrows the model's set: held until the call is gone, since
+   * the requests (and their references) are freed as they are answered */
+  moed_model *model = r0->model;
+  atomic_fetch_add(&model->refs, 1);
+  moe_named_tensor in[MOED_MAX_TENSORS];
+  void *merged[MOED_MAX_TENSORS] = {NULL};
+  void *host[MOED_MAX_TENSORS] = {NULL};
+  shared_outputs *shared = NULL;
+  run_ctx c;
+  memset(&c, 0, sizeof c);
+  c.srv = srv;
+  c.b = b;
+  bool ok = false;
+  int64_t total = 0;
+  for (size_t k = 0; k < n; k++)
+    total += reqs[k]->rows; /* each <= max_batch_tokens: small */
+
+  /* the merged inputs: rank >= 2 concatenated along axis 0, others shared */
+  for (size_t i = 0; i < r0->n_in; i++) {
+    in[i] = r0->in[i];
+    const moe_tensor *t0 = &r0->in[i].tensor;
+    if (t0->ndim < 2) continue;
+    size_t row_bytes = t0->nbytes / (size_t)t0->shape[0], bytes;
+    if (!moe_mul_size(row_bytes, (size_t)total, &bytes) || !(merged[i] = moed_hostmem_alloc(bytes))) goto out;
+    size_t off = 0;
+    for (size_t k = 0; k < n; k++) {
+      const moed_infer_req *rk = reqs[k];
+      for (size_t j = 0; j < rk->n_in; j++)
+        if (strcmp(rk->in[j].name, in[i].name) == 0) {
+          memcpy((uint8_t *)merged[i] + off, rk->in[j].tensor.data, rk->in[j].tensor.nbytes);
+          off += rk->in[j].tensor.nbytes;
+        }
+    }
+    if (off != bytes) goto out; /* the key guarantees it; never trust it blindly */
+    in[i].tensor.data = merged[i];
+    in[i].tensor.shape[0] = total;
+    in[i].tensor.nbytes = bytes;
+  }
+  uint64_t start_ns = 0, compute_ns = 0;
+  if (run_call(&c, r0->model, in, r0->n_in, r0->params, r0->n_params, host, &start_ns, &compute_ns)) goto out;
+  /* every output must be row-major along the same rows to be split */
+  moe_named_tensor outs[MOED_MAX_TENSORS];
+  size_t out_row[MOED_MAX_TENSORS];
+  for (size_t i = 0; i < c.num_out; i++) {
+    outs[i] = *moe_call_output(c.call, i);
+    const moe_tensor *t = &outs[i].tensor;
+    if (t->ndim < 1 || t->shape[0] != total || t->nbytes % (size_t)total) goto out;
+    out_row[i] = t->nbytes / (size_t)total;
+  }
+  moed_stats_record_execution(r0->model->stats, n, compute_ns);
+  if (!(shared = calloc(1, sizeof *shared))) goto out;
+  memcpy(shared->buf, host, sizeof host);
+  memset(host, 0, sizeof host);
+  atomic_init(&shared->refs, 1 + n * c.num_out);
+  ok = true;
+  int64_t row = 0;
+  for (size_t k = 0; k < n; k++) {
+    moed_infer_req *rk = reqs[k];
+    moe_named_tensor mine[MOED_MAX_TENSORS];
+    grpc_slice data[MOED_MAX_TENSORS];
+    for (size_t i = 0; i < c.num_out; i++) {
+      mine[i] = outs[i];
+      mine[i].tensor.shape[0] = rk->rows;
+      mine[i].tensor.nbytes = out_row[i] * (size_t)rk->rows;
+      data[i] = grpc_slice_new_with_user_data((uint8_t *)shared->buf[i] + out_row[i] * (size_t)row,
+                                              mine[i].tensor.nbytes, shared_unref, shared);
+    }
+    row += rk->rows;
+    grpc_byte_buffer *resp = NULL;
+    uint64_t bytes_out = 0;
+    char err[MOED_ERR_LEN];
+    grpc_status_code code = encode(srv, rk, mine, data, c.num_out, &resp, &bytes_out, err);
+    for (size_t i = 0; i < c.num_out; i++)
+      grpc_slice_unref(data[i]);
+    moed_infer_finish(srv, rk, code, err, resp, start_ns, compute_ns, bytes_out);
+    reqs[k] = NULL;
+  }
+  shared_unref(shared);
+out:
+  for (size_t i = 0; i < MOED_MAX_TENSORS; i++) {
+    moed_hostmem_free(merged[i]);
+    moed_hostmem_free(host[i]);
+  }
+  ctx_cleanup(&c);
+  moed_model_release(model);
+  return ok;
+}
+
+void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n) {
+  size_t live = 0;
+  for (size_t k = 0; k < n; k++) { /* answer what failed or is no longer wanted */
+    moed_infer_req *r = reqs[k];
+    char err[MOED_ERR_LEN];
+    grpc_status_code code = r->code ? r->code : still_wanted(r->req->rpc, err);
+    if (code)
+      moed_infer_finish(srv, r, code, r->code ? r->err : err, NULL, 0, 0, 0);
+    else
+      reqs[live++] = r;
+  }
+  /* every request here is for one model (the batch key): an op this
+   * backend has no kernel for runs on the worker's host fallback */
+  if (live && b && !moe_op_supported(reqs[0]->model->op, b)) b = moed_devices_fallback(srv->devices, b);
+  if (live > 1 && run_merged(srv, b, reqs, live)) return;
+  for (size_t k = 0; k < live; k++)
+    run_single(srv, b, reqs[k]);
+}

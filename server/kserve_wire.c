@@ -1,0 +1,268 @@
+/* kserve_wire: KServe messages at the wire level (see kserve_wire.h). Every
+ * byte read here is untrusted: each length is checked against what is left
+ * before it is used. */
+#include "kserve_wire.h"
+
+#include <string.h>
+
+#include "moed.h"
+
+/* Field numbers (proto/grpc_service.proto) of what is read or written here. */
+enum {
+  REQUEST_MODEL_NAME = 1,           /* ModelInferRequest.model_name */
+  REQUEST_RAW_INPUT_CONTENTS = 7,   /* ModelInferRequest.raw_input_contents */
+  RESPONSE_RAW_OUTPUT_CONTENTS = 6, /* ModelInferResponse.raw_output_contents */
+  STREAM_INFER_RESPONSE = 2,        /* ModelStreamInferResponse.infer_response */
+};
+
+#define SMALL_RESPONSE 16384 /* responses up to this size are sent as one slice */
+
+/* ---- varints ---------------------------------------------------------------------------- */
+
+static bool read_varint(const uint8_t *p, size_t n, size_t *pos, uint64_t *out) {
+  uint64_t v = 0;
+  for (int shift = 0; shift < 64; shift += 7) {
+    if (*pos >= n) return false;
+    uint8_t b = p[(*pos)++];
+    v |= (uint64_t)(b & 0x7F) << shift;
+    if (!(b & 0x80)) {
+      *out = v;
+      return true;
+    }
+  }
+  return false;
+}
+
+static size_t put_varint(uint8_t *p, uint64_t v) {
+  size_t n = 0;
+  do {
+    uint8_t b = v & 0x7F;
+    v >>= 7;
+    p[n++] = b | (v ? 0x80 : 0);
+  } while (v);
+  return n;
+}
+
+/* The tag and length of a length-delimited field; for the field numbers
+ * here (< 16) at most 11 bytes. */
+static size_t put_len_header(uint8_t *p, uint32_t field, uint64_t len) {
+  size_t n = put_varint(p, ((uint64_t)field << 3) | MOED_WIRE_LEN);
+  return n + put_varint(p + n, len);
+}
+
+/* ---- the field iterator ------------------------------------------------------------------ */
+
+moed_wire_iter moed_wire_begin(const uint8_t *p, size_t n, bool prefix) {
+  return (moed_wire_iter){.p = p, .n = n, .prefix = prefix};
+}
+
+static bool stop_bad(moed_wire_iter *it) {
+  it->bad = true;
+  return false;
+}
+
+bool moed_wire_next(moed_wire_iter *it, moed_wire_field *f) {
+  const uint8_t *p = it->p;
+  size_t n = it->n, pos = it->pos;
+  if (it->bad || pos >= n) return false;
+  uint64_t tag, v;
+  if (!read_varint(p, n, &pos, &tag) || (tag >> 3) == 0 || (tag >> 3) > UINT32_MAX) return stop_bad(it);
+  f->number = (uint32_t)(tag >> 3);
+  f->type = (uint32_t)(tag & 7);
+  f->varint = 0;
+  f->start = it->pos;
+  f->at = pos;
+  switch (f->type) {
+  case MOED_WIRE_VARINT:
+    if (!read_varint(p, n, &pos, &f->varint)) return stop_bad(it);
+    f->len = pos - f->at;
+    break;
+  case MOED_WIRE_FIXED64:
+  case MOED_WIRE_FIXED32:
+    f->len = f->type == MOED_WIRE_FIXED64 ? 8 : 4;
+    if (n - pos < f->len) return stop_bad(it);
+    pos += f->len;
+    break;
+  case MOED_WIRE_LEN:
+    if (!read_varint(p, n, &pos, &v)) return stop_bad(it);
+    f->at = pos;
+    if (v <= n - pos) {
+      f->len = (size_t)v;
+    } else if (it->prefix) { /* the value goes on past the bytes we have: nothing follows it here */
+      f->len = n - pos;
+    } else {
+      return stop_bad(it);
+    }
+    pos += f->len;
+    break;
+  default: return stop_bad(it); /* groups and reserved wire types: not these messages */
+  }
+  f->end = it->pos = pos;
+  return true;
+}
+
+/* ---- ModelInferRequest ------------------------------------------------------------------ */
+
+bool moed_kserve_split_raw(const uint8_t *p, size_t n, uint8_t *rest, size_t *rest_len,
+                           ProtobufCBinaryData *raw, size_t *n_raw) {
+  size_t rl = 0, nr = 0;
+  moed_wire_iter it = moed_wire_begin(p, n, false);
+  moed_wire_field f;
+  while (moed_wire_next(&it, &f)) {
+    if (f.number == REQUEST_RAW_INPUT_CONTENTS) {
+      if (f.type != MOED_WIRE_LEN) return false; /* raw contents must be length-delimited */
+      if (raw) raw[nr] = (ProtobufCBinaryData){f.len, (uint8_t *)p + f.at};
+      nr++;
+      continue;
+    }
+    if (rest) memcpy(rest + rl, p + f.start, f.end - f.start);
+    rl += f.end - f.start;
+  }
+  if (it.bad) return false;
+  *rest_len = rl;
+  *n_raw = nr;
+  return true;
+}
+
+void moed_kserve_model_name(const uint8_t *p, size_t n, char *name, size_t size) {
+  moed_wire_iter it = moed_wire_begin(p, n, false);
+  moed_wire_field f;
+  name[0] = 0;
+  while (moed_wire_next(&it, &f)) { /* the first model_name; other fields skipped */
+    if (f.number != REQUEST_MODEL_NAME || f.type != MOED_WIRE_LEN) continue;
+    if (f.len < size) {
+      memcpy(name, p + f.at, f.len);
+      name[f.len] = 0;
+    }
+    return;
+  }
+}
+
+size_t moed_kserve_raw_at(const uint8_t *p, size_t n) {
+  moed_wire_iter it = moed_wire_begin(p, n, true);
+  moed_wire_field f;
+  while (moed_wire_next(&it, &f)) /* the fields before the first raw contents (small) */
+    if (f.number == REQUEST_RAW_INPUT_CONTENTS && f.type == MOED_WIRE_LEN) return f.at;
+  return 0;
+}
+
+/* ---- ModelInferResponse ----------------------------------------------------------------- */
+
+grpc_status_code moed_kserve_encode(const Inference__ModelInferRequest *q, const char *model, bool stream,
+                                    size_t max_bytes, const moe_named_tensor *outs, const grpc_slice *data,
+                                    size_t num_out, grpc_byte_buffer **out, uint64_t *bytes_out, char *err) {
+  Inference__ModelInferResponse resp = INFERENCE__MODEL_INFER_RESPONSE__INIT;
+  Inference__ModelInferResponse__InferOutputTensor ot[MOED_MAX_TENSORS];
+  Inference__ModelInferResponse__InferOutputTensor *otp[MOED_MAX_TENSORS];
+  Inference__ModelInferResponse__InferOutputTensor__ParametersEntry pe[MOED_MAX_TENSORS],
+      *pep[MOED_MAX_TENSORS];
+  Inference__InferParameter pv[MOED_MAX_TENSORS];
+  int64_t shapes[MOED_MAX_TENSORS][MOE_MAX_DIMS];
+  size_t sel[MOED_MAX_TENSORS], nsel = 0;
+
+  /* requested outputs, or all of them */
+  if (q->n_outputs) {
+    if (q->n_outputs > MOED_MAX_TENSORS)
+      return moed_failf(err, GRPC_STATUS_INVALID_ARGUMENT, "outputs: too many requested");
+    for (size_t k = 0; k < q->n_outputs; k++) {
+      size_t j = num_out;
+      for (size_t i = 0; i < num_out; i++)
+        if (q->outputs[k]->name && strcmp(outs[i].name, q->outputs[k]->name) == 0) j = i;
+      if (j == num_out)
+        return moed_failf(err, GRPC_STATUS_INVALID_ARGUMENT, "outputs[%zu]: model %s has no output '%s'", k,
+                          model, q->outputs[k]->name ? q->outputs[k]->name : "");
+      sel[nsel++] = j;
+    }
+  } else {
+    for (size_t i = 0; i < num_out; i++)
+      sel[nsel++] = i;
+  }
+
+  for (size_t k = 0; k < nsel; k++) {
+    const moe_tensor *t = &outs[sel[k]].tensor;
+    inference__model_infer_response__infer_output_tensor__init(&ot[k]);
+    otp[k] = &ot[k];
+    ot[k].name = (char *)outs[sel[k]].name;
+    ot[k].datatype = (char *)moed_kserve_datatype(t->dtype);
+    for (int d = 0; d < t->ndim; d++)
+      shapes[k][d] = t->shape[d];
+    if (t->dtype == MOE_FP4_E2M1 && t->ndim > 0) shapes[k][t->ndim - 1] /= 2; /* packed bytes on the wire */
+    ot[k].n_shape = (size_t)t->ndim;
+    ot[k].shape = shapes[k];
+    bool narrow = moe_dtype_bits(t->dtype) <= 8 && t->dtype != MOE_UINT8;
+    if (narrow) { /* the real format, since the protocol has no fp8/fp4 */
+      inference__model_infer_response__infer_output_tensor__parameters_entry__init(&pe[k]);
+      inference__infer_parameter__init(&pv[k]);
+      pv[k].parameter_choice_case = INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_STRING_PARAM;
+      pv[k].string_param = (char *)moe_dtype_name(t->dtype);
+      pe[k].key = "dtype";
+      pe[k].value = &pv[k];
+      pep[k] = &pe[k];
+      ot[k].n_parameters = 1;
+      ot[k].parameters = &pep[k];
+    }
+  }
+  resp.model_name = (char *)model;
+  resp.model_version = "1";
+  resp.id = q->id;
+  resp.n_outputs = nsel;
+  resp.outputs = otp;
+
+  size_t hdr_len = inference__model_infer_response__get_packed_size(&resp);
+  size_t total = hdr_len;
+  uint8_t prefixes[MOED_MAX_TENSORS][11];
+  size_t prefix_len[MOED_MAX_TENSORS];
+  for (size_t k = 0; k < nsel; k++) {
+    size_t nb = GRPC_SLICE_LENGTH(data[sel[k]]);
+    prefix_len[k] = put_len_header(prefixes[k], RESPONSE_RAW_OUTPUT_CONTENTS, nb);
+    if (!moe_add_size(total, prefix_len[k], &total) || !moe_add_size(total, nb, &total))
+      return moed_failf(err, GRPC_STATUS_RESOURCE_EXHAUSTED, "response too large");
+  }
+  if (total > max_bytes)
+    return moed_failf(err, GRPC_STATUS_RESOURCE_EXHAUSTED,
+                      "response of %zu bytes exceeds the message limit %zu", total, max_bytes);
+
+  /* the small pieces (wrapper, header, field prefixes) share one slice */
+  size_t small = 11 + hdr_len;
+  for (size_t k = 0; k < nsel; k++)
+    small += prefix_len[k];
+  grpc_slice head = grpc_slice_malloc(small);
+  uint8_t *hp = GRPC_SLICE_START_PTR(head);
+  size_t off = 0;
+  if (stream) off += put_len_header(hp + off, STREAM_INFER_RESPONSE, total);
+  inference__model_infer_response__pack(&resp, hp + off);
+  off += hdr_len;
+  if (total + 11 <= SMALL_RESPONSE) { /* small: one contiguous slice is cheaper than several */
+    grpc_slice one = grpc_slice_malloc(off + total - hdr_len);
+    uint8_t *op = GRPC_SLICE_START_PTR(one);
+    memcpy(op, hp, off);
+    size_t o = off;
+    for (size_t k = 0; k < nsel; k++) {
+      memcpy(op + o, prefixes[k], prefix_len[k]);
+      o += prefix_len[k];
+      memcpy(op + o, GRPC_SLICE_START_PTR(data[sel[k]]), GRPC_SLICE_LENGTH(data[sel[k]]));
+      o += GRPC_SLICE_LENGTH(data[sel[k]]);
+      *bytes_out += GRPC_SLICE_LENGTH(data[sel[k]]);
+    }
+    *out = grpc_raw_byte_buffer_create(&one, 1);
+    grpc_slice_unref(one);
+    grpc_slice_unref(head);
+    return GRPC_STATUS_OK;
+  }
+  grpc_slice slices[1 + 2 * MOED_MAX_TENSORS];
+  size_t ns = 0;
+  size_t piece = off; /* bytes of `head` before the first output */
+  slices[ns++] = grpc_slice_sub(head, 0, piece);
+  for (size_t k = 0; k < nsel; k++) {
+    memcpy(hp + off, prefixes[k], prefix_len[k]);
+    slices[ns++] = grpc_slice_sub(head, off, off + prefix_len[k]);
+    off += prefix_len[k];
+    slices[ns++] = grpc_slice_ref(data[sel[k]]);
+    *bytes_out += GRPC_SLICE_LENGTH(data[sel[k]]);
+  }
+  *out = grpc_raw_byte_buffer_create(slices, ns);
+  for (size_t k = 0; k < ns; k++)
+    grpc_slice_unref(slices[k]);
+  grpc_slice_unref(head);
+  return GRPC_STATUS_OK;
+}

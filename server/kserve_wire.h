@@ -1,0 +1,80 @@
+/* kserve_wire: the KServe messages at the wire level, where moed reads and
+ * writes them itself instead of through protobuf-c (which would copy every
+ * tensor byte): one field iterator for everything read, the request's raw
+ * contents located in place, and the response encoder that hands each
+ * output to gRPC as its own slice. The datatype table is
+ * proto/kserve_types.h (shared with moec). */
+#ifndef MOED_KSERVE_WIRE_H
+#define MOED_KSERVE_WIRE_H
+
+#include <grpc/grpc.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "grpc_service.pb-c.h"
+#include "moe/ops.h"
+
+/* Tensors of one request (inputs) or of one response (outputs). */
+#define MOED_MAX_TENSORS 16
+
+/* ---- reading: one field iterator ------------------------------------------------------ */
+
+/* The wire types these messages use; groups and the reserved types never
+ * occur in them, so the iterator treats them as malformed. */
+enum { MOED_WIRE_VARINT = 0, MOED_WIRE_FIXED64 = 1, MOED_WIRE_LEN = 2, MOED_WIRE_FIXED32 = 5 };
+
+/* One top-level field, as offsets into the walked bytes. */
+typedef struct moed_wire_field {
+  uint32_t number;
+  uint32_t type;     /* MOED_WIRE_* */
+  uint64_t varint;   /* MOED_WIRE_VARINT: the value */
+  size_t start, end; /* the whole field, tag included */
+  size_t at, len;    /* its value (MOED_WIRE_LEN: without the length) */
+} moed_wire_field;
+
+typedef struct moed_wire_iter {
+  const uint8_t *p;
+  size_t n, pos;
+  bool prefix; /* see moed_wire_begin */
+  bool bad;    /* the walk stopped at bytes that are not a field */
+} moed_wire_iter;
+
+/* Walks the top-level fields of the message in p[0..n). With `prefix`, p
+ * holds only the message's first bytes (the first slice of a large one): a
+ * length-delimited value may then run past n; it is returned cut (len: the
+ * bytes present) and is the last field of the walk. */
+moed_wire_iter moed_wire_begin(const uint8_t *p, size_t n, bool prefix);
+/* The next field into *f; false at the end, or at malformed bytes (bad set). */
+bool moed_wire_next(moed_wire_iter *it, moed_wire_field *f);
+
+/* ---- ModelInferRequest ------------------------------------------------------------------ */
+
+/* Splits a ModelInferRequest: raw_input_contents are recorded in place
+ * (raw[], pointing into p), the other fields' bytes are copied to `rest`
+ * (small: names, shapes, parameters) for protobuf-c. With rest and raw
+ * NULL, only counts (*rest_len, *n_raw). false: not a well-formed message. */
+bool moed_kserve_split_raw(const uint8_t *p, size_t n, uint8_t *rest, size_t *rest_len,
+                           ProtobufCBinaryData *raw, size_t *n_raw);
+/* The first model_name of the message into name[0..size) ("" when there is
+ * none, it does not fit, or the bytes before it are malformed). */
+void moed_kserve_model_name(const uint8_t *p, size_t n, char *name, size_t size);
+/* Where the data of the first raw_input_contents starts in a message whose
+ * first bytes are p[0..n); 0: not within them. */
+size_t moed_kserve_raw_at(const uint8_t *p, size_t n);
+
+/* ---- ModelInferResponse ----------------------------------------------------------------- */
+
+/* The response to q from model `model`: the message without its raw
+ * contents packed by protobuf-c, then each output as a raw_output_contents
+ * field whose bytes are the slice data[i] itself (referenced, not copied;
+ * protobuf allows any field order). Only the outputs q asks for, or all of
+ * outs[0..num_out). With `stream`, wrapped as
+ * ModelStreamInferResponse.infer_response. Over max_bytes it fails;
+ * bytes_out grows by the output bytes sent; on failure err (MOED_ERR_LEN)
+ * says why. */
+grpc_status_code moed_kserve_encode(const Inference__ModelInferRequest *q, const char *model, bool stream,
+                                    size_t max_bytes, const moe_named_tensor *outs, const grpc_slice *data,
+                                    size_t num_out, grpc_byte_buffer **out, uint64_t *bytes_out, char *err);
+
+#endif
