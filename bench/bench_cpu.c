@@ -100,11 +100,11 @@ static double time_call(moe_call *c, moe_backend *b, int min_runs) {
   double t[64];
   int n = 0;
   double start = now();
-  while (n < 64 && (n < min_runs || now() - start < 1.0)) {
+  do { /* at least one run */
     double t0 = now();
     moe_call_run(c, b, &err);
     t[n++] = now() - t0;
-  }
+  } while (n < 64 && (n < min_runs || now() - start < 1.0));
   qsort(t, (size_t)n, sizeof t[0], cmp_double);
   return t[n / 2];
 }

@@ -27,6 +27,7 @@ pkgs=(
   python3 python3-venv python3-dev
   valgrind
   clang-format                              # .ci/run: the tree stays formatted (scripts/check-format.sh)
+  cppcheck                                  # .ci/run: static analysis of the C sources (scripts/cppcheck.sh)
 )
 # AMD compile check: Debian's HIP toolchain.
 [ "$want_hip" = 1 ] && pkgs+=(hipcc libamdhip64-dev rocm-device-libs)

@@ -155,6 +155,8 @@ static void handoff(moed_rpc_server *s, moed_rpc *r, grpc_byte_buffer *payload) 
   req->method = r->method;
   req->payload = payload;
   req->received_ns = moed_now_ns();
+  /* true: try_inline took req (answered or queued it) */
+  /* cppcheck-suppress memleak */
   if (s->try_inline && s->try_inline(req, s->arg)) return;
   start_close(r); /* queued work must learn of a cancel */
   pthread_mutex_lock(&s->q_mu);
