@@ -292,12 +292,12 @@ int main(int argc, char **argv) {
   }
   moe_backend *b;
   moe_error err;
-  if (moe_backend_cpu_create(threads, &b, &err)) return 1;
+  if (moe_backend_open(MOE_BACKEND_HOST, threads, &b, &err)) return 1;
   int nthreads = omp_get_max_threads();
   if (threads > 0) nthreads = threads;
   omp_set_num_threads(nthreads);
   double ceiling = memcpy_gbs((size_t)1 << 30, nthreads);
-  printf("backend: %s; memcpy ceiling (1 GiB, read+write): %.2f GB/s\n\n", b->name, ceiling);
+  printf("backend: %s; memcpy ceiling (1 GiB, read+write): %.2f GB/s\n\n", moe_backend_name(b), ceiling);
   printf("| op | input | median | GB/s | %% of memcpy |\n|---|---|---|---|---|\n");
   bench_quant(b, ceiling, 64);
   printf("\n| layer | scheme | T | median | weight GB/s | %% of memcpy | GFLOP/s "

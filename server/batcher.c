@@ -20,8 +20,10 @@
 #define MAX_SMALL_INPUT 4096 /* rank <= 1 inputs of a batch must be byte-equal: bounded */
 
 bool moed_model_batches(const moed_server *srv, const moed_model *m) {
+  /* a built-in op that takes weights takes them inline: each request brings
+   * its own weight set, and a merged call can compute with only one */
   return srv->cfg->max_batch_tokens > 0 && moe_op_describe(m->op)->rows_independent &&
-         !(m->builtin && m->op == moe_op_find("fused_moe")); /* inline weights: a batch per weight set */
+         !(m->builtin && moe_op_takes_weights(m->op));
 }
 
 typedef struct keybuf {

@@ -1,7 +1,7 @@
-/* devices: the device queues. Each worker thread owns one backend (a CPU
- * backend now; a GPU backend per device later, through the same interface)
- * and runs jobs from a bounded queue. Only moed_devices_create knows which
- * backend kind it builds. */
+/* devices: the device queues. Each worker thread owns one backend (one per
+ * GPU the op library lists, else the host CPU's) and runs jobs from a
+ * bounded queue. Which backend a device number opens is the library's
+ * business (moe_backend_open); only moed_devices_create picks the numbers. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,7 +33,8 @@ struct moed_devices {
   moe_backend *inline_backend; /* the CQ thread's (host backends only) */
 };
 
-bool moed_backend_is_host(const moe_backend *b) { return b->kind == MOE_BACKEND_CPU; }
+/* The server's name for it (infer_run.c, weight_cache.c); the library answers. */
+bool moed_backend_is_host(const moe_backend *b) { return moe_backend_is_host(b); }
 
 /* d->mu held. */
 static void poll_locked(moed_devices *d) {
@@ -55,8 +56,8 @@ void moed_devices_poll(moed_devices *d) {
 static void trim(worker *w) {
   const size_t freed = moe_backend_trim(w->backend) + moe_backend_trim(w->fallback);
   if (freed)
-    moed_log(MOED_LOG_INFO, "device_trim", "%s: %zu bytes of unused expert sets freed", w->backend->name,
-             freed);
+    moed_log(MOED_LOG_INFO, "device_trim", "%s: %zu bytes of unused expert sets freed",
+             moe_backend_name(w->backend), freed);
 }
 
 static void *worker_main(void *arg) {
@@ -93,7 +94,7 @@ static void *worker_main(void *arg) {
 static int plan_gpus(const moed_config *cfg) {
   if (strcmp(cfg->device, "cpu") == 0) return 0;
   const char *why = NULL;
-  int n = moe_backend_gpu_count(&why);
+  int n = moe_backend_device_count(&why);
   if (n == 0) {
     moed_log(strcmp(cfg->device, "gpu") == 0 ? MOED_LOG_ERROR : MOED_LOG_INFO, "no_gpu", "%s",
              why ? why : "no GPU found");
@@ -123,9 +124,8 @@ int moed_devices_create(const moed_config *cfg, moed_devices **out) {
     worker *w = &d->workers[i];
     moe_error err = {{0}};
     w->d = d;
-    moe_status s = gpus ? moe_backend_gpu_create(i, &w->backend, &err)
-                        : moe_backend_cpu_create(threads, &w->backend, &err);
-    if (!s && gpus) s = moe_backend_cpu_create(threads, &w->fallback, &err);
+    moe_status s = moe_backend_open(gpus ? i : MOE_BACKEND_HOST, threads, &w->backend, &err);
+    if (!s && gpus) s = moe_backend_open(MOE_BACKEND_HOST, threads, &w->fallback, &err);
     if (s != MOE_OK) {
       moed_log(MOED_LOG_ERROR, "backend_failed", "worker %d: %s", i, err.msg);
       moe_backend_destroy(w->backend);
@@ -142,10 +142,11 @@ int moed_devices_create(const moed_config *cfg, moed_devices **out) {
   }
   if (cfg->inline_bytes && moed_backend_is_host(d->workers[0].backend)) {
     moe_error err = {{0}};
-    if (moe_backend_cpu_create(1, &d->inline_backend, &err) != MOE_OK)
+    if (moe_backend_open(MOE_BACKEND_HOST, 1, &d->inline_backend, &err) != MOE_OK)
       moed_log(MOED_LOG_WARN, "backend_failed", "inline backend: %s", err.msg); /* the fast path stays off */
   }
-  moed_log(MOED_LOG_INFO, "devices", "%d workers on %s%s", d->num_workers, d->workers[0].backend->name,
+  moed_log(MOED_LOG_INFO, "devices", "%d workers on %s%s", d->num_workers,
+           moe_backend_name(d->workers[0].backend),
            gpus ? " (CPU fallback for ops without a GPU kernel)" : "");
   *out = d;
   return 0;
@@ -184,11 +185,11 @@ int moed_devices_count(const moed_devices *d) { return d ? d->num_workers : 0; }
 
 const char *moed_devices_memory(const moed_devices *d, int i, moe_backend_memory *out) {
   moe_backend_memory_get(d->workers[i].backend, out);
-  return d->workers[i].backend->name;
+  return moe_backend_name(d->workers[i].backend);
 }
 
 const char *moed_devices_backend_name(moed_devices *d) {
-  return d->num_workers ? d->workers[0].backend->name : "none";
+  return d->num_workers ? moe_backend_name(d->workers[0].backend) : "none";
 }
 
 void moed_devices_stop(moed_devices *d) {

@@ -165,14 +165,15 @@ typedef struct io_list {
   size_t n;
 } io_list;
 
-/* The inputs a model shows: an expert set hides its weight inputs. */
+/* The inputs a model shows: an expert set hides its weight inputs (it holds
+ * them; the op rejects them inline). */
 static void model_io(const moed_model *m, bool inputs, io_list *out) {
   const moe_op_info *info = moe_op_describe(m->op);
   const moe_op_io_desc *v = inputs ? info->inputs : info->outputs;
   size_t n = inputs ? info->num_inputs : info->num_outputs;
   out->n = 0;
   for (size_t i = 0; i < n && out->n < MAX_IO; i++)
-    if (!(inputs && m->set && moe_expert_tensor_is_weight(v[i].name))) out->d[out->n++] = &v[i];
+    if (!(inputs && m->set && (v[i].flags & MOE_INPUT_WEIGHT))) out->d[out->n++] = &v[i];
 }
 
 static moed_model *model_or_reply(moed_server *s, moed_request *req, const char *name, const char *version) {
@@ -255,8 +256,7 @@ static void model_config(moed_server *s, moed_request *req) {
       mi[i].data_type = (Inference__DataType)config_type(first_datatype(ins.d[i]->dtypes));
       mi[i].n_dims = 1;
       mi[i].dims = any_dims;
-      mi[i].optional = ins.d[i]->optional ||
-                       (m->op == moe_op_find("fused_moe") && strcmp(ins.d[i]->name, "hidden_states") != 0);
+      mi[i].optional = ins.d[i]->optional;
       pmi[i] = &mi[i];
     }
     for (size_t i = 0; i < outs.n; i++) {

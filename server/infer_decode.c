@@ -25,9 +25,10 @@ bool moed_infer_inline_ok(moed_server *srv, grpc_byte_buffer *payload) {
   moed_kserve_model_name(GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), name, sizeof name);
   grpc_slice_unref(s);
   moed_model *m = moed_repository_acquire(srv->repo, name);
-  /* unknown: answered at once wherever it runs; fused_moe (an expert set or
-   * inline weights) may compute far longer than its message suggests */
-  bool ok = !m || (m->op != moe_op_find("fused_moe") && !moed_model_batches(srv, m));
+  /* unknown: answered at once wherever it runs; an op that takes weights (an
+   * expert set or inline weights) may compute far longer than its message
+   * suggests */
+  bool ok = !m || (!moe_op_takes_weights(m->op) && !moed_model_batches(srv, m));
   moed_model_release(m);
   return ok;
 }

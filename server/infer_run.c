@@ -36,16 +36,18 @@ static void ctx_cleanup(run_ctx *c) {
   moe_call_destroy(c->call);
 }
 
-/* Inline fused_moe weights through the device cache: a hit skips their copy
- * to the device. Rebinds the weight inputs; *done[i] marks them. */
+/* Inline weights (the op table's MOE_INPUT_WEIGHT inputs of a built-in; an
+ * expert set holds its own) through the device cache: a hit skips their
+ * copy to the device. Rebinds the weight inputs; *done[i] marks them. */
 static void bind_cached_weights(run_ctx *c, const moed_model *m, bool *done) {
-  if (!c->srv->weights || !m->builtin || m->op != moe_op_find("fused_moe")) return;
+  if (!c->srv->weights || !m->builtin || !moe_op_takes_weights(m->op)) return;
   if (moed_backend_is_host(c->b) && !c->srv->cfg->cache_host) return; /* host backends read in place */
+  const moe_op_io_desc *desc = moe_op_describe(m->op)->inputs;        /* in the call's input order */
   moe_named_tensor w[MOED_MAX_TENSORS];
   size_t idx[MOED_MAX_TENSORS], n = 0;
   for (size_t i = 0; i < moe_call_num_inputs(c->call) && i < MOED_MAX_TENSORS; i++) {
     moe_named_tensor *t = moe_call_input(c->call, i);
-    if (t->name && t->tensor.data && moe_expert_tensor_is_weight(t->name)) {
+    if (t->name && t->tensor.data && (desc[i].flags & MOE_INPUT_WEIGHT)) {
       w[n] = *t;
       idx[n++] = i;
     }

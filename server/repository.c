@@ -168,8 +168,7 @@ moe_status moed_repository_load(moed_repository *r, const char *name, moe_error 
 }
 
 moe_status moed_repository_add(moed_repository *r, moe_expert_set *set, bool replace, moe_error *err) {
-  const moe_op *op = moe_op_find("fused_moe");
-  moed_model *m = model_new(set->name, op, set, false);
+  moed_model *m = model_new(set->name, moe_op_for_expert_sets(), set, false);
   if (!m) {
     moe_expert_set_destroy(set);
     return moe_fail(err, MOE_ENOMEM, "out of memory");

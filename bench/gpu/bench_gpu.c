@@ -358,13 +358,13 @@ int main(int argc, char **argv) {
   }
   setvbuf(stdout, NULL, _IOLBF, 0); /* lines reach a pipe as they are printed */
   const char *why;
-  if (moe_backend_gpu_count(&why) <= 0) {
+  if (moe_backend_device_count(&why) <= 0) {
     printf("skipped: no GPU (%s)\n", why);
     return 0;
   }
   moe_backend *b;
   moe_error err;
-  if (moe_backend_gpu_create(0, &b, &err) != MOE_OK) {
+  if (moe_backend_open(0, 0, &b, &err) != MOE_OK) {
     fprintf(stderr, "gpu: %s\n", err.msg);
     return 1;
   }
@@ -372,8 +372,8 @@ int main(int argc, char **argv) {
   int drv = 0, rt = 0;
   hipDriverGetVersion(&drv);
   hipRuntimeGetVersion(&rt);
-  printf("device: %s (driver %d, runtime %d), %d SMs; median of %d runs after 3 warm-ups\n", b->name, drv, rt,
-         moe_gpu_sm_count(b), runs);
+  printf("device: %s (driver %d, runtime %d), %d SMs; median of %d runs after 3 warm-ups\n",
+         moe_backend_name(b), drv, rt, moe_gpu_sm_count(b), runs);
 
   /* ---- ceiling: D2D copy of 1 GiB, bytes read + written ---- */
   const size_t gib = (size_t)1 << 30;

@@ -6,6 +6,7 @@
 #include <omp.h>
 #endif
 
+#include "../ops/backend_impl.h"
 #include "../ops/op.h"
 #include "cpu.h"
 
@@ -93,7 +94,7 @@ moe_status moe_backend_cpu_create(int threads, moe_backend **out, moe_error *err
   ctx->threads = threads;
   b->iface = &cpu_iface;
   b->kind = MOE_BACKEND_CPU;
-  b->device = -1;
+  b->device = MOE_BACKEND_HOST;
   b->context = ctx;
   snprintf(b->name, sizeof b->name, "cpu (%d threads)", threads);
   *out = b;

@@ -1,13 +1,14 @@
 /* The GPU backend: one device, one stream, a caching device memory pool (no
  * device malloc per call in steady state), pinned host staging buffers for
- * the copies. Fills the same struct moe_backend_i as the CPU backend
- * (kernels/cpu/backend.c). HIP runtime names; hip_compat.h maps them to CUDA
- * on NVIDIA. */
+ * the copies. Fills the same struct moe_backend_i (kernels/ops/backend_impl.h)
+ * as the CPU backend (kernels/cpu/backend.c). HIP runtime names; hip_compat.h
+ * maps them to CUDA on NVIDIA. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "../ops/backend_impl.h"
 #include "../ops/op.h"
 #include "gpu.h"
 
@@ -550,7 +551,7 @@ static const struct moe_backend_i gpu_iface = {
     .memory = gpu_memory,
 };
 
-int moe_backend_gpu_count(const char **why) {
+int moe_backend_device_count(const char **why) {
   int n = 0;
   hipError_t e = hipGetDeviceCount(&n);
   if (e != hipSuccess || n <= 0) {
@@ -563,7 +564,7 @@ int moe_backend_gpu_count(const char **why) {
 }
 
 moe_status moe_backend_gpu_create(int device, moe_backend **out, moe_error *err) {
-  int n = moe_backend_gpu_count(NULL);
+  int n = moe_backend_device_count(NULL);
   if (device < 0 || device >= n)
     return moe_fail(err, MOE_EINVAL, "gpu %d: no such device (%d present)", device, n);
   moe_backend *b = calloc(1, sizeof *b);

@@ -46,6 +46,7 @@
  * between two buffers that are kept live until their products are done. */
 #include <string.h>
 
+#include "../ops/backend_impl.h" /* b->device */
 #include "fused_moe_gpu.h"
 
 /* moe_tc_packed_bytes is plain arithmetic on the configuration; the rest
@@ -74,7 +75,7 @@ extern "C" moe_status moe_gpu_fused_pack(moe_backend *b, const moe_expert_set *s
   for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++) {
     dst[i] = NULL;
     const size_t bytes = moe_tc_packed_bytes(cfg, i);
-    if (!s && bytes && src[i] && (s = b->iface->alloc(b, bytes, &dst[i])))
+    if (!s && bytes && src[i] && (s = moe_backend_alloc(b, bytes, &dst[i])))
       moe_fail(err, s, "expert set '%s': %zu bytes of device memory for the packed %s", set->name, bytes,
                moe_expert_tensor_names[i]);
   }
@@ -83,7 +84,7 @@ extern "C" moe_status moe_gpu_fused_pack(moe_backend *b, const moe_expert_set *s
   if (s)
     for (int i = 0; i < MOE_EXPERT_TENSOR_COUNT; i++)
       if (dst[i]) {
-        b->iface->free(b, dst[i]);
+        moe_backend_free(b, dst[i]);
         dst[i] = NULL;
       }
   return s;

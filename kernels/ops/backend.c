@@ -1,14 +1,23 @@
-/* Backend lifetime shared by every backend, and the GPU entry points of a
- * build without a GPU backend. */
+/* The public backend API over the interface every backend fills: opening by
+ * device, lifetime, accessors and the memory wrappers; and the GPU entry
+ * points of a build without a GPU backend. */
 #include <stdlib.h>
 
-#include "moe/backend.h"
+#include "backend_impl.h"
+
+moe_status moe_backend_open(int device, int cpu_threads, moe_backend **out, moe_error *err) {
+  if (device == MOE_BACKEND_HOST) return moe_backend_cpu_create(cpu_threads, out, err);
+  return moe_backend_gpu_create(device, out, err);
+}
 
 void moe_backend_destroy(moe_backend *b) {
   if (!b) return;
   if (b->iface && b->iface->destroy) b->iface->destroy(b);
   free(b);
 }
+
+const char *moe_backend_name(const moe_backend *b) { return b->name; }
+bool moe_backend_is_host(const moe_backend *b) { return b->kind == MOE_BACKEND_CPU; }
 
 moe_status moe_backend_alloc(moe_backend *b, size_t nbytes, void **out) {
   return b->iface->alloc(b, nbytes, out);
@@ -30,7 +39,7 @@ void moe_backend_memory_get(const moe_backend *b, moe_backend_memory *out) {
 }
 
 #ifndef MOE_HAVE_GPU
-int moe_backend_gpu_count(const char **why) {
+int moe_backend_device_count(const char **why) {
   if (why) *why = "this build has no GPU backend (no nvcc or hipcc found at configure time)";
   return 0;
 }

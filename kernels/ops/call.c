@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend_impl.h"
 #include "op.h"
 
 /* ---- the table ------------------------------------------------------------ */

@@ -14,22 +14,25 @@
 #include "op.h"
 #include "routing.h"
 
+/* Every input but hidden_states is optional (and ModelConfig says so): the
+ * weights come from an expert set or inline (build_inline_set says which a
+ * scheme needs), the routing from router_logits or topk_ids + topk_weights. */
 static const moe_op_io_desc fused_inputs[MOE_FUSED_IN_COUNT] = {
-    [MOE_FUSED_IN_HIDDEN] = {"hidden_states", false, "fp16,bf16"},
-    [MOE_FUSED_IN_LOGITS] = {"router_logits", true, "fp32,fp16,bf16"},
-    [MOE_FUSED_IN_IDS] = {"topk_ids", true, "int32"},
-    [MOE_FUSED_IN_TOPK_WEIGHTS] = {"topk_weights", true, "fp32"},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W13] = {"w13", true, "fp16,bf16"},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W2] = {"w2", true, "fp16,bf16"},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W13_QWEIGHT] = {"w13_qweight", true, "uint8"},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W13_SCALES] = {"w13_scales", true, "fp32,fp16,bf16"},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W13_QZEROS] = {"w13_qzeros", true, "uint8"},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W2_QWEIGHT] = {"w2_qweight", true, "uint8"},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W2_SCALES] = {"w2_scales", true, "fp32,fp16,bf16"},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W2_QZEROS] = {"w2_qzeros", true, "uint8"},
-    [MOE_FUSED_IN_BIAS] = {"correction_bias", true, "fp32"},
+    [MOE_FUSED_IN_HIDDEN] = {"hidden_states", false, "fp16,bf16", 0},
+    [MOE_FUSED_IN_LOGITS] = {"router_logits", true, "fp32,fp16,bf16", 0},
+    [MOE_FUSED_IN_IDS] = {"topk_ids", true, "int32", 0},
+    [MOE_FUSED_IN_TOPK_WEIGHTS] = {"topk_weights", true, "fp32", 0},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W13] = {"w13", true, "fp16,bf16", MOE_INPUT_WEIGHT},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W2] = {"w2", true, "fp16,bf16", MOE_INPUT_WEIGHT},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W13_QWEIGHT] = {"w13_qweight", true, "uint8", MOE_INPUT_WEIGHT},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W13_SCALES] = {"w13_scales", true, "fp32,fp16,bf16", MOE_INPUT_WEIGHT},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W13_QZEROS] = {"w13_qzeros", true, "uint8", MOE_INPUT_WEIGHT},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W2_QWEIGHT] = {"w2_qweight", true, "uint8", MOE_INPUT_WEIGHT},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W2_SCALES] = {"w2_scales", true, "fp32,fp16,bf16", MOE_INPUT_WEIGHT},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W2_QZEROS] = {"w2_qzeros", true, "uint8", MOE_INPUT_WEIGHT},
+    [MOE_FUSED_IN_BIAS] = {"correction_bias", true, "fp32", 0},
 };
-static const moe_op_io_desc fused_outputs[] = {{"output", false, "fp16,bf16"}};
+static const moe_op_io_desc fused_outputs[] = {{"output", false, "fp16,bf16", 0}};
 
 static const moe_tensor *weight_in(const moe_call *c, moe_expert_tensor slot) {
   return MOE_FUSED_IN_WEIGHTS + (size_t)slot < MOE_FUSED_IN_COUNT

@@ -2,11 +2,11 @@
 #include "quant_args.h"
 
 static const moe_op_io_desc inputs[] = {
-    {"x", false, "fp32,fp16,bf16"},
+    {"x", false, "fp32,fp16,bf16", 0},
 };
 static const moe_op_io_desc outputs[] = {
-    {"q", false, "fp4_e2m1,fp8_e4m3fn,fp8_e5m2"},
-    {"scales", false, "e8m0"},
+    {"q", false, "fp4_e2m1,fp8_e4m3fn,fp8_e5m2", 0},
+    {"scales", false, "e8m0", 0},
 };
 
 static const char *const rule_names[] = {"even", "floor", "amax_up", "amax_down", NULL};

@@ -1067,7 +1067,7 @@ END_TEST
 
 int main(void) {
   const char *why = NULL;
-  int n = moe_backend_gpu_count(&why);
+  int n = moe_backend_device_count(&why);
   if (n <= 0) {
     printf("skipped: no GPU (%s)\n", why ? why : "");
     return 77; /* SKIP_RETURN_CODE (tests/gpu/CMakeLists.txt) */
@@ -1075,11 +1075,12 @@ int main(void) {
   const char *qe = getenv("MOE_GPU_TEST_QUICK");
   quick = qe && *qe && strcmp(qe, "0") != 0;
   moe_error err = {{0}};
-  if (moe_backend_cpu_create(0, &cpu, &err) != MOE_OK || moe_backend_gpu_create(0, &gpu, &err) != MOE_OK) {
+  if (moe_backend_open(MOE_BACKEND_HOST, 0, &cpu, &err) != MOE_OK ||
+      moe_backend_open(0, 0, &gpu, &err) != MOE_OK) {
     fprintf(stderr, "backend: %s\n", err.msg);
     return 1;
   }
-  printf("gpu: %s; cpu: %s; %s\n", gpu->name, cpu->name, quick ? "quick" : "full");
+  printf("gpu: %s; cpu: %s; %s\n", moe_backend_name(gpu), moe_backend_name(cpu), quick ? "quick" : "full");
   make_scales(scales, NSCALES);
 
   Suite *s = suite_create("gpu");

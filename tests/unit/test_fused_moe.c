@@ -768,7 +768,7 @@ END_TEST
 
 static void setup(void) {
   moe_error err;
-  ck_assert_int_eq(moe_backend_cpu_create(0, &cpu, &err), MOE_OK);
+  ck_assert_int_eq(moe_backend_open(MOE_BACKEND_HOST, 0, &cpu, &err), MOE_OK);
 }
 static void teardown(void) { moe_backend_destroy(cpu); }
 

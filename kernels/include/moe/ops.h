@@ -39,18 +39,33 @@ typedef struct moe_backend moe_backend;
 typedef struct moe_expert_set moe_expert_set;
 
 /* NULL when no op has that name. Expert-set models are called through the
- * op "fused_moe" with the set passed to moe_op_prepare. */
+ * op that moe_op_for_expert_sets returns, with the set passed to
+ * moe_op_prepare. */
 const moe_op *moe_op_find(const char *name);
 /* Iteration over the table (built-ins in a fixed order). */
 size_t moe_op_count(void);
 const moe_op *moe_op_at(size_t i);
 const char *moe_op_name(const moe_op *op);
 
+/* Flags of an input (moe_op_io_desc.flags): what a caller such as the server
+ * must know about an input beyond its name and dtypes, so that it asks the
+ * table instead of matching op or input names. */
+enum {
+  /* An expert weight tensor (w13, w2, their scales and zero points; not the
+   * routing's correction_bias). An expert set passed to moe_op_prepare
+   * holds these, so a set's model neither takes nor advertises them;
+   * without a set they are request inputs, the same for many requests and
+   * large, which is why the server caches their device copies by content
+   * and does not merge such requests (a batch would need one weight set). */
+  MOE_INPUT_WEIGHT = 1u << 0,
+};
+
 /* Static description of an op's interface, for ModelMetadata/ModelConfig. */
 typedef struct moe_op_io_desc {
   const char *name;
   bool optional;
   const char *dtypes; /* comma-separated dtype names accepted / produced */
+  unsigned flags;     /* inputs: MOE_INPUT_* (0 for outputs) */
 } moe_op_io_desc;
 
 typedef struct moe_op_info {
@@ -66,6 +81,13 @@ typedef struct moe_op_info {
 } moe_op_info;
 
 const moe_op_info *moe_op_describe(const moe_op *op);
+
+/* True when some input of op is a MOE_INPUT_WEIGHT: the op computes with
+ * expert weights, from an expert set or from its inputs. */
+bool moe_op_takes_weights(const moe_op *op);
+/* The op that an expert set is served as: the first in the table that
+ * takes weights (fused_moe); NULL when none does. */
+const moe_op *moe_op_for_expert_sets(void);
 
 /* True when backend b has a kernel for op (the CPU runs every op; a GPU
  * build may lack some): callers route such calls to a host backend. */
