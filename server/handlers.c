@@ -142,7 +142,8 @@ static void health(moed_server *s, moed_request *req, bool watch) {
 
 /* ---- model metadata and config ------------------------------------------------------------ */
 
-/* The first dtype of a comma-separated list, as a KServe datatype. */
+/* The first dtype of a comma-separated list, as a KServe datatype (the
+ * protocol has one per tensor; the op accepts every one in the list). */
 static const char *first_datatype(const char *list) {
   char first[32];
   size_t n = strcspn(list, ",");
@@ -160,20 +161,74 @@ static int config_type(const char *kserve) {
 
 #define MAX_IO 16
 
+/* One input or output as model m shows it: its datatype and shape. */
+typedef struct io_view {
+  const moe_op_io_desc *d;
+  const char *datatype;
+  int64_t shape[MOE_MAX_DIMS];
+  size_t rank;
+} io_view;
+
 typedef struct io_list {
-  const moe_op_io_desc *d[MAX_IO];
+  io_view v[MAX_IO];
   size_t n;
 } io_list;
 
-/* The inputs a model shows: an expert set hides its weight inputs (it holds
- * them; the op rejects them inline). */
+/* The size of axis `name` (moe_op_io_desc.axes) for model m: an expert set
+ * fixes H and E, a number is itself; anything else is free (-1). */
+static int64_t axis_size(const moed_model *m, const char *name, size_t len) {
+  if (m->set && len == 1 && name[0] == 'H') return m->set->cfg.hidden_size;
+  if (m->set && len == 1 && name[0] == 'E') return m->set->cfg.global_num_experts;
+  int64_t v = 0;
+  for (size_t i = 0; i < len; i++) {
+    if (name[i] < '0' || name[i] > '9' || v > INT32_MAX) return -1;
+    v = v * 10 + (name[i] - '0');
+  }
+  return len ? v : -1;
+}
+
+static void io_view_of(const moed_model *m, const moe_op_io_desc *d, io_view *out) {
+  out->d = d;
+  /* an expert set computes in one activation dtype: advertise only it */
+  out->datatype = first_datatype(m->set && (d->flags & MOE_IO_ACTIVATION) ? moe_expert_set_act_dtypes(m->set)
+                                                                          : d->dtypes);
+  out->rank = 0;
+  for (const char *a = d->axes; *a && out->rank < MOE_MAX_DIMS;) {
+    size_t len = strcspn(a, ",");
+    out->shape[out->rank++] = axis_size(m, a, len);
+    a += len + (a[len] == ',');
+  }
+}
+
+/* The inputs (or outputs) a model shows: an expert set hides the inputs it
+ * holds (its weights, its correction_bias: the op rejects them inline). */
 static void model_io(const moed_model *m, bool inputs, io_list *out) {
   const moe_op_info *info = moe_op_describe(m->op);
   const moe_op_io_desc *v = inputs ? info->inputs : info->outputs;
   size_t n = inputs ? info->num_inputs : info->num_outputs;
   out->n = 0;
   for (size_t i = 0; i < n && out->n < MAX_IO; i++)
-    if (!(inputs && m->set && (v[i].flags & MOE_INPUT_WEIGHT))) out->d[out->n++] = &v[i];
+    if (!(inputs && m->set && (v[i].flags & MOE_INPUT_SET_HELD))) io_view_of(m, &v[i], &out->v[out->n++]);
+}
+
+static bool io_batched(const io_list *l) {
+  for (size_t i = 0; i < l->n; i++)
+    if (l->v[i].d->axes[0] != 'T' || strcspn(l->v[i].d->axes, ",") != 1) return false;
+  return true;
+}
+
+/* Triton's max_batch_size: > 0 says every input and output has a first,
+ * batch axis along which the server merges requests, and clients
+ * (perf_analyzer) then send [batch] + dims. moed merges along the token
+ * axis T up to max_batch_tokens rows, so a model that batches and whose
+ * every tensor starts with T says max_batch_tokens. A model with a tensor
+ * without that axis (a shared static scale, a bias) says 0 even where the
+ * server merges its requests: a batch axis prepended to such a tensor
+ * would be rejected. */
+static int32_t max_batch_size(const moed_server *s, const moed_model *m, const io_list *ins,
+                              const io_list *outs) {
+  if (!moed_model_batches(s, m) || !io_batched(ins) || !io_batched(outs)) return 0;
+  return (int32_t)s->cfg->max_batch_tokens; /* the flag's range is at most INT32_MAX */
 }
 
 static moed_model *model_or_reply(moed_server *s, moed_request *req, const char *name, const char *version) {
@@ -210,14 +265,13 @@ static void model_metadata(moed_server *s, moed_request *req) {
     model_io(m, true, &ins);
     model_io(m, false, &outs);
     Inference__ModelMetadataResponse__TensorMetadata tm[2 * MAX_IO], *tin[MAX_IO], *tout[MAX_IO];
-    static int64_t any_shape[] = {-1};
     for (size_t i = 0; i < ins.n + outs.n; i++) {
-      const moe_op_io_desc *d = i < ins.n ? ins.d[i] : outs.d[i - ins.n];
+      io_view *v = i < ins.n ? &ins.v[i] : &outs.v[i - ins.n];
       inference__model_metadata_response__tensor_metadata__init(&tm[i]);
-      tm[i].name = (char *)d->name;
-      tm[i].datatype = (char *)first_datatype(d->dtypes);
-      tm[i].n_shape = 1; /* any rank: the op checks it */
-      tm[i].shape = any_shape;
+      tm[i].name = (char *)v->d->name;
+      tm[i].datatype = (char *)v->datatype;
+      tm[i].n_shape = v->rank; /* the full shape: the batch axis, when there is one, is T */
+      tm[i].shape = v->shape;
       if (i < ins.n)
         tin[i] = &tm[i];
       else
@@ -249,22 +303,23 @@ static void model_config(moed_server *s, moed_request *req) {
     model_io(m, false, &outs);
     Inference__ModelInput mi[MAX_IO], *pmi[MAX_IO];
     Inference__ModelOutput mo[MAX_IO], *pmo[MAX_IO];
-    static int64_t any_dims[] = {-1};
+    const int32_t mbs = max_batch_size(s, m, &ins, &outs);
+    const size_t skip = mbs > 0; /* Triton's dims leave out the batch axis */
     for (size_t i = 0; i < ins.n; i++) {
       inference__model_input__init(&mi[i]);
-      mi[i].name = (char *)ins.d[i]->name;
-      mi[i].data_type = (Inference__DataType)config_type(first_datatype(ins.d[i]->dtypes));
-      mi[i].n_dims = 1;
-      mi[i].dims = any_dims;
-      mi[i].optional = ins.d[i]->optional;
+      mi[i].name = (char *)ins.v[i].d->name;
+      mi[i].data_type = (Inference__DataType)config_type(ins.v[i].datatype);
+      mi[i].n_dims = ins.v[i].rank - skip;
+      mi[i].dims = ins.v[i].shape + skip;
+      mi[i].optional = ins.v[i].d->optional;
       pmi[i] = &mi[i];
     }
     for (size_t i = 0; i < outs.n; i++) {
       inference__model_output__init(&mo[i]);
-      mo[i].name = (char *)outs.d[i]->name;
-      mo[i].data_type = (Inference__DataType)config_type(first_datatype(outs.d[i]->dtypes));
-      mo[i].n_dims = 1;
-      mo[i].dims = any_dims;
+      mo[i].name = (char *)outs.v[i].d->name;
+      mo[i].data_type = (Inference__DataType)config_type(outs.v[i].datatype);
+      mo[i].n_dims = outs.v[i].rank - skip;
+      mo[i].dims = outs.v[i].shape + skip;
       pmo[i] = &mo[i];
     }
     Inference__ModelParameter pv[2];
@@ -291,7 +346,12 @@ static void model_config(moed_server *s, moed_request *req) {
     cfg.name = m->name;
     cfg.platform = "moed";
     cfg.backend = "moed";
-    cfg.max_batch_size = 0; /* shapes carry the token axis themselves */
+    cfg.max_batch_size = mbs;
+    /* the batcher forms batches as large as arrive within the delay, up to
+     * max_batch_size: Triton's dynamic batching without preferred sizes */
+    Inference__ModelDynamicBatching db = INFERENCE__MODEL_DYNAMIC_BATCHING__INIT;
+    db.max_queue_delay_microseconds = (uint64_t)s->cfg->max_queue_delay_us;
+    if (mbs > 0) cfg.dynamic_batching = &db;
     cfg.n_input = ins.n;
     cfg.input = pmi;
     cfg.n_output = outs.n;
@@ -342,9 +402,9 @@ static void collect_stats(moed_model *m, void *arg) {
   dur(&d[0], atomic_load(&st->success_count), atomic_load(&st->success_ns));
   dur(&d[1], atomic_load(&st->fail_count), atomic_load(&st->fail_ns));
   dur(&d[2], atomic_load(&st->queue_count), atomic_load(&st->queue_ns));
-  dur(&d[3], 0, 0);
+  dur(&d[3], atomic_load(&st->compute_input_count), atomic_load(&st->compute_input_ns));
   dur(&d[4], atomic_load(&st->compute_count), atomic_load(&st->compute_ns));
-  dur(&d[5], 0, 0);
+  dur(&d[5], atomic_load(&st->compute_output_count), atomic_load(&st->compute_output_ns));
   is->success = &d[0];
   is->fail = &d[1];
   is->queue = &d[2];
@@ -362,9 +422,9 @@ static void collect_stats(moed_model *m, void *arg) {
     if (!count) continue;
     inference__infer_batch_statistics__init(&bs[nb]);
     bs[nb].batch_size = i + 1;
-    dur(&bd[nb * 3], 0, 0);
+    dur(&bd[nb * 3], count, atomic_load(&st->batch_input_ns[i]));
     dur(&bd[nb * 3 + 1], count, atomic_load(&st->batch_ns[i]));
-    dur(&bd[nb * 3 + 2], 0, 0);
+    dur(&bd[nb * 3 + 2], count, atomic_load(&st->batch_output_ns[i]));
     bs[nb].compute_input = &bd[nb * 3];
     bs[nb].compute_infer = &bd[nb * 3 + 1];
     bs[nb].compute_output = &bd[nb * 3 + 2];

@@ -67,12 +67,11 @@ void moed_request_reject(moed_server *srv, moed_request *req, grpc_status_code c
 }
 
 void moed_infer_finish(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *msg,
-                       grpc_byte_buffer *resp, uint64_t start_ns, uint64_t compute_ns, uint64_t bytes_out) {
+                       grpc_byte_buffer *resp, const moed_timing *t, uint64_t bytes_out) {
   respond(r->req, r->msg ? r->msg->id : NULL, code, msg, resp);
   if (r->model) {
-    uint64_t now = moed_now_ns();
-    moed_stats_record(r->model->stats, code == GRPC_STATUS_OK,
-                      (start_ns ? start_ns : now) - r->req->received_ns, compute_ns,
+    uint64_t now = moed_now_ns(), start = t && t->start_ns ? t->start_ns : now;
+    moed_stats_record(r->model->stats, code == GRPC_STATUS_OK, start - r->req->received_ns, t,
                       now - r->req->received_ns, r->bytes_in, bytes_out);
   }
   req_free(r);
@@ -82,5 +81,5 @@ void moed_infer_finish(moed_server *srv, moed_infer_req *r, grpc_status_code cod
 void moed_infer_reject(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *why) {
   char msg[128];
   reject_message(msg, r->req, code, why);
-  moed_infer_finish(srv, r, code, msg, NULL, 0, 0, 0);
+  moed_infer_finish(srv, r, code, msg, NULL, NULL, 0);
 }

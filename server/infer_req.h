@@ -38,9 +38,6 @@ struct moed_infer_req {
 
 /* ---- batcher.c: the batch key ---------------------------------------------------------- */
 
-/* Whether the model would merge a request with others at all (the batch
- * key's model-level conditions). */
-bool moed_model_batches(const moed_server *srv, const moed_model *m);
 /* Sets r's batch key and rows when r may be merged (decoding's last step);
  * leaves them empty (never batched) otherwise. */
 void moed_batch_key(moed_infer_req *r, const moed_server *srv);
@@ -48,8 +45,9 @@ void moed_batch_key(moed_infer_req *r, const moed_server *srv);
 /* ---- infer_answer.c ------------------------------------------------------------------- */
 
 /* Answers r (resp: the encoded response, taken; NULL on failure), records
- * its statistics (start_ns 0: it never started) and frees it. */
+ * its statistics (t: its time on the worker; NULL or start_ns 0: it never
+ * started) and frees it. */
 void moed_infer_finish(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *msg,
-                       grpc_byte_buffer *resp, uint64_t start_ns, uint64_t compute_ns, uint64_t bytes_out);
+                       grpc_byte_buffer *resp, const moed_timing *t, uint64_t bytes_out);
 
 #endif

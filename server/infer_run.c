@@ -125,10 +125,11 @@ static grpc_status_code still_wanted(moed_rpc *rpc, char *err) {
   return GRPC_STATUS_OK;
 }
 
-/* prepare + memory + run + outputs to the host; on error c->err. */
+/* prepare + memory + run + outputs to the host; on error c->err. The
+ * caller sets t->start_ns where its staging began; t's input, infer and
+ * output (the copy to the host) are filled here. */
 static grpc_status_code run_call(run_ctx *c, const moed_model *m, const moe_named_tensor *in, size_t n_in,
-                                 const moe_param *params, size_t n_params, void **host_outs,
-                                 uint64_t *start_ns, uint64_t *compute_ns) {
+                                 const moe_param *params, size_t n_params, void **host_outs, moed_timing *t) {
   moe_params mp = {params, n_params};
   moe_error err = {{0}};
   moe_status ms = moe_op_prepare(m->op, in, n_in, &mp, m->set, &c->call, &err);
@@ -138,11 +139,18 @@ static grpc_status_code run_call(run_ctx *c, const moed_model *m, const moe_name
     return moed_failf(c->err, GRPC_STATUS_INTERNAL, "op has too many outputs");
   grpc_status_code code = bind_memory(c, m);
   if (code) return code;
-  *start_ns = moed_now_ns();
+  const uint64_t staged = moed_now_ns();
+  t->input_ns = staged - t->start_ns;
   ms = moe_call_run(c->call, c->b, &err);
   if (ms != MOE_OK) return moed_failf(c->err, moed_status_from_moe(ms), "%s", err.msg);
+  /* a device runs the op asynchronously: waiting here puts its time in
+   * compute_infer rather than in the output copy that would wait for it */
+  if (!moed_backend_is_host(c->b) && moe_backend_synchronize(c->b) != MOE_OK)
+    return moed_failf(c->err, GRPC_STATUS_INTERNAL, "device synchronize failed");
+  const uint64_t ran = moed_now_ns();
+  t->infer_ns = ran - staged;
   code = copy_out(c, host_outs);
-  *compute_ns = moed_now_ns() - *start_ns;
+  t->output_ns = moed_now_ns() - ran;
   return code;
 }
 
@@ -159,16 +167,19 @@ static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r) {
   memset(&c, 0, sizeof c);
   c.srv = srv;
   c.b = b;
-  uint64_t start_ns = 0, compute_ns = 0, bytes_out = 0;
+  moed_timing t = {0};
+  uint64_t bytes_out = 0;
   grpc_byte_buffer *resp = NULL;
   void *host[MOED_MAX_TENSORS] = {NULL};
   grpc_slice data[MOED_MAX_TENSORS];
   size_t nd = 0;
   grpc_status_code code = still_wanted(r->req->rpc, c.err);
   if (code) goto done;
-  code = run_call(&c, r->model, r->in, r->n_in, r->params, r->n_params, host, &start_ns, &compute_ns);
+  t.start_ns = moed_now_ns();
+  code = run_call(&c, r->model, r->in, r->n_in, r->params, r->n_params, host, &t);
   if (code) goto done;
-  moed_stats_record_execution(r->model->stats, 1, compute_ns);
+  moed_stats_record_execution(r->model->stats, 1, &t);
+  const uint64_t encoding = moed_now_ns();
   moe_named_tensor outs[MOED_MAX_TENSORS];
   for (; nd < c.num_out; nd++) { /* each output buffer becomes the slice that owns it */
     outs[nd] = *moe_call_output(c.call, nd);
@@ -176,13 +187,14 @@ static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r) {
     host[nd] = NULL;
   }
   code = encode(srv, r, outs, data, c.num_out, &resp, &bytes_out, c.err);
+  t.output_ns += moed_now_ns() - encoding;
 done:
   for (size_t i = 0; i < nd; i++)
     grpc_slice_unref(data[i]);
   for (size_t i = 0; i < MOED_MAX_TENSORS; i++)
     moed_hostmem_free(host[i]);
   ctx_cleanup(&c);
-  moed_infer_finish(srv, r, code, c.err, resp, start_ns, compute_ns, bytes_out);
+  moed_infer_finish(srv, r, code, c.err, resp, &t, bytes_out);
 }
 
 /* The outputs of a merged call, shared by the slices of every request's
@@ -217,6 +229,7 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
   c.srv = srv;
   c.b = b;
   bool ok = false;
+  moed_timing t = {.start_ns = moed_now_ns()}; /* merging the rows is input staging */
   int64_t total = 0;
   for (size_t k = 0; k < n; k++)
     total += reqs[k]->rows; /* each <= max_batch_tokens: small */
@@ -242,8 +255,7 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
     in[i].tensor.shape[0] = total;
     in[i].tensor.nbytes = bytes;
   }
-  uint64_t start_ns = 0, compute_ns = 0;
-  if (run_call(&c, r0->model, in, r0->n_in, r0->params, r0->n_params, host, &start_ns, &compute_ns)) goto out;
+  if (run_call(&c, r0->model, in, r0->n_in, r0->params, r0->n_params, host, &t)) goto out;
   /* every output must be row-major along the same rows to be split */
   moe_named_tensor outs[MOED_MAX_TENSORS];
   size_t out_row[MOED_MAX_TENSORS];
@@ -253,7 +265,7 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
     if (t->ndim < 1 || t->shape[0] != total || t->nbytes % (size_t)total) goto out;
     out_row[i] = t->nbytes / (size_t)total;
   }
-  moed_stats_record_execution(r0->model->stats, n, compute_ns);
+  moed_stats_record_execution(r0->model->stats, n, &t);
   if (!(shared = calloc(1, sizeof *shared))) goto out;
   memcpy(shared->buf, host, sizeof host);
   memset(host, 0, sizeof host);
@@ -262,6 +274,8 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
   int64_t row = 0;
   for (size_t k = 0; k < n; k++) {
     moed_infer_req *rk = reqs[k];
+    moed_timing tk = t; /* the batch's times, and this request's encoding */
+    const uint64_t encoding = moed_now_ns();
     moe_named_tensor mine[MOED_MAX_TENSORS];
     grpc_slice data[MOED_MAX_TENSORS];
     for (size_t i = 0; i < c.num_out; i++) {
@@ -278,7 +292,8 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
     grpc_status_code code = encode(srv, rk, mine, data, c.num_out, &resp, &bytes_out, err);
     for (size_t i = 0; i < c.num_out; i++)
       grpc_slice_unref(data[i]);
-    moed_infer_finish(srv, rk, code, err, resp, start_ns, compute_ns, bytes_out);
+    tk.output_ns += moed_now_ns() - encoding;
+    moed_infer_finish(srv, rk, code, err, resp, &tk, bytes_out);
     reqs[k] = NULL;
   }
   shared_unref(shared);
@@ -299,7 +314,7 @@ void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, siz
     char err[MOED_ERR_LEN];
     grpc_status_code code = r->code ? r->code : still_wanted(r->req->rpc, err);
     if (code)
-      moed_infer_finish(srv, r, code, r->code ? r->err : err, NULL, 0, 0, 0);
+      moed_infer_finish(srv, r, code, r->code ? r->err : err, NULL, NULL, 0);
     else
       reqs[live++] = r;
   }

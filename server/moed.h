@@ -176,7 +176,9 @@ typedef struct moed_hist {
 typedef struct moed_model_stats {
   _Atomic uint64_t success_count, success_ns, fail_count, fail_ns;
   _Atomic uint64_t batch_count[MOED_BATCH_STATS], batch_ns[MOED_BATCH_STATS];
+  _Atomic uint64_t batch_input_ns[MOED_BATCH_STATS], batch_output_ns[MOED_BATCH_STATS];
   _Atomic uint64_t queue_count, queue_ns, compute_count, compute_ns;
+  _Atomic uint64_t compute_input_count, compute_input_ns, compute_output_count, compute_output_ns;
   _Atomic uint64_t inference_count, execution_count, last_inference_ms;
   _Atomic uint64_t bytes_in, bytes_out;
   moed_hist queue_hist, compute_hist, total_hist;
@@ -184,12 +186,24 @@ typedef struct moed_model_stats {
 
 void moed_hist_observe(moed_hist *h, uint64_t ns);
 extern const uint64_t moed_hist_bounds_ns[MOED_HIST_BUCKETS - 1];
-/* One request answered (ok or not): its time queued (arrival to the op's
- * start), computing, in all, and its tensor bytes in and out. */
-void moed_stats_record(moed_model_stats *st, bool ok, uint64_t queue_ns, uint64_t compute_ns,
+/* Where a request's time went on its worker, split as Triton's statistics
+ * split it (ModelStatistics compute_input, compute_infer, compute_output;
+ * perf_analyzer requires the three counted for every success). */
+typedef struct moed_timing {
+  uint64_t start_ns;  /* the worker took it up: its queue time ends; 0: never */
+  uint64_t input_ns;  /* inputs staged: merged, validated, copied to the device */
+  uint64_t infer_ns;  /* the op ran (to its end, on a device) */
+  uint64_t output_ns; /* outputs copied to the host and encoded as the response */
+} moed_timing;
+
+/* One request answered (ok or not): its time queued (arrival to t's start),
+ * on the worker (t; NULL: it never started), in all, and its tensor bytes
+ * in and out. */
+void moed_stats_record(moed_model_stats *st, bool ok, uint64_t queue_ns, const moed_timing *t,
                        uint64_t total_ns, uint64_t in, uint64_t out);
-/* One execution of `size` merged requests (Triton's batch statistics). */
-void moed_stats_record_execution(moed_model_stats *st, size_t size, uint64_t compute_ns);
+/* One execution of `size` merged requests (Triton's batch statistics); t's
+ * output is the copy to the host (encoding is per request). */
+void moed_stats_record_execution(moed_model_stats *st, size_t size, const moed_timing *t);
 
 /* ---- repository.c: models and their reference counts ----------------------- */
 
@@ -327,6 +341,9 @@ void moed_request_reject(moed_server *srv, moed_request *req, grpc_status_code c
 
 /* ---- batcher.c: the batch key; merging requests along the token axis (loop) -- */
 
+/* Whether the model would merge a request with others at all (the batch
+ * key's model-level conditions; ModelConfig reports them). */
+bool moed_model_batches(const moed_server *srv, const moed_model *m);
 /* Rows merged along the first axis by the batcher; 0: never batched. */
 int64_t moed_infer_batch_rows(const moed_infer_req *r);
 /* Same model, parameters, input names/dtypes/trailing dims and small

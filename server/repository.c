@@ -161,7 +161,7 @@ moe_status moed_repository_load(moed_repository *r, const char *name, moe_error 
   if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
     return moe_fail(err, MOE_ENOTFOUND, "model '%s' not found in the model repository", name);
   moe_expert_set *set = NULL;
-  /* loading maps and validates files: done outside the lock */
+  /* loading reads and validates files: done outside the lock */
   moe_status s = moe_expert_set_load(path, name, &set, err);
   if (s != MOE_OK) return s;
   return moed_repository_add(r, set, true, err);

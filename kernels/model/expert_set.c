@@ -149,7 +149,8 @@ moe_status moe_expert_set_validate(const moe_expert_set *set, moe_error *err) {
 
 /* ---- building sets ----------------------------------------------------------------- */
 
-/* What a loaded set owns: its open files (the tensors point into them). */
+/* What a loaded set owns: its files, read into memory (the tensors point
+ * into their buffers). */
 typedef struct set_files {
   size_t count;
   moe_safetensors *files[];

@@ -1,5 +1,5 @@
-/* The safetensors format: reader (file mmapped, header validated before any
- * tensor is handed out) and writer.
+/* The safetensors format: reader (file read into memory the object owns,
+ * header validated before any tensor is handed out) and writer.
  *
  * Layout: an 8-byte little-endian length N, N bytes of JSON
  *   {"<name>": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]},
@@ -15,7 +15,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -28,6 +27,10 @@
 #define ST_MAX_HEADER ((uint64_t)100 * 1000 * 1000)
 /* Header integers arrive as JSON doubles, exact only up to 2^53. */
 #define ST_MAX_JSON_INT 9007199254740992.0
+/* Bytes per read(2) call when loading a file: a bounded request per call
+ * (some kernels cap one read near 2 GiB anyway), straight into the owned
+ * buffer, so a large file needs no second copy. */
+#define ST_READ_CHUNK ((size_t)64 << 20)
 
 /* ---- the dtype table --------------------------------------------------------- */
 
@@ -89,7 +92,7 @@ typedef struct st_entry {
 struct moe_safetensors {
   const uint8_t *base; /* the whole file or buffer */
   size_t size;
-  void *map;           /* our mapping of `base`; NULL for a caller's buffer */
+  void *owned;         /* `base` when we read the file; NULL for a caller's buffer */
   const uint8_t *data; /* data section */
   size_t data_size;
   st_entry *entries; /* in header order */
@@ -290,8 +293,8 @@ fail:
   return s;
 }
 
-/* Builds the object over base/size; `map` (may be NULL) becomes owned on success. */
-static moe_status st_create(const void *base, size_t size, void *map, const char *origin,
+/* Builds the object over base/size; `owned` (may be NULL) becomes ours on success. */
+static moe_status st_create(const void *base, size_t size, void *owned, const char *origin,
                             moe_safetensors **out, moe_error *err) {
   moe_safetensors *st = calloc(1, sizeof *st);
   if (!st) return moe_fail(err, MOE_ENOMEM, "%s: out of memory", origin);
@@ -300,19 +303,56 @@ static moe_status st_create(const void *base, size_t size, void *map, const char
   snprintf(st->origin, sizeof st->origin, "%s", origin);
   moe_status s = parse_header(st, err);
   if (s) goto fail;
-  st->map = map;
+  st->owned = owned;
   *out = st;
   return MOE_OK;
 fail:
-  moe_safetensors_close(st); /* st->map still NULL: the caller keeps the mapping */
+  moe_safetensors_close(st); /* st->owned still NULL: the caller keeps the buffer */
   return s;
 }
 
+/* The tensor whose data hold file byte `pos`; NULL in the header. For read
+ * errors, which then name what could not be loaded. */
+static const char *tensor_at(const moe_safetensors *st, size_t pos) {
+  const size_t data_start = (size_t)(st->data - st->base);
+  for (size_t i = 0; pos >= data_start && i < st->count; i++)
+    if (pos - data_start >= st->entries[i].begin && pos - data_start < st->entries[i].end)
+      return st->entries[i].name;
+  return NULL;
+}
+
+/* Reads file bytes [from, to) of fd into buf + from, in chunks. `st` (may
+ * be NULL: header not parsed yet) names the tensor at a failing offset. */
+static moe_status read_range(int fd, uint8_t *buf, size_t from, size_t to, const char *path,
+                             const moe_safetensors *st, moe_error *err) {
+  size_t pos = from;
+  while (pos < to) {
+    const size_t want = to - pos < ST_READ_CHUNK ? to - pos : ST_READ_CHUNK;
+    /* pos < file size, which came from an off_t */
+    const ssize_t got = pread(fd, buf + pos, want, (off_t)pos);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      const int e = got < 0 ? errno : 0;
+      const char *tn = st ? tensor_at(st, pos) : NULL;
+      return moe_fail(err, MOE_EIO, "%s%s%s%s: read at byte %zu of %zu: %s", path, tn ? ": tensor '" : "",
+                      tn ? tn : "", tn ? "'" : "", pos, to,
+                      e ? strerror(e) : "end of file (file shrank while loading)");
+    }
+    pos += (size_t)got;
+  }
+  return MOE_OK;
+}
+
+/* The file is read, not mapped: a mapping faults (SIGBUS) or changes under
+ * its readers when someone truncates or rewrites the file in place, and an
+ * expert set's tensors are read for as long as it is served. The header is
+ * read and validated first, so a corrupt file costs no data read and read
+ * errors can name the tensor. */
 moe_status moe_safetensors_open(const char *path, moe_safetensors **out, moe_error *err) {
   moe_status s;
-  void *map = MAP_FAILED;
-  size_t size = 0;
-  struct stat sb;
+  uint8_t *buf = NULL;
+  moe_safetensors *st = NULL;
+  struct stat sb, after;
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     s = moe_fail(err, errno == ENOENT ? MOE_ENOTFOUND : MOE_EIO, "%s: %s", path, strerror(errno));
@@ -323,24 +363,47 @@ moe_status moe_safetensors_open(const char *path, moe_safetensors **out, moe_err
     goto fail;
   }
   if (sb.st_size < 8 || (uint64_t)sb.st_size > SIZE_MAX) {
-    /* also keeps mmap away from an empty file, which it refuses */
     s = moe_fail(err, MOE_EIO, "%s: %lld bytes, too short for a safetensors header", path,
                  (long long)sb.st_size);
     goto fail;
   }
-  size = (size_t)sb.st_size;
-  map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  if (map == MAP_FAILED) {
-    s = moe_fail(err, MOE_EIO, "%s: mmap: %s", path, strerror(errno));
+  const size_t size = (size_t)sb.st_size;
+  /* page-aligned, as a mapping was: tensors keep the alignment the file
+   * gives them, and device copies may pin whole pages */
+  const long page = sysconf(_SC_PAGESIZE);
+  void *mem = NULL;
+  const int rc = posix_memalign(&mem, page > 0 ? (size_t)page : 4096, size);
+  if (rc != 0) {
+    s = moe_fail(err, MOE_ENOMEM, "%s: out of memory for %zu bytes: %s", path, size, strerror(rc));
+    goto fail;
+  }
+  buf = mem;
+  s = read_range(fd, buf, 0, 8, path, NULL, err);
+  if (s) goto fail;
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; i--)
+    n = (n << 8) | buf[i];
+  /* an invalid length is left for parse_header to report */
+  const size_t header_end = n <= size - 8 && n <= ST_MAX_HEADER ? 8 + (size_t)n : 8;
+  s = read_range(fd, buf, 8, header_end, path, NULL, err);
+  if (s) goto fail;
+  s = st_create(buf, size, buf, path, &st, err);
+  if (s) goto fail;
+  buf = NULL; /* st's now */
+  s = read_range(fd, (uint8_t *)st->owned, header_end, size, path, st, err);
+  if (s) goto fail;
+  /* a writer during the load could leave us a mix of two files */
+  if (fstat(fd, &after) != 0 || after.st_size != sb.st_size || after.st_mtim.tv_sec != sb.st_mtim.tv_sec ||
+      after.st_mtim.tv_nsec != sb.st_mtim.tv_nsec) {
+    s = moe_fail(err, MOE_EIO, "%s: file changed while loading", path);
     goto fail;
   }
   close(fd);
-  fd = -1;
-  s = st_create(map, size, map, path, out, err);
-  if (s) goto fail;
+  *out = st;
   return MOE_OK;
 fail:
-  if (map != MAP_FAILED) munmap(map, size);
+  moe_safetensors_close(st);
+  free(buf);
   if (fd >= 0) close(fd);
   return s;
 }
@@ -356,7 +419,7 @@ void moe_safetensors_close(moe_safetensors *st) {
     free(st->entries[i].name);
   free(st->entries);
   free(st->by_name);
-  if (st->map) munmap(st->map, st->size);
+  free(st->owned);
   free(st);
 }
 
@@ -380,7 +443,7 @@ moe_status moe_safetensors_get(const moe_safetensors *st, const char *name, moe_
   out->ndim = e->ndim;
   for (int d = 0; d < e->ndim; d++)
     out->shape[d] = e->shape[d];
-  /* moe_tensor has no const: the mapping is read-only, users only read */
+  /* moe_tensor has no const: users only read */
   out->data = (void *)(uintptr_t)(st->data + e->begin);
   out->nbytes = e->end - e->begin;
   return MOE_OK;

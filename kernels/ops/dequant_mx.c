@@ -2,11 +2,11 @@
 #include "quant_args.h"
 
 static const moe_op_io_desc inputs[] = {
-    {"q", false, "uint8,fp4_e2m1,fp8_e4m3fn,fp8_e5m2", 0},
-    {"scales", false, "uint8,e8m0", 0},
+    {"q", false, "uint8,fp4_e2m1,fp8_e4m3fn,fp8_e5m2", 0, "T,K"},
+    {"scales", false, "uint8,e8m0", 0, "T,G"},
 };
 static const moe_op_io_desc outputs[] = {
-    {"y", false, "fp32,fp16,bf16", 0},
+    {"y", false, "fp32,fp16,bf16", 0, "T,K"},
 };
 
 static moe_status prepare(moe_call *c, const moe_params *p, moe_error *err) {

@@ -2,11 +2,11 @@
 #include "quant_args.h"
 
 static const moe_op_io_desc inputs[] = {
-    {"q", false, "uint8,int8,fp8_e4m3fn,fp8_e4m3fnuz", 0},
-    {"scale", false, "fp32", 0},
+    {"q", false, "uint8,int8,fp8_e4m3fn,fp8_e4m3fnuz", 0, "T,K"},
+    {"scale", false, "fp32", 0, "1"},
 };
 static const moe_op_io_desc outputs[] = {
-    {"y", false, "fp32,fp16,bf16", 0},
+    {"y", false, "fp32,fp16,bf16", 0, "T,K"},
 };
 
 static moe_status prepare(moe_call *c, const moe_params *p, moe_error *err) {

@@ -17,22 +17,23 @@
 /* Every input but hidden_states is optional (and ModelConfig says so): the
  * weights come from an expert set or inline (build_inline_set says which a
  * scheme needs), the routing from router_logits or topk_ids + topk_weights. */
+#define HELD_WEIGHT (MOE_INPUT_WEIGHT | MOE_INPUT_SET_HELD)
 static const moe_op_io_desc fused_inputs[MOE_FUSED_IN_COUNT] = {
-    [MOE_FUSED_IN_HIDDEN] = {"hidden_states", false, "fp16,bf16", 0},
-    [MOE_FUSED_IN_LOGITS] = {"router_logits", true, "fp32,fp16,bf16", 0},
-    [MOE_FUSED_IN_IDS] = {"topk_ids", true, "int32", 0},
-    [MOE_FUSED_IN_TOPK_WEIGHTS] = {"topk_weights", true, "fp32", 0},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W13] = {"w13", true, "fp16,bf16", MOE_INPUT_WEIGHT},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W2] = {"w2", true, "fp16,bf16", MOE_INPUT_WEIGHT},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W13_QWEIGHT] = {"w13_qweight", true, "uint8", MOE_INPUT_WEIGHT},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W13_SCALES] = {"w13_scales", true, "fp32,fp16,bf16", MOE_INPUT_WEIGHT},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W13_QZEROS] = {"w13_qzeros", true, "uint8", MOE_INPUT_WEIGHT},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W2_QWEIGHT] = {"w2_qweight", true, "uint8", MOE_INPUT_WEIGHT},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W2_SCALES] = {"w2_scales", true, "fp32,fp16,bf16", MOE_INPUT_WEIGHT},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W2_QZEROS] = {"w2_qzeros", true, "uint8", MOE_INPUT_WEIGHT},
-    [MOE_FUSED_IN_BIAS] = {"correction_bias", true, "fp32", 0},
+    [MOE_FUSED_IN_HIDDEN] = {"hidden_states", false, "fp16,bf16", MOE_IO_ACTIVATION, "T,H"},
+    [MOE_FUSED_IN_LOGITS] = {"router_logits", true, "fp32,fp16,bf16", 0, "T,E"},
+    [MOE_FUSED_IN_IDS] = {"topk_ids", true, "int32", 0, "T,k"},
+    [MOE_FUSED_IN_TOPK_WEIGHTS] = {"topk_weights", true, "fp32", 0, "T,k"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W13] = {"w13", true, "fp16,bf16", HELD_WEIGHT, "E,N,H"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W2] = {"w2", true, "fp16,bf16", HELD_WEIGHT, "E,H,I"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W13_QWEIGHT] = {"w13_qweight", true, "uint8", HELD_WEIGHT, "E,N,Hq"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W13_SCALES] = {"w13_scales", true, "fp32,fp16,bf16", HELD_WEIGHT, "E,N,Hg"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W13_QZEROS] = {"w13_qzeros", true, "uint8", HELD_WEIGHT, "E,Nz,Hg"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W2_QWEIGHT] = {"w2_qweight", true, "uint8", HELD_WEIGHT, "E,H,Iq"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W2_SCALES] = {"w2_scales", true, "fp32,fp16,bf16", HELD_WEIGHT, "E,H,Ig"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W2_QZEROS] = {"w2_qzeros", true, "uint8", HELD_WEIGHT, "E,Hz,Ig"},
+    [MOE_FUSED_IN_BIAS] = {"correction_bias", true, "fp32", MOE_INPUT_SET_HELD, "E"},
 };
-static const moe_op_io_desc fused_outputs[] = {{"output", false, "fp16,bf16", 0}};
+static const moe_op_io_desc fused_outputs[] = {{"output", false, "fp16,bf16", MOE_IO_ACTIVATION, "T,H"}};
 
 static const moe_tensor *weight_in(const moe_call *c, moe_expert_tensor slot) {
   return MOE_FUSED_IN_WEIGHTS + (size_t)slot < MOE_FUSED_IN_COUNT
@@ -130,6 +131,21 @@ static moe_status check_loaded_set(const moe_call *c, const moe_expert_set *set,
   return MOE_OK;
 }
 
+/* The one activation dtype a scheme computes in; MOE_DTYPE_INVALID when it
+ * takes either 16-bit one (wna16). */
+static moe_dtype scheme_act(moe_scheme scheme) {
+  switch (scheme) {
+  case MOE_SCHEME_BF16: return MOE_BF16;
+  case MOE_SCHEME_FP16: return MOE_F16;
+  default: return MOE_DTYPE_INVALID;
+  }
+}
+
+const char *moe_expert_set_act_dtypes(const moe_expert_set *set) {
+  moe_dtype act = scheme_act(set->cfg.scheme);
+  return act == MOE_DTYPE_INVALID ? fused_inputs[MOE_FUSED_IN_HIDDEN].dtypes : moe_dtype_name(act);
+}
+
 /* hidden_states: 16-bit, the dtype the scheme computes in, [T, H]. */
 static moe_status check_hidden(const moe_tensor *x, const moe_expert_config *cfg, moe_error *err) {
   static const moe_dtype act_types[] = {MOE_BF16, MOE_F16, MOE_DTYPE_INVALID};
@@ -139,11 +155,10 @@ static moe_status check_hidden(const moe_tensor *x, const moe_expert_config *cfg
                     "hidden_states: dtype fp32; scheme wna16 takes 16-bit activations only "
                     "(fp16 or bf16)");
   if ((s = moe_check_dtype(x, "hidden_states", act_types, err))) return s;
-  if ((cfg->scheme == MOE_SCHEME_BF16 && x->dtype != MOE_BF16) ||
-      (cfg->scheme == MOE_SCHEME_FP16 && x->dtype != MOE_F16))
+  const moe_dtype act = scheme_act(cfg->scheme);
+  if (act != MOE_DTYPE_INVALID && x->dtype != act)
     return moe_fail(err, MOE_EINVAL, "hidden_states: dtype %s; scheme %s computes in %s",
-                    moe_dtype_name(x->dtype), moe_scheme_names[cfg->scheme],
-                    cfg->scheme == MOE_SCHEME_BF16 ? "bf16" : "fp16");
+                    moe_dtype_name(x->dtype), moe_scheme_names[cfg->scheme], moe_dtype_name(act));
   if ((s = moe_check_shape(x, "hidden_states", 2, 2, err))) return s;
   if (x->shape[1] != cfg->hidden_size)
     return moe_fail(err, MOE_EINVAL, "hidden_states: shape [%lld, %lld], the experts' hidden size is %lld",

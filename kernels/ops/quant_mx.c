@@ -2,11 +2,11 @@
 #include "quant_args.h"
 
 static const moe_op_io_desc inputs[] = {
-    {"x", false, "fp32,fp16,bf16", 0},
+    {"x", false, "fp32,fp16,bf16", 0, "T,K"},
 };
 static const moe_op_io_desc outputs[] = {
-    {"q", false, "fp4_e2m1,fp8_e4m3fn,fp8_e5m2", 0},
-    {"scales", false, "e8m0", 0},
+    {"q", false, "fp4_e2m1,fp8_e4m3fn,fp8_e5m2", 0, "T,K"},
+    {"scales", false, "e8m0", 0, "T,G"},
 };
 
 static const char *const rule_names[] = {"even", "floor", "amax_up", "amax_down", NULL};

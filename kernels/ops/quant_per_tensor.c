@@ -2,12 +2,12 @@
 #include "quant_args.h"
 
 static const moe_op_io_desc inputs[] = {
-    {"x", false, "fp32,fp16,bf16", 0},
-    {"scale", true, "fp32", 0},
+    {"x", false, "fp32,fp16,bf16", 0, "T,K"},
+    {"scale", true, "fp32", 0, "1"},
 };
 static const moe_op_io_desc outputs[] = {
-    {"q", false, "fp8_e4m3fn,fp8_e4m3fnuz,int8", 0},
-    {"scale", false, "fp32", 0},
+    {"q", false, "fp8_e4m3fn,fp8_e4m3fnuz,int8", 0, "T,K"},
+    {"scale", false, "fp32", 0, "1"},
 };
 
 static moe_status prepare(moe_call *c, const moe_params *p, moe_error *err) {

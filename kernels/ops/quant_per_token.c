@@ -2,11 +2,11 @@
 #include "quant_args.h"
 
 static const moe_op_io_desc inputs[] = {
-    {"x", false, "fp32,fp16,bf16", 0},
+    {"x", false, "fp32,fp16,bf16", 0, "T,K"},
 };
 static const moe_op_io_desc outputs[] = {
-    {"q", false, "fp8_e4m3fn,fp8_e4m3fnuz,int8", 0},
-    {"scales", false, "fp32", 0},
+    {"q", false, "fp8_e4m3fn,fp8_e4m3fnuz,int8", 0, "T,K"},
+    {"scales", false, "fp32", 0, "T,1"},
 };
 
 static moe_status prepare(moe_call *c, const moe_params *p, moe_error *err) {

@@ -10,12 +10,12 @@ enum { IN_LOGITS = 0, IN_BIAS, IN_COUNT };
 enum { OUT_IDS = 0, OUT_WEIGHTS, OUT_COUNT };
 
 static const moe_op_io_desc topk_inputs[IN_COUNT] = {
-    [IN_LOGITS] = {"router_logits", false, "fp32,fp16,bf16", 0},
-    [IN_BIAS] = {"correction_bias", true, "fp32", 0},
+    [IN_LOGITS] = {"router_logits", false, "fp32,fp16,bf16", 0, "T,E"},
+    [IN_BIAS] = {"correction_bias", true, "fp32", 0, "E"},
 };
 static const moe_op_io_desc topk_outputs[OUT_COUNT] = {
-    [OUT_IDS] = {"topk_ids", false, "int32", 0},
-    [OUT_WEIGHTS] = {"topk_weights", false, "fp32", 0},
+    [OUT_IDS] = {"topk_ids", false, "int32", 0, "T,k"},
+    [OUT_WEIGHTS] = {"topk_weights", false, "fp32", 0, "T,k"},
 };
 
 moe_status moe_routing_params(const moe_params *p, moe_routing *r, moe_error *err) {

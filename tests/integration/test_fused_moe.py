@@ -201,6 +201,33 @@ def test_unload_in_flight(cli, ch, repo):
     pool.shutdown()
 
 
+def test_file_changed(cli, ch, repo):
+    """A served set's weights file truncated, then rewritten in place: moed
+    keeps serving the weights it loaded (a mapping of the file would SIGBUS);
+    only an explicit reload reads the file again."""
+    rng = np.random.default_rng(21)
+    path = f"{repo}/changedset/weights.safetensors"
+    case = routed_inputs(rng, 16, 128, 8)
+    ref = oracle(f"{repo}/changedset", case).tobytes()
+    check(infer_pb(ch, req_of("changedset", case)).raw_output_contents[0] == ref, "set to change answers")
+    orig = open(path, "rb").read()
+    os.truncate(path, 4)  # in place: the same inode
+    check(infer_pb(ch, req_of("changedset", case)).raw_output_contents[0] == ref,
+          "file truncated under a served set: same answer")
+    with open(path, "r+b") as f:
+        f.write(b"\xa5" * len(orig))
+    check(infer_pb(ch, req_of("changedset", case)).raw_output_contents[0] == ref,
+          "file rewritten under a served set: same answer")
+    code, msg = code_of(lambda: cli.load_model("changedset"))
+    check(code != SC.OK and "weights.safetensors" in msg, f"reload of the rewritten file fails ({code}: {msg})")
+    check(infer_pb(ch, req_of("changedset", case)).raw_output_contents[0] == ref,
+          "failed reload: the loaded set still answers")
+    with open(path, "r+b") as f:
+        f.write(orig)
+    cli.load_model("changedset")
+    check(infer_pb(ch, req_of("changedset", case)).raw_output_contents[0] == ref, "explicit reload serves again")
+
+
 def test_broken_set(cli):
     code, msg = code_of(lambda: cli.load_model("broken"))
     check(code != SC.OK and "w13" in msg, f"RepositoryModelLoad of a broken set names the tensor ({code}: {msg})")
@@ -298,6 +325,7 @@ def main():
         mkset(f"{repo}/bf16set", "bf16")
         mkset(f"{repo}/fp16set", "fp16", extra=["--seed", "3"])
         mkset(f"{repo}/wnaset", "wna16", extra=["--bits", "4", "--group-size", "64", "--zero-points"])
+        mkset(f"{repo}/changedset", "bf16", extra=["--seed", "5"])
         mkset(f"{tmp}/small", "bf16", hidden=64)
         shutil.copytree(f"{repo}/bf16set", f"{repo}/broken")
         shutil.copy(f"{tmp}/small/weights.safetensors", f"{repo}/broken/weights.safetensors")
@@ -313,6 +341,7 @@ def main():
             test_batching(ch, repo)
             test_unload_in_flight(cli, ch, repo)
             test_broken_set(cli)
+            test_file_changed(cli, ch, repo)
             test_upload(cli, ch, repo, tmp)
             check(ts.raw_unary(ch, "/inference.GRPCInferenceService/ServerLive")(b"") == b"\x08\x01", "server still up")
             p.send_signal(signal.SIGTERM)

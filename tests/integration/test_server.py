@@ -48,6 +48,27 @@ def start(tmp, *extra):
     raise SystemExit("moed did not start")
 
 
+def serve(tmp, extra, body):
+    """Starts moed with the flags `extra`, calls body(cli, ch), then checks a
+    clean exit on SIGTERM (killed if it hangs); prints the log's tail on failures."""
+    p, port, _ = start(tmp, *extra)
+    target = f"127.0.0.1:{port}"
+    try:
+        body(tc.InferenceServerClient(target), grpc.insecure_channel(target))
+        p.send_signal(signal.SIGTERM)
+        check(p.wait(timeout=30) == 0, "clean exit")
+    finally:
+        if p.poll() is None:
+            p.kill()
+    if failures:
+        print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
+
+
+def exit_with_summary():
+    print(f"{len(failures)} failures")
+    sys.exit(1 if failures else 0)
+
+
 def raw_unary(ch, method):
     return ch.unary_unary(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
 

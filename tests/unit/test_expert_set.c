@@ -780,6 +780,65 @@ START_TEST(load_rejects) {
 }
 END_TEST
 
+/* The file under a loaded set changes in place (truncated, then rewritten
+ * with other bytes, as a careless copy into the repository does): the set
+ * keeps the weights it loaded. A mapping of the file would raise SIGBUS on
+ * the truncated pages and then show the new bytes. */
+static void ck_set_matches(const moe_expert_set *set, const moe_safetensors *want, const char *when) {
+  for (size_t i = 0; i < moe_safetensors_count(want); i++) {
+    const char *tn = moe_safetensors_name(want, i);
+    moe_tensor w;
+    moe_error err;
+    ck_assert_int_eq(moe_safetensors_get(want, tn, &w, &err), MOE_OK);
+    int slot = 0;
+    while (strcmp(moe_expert_tensor_names[slot], tn) != 0)
+      slot++;
+    ck_assert_uint_eq(set->t[slot].nbytes, w.nbytes);
+    ck_assert_msg(memcmp(set->t[slot].data, w.data, w.nbytes) == 0, "%s: bytes changed %s", tn, when);
+  }
+}
+
+START_TEST(load_survives_file_changes) {
+  moe_expert_config cfg = small_config(MOE_SCHEME_WNA16, 4, 64, true);
+  char dir[600], path[700];
+  moe_error err = {{0}};
+  tmp_path(dir, sizeof dir, "changed");
+  snprintf(path, sizeof path, "%s/weights.safetensors", dir);
+  ck_assert_int_eq(moe_expert_set_write_random(dir, &cfg, 11, &err), MOE_OK);
+  size_t len;
+  unsigned char *orig = read_all(path, &len);
+  moe_safetensors *want = NULL;
+  ck_assert_int_eq(moe_safetensors_open_buffer(orig, len, &want, &err), MOE_OK);
+
+  moe_expert_set *set = NULL;
+  ck_assert_msg(moe_expert_set_load(dir, "x", &set, &err) == MOE_OK, "%s", err.msg);
+  ck_set_matches(set, want, "after the load");
+
+  /* in place (the same inode), not a rename */
+  FILE *f = fopen(path, "r+b");
+  ck_assert_ptr_nonnull(f);
+  ck_assert_int_eq(ftruncate(fileno(f), 4), 0);
+  ck_set_matches(set, want, "after truncation");
+  unsigned char *junk = malloc(len);
+  memset(junk, 0xA5, len);
+  ck_assert_uint_eq(fwrite(junk, 1, len, f), len);
+  ck_assert_int_eq(fclose(f), 0);
+  ck_set_matches(set, want, "after the rewrite");
+
+  /* only a new load sees the change: here a file it rejects, cleanly */
+  moe_expert_set *again = NULL;
+  ck_assert_int_eq(moe_expert_set_load(dir, "x", &again, &err), MOE_EIO);
+  ck_assert_msg_has(err, "weights.safetensors");
+  ck_assert_ptr_null(again);
+  ck_set_matches(set, want, "after the failed reload");
+
+  moe_expert_set_destroy(set);
+  moe_safetensors_close(want);
+  free(junk);
+  free(orig);
+}
+END_TEST
+
 static Suite *suite(void) {
   Suite *s = suite_create("expert_set");
   TCase *tc = tcase_create("core");
@@ -795,6 +854,7 @@ static Suite *suite(void) {
   tcase_add_test(tc, from_tensors_rejects);
   tcase_add_test(tc, lifetime_refs_and_holds);
   tcase_add_test(tc, load_rejects);
+  tcase_add_test(tc, load_survives_file_changes);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -1,8 +1,10 @@
-/* The op table's input flags (moe/ops.h, MOE_INPUT_*): the server asks them
- * which inputs are expert weights (hidden for an expert set, cached by
- * content, no batching of inline weights) and which op an expert set is
- * served as, so a wrong flag changes what clients see. Checked here against
- * names written out independently of the table. */
+/* The op table's flags (moe/ops.h, MOE_INPUT_*, MOE_IO_*): the server asks
+ * them which inputs are expert weights (cached by content, no batching of
+ * inline weights), which an expert set holds (not advertised by a set),
+ * which tensors are in the set's activation dtype, and which op an expert
+ * set is served as, so a wrong flag changes what clients see. Checked here
+ * against names written out independently of the table. Also each tensor's
+ * advertised axes (ModelMetadata's shape and rank). */
 #include <check.h>
 #include <stddef.h>
 #include <string.h>
@@ -26,12 +28,15 @@ START_TEST(fused_moe_weights_are_flagged) {
                                        "correction_bias"};
   const moe_op *op = moe_op_find("fused_moe");
   ck_assert_ptr_nonnull(op);
+  /* a set holds its correction_bias too (a set's model rejects it inline) */
+  static const unsigned other_flags[] = {MOE_IO_ACTIVATION, 0, 0, 0, MOE_INPUT_SET_HELD};
   for (size_t i = 0; i < sizeof weights / sizeof weights[0]; i++)
-    ck_assert_msg(input_flags(op, weights[i]) == MOE_INPUT_WEIGHT, "%s: flags %#x, expected MOE_INPUT_WEIGHT",
-                  weights[i], input_flags(op, weights[i]));
+    ck_assert_msg(input_flags(op, weights[i]) == (MOE_INPUT_WEIGHT | MOE_INPUT_SET_HELD),
+                  "%s: flags %#x, expected MOE_INPUT_WEIGHT | MOE_INPUT_SET_HELD", weights[i],
+                  input_flags(op, weights[i]));
   for (size_t i = 0; i < sizeof others / sizeof others[0]; i++)
-    ck_assert_msg(input_flags(op, others[i]) == 0, "%s: flags %#x, expected none", others[i],
-                  input_flags(op, others[i]));
+    ck_assert_msg(input_flags(op, others[i]) == other_flags[i], "%s: flags %#x, expected %#x", others[i],
+                  input_flags(op, others[i]), other_flags[i]);
   /* nothing else: every input is one of the two lists */
   const moe_op_info *info = moe_op_describe(op);
   ck_assert_uint_eq(info->num_inputs, sizeof weights / sizeof weights[0] + sizeof others / sizeof others[0]);
@@ -76,13 +81,49 @@ START_TEST(expert_sets_are_served_as_fused_moe) {
 }
 END_TEST
 
-START_TEST(outputs_have_no_flags) {
+/* Outputs carry no input flags; only fused_moe's output is an activation. */
+START_TEST(outputs_have_no_input_flags) {
   for (size_t k = 0; k < moe_op_count(); k++) {
     const moe_op_info *info = moe_op_describe(moe_op_at(k));
+    const unsigned want = moe_op_at(k) == moe_op_find("fused_moe") ? MOE_IO_ACTIVATION : 0;
     for (size_t i = 0; i < info->num_outputs; i++)
-      ck_assert_msg(info->outputs[i].flags == 0, "%s output %s: flags %#x", info->name, info->outputs[i].name,
-                    info->outputs[i].flags);
+      ck_assert_msg(info->outputs[i].flags == want, "%s output %s: flags %#x", info->name,
+                    info->outputs[i].name, info->outputs[i].flags);
   }
+}
+END_TEST
+
+/* The axes of op `name`'s input (or output) `io`; fails when it has none. */
+static const char *axes_of(const char *name, bool input, const char *io) {
+  const moe_op_info *info = moe_op_describe(moe_op_find(name));
+  const moe_op_io_desc *v = input ? info->inputs : info->outputs;
+  size_t n = input ? info->num_inputs : info->num_outputs;
+  for (size_t i = 0; i < n; i++)
+    if (strcmp(v[i].name, io) == 0) return v[i].axes;
+  ck_abort_msg("%s has no %s '%s'", name, input ? "input" : "output", io);
+  return NULL;
+}
+
+/* Every tensor has axes; a few checked against the ops' documented shapes
+ * (docs/numerics.md): the token axis first where the op has one. */
+START_TEST(axes_match_the_documented_shapes) {
+  for (size_t k = 0; k < moe_op_count(); k++) {
+    const moe_op_info *info = moe_op_describe(moe_op_at(k));
+    for (size_t i = 0; i < info->num_inputs + info->num_outputs; i++) {
+      const moe_op_io_desc *d =
+          i < info->num_inputs ? &info->inputs[i] : &info->outputs[i - info->num_inputs];
+      ck_assert_msg(d->axes && *d->axes, "%s %s: no axes", info->name, d->name);
+    }
+  }
+  ck_assert_str_eq(axes_of("quant.per_tensor", true, "x"), "T,K");
+  ck_assert_str_eq(axes_of("quant.per_tensor", true, "scale"), "1");
+  ck_assert_str_eq(axes_of("quant.per_tensor", false, "scale"), "1");
+  ck_assert_str_eq(axes_of("quant.per_token", false, "scales"), "T,1");
+  ck_assert_str_eq(axes_of("moe.topk", true, "correction_bias"), "E");
+  ck_assert_str_eq(axes_of("fused_moe", true, "hidden_states"), "T,H");
+  ck_assert_str_eq(axes_of("fused_moe", true, "router_logits"), "T,E");
+  ck_assert_str_eq(axes_of("fused_moe", true, "w13"), "E,N,H");
+  ck_assert_str_eq(axes_of("fused_moe", false, "output"), "T,H");
 }
 END_TEST
 
@@ -93,7 +134,8 @@ static Suite *op_table_suite(void) {
   tcase_add_test(tc, fused_moe_requires_only_hidden_states);
   tcase_add_test(tc, quant_and_topk_take_no_weights);
   tcase_add_test(tc, expert_sets_are_served_as_fused_moe);
-  tcase_add_test(tc, outputs_have_no_flags);
+  tcase_add_test(tc, outputs_have_no_input_flags);
+  tcase_add_test(tc, axes_match_the_documented_shapes);
   suite_add_tcase(s, tc);
   return s;
 }

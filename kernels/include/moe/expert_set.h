@@ -87,7 +87,7 @@ struct moe_expert_set {
   char name[128];
   moe_expert_config cfg;
   moe_tensor t[MOE_EXPERT_TENSOR_COUNT]; /* data NULL when absent */
-  void *owner;                           /* mappings/buffers; NULL when borrowed */
+  void *owner;                           /* the loaded files' buffers; NULL when borrowed */
   int refs;                              /* references, holds included (atomic) */
   int holds;                             /* of those, device caches' (atomic; moe_expert_set_hold) */
 };
@@ -108,7 +108,9 @@ moe_status moe_expert_config_validate(const moe_expert_config *cfg, moe_error *e
  * the tensor in err. */
 moe_status moe_expert_set_validate(const moe_expert_set *set, moe_error *err);
 
-/* Loads a directory (config.json + *.safetensors); data mmapped. */
+/* Loads a directory (config.json + *.safetensors); the weights are read
+ * into memory the set owns (freed with it), so changing the files later
+ * does not change or crash the set: only a new load sees them. */
 moe_status moe_expert_set_load(const char *dir, const char *name, moe_expert_set **out, moe_error *err);
 /* Builds a set that borrows the tensors named as in moe_expert_tensor_names
  * (missing optional ones stay absent); validated. */
@@ -117,7 +119,7 @@ moe_status moe_expert_set_from_tensors(const char *name, const moe_expert_config
                                        moe_error *err);
 /* Lifetime. A set starts with one reference, its creator's; users take
  * more (moe_expert_set_ref) and drop them (moe_expert_set_destroy; the last
- * frees the set: mappings, buffers). A backend that keeps a device copy of
+ * frees the set and its weights). A backend that keeps a device copy of
  * a set takes a hold instead (a reference that does not keep the set in
  * use): once every remaining reference is a hold, the set is unused,
  * moe_expert_set_unused_count() moves on, and each backend frees its copy

@@ -47,9 +47,9 @@ size_t moe_op_count(void);
 const moe_op *moe_op_at(size_t i);
 const char *moe_op_name(const moe_op *op);
 
-/* Flags of an input (moe_op_io_desc.flags): what a caller such as the server
- * must know about an input beyond its name and dtypes, so that it asks the
- * table instead of matching op or input names. */
+/* Flags of an input or output (moe_op_io_desc.flags): what a caller such as
+ * the server must know about it beyond its name and dtypes, so that it asks
+ * the table instead of matching op or input names. */
 enum {
   /* An expert weight tensor (w13, w2, their scales and zero points; not the
    * routing's correction_bias). An expert set passed to moe_op_prepare
@@ -58,6 +58,13 @@ enum {
    * large, which is why the server caches their device copies by content
    * and does not merge such requests (a batch would need one weight set). */
   MOE_INPUT_WEIGHT = 1u << 0,
+  /* An input that an expert set holds when one is passed to moe_op_prepare
+   * (every weight, and correction_bias, which the set's files carry):
+   * prepare rejects it then, so a set's model does not advertise it. */
+  MOE_INPUT_SET_HELD = 1u << 1,
+  /* An input or output in the activation dtype, which an expert set fixes
+   * (moe_expert_set_act_dtypes): a set's model advertises that one. */
+  MOE_IO_ACTIVATION = 1u << 2,
 };
 
 /* Static description of an op's interface, for ModelMetadata/ModelConfig. */
@@ -65,7 +72,15 @@ typedef struct moe_op_io_desc {
   const char *name;
   bool optional;
   const char *dtypes; /* comma-separated dtype names accepted / produced */
-  unsigned flags;     /* inputs: MOE_INPUT_* (0 for outputs) */
+  unsigned flags;     /* MOE_INPUT_* (inputs only), MOE_IO_* */
+  /* The advertised shape, one comma-separated axis per dimension (its
+   * count is the rank): "T" the token axis (first; what the server merges
+   * requests along), "H" the hidden size and "E" the number of experts
+   * (fixed by an expert set, free otherwise), a number a fixed size, any
+   * other name a free size. Ops that take any rank (the quant ops) say the
+   * [T, K] layout of an activation they are called on; they accept other
+   * ranks too. */
+  const char *axes;
 } moe_op_io_desc;
 
 typedef struct moe_op_info {
@@ -88,6 +103,10 @@ bool moe_op_takes_weights(const moe_op *op);
 /* The op that an expert set is served as: the first in the table that
  * takes weights (fused_moe); NULL when none does. */
 const moe_op *moe_op_for_expert_sets(void);
+/* The dtypes (as in moe_op_io_desc.dtypes) that set's MOE_IO_ACTIVATION
+ * tensors have: its scheme's activation dtype ("bf16", "fp16"), or every
+ * 16-bit one for a scheme that computes in either (wna16). */
+const char *moe_expert_set_act_dtypes(const moe_expert_set *set);
 
 /* True when backend b has a kernel for op (the CPU runs every op; a GPU
  * build may lack some): callers route such calls to a host backend. */
