@@ -31,8 +31,9 @@ moe_status moe_gpu_check(hipError_t e, const char *what, moe_error *err);
 moe_status moe_gpu_enter(moe_backend *b, moe_error *err);
 
 /* Device copies of a loaded expert set's tensors (whose data are host
- * pointers: mmapped files), cached by the set's address: the first call
- * uploads every present tensor, later calls return the same copies.
+ * pointers: the files, read into memory at load), cached by the set's
+ * address: the first call uploads every present tensor, later calls return
+ * the same copies.
  * dev[slot] is NULL where the set has no tensor. Entries are keyed by the
  * set, whose reference the cache holds (so its address is not reused while
  * the entry exists); moe_backend_trim frees the copies once the cache holds
