@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "moed.h"
@@ -204,8 +205,8 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
     if (v && *v && !apply(c, env_map[i].opt, v, env_map[i].env)) return -1;
   }
   optind = 1;
-  int opt;
-  while ((opt = getopt_long(argc, argv, "h", options, NULL)) != -1) {
+  int opt, li = -1;
+  while ((opt = getopt_long(argc, argv, "h", options, &li)) != -1) {
     if (opt == OPT_HELP || opt == 'h') {
       fputs(usage, stdout);
       return 1;
@@ -214,11 +215,28 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       fputs(usage, stderr);
       return -1;
     }
-    if (!apply(c, opt, optarg, argv[optind - 1])) return -1;
+    /* the flag's own name: argv[optind - 1] is the value for "--flag value" */
+    char flag[64];
+    snprintf(flag, sizeof flag, "--%s", li >= 0 ? options[li].name : "?");
+    li = -1;
+    if (!apply(c, opt, optarg, flag)) return -1;
   }
   if (optind < argc) {
     fprintf(stderr, "moed: unexpected argument '%s'\n", argv[optind]);
     return -1;
+  }
+  /* a repository that is not there is a deployment error, not an empty
+   * server that reports ready (Triton refuses to start too) */
+  if (c->model_repository) {
+    struct stat st;
+    const char *why = stat(c->model_repository, &st) != 0 ? strerror(errno)
+                      : !S_ISDIR(st.st_mode)              ? "not a directory"
+                                                          : NULL;
+    if (why) {
+      fprintf(stderr, "moed: --model-repository (MOED_MODEL_REPOSITORY) '%s': %s\n", c->model_repository,
+              why);
+      return -1;
+    }
   }
   return 0;
 }

@@ -384,6 +384,24 @@ def test_limits(tmp):
         check(p.wait(timeout=30) == 0, "clean exit after the limit checks")
 
 
+def test_cli(tmp):
+    """Bad command lines stop moed at once, naming the flag."""
+    r = subprocess.run([MOED, "--log-level", "verbose"], capture_output=True, text=True, timeout=30)
+    check(r.returncode != 0 and "'verbose' for --log-level" in r.stderr,
+          f"bad flag value names the flag ({r.returncode}: {r.stderr.strip()})")
+    missing = os.path.join(tmp, "no-such-repository")
+    r = subprocess.run([MOED, "--model-repository", missing, "--grpc-port", "0", "--http-port", "-1"],
+                       capture_output=True, text=True, timeout=30)
+    check(r.returncode != 0 and "--model-repository" in r.stderr and "No such file" in r.stderr,
+          f"a missing model repository refuses to start ({r.returncode}: {r.stderr.strip()})")
+    with open(os.path.join(tmp, "a-file"), "w") as f:
+        f.write("x")
+    r = subprocess.run([MOED, "--model-repository", os.path.join(tmp, "a-file"), "--grpc-port", "0",
+                        "--http-port", "-1"], capture_output=True, text=True, timeout=30)
+    check(r.returncode != 0 and "not a directory" in r.stderr,
+          f"a model repository that is a file refuses to start ({r.returncode}: {r.stderr.strip()})")
+
+
 def main():
     global TARGET
     with tempfile.TemporaryDirectory() as tmp:
@@ -406,6 +424,7 @@ def main():
                 p.kill()
         test_drain(tmp)
         test_limits(tmp)
+        test_cli(tmp)
         if failures:
             print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
     print(f"{len(failures)} failures")
