@@ -33,9 +33,6 @@ struct moed_devices {
   moe_backend *inline_backend; /* the CQ thread's (host backends only) */
 };
 
-/* The server's name for it (infer_run.c, weight_cache.c); the library answers. */
-bool moed_backend_is_host(const moe_backend *b) { return moe_backend_is_host(b); }
-
 /* d->mu held. */
 static void poll_locked(moed_devices *d) {
   const uint64_t n = moe_expert_set_unused_count();
@@ -140,7 +137,7 @@ int moed_devices_create(const moed_config *cfg, moed_devices **out) {
     }
     d->num_workers++;
   }
-  if (cfg->inline_bytes && moed_backend_is_host(d->workers[0].backend)) {
+  if (cfg->inline_bytes && moe_backend_is_host(d->workers[0].backend)) {
     moe_error err = {{0}};
     if (moe_backend_open(MOE_BACKEND_HOST, 1, &d->inline_backend, &err) != MOE_OK)
       moed_log(MOED_LOG_WARN, "backend_failed", "inline backend: %s", err.msg); /* the fast path stays off */

@@ -25,7 +25,7 @@ static void ctx_cleanup(run_ctx *c) {
   for (size_t i = 0; i < MOED_MAX_TENSORS; i++) {
     if (c->device_in[i]) moe_backend_free(c->b, c->device_in[i]);
     if (c->outputs[i]) {
-      if (moed_backend_is_host(c->b))
+      if (moe_backend_is_host(c->b))
         moed_hostmem_free(c->outputs[i]);
       else
         moe_backend_free(c->b, c->outputs[i]);
@@ -41,8 +41,8 @@ static void ctx_cleanup(run_ctx *c) {
  * copy to the device. Rebinds the weight inputs; *done[i] marks them. */
 static void bind_cached_weights(run_ctx *c, const moed_model *m, bool *done) {
   if (!c->srv->weights || !m->builtin || !moe_op_takes_weights(m->op)) return;
-  if (moed_backend_is_host(c->b) && !c->srv->cfg->cache_host) return; /* host backends read in place */
-  const moe_op_io_desc *desc = moe_op_describe(m->op)->inputs;        /* in the call's input order */
+  if (moe_backend_is_host(c->b) && !c->srv->cfg->cache_host) return; /* host backends read in place */
+  const moe_op_io_desc *desc = moe_op_describe(m->op)->inputs;       /* in the call's input order */
   moe_named_tensor w[MOED_MAX_TENSORS];
   size_t idx[MOED_MAX_TENSORS], n = 0;
   for (size_t i = 0; i < moe_call_num_inputs(c->call) && i < MOED_MAX_TENSORS; i++) {
@@ -62,7 +62,7 @@ static void bind_cached_weights(run_ctx *c, const moed_model *m, bool *done) {
 
 static grpc_status_code bind_memory(run_ctx *c, const moed_model *m) {
   moe_backend *b = c->b;
-  bool host = moed_backend_is_host(b);
+  bool host = moe_backend_is_host(b);
   bool done[MOED_MAX_TENSORS] = {false};
   bind_cached_weights(c, m, done);
   if (!host) { /* inputs to the device */
@@ -95,7 +95,7 @@ static grpc_status_code bind_memory(run_ctx *c, const moed_model *m) {
 /* Host buffers of the outputs: the outputs themselves on host backends,
  * copies otherwise. Ownership moves to the caller (take[i]). */
 static grpc_status_code copy_out(run_ctx *c, void **take) {
-  bool host = moed_backend_is_host(c->b);
+  bool host = moe_backend_is_host(c->b);
   for (size_t i = 0; i < c->num_out; i++) {
     moe_named_tensor *o = moe_call_output(c->call, i);
     if (!host) {
@@ -145,7 +145,7 @@ static grpc_status_code run_call(run_ctx *c, const moed_model *m, const moe_name
   if (ms != MOE_OK) return moed_failf(c->err, moed_status_from_moe(ms), "%s", err.msg);
   /* a device runs the op asynchronously: waiting here puts its time in
    * compute_infer rather than in the output copy that would wait for it */
-  if (!moed_backend_is_host(c->b) && moe_backend_synchronize(c->b) != MOE_OK)
+  if (!moe_backend_is_host(c->b) && moe_backend_synchronize(c->b) != MOE_OK)
     return moed_failf(c->err, GRPC_STATUS_INTERNAL, "device synchronize failed");
   const uint64_t ran = moed_now_ns();
   t->infer_ns = ran - staged;

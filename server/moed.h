@@ -277,8 +277,6 @@ void moed_devices_poll(moed_devices *d);
  * any thread. */
 int moed_devices_count(const moed_devices *d);
 const char *moed_devices_memory(const moed_devices *d, int i, moe_backend_memory *out);
-/* True when the backend's memory is host memory (tensors need no copies). */
-bool moed_backend_is_host(const moe_backend *b);
 
 /* ---- handlers.c: the protocol ---------------------------------------------- */
 

@@ -144,10 +144,10 @@ moed_weights *moed_weight_cache_get(moed_weight_cache *c, moe_backend *b, const 
   if (bytes > c->limit) return NULL; /* would evict everything for one request */
 
   pthread_mutex_lock(&c->mu);
-  bool host = moed_backend_is_host(b);
+  bool host = moe_backend_is_host(b);
   for (moed_weights *w = c->head; w; w = w->next) {
     /* host backends share one memory: their copies serve every worker */
-    bool same_memory = w->b == b || (host && moed_backend_is_host(w->b));
+    bool same_memory = w->b == b || (host && moe_backend_is_host(w->b));
     if (!same_memory || !XXH128_isEqual(w->key, key) || !same_desc(w, t, n)) continue;
     w->refs++;
     while (!w->ready && !w->dead)
