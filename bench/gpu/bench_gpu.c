@@ -104,6 +104,9 @@ typedef struct bench_case {
 static moe_param ps(const char *n, const char *v) {
   return (moe_param){.name = n, .type = MOE_PARAM_STRING, .s = v};
 }
+static moe_param pi(const char *n, int64_t v) {
+  return (moe_param){.name = n, .type = MOE_PARAM_INT, .i = v};
+}
 
 /* ---- fused_moe ---------------------------------------------------------------------------- */
 
@@ -416,6 +419,13 @@ int main(int argc, char **argv) {
       {"per_tensor dynamic fp8_e4m3fn", "quant.per_tensor", {ps("out_dtype", "fp8_e4m3fn")}, 1, false, true},
       {"per_token fp8_e4m3fn", "quant.per_token", {ps("out_dtype", "fp8_e4m3fn")}, 1, false, false},
       {"per_token int8", "quant.per_token", {ps("out_dtype", "int8")}, 1, false, false},
+      {"per_token_group 128 fp8_e4m3fn", "quant.per_token_group", {pi("group_size", 128)}, 1, false, false},
+      {"per_token_group 128 fp8_e4m3fn pow2_up",
+       "quant.per_token_group",
+       {pi("group_size", 128), ps("scale_rule", "pow2_up")},
+       2,
+       false,
+       false},
       {"mxfp8_e4m3fn (even, rne)", "quant.mx", {ps("format", "mxfp8_e4m3fn")}, 1, false, false},
       {"mxfp4 (even, rne)", "quant.mx", {ps("format", "mxfp4")}, 1, false, false},
       {"mxfp4 (amax_up, half_up)",

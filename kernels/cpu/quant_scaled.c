@@ -1,5 +1,5 @@
 /* CPU: the scaled quant ops (docs/numerics.md quant.per_tensor, quant.per_token,
- * dequant.per_tensor). Element-wise, so any split across threads gives the
+ * quant.per_token_group, dequant.per_tensor). Element-wise, so any split across threads gives the
  * same bits. */
 #include "../ops/op.h"
 #include "cpu.h"
@@ -105,20 +105,25 @@ moe_status moe_cpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_error *err)
   return MOE_OK;
 }
 
-moe_status moe_cpu_quant_per_token(moe_backend *b, moe_call *c, moe_error *err) {
+/* One scale per a->group consecutive elements (per_token: a row, per_token_group: G of a row). */
+moe_status moe_cpu_quant_grouped(moe_backend *b, moe_call *c, moe_error *err) {
   const moe_scaled_args *a = &c->args.scaled;
   const moe_tensor *x = &c->in[0].tensor;
-  long rows = (long)moe_tensor_rows(x);
-  size_t k = (size_t)moe_tensor_cols(x);
+  size_t n = 0;
+  moe_tensor_numel(x, &n);
+  if (n == 0) return MOE_OK;
+  const size_t g = (size_t)a->group;
+  const long units = (long)(n / g);
   float *scales = c->out[1].tensor.data;
-#pragma omp parallel for num_threads(moe_cpu_threads_for(b, (size_t)rows *k)) schedule(static)
-  for (long r = 0; r < rows; r++) {
-    size_t begin = (size_t)r * k;
-    float amax = amax_of(x->data, x->dtype, begin, begin + k);
+#pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
+  for (long u = 0; u < units; u++) {
+    size_t begin = (size_t)u * g;
+    float amax = amax_of(x->data, x->dtype, begin, begin + g);
     if (a->has_scale_ub && a->scale_ub < amax) amax = a->scale_ub;
     float s = scale_from_amax(amax, a->dtype_max);
-    scales[r] = s;
-    encode(x->data, x->dtype, begin, begin + k, s, a, c->out[0].tensor.data);
+    if (a->pow2_scale) s = moe_f32_from_bits((moe_f32_bits(s) + 0x7FFFFFu) & 0x7F800000u);
+    scales[u] = s;
+    encode(x->data, x->dtype, begin, begin + g, s, a, c->out[0].tensor.data);
   }
   return MOE_OK;
 }

@@ -249,6 +249,11 @@ __device__ __forceinline__ float scale_from_amax(float amax, float dtype_max) {
   float s = amax / dtype_max;
   return s == 0.0f ? 1.0f : s;
 }
+/* quant.per_token_group's scale_rule: pow2_up rounds s up to a power of two */
+__device__ __forceinline__ float group_scale(float amax, float dtype_max, int pow2) {
+  const float s = scale_from_amax(amax, dtype_max);
+  return pow2 ? moe_f32_from_bits((moe_f32_bits(s) + 0x7FFFFFu) & 0x7F800000u) : s;
+}
 
 template <int Q, bool HW>
 __device__ __forceinline__ void encode8(const float v[VEC], float s, float r, bool exact, uint8_t *q,
@@ -354,15 +359,16 @@ template <int IN> __device__ __forceinline__ void unpack8(const raw8<IN> &r, flo
   }
 }
 
-/* ---- quant.per_token -------------------------------------------------------------- */
+/* ---- quant.per_token, quant.per_token_group ------------------------------------------ */
 
-/* One block per row. The first CACHE vectors of each thread stay in
+/* One block per row (per_token) or per group of a row (per_token_group
+ * with wide or unaligned groups). The first CACHE vectors of each thread stay in
  * registers between the amax pass and the encode pass (a 7168-wide bf16 row
  * is read once); wider rows re-read the rest (from L2). */
 template <int IN, int Q, bool HW>
 __global__ void __launch_bounds__(MOE_GPU_BLOCK, IN == IN_F32 ? 3 : 5) /* rows in flight per SM */
     quant_per_token_kernel(const void *x, uint8_t *q, float *scales, int64_t rows, int64_t k, int vec,
-                           float dtype_max, int has_ub, float ub, int exact) {
+                           float dtype_max, int has_ub, float ub, int pow2, int exact) {
   constexpr int CACHE = 4;
   const size_t nv = vec ? (size_t)k / VEC : 0;
   const size_t bd = blockDim.x;
@@ -403,7 +409,7 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK, IN == IN_F32 ? 3 : 5) /* rows i
     }
     float amax = moe_f32_from_bits(block_max(m));
     if (has_ub && ub < amax) amax = ub;
-    const float s = scale_from_amax(amax, dtype_max);
+    const float s = group_scale(amax, dtype_max, pow2);
     const float r = 1.0f / s;
     if (threadIdx.x == 0) scales[row] = s;
 #pragma unroll
@@ -424,6 +430,58 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK, IN == IN_F32 ? 3 : 5) /* rows i
       float v = load1<IN>(x, base + i);
       q[base + i] = (uint8_t)encode<Q>(exact ? v / s : v * r, false);
     }
+  }
+}
+
+/* Groups (per_token_group's, or per_token's short rows) of G a multiple of 8
+ * up to 8 * 32 * GROUP_CACHE: a team of ts lanes per group (a power of two
+ * dividing G / 8, at most 32), each lane's G / 8 / ts vectors loaded at
+ * once and kept in registers between the amax and the encode; a team's
+ * amax meets through xor-shuffles inside it (whole for warp sizes 32 and
+ * 64). The loop bound is block-uniform so that every lane reaches every
+ * shuffle. */
+constexpr int GROUP_CACHE = 4;
+template <int IN, int Q, bool HW>
+__global__ void __launch_bounds__(MOE_GPU_BLOCK)
+    quant_group_kernel(const void *x, uint8_t *q, float *scales, int64_t groups, int g, int ts,
+                       float dtype_max, int has_ub, float ub, int pow2, int exact) {
+  const int per = g / VEC / ts, sub = (int)threadIdx.x % ts;
+  const int64_t teams = (int64_t)blockDim.x / ts, stride = (int64_t)gridDim.x * teams;
+  for (int64_t first = (int64_t)blockIdx.x * teams; first < groups; first += stride) {
+    const int64_t grp = first + (int64_t)threadIdx.x / ts;
+    const bool active = grp < groups;
+    const size_t base = (size_t)grp * (size_t)g;
+    raw8<IN> c[GROUP_CACHE];
+    uint32_t m = 0;
+#pragma unroll
+    for (int j = 0; j < GROUP_CACHE; j++)
+      if (active && j < per) load_raw8<IN>(x, base + (size_t)(j * ts + sub) * VEC, c[j]);
+#pragma unroll
+    for (int j = 0; j < GROUP_CACHE; j++)
+      if (active && j < per) {
+        float a[VEC];
+        unpack8<IN>(c[j], a);
+#pragma unroll
+        for (int e = 0; e < VEC; e++) {
+          const uint32_t u = finite_abs_bits(a[e]);
+          m = u > m ? u : m;
+        }
+      }
+    for (int off = ts / 2; off > 0; off >>= 1) {
+      const uint32_t o = MOE_SHFL_XOR(m, off);
+      m = o > m ? o : m;
+    }
+    float amax = moe_f32_from_bits(m);
+    if (has_ub && ub < amax) amax = ub;
+    const float s = group_scale(amax, dtype_max, pow2), r = 1.0f / s;
+    if (active && sub == 0) scales[grp] = s;
+#pragma unroll
+    for (int j = 0; j < GROUP_CACHE; j++)
+      if (active && j < per) {
+        float a[VEC];
+        unpack8<IN>(c[j], a);
+        encode8<Q, HW>(a, s, r, exact, q, base + (size_t)(j * ts + sub) * VEC, true);
+      }
   }
 }
 
@@ -686,28 +744,56 @@ extern "C" moe_status moe_gpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_
   return launched("quant.per_tensor", err);
 }
 
-extern "C" moe_status moe_gpu_quant_per_token(moe_backend *b, moe_call *c, moe_error *err) {
+/* quant.per_token and quant.per_token_group: one scale per a->group
+ * elements; small aligned groups by lane teams, the rest a block per group. */
+extern "C" moe_status moe_gpu_quant_grouped(moe_backend *b, moe_call *c, moe_error *err) {
   const bool hw = use_hw();
   const moe_scaled_args *a = &c->args.scaled;
   const moe_tensor *x = &c->in[0].tensor;
   uint8_t *q = (uint8_t *)c->out[0].tensor.data;
   float *scales = (float *)c->out[1].tensor.data;
-  int64_t rows = moe_tensor_rows(x), k = moe_tensor_cols(x);
-  if (rows == 0) return MOE_OK;
+  size_t n = 0;
+  moe_tensor_numel(x, &n);
+  if (n == 0) return MOE_OK;
+  const int64_t k = a->group, rows = (int64_t)(n / (size_t)k);
   size_t esize = x->dtype == MOE_F32 ? 4 : 2;
   int vec = aligned(x->data, 16) && aligned(q, 8) && ((size_t)k * esize) % 16 == 0 && k % VEC == 0;
-  size_t cap = (size_t)moe_gpu_sm_count(b) * 16;
-  unsigned grid = (unsigned)((size_t)rows < cap ? (size_t)rows : cap);
+  const size_t cap = (size_t)moe_gpu_sm_count(b) * 16;
   hipStream_t st = moe_gpu_stream(b);
+  /* lanes per group for the team kernel: the fewest that keep at most
+   * GROUP_CACHE vectors each, so that each lane has several loads in flight
+   * (0: a block per group) */
+  int ts = 0;
+  const int64_t nvec = k / VEC;
+  for (int t = 1; vec && !ts && t <= 32; t *= 2)
+    if (nvec % t == 0 && nvec / t <= GROUP_CACHE) ts = t;
+  if (ts) {
+    const size_t teams = MOE_GPU_BLOCK / (size_t)ts, blocks = ((size_t)rows + teams - 1) / teams;
+    const unsigned grid = (unsigned)(blocks < cap ? blocks : cap);
+    dispatch_in_q(in_kind(x->dtype), q_kind(a->qdtype), [&]<int IN, int Q>() {
+      if (hw)
+        quant_group_kernel<IN, Q, true>
+            <<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, scales, rows, (int)k, ts, a->dtype_max,
+                                             a->has_scale_ub, a->scale_ub, a->pow2_scale, a->exact_division);
+      else
+        quant_group_kernel<IN, Q, false>
+            <<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, scales, rows, (int)k, ts, a->dtype_max,
+                                             a->has_scale_ub, a->scale_ub, a->pow2_scale, a->exact_division);
+    });
+    return launched(c->op->info.name, err);
+  }
+  unsigned grid = (unsigned)((size_t)rows < cap ? (size_t)rows : cap);
   dispatch_in_q(in_kind(x->dtype), q_kind(a->qdtype), [&]<int IN, int Q>() {
     if (hw)
-      quant_per_token_kernel<IN, Q, true><<<grid, MOE_GPU_BLOCK, 0, st>>>(
-          x->data, q, scales, rows, k, vec, a->dtype_max, a->has_scale_ub, a->scale_ub, a->exact_division);
+      quant_per_token_kernel<IN, Q, true>
+          <<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, scales, rows, k, vec, a->dtype_max, a->has_scale_ub,
+                                           a->scale_ub, a->pow2_scale, a->exact_division);
     else
-      quant_per_token_kernel<IN, Q, false><<<grid, MOE_GPU_BLOCK, 0, st>>>(
-          x->data, q, scales, rows, k, vec, a->dtype_max, a->has_scale_ub, a->scale_ub, a->exact_division);
+      quant_per_token_kernel<IN, Q, false>
+          <<<grid, MOE_GPU_BLOCK, 0, st>>>(x->data, q, scales, rows, k, vec, a->dtype_max, a->has_scale_ub,
+                                           a->scale_ub, a->pow2_scale, a->exact_division);
   });
-  return launched("quant.per_token", err);
+  return launched(c->op->info.name, err);
 }
 
 extern "C" moe_status moe_gpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err) {

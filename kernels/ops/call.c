@@ -10,8 +10,13 @@
 /* ---- the table ------------------------------------------------------------ */
 
 static const moe_op *const op_table[] = {
-    &moe_op_quant_per_tensor,   &moe_op_quant_per_token, &moe_op_quant_mx,
-    &moe_op_dequant_per_tensor, &moe_op_dequant_mx,      &moe_op_topk,
+    &moe_op_quant_per_tensor,
+    &moe_op_quant_per_token,
+    &moe_op_quant_per_token_group,
+    &moe_op_quant_mx,
+    &moe_op_dequant_per_tensor,
+    &moe_op_dequant_mx,
+    &moe_op_topk,
     &moe_op_fused_moe,
 };
 #define OP_COUNT (sizeof op_table / sizeof op_table[0])

@@ -33,7 +33,7 @@ typedef enum moe_narrow_kind {
   MOE_NARROW_INT8, /* not a float format: the int8 codec */
 } moe_narrow_kind;
 
-/* quant.per_tensor, quant.per_token, dequant.per_tensor */
+/* quant.per_tensor, quant.per_token, quant.per_token_group, dequant.per_tensor */
 typedef struct moe_scaled_args {
   moe_dtype qdtype;      /* FP8_E4M3FN, FP8_E4M3FNUZ or INT8 */
   moe_narrow_fmt fmt;    /* codec of qdtype (unused for INT8) */
@@ -44,6 +44,8 @@ typedef struct moe_scaled_args {
                             also the scale of dequant.per_tensor */
   bool has_scale_ub;     /* per_token */
   float scale_ub;
+  int64_t group;       /* per_token (K), per_token_group (G): elements per scale, a divisor of K */
+  bool pow2_scale;     /* per_token_group scale_rule = pow2_up: s rounded up to a power of two */
   moe_dtype out_dtype; /* dequant: F32, F16 or BF16 */
 } moe_scaled_args;
 
@@ -153,6 +155,7 @@ static inline float moe_round_to(float v, moe_dtype t) {
 /* The op table entries (kernels/ops/<op>.c). */
 extern const moe_op moe_op_quant_per_tensor;
 extern const moe_op moe_op_quant_per_token;
+extern const moe_op moe_op_quant_per_token_group;
 extern const moe_op moe_op_quant_mx;
 extern const moe_op moe_op_dequant_per_tensor;
 extern const moe_op moe_op_dequant_mx;
@@ -161,7 +164,8 @@ extern const moe_op moe_op_fused_moe;
 
 /* CPU functions (kernels/cpu/<op>.c). */
 moe_status moe_cpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_error *err);
-moe_status moe_cpu_quant_per_token(moe_backend *b, moe_call *c, moe_error *err);
+/* quant.per_token and quant.per_token_group: one scale per args.scaled.group elements */
+moe_status moe_cpu_quant_grouped(moe_backend *b, moe_call *c, moe_error *err);
 moe_status moe_cpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err);
 moe_status moe_cpu_dequant_per_tensor(moe_backend *b, moe_call *c, moe_error *err);
 moe_status moe_cpu_dequant_mx(moe_backend *b, moe_call *c, moe_error *err);
@@ -171,7 +175,7 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err);
 /* GPU functions (kernels/gpu/); defined only in GPU builds. */
 #ifdef MOE_HAVE_GPU
 moe_status moe_gpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_error *err);
-moe_status moe_gpu_quant_per_token(moe_backend *b, moe_call *c, moe_error *err);
+moe_status moe_gpu_quant_grouped(moe_backend *b, moe_call *c, moe_error *err);
 moe_status moe_gpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err);
 moe_status moe_gpu_dequant_per_tensor(moe_backend *b, moe_call *c, moe_error *err);
 moe_status moe_gpu_dequant_mx(moe_backend *b, moe_call *c, moe_error *err);

@@ -25,6 +25,7 @@ static moe_status prepare(moe_call *c, const moe_params *p, moe_error *err) {
     if (!moe_f32_isfinite(a->scale_ub) || !(a->scale_ub > 0.0f))
       return moe_fail(err, MOE_EINVAL, "parameter 'scale_ub' must be finite and > 0 as fp32 (got %g)", ub);
   }
+  a->group = moe_tensor_cols(x);
   int64_t scales_shape[2] = {moe_tensor_rows(x), 1};
   s = moe_call_set_output(c, 0, a->qdtype, x->ndim, x->shape, err);
   if (!s) s = moe_call_set_output(c, 1, MOE_F32, 2, scales_shape, err);
@@ -34,6 +35,6 @@ static moe_status prepare(moe_call *c, const moe_params *p, moe_error *err) {
 const moe_op moe_op_quant_per_token = {
     .info = {"quant.per_token", inputs, 1, outputs, 2, true},
     .prepare = prepare,
-    .cpu = moe_cpu_quant_per_token,
-    .gpu = MOE_GPU_FN(moe_gpu_quant_per_token),
+    .cpu = moe_cpu_quant_grouped,
+    .gpu = MOE_GPU_FN(moe_gpu_quant_grouped),
 };

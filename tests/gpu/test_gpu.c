@@ -57,6 +57,9 @@ static moe_param pstr(const char *name, const char *v) {
 static moe_param pbool(const char *name, bool v) {
   return (moe_param){.name = name, .type = MOE_PARAM_BOOL, .b = v};
 }
+static moe_param pint(const char *name, int64_t v) {
+  return (moe_param){.name = name, .type = MOE_PARAM_INT, .i = v};
+}
 static moe_param pdbl(const char *name, double v) {
   return (moe_param){.name = name, .type = MOE_PARAM_DOUBLE, .d = v};
 }
@@ -354,6 +357,41 @@ START_TEST(per_token_exhaustive) {
 }
 END_TEST
 
+/* ---- quant.per_token_group ------------------------------------------------------ */
+
+/* Every 16-bit pattern (in order and shuffled) in groups of every kind the
+ * GPU splits differently (lane teams of 1..32 lanes with 1..4 vectors each,
+ * a block per group past 1024 or for unaligned groups, rows misaligned),
+ * both scale rules and division modes. */
+START_TEST(per_token_group_exhaustive) {
+  uint16_t *x = all_patterns(), *y = malloc(65536 * 2);
+  char label[200];
+  const int64_t shapes[][3] = {/* rows, K, G */
+                               {512, 128, 128},  {256, 256, 8},    {682, 96, 24},  {128, 512, 1024 / 2},
+                               {32, 2048, 1024}, {16, 4096, 2048}, {655, 100, 20}, {4681, 14, 7}};
+  for (int d = 0; d < 2; d++)
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+      for (int shuf = 0; shuf < 2; shuf++) {
+        memcpy(y, x, 65536 * 2);
+        if (shuf) shuffle16(y, 65536);
+        for (int o = 0; o < 3; o++)
+          for (int rule = 0; rule < 2; rule++)
+            for (int ex = 0; ex < (quick ? 1 : 2); ex++) {
+              moe_named_tensor in[1] = {{"x", tensor2(half_types[d], shapes[si][0], shapes[si][1], y)}};
+              moe_param p[4] = {pstr("out_dtype", scaled_out[o]), pint("group_size", shapes[si][2]),
+                                pstr("scale_rule", rule ? "pow2_up" : "exact"), pbool("exact_division", ex)};
+              snprintf(label, sizeof label,
+                       "per_token_group %s [%lld,%lld] G=%lld shuffled=%d %s rule=%d exact=%d",
+                       moe_dtype_name(half_types[d]), (long long)shapes[si][0], (long long)shapes[si][1],
+                       (long long)shapes[si][2], shuf, scaled_out[o], rule, ex);
+              check_op("quant.per_token_group", in, 1, p, 4, (si == 0 && shuf) ? 4 : 0, label);
+            }
+      }
+  free(x);
+  free(y);
+}
+END_TEST
+
 /* ---- quant.mx ------------------------------------------------------------------ */
 
 static const char *const mx_formats[] = {"mxfp4", "mxfp8_e4m3fn", "mxfp8_e5m2"};
@@ -458,9 +496,6 @@ END_TEST
 /* ---- moe.topk ---------------------------------------------------------------------- */
 
 static float urand(float lo, float hi) { return lo + (hi - lo) * (float)(rng() >> 40) / (float)(1ull << 24); }
-static moe_param pint(const char *name, int64_t v) {
-  return (moe_param){.name = name, .type = MOE_PARAM_INT, .i = v};
-}
 
 /* ids must be identical; weights within 1e-6 relative (the two backends'
  * exp may differ in the last bit: kernels/gpu/topk.hip). */
@@ -1090,6 +1125,7 @@ int main(void) {
   tcase_add_test(tc, per_tensor_dynamic);
   tcase_add_test(tc, per_tensor_random_f32);
   tcase_add_test(tc, per_token_exhaustive);
+  tcase_add_test(tc, per_token_group_exhaustive);
   tcase_add_test(tc, mx_exhaustive);
   tcase_add_test(tc, dequant_per_tensor_exhaustive);
   tcase_add_test(tc, dequant_mx_exhaustive);

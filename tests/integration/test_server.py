@@ -133,6 +133,8 @@ def op_cases(rng):
         ("quant.per_tensor", {"x": (xb, "bf16")}, {"out_dtype": "int8", "exact_division": True}),
         ("quant.per_tensor", {"x": (x, "fp32"), "scale": (sc, "fp32")}, {"out_dtype": "fp8_e4m3fnuz"}),
         ("quant.per_token", {"x": (x, "fp32")}, {"out_dtype": "fp8_e4m3fn"}),
+        ("quant.per_token_group", {"x": (x, "fp32")}, {"group_size": 16, "scale_rule": "pow2_up"}),
+        ("quant.per_token_group", {"x": (xb, "bf16")}, {"group_size": 32, "out_dtype": "int8"}),
         ("quant.mx", {"x": (x, "fp32")}, {"format": "mxfp4"}),
         ("quant.mx", {"x": (xb, "bf16")}, {"format": "mxfp8_e4m3fn", "scale_rule": "floor"}),
         ("dequant.per_tensor", {"q": (q8, "uint8"), "scale": (sc, "fp32")},
@@ -176,6 +178,11 @@ def test_ops(cli, ch):
     r = cli.infer("quant.per_token", [i], parameters={"out_dtype": "int8"})
     check(np.array_equal(r.as_numpy("q"), ref["q"][0]) and np.array_equal(r.as_numpy("scales"), ref["scales"][0]),
           "tritonclient quant.per_token bit-equal")
+    gp = {"group_size": 16, "scale_rule": "pow2_up"}
+    gref = moelib.run("quant.per_token_group", {"x": (x, "fp32")}, gp)
+    r = cli.infer("quant.per_token_group", [i], parameters=gp)
+    check(np.array_equal(r.as_numpy("q"), gref["q"][0]) and np.array_equal(r.as_numpy("scales"), gref["scales"][0])
+          and r.as_numpy("scales").shape == (4, 4), "tritonclient quant.per_token_group bit-equal, scales [4, 4]")
     req = pb.ModelInferRequest(model_name="quant.per_token")
     t = req.inputs.add()
     t.name, t.datatype = "x", "FP32"

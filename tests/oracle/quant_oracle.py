@@ -263,6 +263,27 @@ def quant_per_token(x, out_dtype, scale_ub=None, exact_division=False):
     return q.reshape(x.shape), s
 
 
+def quant_per_token_group(x, out_dtype, group_size=128, scale_rule=None, exact_division=False):
+    """x fp32 [.., K], G = group_size dividing K. Returns (q, scales fp32
+    [.., K / G]): per group of G consecutive elements of a row, dynamic
+    per-tensor over that group; scale_rule "pow2_up" first rounds each s up
+    to a power of two through its bits."""
+    x = np.asarray(x, dtype=F32)
+    K = x.shape[-1]
+    if group_size < 1 or K % group_size:
+        raise ValueError("group_size must divide K")
+    xg = x.reshape(-1, group_size)
+    amax = _amax_finite(xg, axis=1, keepdims=True)
+    with np.errstate(all="ignore"):
+        s = (amax / F32(DTYPE_MAX[out_dtype])).astype(F32)
+    s = np.where(s == 0, F32(1.0), s).astype(F32)
+    if scale_rule == "pow2_up":
+        b = bits32(s).astype(np.uint64)
+        s = from_bits32(((b + 0x7FFFFF) & 0x7F800000).astype(np.uint32)).astype(F32)
+    q = cvt(_apply_scale(xg, s, exact_division), out_dtype)
+    return q.reshape(x.shape), s.reshape(x.shape[:-1] + (K // group_size,))
+
+
 def _mx_scale(amax, fmt, rule):
     """amax: fp32 [..] (finite, >= 0). Returns (scale byte, fp32 multiplier m)
     so that elements are cvt(x * m)."""

@@ -140,6 +140,11 @@ def fake_run(op, inputs, params):
         od = params["out_dtype"]
         q, s = Q.quant_per_token(x32("x"), od, params.get("scale_ub"), params.get("exact_division", False))
         return {"q": (q, od), "scales": (s, "fp32")}
+    if op == "quant.per_token_group":
+        od = params.get("out_dtype", "fp8_e4m3fn")
+        q, s = Q.quant_per_token_group(x32("x"), od, params.get("group_size", 128), params.get("scale_rule"),
+                                       params.get("exact_division", False))
+        return {"q": (q, od), "scales": (s, "fp32")}
     if op == "quant.mx":
         fmt = params["format"]
         q, s = Q.quant_mx(x32("x"), fmt, params.get("scale_rule", "even"),
@@ -406,6 +411,65 @@ def check_per_token():
             per_token_case(group, xs, "bf16", od, None, "tiny-rows", exact)
 
 
+def per_token_group_case(group, xs, xdtype, od, g, rule, exact, tag):
+    """od, g, rule, exact: None = not passed (the defaults: fp8_e4m3fn, 128, none, false)."""
+    x32 = Q.widen(xs, xdtype)
+    case = f"quant.per_token_group[{tag}] x={xdtype}{list(xs.shape)} out={od} G={g} rule={rule} exact={exact}"
+    params = {}
+    for name, v in (("out_dtype", od), ("group_size", g), ("scale_rule", rule), ("exact_division", exact)):
+        if v is not None:
+            params[name] = v
+    out = call(group, case, "quant.per_token_group", {"x": (xs, xdtype)}, params)
+    if out is None:
+        return
+    odn, gn = od or "fp8_e4m3fn", g or 128
+    eq, es = Q.quant_per_token_group(x32, odn, gn, rule, bool(exact))
+    ok = check_dtype(case + " q", out["q"][1], [odn] if odn == "int8" else [odn, "uint8"])
+    ok &= check_dtype(case + " scales", out["scales"][1], ["fp32"])
+    ok &= compare(group, case + " scales", np.asarray(out["scales"][0]).reshape(es.shape), es,
+                  lambda i: f"group {i} amax={fhex(Q._amax_finite(x32.reshape(-1, gn)[i]))}")
+    ok &= compare(group, case + " q", out["q"][0], eq,
+                  lambda i: f"x={xdesc(xs, xdtype, i)} group scale={fhex(es.reshape(-1)[i // gn])}")
+    case_done(group, ok)
+
+
+def check_per_token_group():
+    """Every fp16/bf16 pattern in several group shapes (each group's amax
+    gives its own scale: thousands of scales per array), both scale rules,
+    both division modes, every output dtype; fp32 random and tiny groups."""
+    group = "per_token_group"
+    print("-- quant.per_token_group", flush=True)
+    rng = np.random.default_rng(37)
+    gs = [(128, "bitorder-K512", 512), (64, "perm-K256", 256), (8, "perm-K64", 64), (24, "perm-K96", 96),
+          (2048, "bitorder-K4096", 4096), (1, "K3", 3), (7, "perm-K7", 7)]
+    if QUICK:
+        gs = gs[:4]
+    for xdtype in ("fp16", "bf16"):
+        perm = rng.permutation(ALL16)
+        for g, tag, K in gs:
+            src = ALL16 if tag.startswith("bitorder") else perm
+            xs = src[: len(src) // K * K].reshape(-1, K)
+            for od in ("fp8_e4m3fn", "fp8_e4m3fnuz", "int8"):
+                for rule in (None, "pow2_up"):
+                    per_token_group_case(group, xs, xdtype, od, g, rule, None, tag)
+                per_token_group_case(group, xs, xdtype, od, g, "pow2_up", True, tag)
+                per_token_group_case(group, xs, xdtype, od, g, "exact", True, tag)
+    x = random_f32(65536, 41)
+    for od in (None, "int8"):
+        per_token_group_case(group, x.reshape(64, 1024), "fp32", od, None, None, None, "rand-default-G")
+        per_token_group_case(group, x.reshape(16, 16, 256), "fp32", od, 32, "pow2_up", None, "rand-3d")
+        per_token_group_case(group, x[:384], "fp32", od, 128, "pow2_up", False, "rank1")
+    # Groups of every kind: all zero, all NaN/inf, tiny (s subnormal: pow2_up
+    # rounds it to a normal power of two), the largest finite values.
+    xs = np.array([[0, 0, 0, 0, 0x7E00, 0x7C00, 0xFC00, 0x7E00], [0x7C00, 0x3C00, 0, 0x8000, 0x0001, 0x8001, 0, 0x0002],
+                   [0x7BFF, 0xFBFF, 0x0001, 0x8000, 0x3C01, 0x3C00, 0x3BFF, 0x0400]], np.uint16)
+    for od in ("fp8_e4m3fn", "fp8_e4m3fnuz", "int8"):
+        for rule in (None, "pow2_up"):
+            for exact in (None, True):
+                per_token_group_case(group, xs, "fp16", od, 4, rule, exact, "special-groups")
+                per_token_group_case(group, xs, "bf16", od, 2, rule, exact, "special-groups-bf16")
+
+
 MX_CONFIGS = [(f, r, e) for f in ("mxfp4", "mxfp8_e4m3fn", "mxfp8_e5m2")
               for r in ("even", "floor", "amax_up", "amax_down")
               for e in (("rne", "half_up") if f == "mxfp4" else ("rne",))]
@@ -639,8 +703,11 @@ def main():
             print(f"cannot load libmoe: {e}")
             print("0 passed, 1 failed")
             return 1
-    for fn in (check_per_tensor_static, check_per_tensor_dynamic, check_per_token, check_mx,
+    only = [a[len("--only="):] for a in sys.argv if a.startswith("--only=")]  # e.g. --only=per_token_group
+    for fn in (check_per_tensor_static, check_per_tensor_dynamic, check_per_token, check_per_token_group, check_mx,
                check_dequant_per_tensor, check_dequant_mx, check_bad_inputs):
+        if only and fn.__name__ != "check_" + only[0]:
+            continue
         t = time.time()
         try:
             fn()

@@ -24,6 +24,7 @@ static moe_param pstr(const char *name, const char *v) {
   return (moe_param){name, MOE_PARAM_STRING, v, 0, 0, 0};
 }
 static moe_param pbool(const char *name, bool v) { return (moe_param){name, MOE_PARAM_BOOL, NULL, v, 0, 0}; }
+static moe_param pint(const char *name, int64_t v) { return (moe_param){name, MOE_PARAM_INT, NULL, 0, v, 0}; }
 static moe_param pdbl(const char *name, double v) {
   return (moe_param){name, MOE_PARAM_DOUBLE, NULL, 0, 0, v};
 }
@@ -185,6 +186,48 @@ START_TEST(per_token_scale_ub_caps_amax) {
 }
 END_TEST
 
+START_TEST(per_token_group_scales_and_pow2_up) {
+  /* groups of 4: amax 3 -> s = 3 / 448; pow2_up -> 2^-7, then x * 128 encodes
+   * exactly: 1 -> 128 (0x70), -3 -> -384 (0xFC), 0.5 -> 64 (0x68). The all-zero
+   * group keeps s = 1 (a power of two already). */
+  float x[2][8] = {{1.0f, -3.0f, 0.0f, 0.5f, 0, 0, 0, 0}, {448.0f, 0, 0, 0, 0, 0, 0, 1e-40f}};
+  int64_t shape[2] = {2, 8};
+  moe_named_tensor in[1] = {tensor("x", MOE_F32, x, sizeof x, 2, shape)};
+  moe_param p[2] = {pint("group_size", 4), pstr("scale_rule", "pow2_up")};
+  moe_named_tensor *out;
+  size_t n;
+  moe_error err;
+  ck_assert_int_eq(run("quant.per_token_group", in, 1, p, 2, &out, &n, &err), MOE_OK);
+  ck_assert_int_eq(out[0].tensor.dtype, MOE_FP8_E4M3FN);
+  ck_assert_int_eq(out[1].tensor.ndim, 2);
+  ck_assert_int_eq(out[1].tensor.shape[0], 2);
+  ck_assert_int_eq(out[1].tensor.shape[1], 2);
+  const float *s = out[1].tensor.data;
+  ck_assert_float_eq(s[0], 0.0078125f);
+  ck_assert_float_eq(s[1], 1.0f);
+  ck_assert_float_eq(s[2], 1.0f);            /* 448 / 448 */
+  ck_assert_float_eq(s[3], ldexpf(1, -126)); /* 1e-40 / 448 (subnormal) up to the least normal power */
+  const uint8_t *q = out[0].tensor.data;
+  ck_assert_uint_eq(q[0], 0x70);
+  ck_assert_uint_eq(q[1], 0xFC);
+  ck_assert_uint_eq(q[2], 0x00);
+  ck_assert_uint_eq(q[3], 0x68);
+  ck_assert_uint_eq(q[8], 0x7E); /* 448 */
+  moe_outputs_free(out, n);
+  /* without the rule: s = amax / 448 as is; default group 128 needs K % 128 */
+  ck_assert_int_eq(run("quant.per_token_group", in, 1, p, 1, &out, &n, &err), MOE_OK);
+  ck_assert_float_eq(((float *)out[1].tensor.data)[0], 3.0f / 448.0f);
+  moe_outputs_free(out, n);
+  /* rank 1: scales [K / G] */
+  float r1[256] = {0};
+  moe_named_tensor in1[1] = {tensor("x", MOE_F32, r1, sizeof r1, 1, (int64_t[]){256})};
+  ck_assert_int_eq(run("quant.per_token_group", in1, 1, NULL, 0, &out, &n, &err), MOE_OK);
+  ck_assert_int_eq(out[1].tensor.ndim, 1);
+  ck_assert_int_eq(out[1].tensor.shape[0], 2);
+  moe_outputs_free(out, n);
+}
+END_TEST
+
 START_TEST(dequant_mx_nan_scale_and_fp4_nibbles) {
   uint8_t q[16] = {0x7F}, s[1] = {128}; /* element 0 = low nibble 0xF (-6), 1 = high 0x7 (6); scale 2 */
   int64_t qs[1] = {16}, ss[1] = {1};
@@ -277,6 +320,15 @@ START_TEST(bad_inputs_are_named) {
   expect_einval("quant.per_token", ok, 1, p5, 1, "scale_ub");
   moe_param p6[1] = {pbool("format", true)};
   expect_einval("quant.mx", ok, 1, p6, 1, "format");
+  /* per_token_group: G not dividing K (default 128 too), G < 1, e5m2, unknown rule */
+  moe_param g5[1] = {pint("group_size", 5)}, g0[1] = {pint("group_size", 0)};
+  expect_einval("quant.per_token_group", ok, 1, g5, 1, "group_size");
+  expect_einval("quant.per_token_group", ok, 1, g0, 1, "group_size");
+  expect_einval("quant.per_token_group", ok, 1, NULL, 0, "group_size");
+  moe_param ge5[2] = {pint("group_size", 8), pstr("out_dtype", "fp8_e5m2")};
+  expect_einval("quant.per_token_group", ok, 1, ge5, 2, "out_dtype");
+  moe_param gr[2] = {pint("group_size", 8), pstr("scale_rule", "even")};
+  expect_einval("quant.per_token_group", ok, 1, gr, 2, "scale_rule");
   /* unknown and missing inputs */
   moe_named_tensor unknown[2] = {ok[0], tensor("y", MOE_F32, x, 4, 1, s1)};
   expect_einval("quant.per_token", unknown, 2, NULL, 0, "y");
@@ -307,6 +359,7 @@ int main(void) {
   tcase_add_test(tc, per_tensor_saturates_and_maps_nan);
   tcase_add_test(tc, dynamic_scale_is_amax_over_finite);
   tcase_add_test(tc, per_token_scale_ub_caps_amax);
+  tcase_add_test(tc, per_token_group_scales_and_pow2_up);
   tcase_add_test(tc, dequant_mx_nan_scale_and_fp4_nibbles);
   tcase_add_test(tc, dequant_per_tensor_rounds_to_out_dtype);
   tcase_add_test(tc, bad_inputs_are_named);
