@@ -157,6 +157,7 @@ static void bench_quant(moe_backend *b, double ceiling, size_t mib) {
       {"per_tensor static int8", "quant.per_tensor", 2, {pstr("out_dtype", "int8")}, 1},
       {"per_tensor dynamic fp8", "quant.per_tensor", 1, {pstr("out_dtype", "fp8_e4m3fn")}, 1},
       {"per_token fp8", "quant.per_token", 1, {pstr("out_dtype", "fp8_e4m3fn")}, 1},
+      {"per_token_group 128 fp8", "quant.per_token_group", 1, {pstr("out_dtype", "fp8_e4m3fn")}, 1},
       {"mxfp8 e4m3fn", "quant.mx", 1, {pstr("format", "mxfp8_e4m3fn")}, 1},
       {"mxfp4", "quant.mx", 1, {pstr("format", "mxfp4")}, 1},
   };

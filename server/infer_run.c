@@ -18,8 +18,35 @@ typedef struct run_ctx {
   void *host_out[MOED_MAX_TENSORS];  /* host copies (non-host backends) */
   moed_weights *cached;              /* inline fused_moe weights from the cache */
   size_t num_out;
+  moed_infer_req **reqs; /* the requests the call serves (its stop check) */
+  size_t n_reqs;
+  bool stopped; /* the op stopped early (run_stop) */
   char err[MOED_ERR_LEN];
 } run_ctx;
+
+/* A running op stops once nobody waits for it (every caller cancelled or
+ * past its deadline) or the drain timeout has passed (moed_server.stop_work).
+ * Called from the op's threads. */
+static bool run_stop(void *ctx) {
+  const run_ctx *c = ctx;
+  if (atomic_load(&c->srv->stop_work)) return true;
+  const uint64_t now = moed_now_ns();
+  for (size_t k = 0; k < c->n_reqs; k++) {
+    const moed_rpc *rpc = c->reqs[k]->req->rpc;
+    if (!moed_rpc_cancelled(rpc) && now < moed_rpc_deadline_ns(rpc)) return false;
+  }
+  return true;
+}
+
+/* The status of a request whose op was stopped by run_stop. */
+static grpc_status_code stopped_status(const moed_server *srv, const moed_infer_req *r, char *err) {
+  if (atomic_load(&srv->stop_work))
+    return moed_failf(err, GRPC_STATUS_UNAVAILABLE,
+                      "server shutting down: work stopped at the drain timeout");
+  if (moed_rpc_cancelled(r->req->rpc)) return moed_failf(err, GRPC_STATUS_CANCELLED, "call cancelled");
+  return moed_failf(err, GRPC_STATUS_DEADLINE_EXCEEDED,
+                    "deadline exceeded while running: the work was stopped");
+}
 
 static void ctx_cleanup(run_ctx *c) {
   for (size_t i = 0; i < MOED_MAX_TENSORS; i++) {
@@ -141,7 +168,9 @@ static grpc_status_code run_call(run_ctx *c, const moed_model *m, const moe_name
   if (code) return code;
   const uint64_t staged = moed_now_ns();
   t->input_ns = staged - t->start_ns;
+  moe_call_set_stop(c->call, run_stop, c);
   ms = moe_call_run(c->call, c->b, &err);
+  c->stopped = ms == MOE_ECANCELLED;
   if (ms != MOE_OK) return moed_failf(c->err, moed_status_from_moe(ms), "%s", err.msg);
   /* a device runs the op asynchronously: waiting here puts its time in
    * compute_infer rather than in the output copy that would wait for it */
@@ -167,6 +196,8 @@ static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r) {
   memset(&c, 0, sizeof c);
   c.srv = srv;
   c.b = b;
+  c.reqs = &r;
+  c.n_reqs = 1;
   moed_timing t = {0};
   uint64_t bytes_out = 0;
   grpc_byte_buffer *resp = NULL;
@@ -177,6 +208,7 @@ static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r) {
   if (code) goto done;
   t.start_ns = moed_now_ns();
   code = run_call(&c, r->model, r->in, r->n_in, r->params, r->n_params, host, &t);
+  if (c.stopped) code = stopped_status(srv, r, c.err);
   if (code) goto done;
   moed_stats_record_execution(r->model->stats, 1, &t);
   const uint64_t encoding = moed_now_ns();
@@ -228,6 +260,8 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
   memset(&c, 0, sizeof c);
   c.srv = srv;
   c.b = b;
+  c.reqs = reqs;
+  c.n_reqs = n;
   bool ok = false;
   moed_timing t = {.start_ns = moed_now_ns()}; /* merging the rows is input staging */
   int64_t total = 0;
@@ -255,7 +289,17 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
     in[i].tensor.shape[0] = total;
     in[i].tensor.nbytes = bytes;
   }
-  if (run_call(&c, r0->model, in, r0->n_in, r0->params, r0->n_params, host, &t)) goto out;
+  if (run_call(&c, r0->model, in, r0->n_in, r0->params, r0->n_params, host, &t)) {
+    if (!c.stopped) goto out;
+    for (size_t k = 0; k < n; k++) { /* stopped: answered here, not run again one by one */
+      char err[MOED_ERR_LEN];
+      grpc_status_code code = stopped_status(srv, reqs[k], err);
+      moed_infer_finish(srv, reqs[k], code, err, NULL, NULL, 0);
+      reqs[k] = NULL;
+    }
+    ok = true;
+    goto out;
+  }
   /* every output must be row-major along the same rows to be split */
   moe_named_tensor outs[MOED_MAX_TENSORS];
   size_t out_row[MOED_MAX_TENSORS];

@@ -1,7 +1,8 @@
 /* moed: entry point. Builds the pieces, runs the loop, and drives the
  * graceful drain: SIGTERM/SIGINT -> not ready, new inference refused,
- * in-flight work completes (bounded by --drain-timeout), gRPC shut down,
- * exit 0. */
+ * in-flight work completes (bounded by --drain-timeout: past it, running
+ * ops stop at their next work item and their calls get UNAVAILABLE), gRPC
+ * shut down, exit 0. */
 #include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
@@ -43,8 +44,11 @@ static void on_tick(uv_timer_t *t) {
   moed_devices_poll(s->devices); /* sets unloaded or replaced leave the devices */
   uint64_t now = moed_now_ns();
   if (a->stage == 1 && (atomic_load(&s->inflight) == 0 || now >= a->stage_deadline_ns)) {
-    if (atomic_load(&s->inflight))
-      moed_log(MOED_LOG_WARN, "drain_timeout", "%d requests still in flight", atomic_load(&s->inflight));
+    if (atomic_load(&s->inflight)) {
+      moed_log(MOED_LOG_WARN, "drain_timeout", "%d requests still in flight: their work is stopped",
+               atomic_load(&s->inflight));
+      atomic_store(&s->stop_work, true); /* the exit is bounded by the timeout, not by the longest op */
+    }
     moed_health_close(s);
     moed_rpc_shutdown(s->rpc);
     a->stage = 2;

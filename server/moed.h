@@ -291,7 +291,8 @@ typedef struct moed_server {
   moed_devices *devices;
   _Atomic bool ready;
   _Atomic bool draining;
-  _Atomic int inflight; /* admitted infer requests not yet answered */
+  _Atomic bool stop_work; /* the drain timeout passed: running ops stop at their next work item */
+  _Atomic int inflight;   /* admitted infer requests not yet answered */
   _Atomic uint64_t rejected;
   struct moed_watch *watches;  /* health Watch streams (loop thread) */
   struct moed_upload *uploads; /* uploads in progress (loop thread) */

@@ -15,6 +15,7 @@ grpc_status_code moed_status_from_moe(moe_status s) {
   case MOE_ENOMEM: return GRPC_STATUS_RESOURCE_EXHAUSTED;
   case MOE_EUNSUPPORTED: return GRPC_STATUS_UNIMPLEMENTED;
   case MOE_EBUSY: return GRPC_STATUS_UNAVAILABLE;
+  case MOE_ECANCELLED: return GRPC_STATUS_CANCELLED;
   case MOE_EIO: return GRPC_STATUS_INTERNAL;
   case MOE_EDEVICE: return GRPC_STATUS_INTERNAL;
   }

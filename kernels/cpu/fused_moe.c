@@ -17,6 +17,7 @@
  * same bits alone or in any batch. The lanes are plain arrays, so vector
  * width (and the ISA clone picked) never changes a result. */
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -133,7 +134,17 @@ typedef struct fused_ctx {
   float *y;           /* [tokens * k, hidden]: act(routed expert output), rows by slot */
   work_item *items1, *items2;
   int64_t n_items1, n_items2;
+  const moe_call *call; /* its stop check (moe_call_set_stop) */
+  _Atomic bool stopped; /* set by the first thread whose check said stop */
 } fused_ctx;
+
+/* Whether the rest of the work is to be skipped: asked before each item. */
+static bool stop_now(fused_ctx *f) {
+  if (atomic_load_explicit(&f->stopped, memory_order_relaxed)) return true;
+  if (!f->call->stop || !f->call->stop(f->call->stop_ctx)) return false;
+  atomic_store(&f->stopped, true);
+  return true;
+}
 
 /* ---- phase 1: gate_up GEMM and activation --------------------------------------- */
 
@@ -329,6 +340,7 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
       .expert_offset = cfg->expert_offset,
       .x = moe_call_in(c, MOE_FUSED_IN_HIDDEN),
       .out = &c->out[0].tensor,
+      .call = c,
   };
   const int64_t tokens = args->tokens, k = args->top_k;
   if (tokens == 0) return MOE_OK;
@@ -414,14 +426,15 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
         convert_token(&f, tl);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < f.n_items1; i++)
-        gate_up_item(&f, &f.items1[i], strip, tile);
+        if (!stop_now(&f)) gate_up_item(&f, &f.items1[i], strip, tile);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < f.n_items2; i++)
-        down_item(&f, &f.items2[i], strip, tile);
+        if (!stop_now(&f)) down_item(&f, &f.items2[i], strip, tile);
 #pragma omp for schedule(static)
       for (int64_t tl = 0; tl < f.tokens; tl++)
         sum_token(&f, tl, strip);
     }
+    if (atomic_load(&f.stopped)) return moe_fail(err, MOE_ECANCELLED, "fused_moe: stopped by its caller");
   }
   return MOE_OK;
 }

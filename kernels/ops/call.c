@@ -171,6 +171,11 @@ moe_status moe_call_run(moe_call *c, moe_backend *b, moe_error *err) {
   return b->iface->run(b, c, err);
 }
 
+void moe_call_set_stop(moe_call *c, moe_stop_fn stop, void *ctx) {
+  c->stop = stop;
+  c->stop_ctx = ctx;
+}
+
 void moe_call_destroy(moe_call *c) {
   if (!c) return;
   moe_expert_set_destroy(c->owned_set);

@@ -95,6 +95,8 @@ struct moe_call {
   moe_named_tensor out[MOE_OP_MAX_IO];
   size_t num_out;
   moe_expert_set *owned_set; /* built from inline weights; freed with the call */
+  moe_stop_fn stop;          /* moe_call_set_stop; NULL: runs to the end */
+  void *stop_ctx;
   union {
     moe_scaled_args scaled;
     moe_mx_args mx;

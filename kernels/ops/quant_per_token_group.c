@@ -25,7 +25,8 @@ static moe_status prepare(moe_call *c, const moe_params *p, moe_error *err) {
   if (s) return s;
   const int64_t k = moe_tensor_cols(x);
   if (g < 1 || (k % g) != 0)
-    return moe_fail(err, MOE_EINVAL, "parameter 'group_size' (%lld) must be >= 1 and divide x's last axis (%lld)",
+    return moe_fail(err, MOE_EINVAL,
+                    "parameter 'group_size' (%lld) must be >= 1 and divide x's last axis (%lld)",
                     (long long)g, (long long)k);
   a->group = g;
   a->pow2_scale = rule == 1;

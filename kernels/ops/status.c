@@ -15,6 +15,7 @@ const char *moe_strerror(moe_status s) {
   case MOE_EUNSUPPORTED: return "unsupported";
   case MOE_EDEVICE: return "device error";
   case MOE_EBUSY: return "busy";
+  case MOE_ECANCELLED: return "cancelled";
   }
   return "unknown error";
 }

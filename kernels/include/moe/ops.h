@@ -129,6 +129,14 @@ moe_named_tensor *moe_call_input(moe_call *c, size_t i);
 /* Runs on `b` (NULL: the default backend). Inputs and outputs must live in
  * b's memory. */
 moe_status moe_call_run(moe_call *c, moe_backend *b, moe_error *err);
+/* Lets a caller stop a long run: the CPU backend's fused_moe asks stop(ctx)
+ * before each work item of its GEMMs (a strip of one expert's weights, a few
+ * ms at most) and, once it answers true, skips the rest and returns
+ * MOE_ECANCELLED (outputs undefined). stop may be called from several
+ * threads at once. GPU runs queue their kernels at once and are not
+ * stopped (their longest op is milliseconds). */
+typedef bool (*moe_stop_fn)(void *ctx);
+void moe_call_set_stop(moe_call *c, moe_stop_fn stop, void *ctx);
 void moe_call_destroy(moe_call *c);
 
 /* Convenience for host memory: prepare + allocate outputs (malloc; the caller

@@ -18,6 +18,7 @@ typedef enum moe_status {
   MOE_EUNSUPPORTED = -6, /* valid request this backend or build does not run */
   MOE_EDEVICE = -7,      /* a device runtime call failed */
   MOE_EBUSY = -8,        /* resource in use (e.g. unloading a referenced set) */
+  MOE_ECANCELLED = -9,   /* the call's stop check said stop (moe_call_set_stop) */
 } moe_status;
 
 /* A short constant description of `s` ("invalid argument", ...). */

@@ -1,0 +1,126 @@
+"""Integration test: running work stops when nobody wants it any more.
+
+A fused_moe call on an expert set that takes seconds on the CPU backend
+(sized from a first timed call) is stopped at its next work item when its
+deadline passes, when its caller cancels it, and when the drain timeout of
+a SIGTERM passes: the caller gets DEADLINE_EXCEEDED / UNAVAILABLE, the
+worker is free at once (a small call right after is answered in far less
+than the rest of the long op), and moed exits within the drain timeout
+instead of after the op.
+
+env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import grpc
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+import test_server as ts  # noqa: E402
+from test_fused_moe import mkset  # noqa: E402
+from test_server import check, code_of, make_req  # noqa: E402
+
+SC = grpc.StatusCode
+HIDDEN, EXPERTS = 512, 8
+DRAIN_S = 1.0
+
+
+def call_fn(ch):
+    return ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                          request_serializer=lambda m: m.SerializeToString())
+
+
+def req_of(tokens, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
+    xb = (x.view(np.uint32) >> 16).astype(np.uint16)
+    logits = rng.standard_normal((tokens, EXPERTS)).astype(np.float32)
+    return make_req("bigset", [("hidden_states", "BF16", [tokens, HIDDEN], xb.tobytes()),
+                               ("router_logits", "FP32", [tokens, EXPERTS], logits.tobytes())])
+
+
+def timed(fn):
+    t = time.monotonic()
+    code, msg = code_of(fn)
+    return code, msg, time.monotonic() - t
+
+
+def channel(port):
+    return grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 1 << 30),
+                                                               ("grpc.max_receive_message_length", 1 << 30)])
+
+
+def calibrate(f):
+    """Tokens for a call of at least 6 s (linear in tokens), and its time."""
+    code, msg, t = timed(lambda: f(req_of(256), timeout=120))
+    check(code == SC.OK, f"calibration call OK ({code} {msg})")
+    tokens = min(65536, max(256, int(256 * 6.0 / max(t, 1e-3))))
+    code, msg, full = timed(lambda: f(req_of(tokens), timeout=300))
+    check(code == SC.OK and full >= 3.0, f"long call: {tokens} tokens in {full:.2f}s ({code} {msg})")
+    return tokens, full
+
+
+def test_deadline_and_cancel(tmp, repo):
+    p, port, _ = ts.start(tmp, "--model-repository", repo, "--workers", "1")
+    try:
+        ch = channel(port)
+        f = call_fn(ch)
+        tokens, full = calibrate(f)
+        small = req_of(1, seed=2)
+        # deadline: stopped at ~full/6, the worker then serves the next call at once
+        code, msg, t = timed(lambda: f(req_of(tokens), timeout=full / 6))
+        check(code == SC.DEADLINE_EXCEEDED, f"long call past its deadline: DEADLINE_EXCEEDED ({code} {msg})")
+        code, msg, t = timed(lambda: f(small, timeout=60))
+        check(code == SC.OK and t < full / 3, f"next call answered in {t:.2f}s (< {full / 3:.2f}s: the op was stopped)")
+        # cancel: the same through the client's cancel
+        fut = f.future(req_of(tokens), timeout=120)
+        time.sleep(full / 6)
+        fut.cancel()
+        code, msg, t = timed(lambda: f(small, timeout=60))
+        check(code == SC.OK and t < full / 3, f"after a cancel, next call answered in {t:.2f}s (< {full / 3:.2f}s)")
+        p.send_signal(signal.SIGTERM)
+        check(p.wait(timeout=60) == 0, "clean exit")
+    finally:
+        if p.poll() is None:
+            p.kill()
+    return tokens, full
+
+
+def test_drain_stops_work(tmp, repo, tokens, full):
+    p, port, _ = ts.start(tmp, "--model-repository", repo, "--workers", "1", "--drain-timeout", str(DRAIN_S))
+    try:
+        f = call_fn(channel(port))
+        fut = f.future(req_of(tokens), timeout=300)
+        time.sleep(full / 6)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=300)
+        exit_s = time.monotonic() - t0
+        check(rc == 0, f"exit code 0 ({rc})")
+        bound = DRAIN_S + 2.0
+        check(exit_s < bound and exit_s < full * 2 / 3,
+              f"exit {exit_s:.2f}s after SIGTERM (drain timeout {DRAIN_S}s; the op alone needs {full:.1f}s)")
+        code, msg = code_of(fut.result)
+        check(code == SC.UNAVAILABLE, f"the stopped call: UNAVAILABLE ({code} {msg})")
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def main():
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = os.path.join(tmp, "repo")
+        mkset(f"{repo}/bigset", "bf16", experts=EXPERTS, hidden=HIDDEN, inter=4096)
+        tokens, full = test_deadline_and_cancel(tmp, repo)
+        test_drain_stops_work(tmp, repo, tokens, full)
+        if ts.failures:
+            print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
+    print(f"{len(ts.failures)} failures")
+    sys.exit(1 if ts.failures else 0)
+
+
+if __name__ == "__main__":
+    main()
