@@ -572,19 +572,7 @@ static void repo_change_cancel(moed_job *job, moe_backend *b) {
 /* Answers a request refused before admission (UNAVAILABLE) and frees it. */
 static void refuse(moed_server *s, moed_request *req, const char *why) {
   atomic_fetch_add(&s->rejected, 1);
-  if (req->method == MOED_M_MODEL_STREAM_INFER) {
-    Inference__ModelStreamInferResponse r = INFERENCE__MODEL_STREAM_INFER_RESPONSE__INIT;
-    char msg[64];
-    snprintf(msg, sizeof msg, "UNAVAILABLE: %s", why);
-    r.error_message = msg;
-    grpc_byte_buffer *bb = pack(&r.base);
-    if (bb) moed_rpc_stream_write(req->rpc, bb);
-    moed_rpc_stream_done(req->rpc);
-  } else {
-    moed_rpc_finish(req->rpc, GRPC_STATUS_UNAVAILABLE, why, NULL);
-  }
-  if (req->payload) grpc_byte_buffer_destroy(req->payload);
-  free(req);
+  moed_request_refuse(req, GRPC_STATUS_UNAVAILABLE, why);
 }
 
 /* Repository changes run on a worker (loading maps and checks files). */

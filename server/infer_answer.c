@@ -1,6 +1,7 @@
 /* infer_answer: the last step of every inference request, however far it
  * got (infer_req.h): the answer on its call or stream, its statistics,
  * and the request freed with the in-flight count it held. */
+#include <grpc/byte_buffer_reader.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -57,12 +58,33 @@ static void reject_message(char msg[128], const moed_request *req, grpc_status_c
   snprintf(msg, 128, "%s%s", stream && code == GRPC_STATUS_UNAVAILABLE ? "UNAVAILABLE: " : "", why);
 }
 
-void moed_request_reject(moed_server *srv, moed_request *req, grpc_status_code code, const char *why) {
-  char msg[128];
+/* The request id of an undecoded stream request, from its payload's first
+ * slice (the id precedes the tensors in every encoder we know; "" if not). */
+static void peek_id(const moed_request *req, char *id, size_t size) {
+  id[0] = 0;
+  grpc_byte_buffer_reader rd;
+  if (req->method != MOED_M_MODEL_STREAM_INFER || !req->payload ||
+      !grpc_byte_buffer_reader_init(&rd, req->payload))
+    return;
+  grpc_slice first;
+  if (grpc_byte_buffer_reader_next(&rd, &first)) {
+    moed_kserve_string(GRPC_SLICE_START_PTR(first), GRPC_SLICE_LENGTH(first), true, MOED_KSERVE_ID, id, size);
+    grpc_slice_unref(first);
+  }
+  grpc_byte_buffer_reader_destroy(&rd);
+}
+
+void moed_request_refuse(moed_request *req, grpc_status_code code, const char *why) {
+  char msg[128], id[256];
   reject_message(msg, req, code, why);
-  respond(req, NULL, code, msg, NULL);
+  peek_id(req, id, sizeof id);
+  respond(req, id, code, msg, NULL);
   if (req->payload) grpc_byte_buffer_destroy(req->payload);
   free(req);
+}
+
+void moed_request_reject(moed_server *srv, moed_request *req, grpc_status_code code, const char *why) {
+  moed_request_refuse(req, code, why);
   atomic_fetch_sub(&srv->inflight, 1);
 }
 

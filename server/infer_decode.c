@@ -22,7 +22,8 @@ bool moed_infer_failed(const moed_infer_req *r) { return r->code != GRPC_STATUS_
 bool moed_infer_inline_ok(moed_server *srv, grpc_byte_buffer *payload) {
   grpc_slice s = moed_rpc_flatten(payload);
   char name[128];
-  moed_kserve_model_name(GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), name, sizeof name);
+  moed_kserve_string(GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), false, MOED_KSERVE_MODEL_NAME, name,
+                     sizeof name);
   grpc_slice_unref(s);
   moed_model *m = moed_repository_acquire(srv->repo, name);
   /* unknown: answered at once wherever it runs; an op that takes weights (an

@@ -9,7 +9,6 @@
 
 /* Field numbers (proto/grpc_service.proto) of what is read or written here. */
 enum {
-  REQUEST_MODEL_NAME = 1,           /* ModelInferRequest.model_name */
   REQUEST_RAW_INPUT_CONTENTS = 7,   /* ModelInferRequest.raw_input_contents */
   RESPONSE_RAW_OUTPUT_CONTENTS = 6, /* ModelInferResponse.raw_output_contents */
   STREAM_INFER_RESPONSE = 2,        /* ModelStreamInferResponse.infer_response */
@@ -124,15 +123,16 @@ bool moed_kserve_split_raw(const uint8_t *p, size_t n, uint8_t *rest, size_t *re
   return true;
 }
 
-void moed_kserve_model_name(const uint8_t *p, size_t n, char *name, size_t size) {
-  moed_wire_iter it = moed_wire_begin(p, n, false);
+void moed_kserve_string(const uint8_t *p, size_t n, bool prefix, moed_kserve_string_field field, char *out,
+                        size_t size) {
+  moed_wire_iter it = moed_wire_begin(p, n, prefix);
   moed_wire_field f;
-  name[0] = 0;
-  while (moed_wire_next(&it, &f)) { /* the first model_name; other fields skipped */
-    if (f.number != REQUEST_MODEL_NAME || f.type != MOED_WIRE_LEN) continue;
-    if (f.len < size) {
-      memcpy(name, p + f.at, f.len);
-      name[f.len] = 0;
+  out[0] = 0;
+  while (moed_wire_next(&it, &f)) { /* the first such field; other fields skipped */
+    if (f.number != (uint32_t)field || f.type != MOED_WIRE_LEN) continue;
+    if (f.len < size && (!prefix || f.at + f.len < n)) {
+      memcpy(out, p + f.at, f.len);
+      out[f.len] = 0;
     }
     return;
   }

@@ -56,9 +56,16 @@ bool moed_wire_next(moed_wire_iter *it, moed_wire_field *f);
  * NULL, only counts (*rest_len, *n_raw). false: not a well-formed message. */
 bool moed_kserve_split_raw(const uint8_t *p, size_t n, uint8_t *rest, size_t *rest_len,
                            ProtobufCBinaryData *raw, size_t *n_raw);
-/* The first model_name of the message into name[0..size) ("" when there is
- * none, it does not fit, or the bytes before it are malformed). */
-void moed_kserve_model_name(const uint8_t *p, size_t n, char *name, size_t size);
+/* The string fields of a ModelInferRequest read before decoding. */
+typedef enum moed_kserve_string_field {
+  MOED_KSERVE_MODEL_NAME = 1, /* ModelInferRequest.model_name */
+  MOED_KSERVE_ID = 3,         /* ModelInferRequest.id */
+} moed_kserve_string_field;
+/* The first such field of the message p[0..n) (prefix: its first bytes
+ * only, as moed_wire_begin) into out[0..size) ("" when there is none, it
+ * does not fit, it may be cut, or the bytes before it are malformed). */
+void moed_kserve_string(const uint8_t *p, size_t n, bool prefix, moed_kserve_string_field field, char *out,
+                        size_t size);
 /* Where the data of the first raw_input_contents starts in a message whose
  * first bytes are p[0..n); 0: not within them. */
 size_t moed_kserve_raw_at(const uint8_t *p, size_t n);

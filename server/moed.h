@@ -335,8 +335,11 @@ void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, siz
 /* infer_answer.c: answers r with `code` (stream: an error message on the
  * stream) and frees it; it never ran. */
 void moed_infer_reject(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *why);
-/* Answers a request that was never decoded the same way. */
+/* Answers a request that was never decoded the same way (on a stream with
+ * its request id, read from the message's first bytes). */
 void moed_request_reject(moed_server *srv, moed_request *req, grpc_status_code code, const char *why);
+/* The same for a request never admitted (it holds no in-flight count). */
+void moed_request_refuse(moed_request *req, grpc_status_code code, const char *why);
 
 /* ---- batcher.c: the batch key; merging requests along the token axis (loop) -- */
 

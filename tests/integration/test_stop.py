@@ -89,14 +89,32 @@ def test_deadline_and_cancel(tmp, repo):
     return tokens, full
 
 
+def stream_refusal(ch):
+    """A stream request during the drain: refused on the stream, with its id."""
+    stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                              request_serializer=lambda m: m.SerializeToString(),
+                              response_deserializer=ts.pb.ModelStreamInferResponse.FromString)
+    r = req_of(1, seed=3)
+    r.id = "drain-1"
+    try:
+        resps = list(stream(iter([r]), timeout=5))
+    except grpc.RpcError as e:
+        resps = [e]
+    check(len(resps) == 1 and not isinstance(resps[0], grpc.RpcError) and "UNAVAILABLE" in resps[0].error_message
+          and resps[0].infer_response.id == "drain-1", f"stream refusal during the drain names its request id: {resps}")
+
+
 def test_drain_stops_work(tmp, repo, tokens, full):
     p, port, _ = ts.start(tmp, "--model-repository", repo, "--workers", "1", "--drain-timeout", str(DRAIN_S))
     try:
-        f = call_fn(channel(port))
+        ch = channel(port)
+        f = call_fn(ch)
         fut = f.future(req_of(tokens), timeout=300)
         time.sleep(full / 6)
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        stream_refusal(ch)  # the long call keeps the drain open for DRAIN_S
         rc = p.wait(timeout=300)
         exit_s = time.monotonic() - t0
         check(rc == 0, f"exit code 0 ({rc})")
