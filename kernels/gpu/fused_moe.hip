@@ -384,6 +384,7 @@ template <bool SMEM>
 __global__ void __launch_bounds__(ALIGN_THREADS)
     align_kernel(const int32_t *ids, int n, int el, int offset, int bm, int *scratch, int4 *tiles,
                  int *ntiles, int *sorted) {
+  pdl_wait();
   const int tid = (int)threadIdx.x, nt = (int)blockDim.x; /* a power of two, <= ALIGN_THREADS */
   __shared__ int s_ctr[SMEM ? ALIGN_SMEM_EXPERTS : 1], s_start[SMEM ? ALIGN_SMEM_EXPERTS + 1 : 1],
       s_tstart[SMEM ? ALIGN_SMEM_EXPERTS + 1 : 1];
@@ -462,6 +463,7 @@ __global__ void __launch_bounds__(ALIGN_THREADS)
     const int t = i - tstart[lo], cnt = start[lo + 1] - start[lo];
     tiles[i] = make_int4(lo, start[lo] + t * bm, min(bm, cnt - t * bm), 0);
   }
+  pdl_next();
 }
 
 /* ---- sum over k --------------------------------------------------------------------- */
@@ -473,6 +475,7 @@ template <int ACT>
 __global__ void __launch_bounds__(MOE_GPU_BLOCK)
     sum_kernel(const uint16_t *y, const int32_t *ids, int tokens, int k, int hidden, int offset, int el,
                int vec, uint16_t *out) {
+  pdl_wait();
   const int per_row = (hidden + 7) / 8;
   const size_t total = (size_t)tokens * (size_t)per_row;
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
@@ -603,6 +606,20 @@ void launch_both(int w, int bm, dim3 g1, dim3 g2, hipStream_t st, const GemmArgs
 
 } // namespace
 
+bool moe_gpu_pdl(moe_backend *b) {
+  static int off = -1; /* MOE_GPU_PDL=0, read once (a benign race: every thread reads the same) */
+  if (off < 0) {
+    const char *e = getenv("MOE_GPU_PDL");
+    off = e && !strcmp(e, "0");
+  }
+#if defined(MOE_GPU_CUDA)
+  return !off && moe_gpu_cc_major(b) >= 9;
+#else
+  (void)b;
+  return false;
+#endif
+}
+
 extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
   const moe_fused_args *args = &c->args.fused;
   const moe_expert_config *cfg = &args->set->cfg;
@@ -669,13 +686,12 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   /* a small batch takes fewer threads (shorter scan, less to start) */
   const unsigned at = n <= 2048 ? 256 : ALIGN_THREADS;
   int *scratch = (int *)(ws + o_scratch);
-  if (el <= ALIGN_SMEM_EXPERTS)
-    align_kernel<true><<<1, at, 0, st>>>(ids, n, (int)el, (int)cfg->expert_offset, bm, scratch,
-                                         (int4 *)(ws + o_tiles), ntiles, sorted);
-  else
-    align_kernel<false><<<1, at, 0, st>>>(ids, n, (int)el, (int)cfg->expert_offset, bm, scratch,
-                                          (int4 *)(ws + o_tiles), ntiles, sorted);
-  moe_status s = moe_gpu_check(hipGetLastError(), "fused_moe align", err);
+  const bool pdl = moe_gpu_pdl(b);
+  moe_status s =
+      moe_gpu_check(pdl_launch(pdl, el <= ALIGN_SMEM_EXPERTS ? align_kernel<true> : align_kernel<false>,
+                               dim3(1), dim3(at), 0, st, ids, (int)n, (int)el, (int)cfg->expert_offset, bm,
+                               scratch, (int4 *)(ws + o_tiles), ntiles, sorted),
+                    "fused_moe align", err);
   if (s) return s;
 
   const void *x = c->in[MOE_FUSED_IN_HIDDEN].tensor.data;
@@ -759,11 +775,9 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   const size_t items = (size_t)tokens * (size_t)((hidden + 7) / 8);
   size_t blocks = (items + MOE_GPU_BLOCK - 1) / MOE_GPU_BLOCK, cap = (size_t)moe_gpu_sm_count(b) * 16;
   if (blocks > cap) blocks = cap;
-  if (args->act == MOE_BF16)
-    sum_kernel<A_BF16><<<(unsigned)blocks, MOE_GPU_BLOCK, 0, st>>>(
-        y_buf, ids, (int)tokens, (int)k, (int)hidden, (int)cfg->expert_offset, (int)el, vec, (uint16_t *)out);
-  else
-    sum_kernel<A_F16><<<(unsigned)blocks, MOE_GPU_BLOCK, 0, st>>>(
-        y_buf, ids, (int)tokens, (int)k, (int)hidden, (int)cfg->expert_offset, (int)el, vec, (uint16_t *)out);
-  return moe_gpu_check(hipGetLastError(), "fused_moe sum", err);
+  return moe_gpu_check(pdl_launch(pdl, args->act == MOE_BF16 ? sum_kernel<A_BF16> : sum_kernel<A_F16>,
+                                  dim3((unsigned)blocks), dim3(MOE_GPU_BLOCK), 0, st, (const uint16_t *)y_buf,
+                                  ids, (int)tokens, (int)k, (int)hidden, (int)cfg->expert_offset, (int)el,
+                                  vec, (uint16_t *)out),
+                       "fused_moe sum", err);
 }

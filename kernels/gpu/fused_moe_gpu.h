@@ -43,6 +43,55 @@ template <int ACT> __device__ __forceinline__ float activate(int fn, float g, fl
   return act_round<ACT>(act_round<ACT>(g / (1.0f + exp_f(-g))) * u);
 }
 
+/* ---- programmatic dependent launch (NVIDIA sm_90+) ------------------------------
+ * fused_moe's kernels after routing (align, the two GEMMs, the sum) are
+ * launched so that each is launched while the one before it finishes
+ * (its launch latency hidden). Each calls pdl_wait() before it reads or
+ * writes any buffer (until then it computes indices only): that waits for
+ * the kernel before it to complete with its memory visible. Each calls
+ * pdl_next() once its main work is done (before its last stores, which
+ * the next kernel's pdl_wait still waits for): the next kernel launches when
+ * every block has, so that its blocks find the SMs mostly free and spread
+ * over them (a trigger at the start let a small grid pile onto the SMs that
+ * freed first: Mixtral T=1 down 11% slower). A kernel launched plainly
+ * passes pdl_wait at once; on AMD or before sm_90 both are empty;
+ * MOE_GPU_PDL=0 launches every kernel plainly. */
+__device__ __forceinline__ void pdl_wait() {
+#if defined(MOE_GPU_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_next() {
+#if defined(MOE_GPU_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+/* Whether b's launches overlap this way (sm_90+, not turned off). */
+bool moe_gpu_pdl(moe_backend *b);
+/* k<<<grid, block, smem, st>>>(args...), overlapping the kernel before it when pdl. */
+template <typename... P, typename... A>
+hipError_t pdl_launch(bool pdl, void (*k)(P...), dim3 grid, dim3 block, size_t smem, hipStream_t st,
+                      A &&...args) {
+#if defined(MOE_GPU_CUDA)
+  if (pdl) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, k, static_cast<A &&>(args)...);
+  }
+#endif
+  (void)pdl;
+  k<<<grid, block, smem, st>>>(static_cast<A &&>(args)...);
+  return hipGetLastError();
+}
+
 /* ---- the tensor-core path (fused_moe_tc.hip) ----------------------------------- */
 
 /* Tile configurations of the tensor-core GEMM (token rows per tile BT):

@@ -378,6 +378,7 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
   const int first = (int)(pid / in_group) * RASTER, nm = (int)gridDim.x;
   const int gsz = nm - first < RASTER ? nm - first : RASTER;
   const int ti = first + (int)(pid % in_group % gsz), strip = (int)(pid % in_group / gsz);
+  pdl_wait();
   if (ti >= *a.ntiles) return;
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int4 tile = a.tiles[ti];
@@ -594,6 +595,7 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
   fence_acc(acc); /* the epilogue reads the accumulators after the wait */
 #endif
   cp_async_wait<0>();
+  pdl_next(); /* the next GEMM (or the sum) may launch: only this block's stores are left */
 
   /* epilogue: c0, c1 = row r (lane / 4), tokens 2 (lane % 4) + {0, 1}; c2, c3 = row r + 8 */
   if (mt >= mtc) return;
@@ -711,8 +713,9 @@ moe_status launch(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err
     if (dev >= 0 && dev < 64) attr_set[dev] = true;
   }
   const dim3 grid((unsigned)max_tiles, (unsigned)((a.n + C::BN - 1) / C::BN)); /* tiles x strips */
-  tc_gemm<W, ACT, C><<<grid, C::THREADS, S::BYTES, moe_gpu_stream(b)>>>(a);
-  return moe_gpu_check(hipGetLastError(), "fused_moe tensor-core gemm", err);
+  return moe_gpu_check(
+      pdl_launch(moe_gpu_pdl(b), tc_gemm<W, ACT, C>, grid, dim3(C::THREADS), S::BYTES, moe_gpu_stream(b), a),
+      "fused_moe tensor-core gemm", err);
 }
 
 template <int W, int ACT>
