@@ -227,14 +227,49 @@ static grpc_status_code decode_inputs(moed_infer_req *c, const moed_config *cfg)
   return GRPC_STATUS_OK;
 }
 
+/* The KServe/Triton request parameters the server itself takes (not the
+ * op's, and not part of the batch key): `timeout` in microseconds (0: none)
+ * shortens the call's deadline, counted from arrival; `priority` (>= 0) is
+ * accepted. Both integers. true: e was one of them (or an error is set). */
+static bool server_param(moed_infer_req *c, const Inference__ModelInferRequest__ParametersEntry *e,
+                         grpc_status_code *code) {
+  const bool timeout = strcmp(e->key, "timeout") == 0;
+  if (!timeout && strcmp(e->key, "priority") != 0) return false;
+  const Inference__InferParameter *v = e->value;
+  int64_t n = -1;
+  if (v && v->parameter_choice_case == INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_INT64_PARAM)
+    n = v->int64_param;
+  else if (v && v->parameter_choice_case == INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_UINT64_PARAM)
+    n = v->uint64_param > (uint64_t)INT64_MAX ? -1 : (int64_t)v->uint64_param;
+  if (n < 0) {
+    *code = fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters['%s']: an integer >= 0 is expected", e->key);
+    return true;
+  }
+  if (!timeout) {
+    c->priority = n;
+  } else if (n > 0) {
+    const uint64_t us = (uint64_t)n,
+                   at = c->req->received_ns + (us > UINT64_MAX / 2000 ? UINT64_MAX / 2 : us * 1000);
+    if (at < c->deadline_ns) c->deadline_ns = at;
+  }
+  return true;
+}
+
 static grpc_status_code decode_params(moed_infer_req *c) {
   const Inference__ModelInferRequest *r = c->msg;
   moe_param *p = c->params;
   if (r->n_parameters > MOED_MAX_PARAMS)
     return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters: %zu given, at most %d", r->n_parameters,
                 MOED_MAX_PARAMS);
-  for (size_t i = 0; i < r->n_parameters; i++) {
-    const Inference__ModelInferRequest__ParametersEntry *e = r->parameters[i];
+  size_t np = 0;
+  for (size_t k = 0; k < r->n_parameters; k++) {
+    const Inference__ModelInferRequest__ParametersEntry *e = r->parameters[k];
+    grpc_status_code code = GRPC_STATUS_OK;
+    if (e->key && server_param(c, e, &code)) {
+      if (code) return code;
+      continue;
+    }
+    const size_t i = np++;
     memset(&p[i], 0, sizeof p[i]);
     p[i].name = e->key;
     const Inference__InferParameter *v = e->value;
@@ -265,7 +300,7 @@ static grpc_status_code decode_params(moed_infer_req *c) {
     default: return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters['%s']: no value", e->key);
     }
   }
-  c->n_params = r->n_parameters;
+  c->n_params = np;
   return GRPC_STATUS_OK;
 }
 
@@ -276,6 +311,7 @@ moed_infer_req *moed_infer_decode(moed_server *srv, moed_request *req) {
     return NULL;
   }
   r->req = req;
+  r->deadline_ns = moed_rpc_deadline_ns(req->rpc);
   r->flat = flatten_aligned(req->payload);
   if (req->payload) grpc_byte_buffer_destroy(req->payload);
   req->payload = NULL;

@@ -31,6 +31,8 @@ struct moed_infer_req {
   int64_t rows;                  /* batch rows; 0 = never batched */
   uint8_t *key;                  /* batch key (see moed_batch_key) */
   size_t key_len;
+  uint64_t deadline_ns;  /* the call's deadline, or parameters['timeout'] after arrival if sooner */
+  int64_t priority;      /* parameters['priority'] (0: default); accepted, not yet an order */
   grpc_status_code code; /* decode failure */
   char err[MOED_ERR_LEN];
   uint64_t bytes_in;

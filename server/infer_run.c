@@ -32,8 +32,8 @@ static bool run_stop(void *ctx) {
   if (atomic_load(&c->srv->stop_work)) return true;
   const uint64_t now = moed_now_ns();
   for (size_t k = 0; k < c->n_reqs; k++) {
-    const moed_rpc *rpc = c->reqs[k]->req->rpc;
-    if (!moed_rpc_cancelled(rpc) && now < moed_rpc_deadline_ns(rpc)) return false;
+    const moed_infer_req *r = c->reqs[k];
+    if (!moed_rpc_cancelled(r->req->rpc) && now < r->deadline_ns) return false;
   }
   return true;
 }
@@ -145,9 +145,9 @@ static grpc_status_code copy_out(run_ctx *c, void **take) {
 }
 
 /* Work is skipped when nobody waits for it or it is already too late. */
-static grpc_status_code still_wanted(moed_rpc *rpc, char *err) {
-  if (moed_rpc_cancelled(rpc)) return moed_failf(err, GRPC_STATUS_CANCELLED, "call cancelled");
-  if (moed_now_ns() >= moed_rpc_deadline_ns(rpc))
+static grpc_status_code still_wanted(const moed_infer_req *r, char *err) {
+  if (moed_rpc_cancelled(r->req->rpc)) return moed_failf(err, GRPC_STATUS_CANCELLED, "call cancelled");
+  if (moed_now_ns() >= r->deadline_ns)
     return moed_failf(err, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded before the work started");
   return GRPC_STATUS_OK;
 }
@@ -204,7 +204,7 @@ static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r) {
   void *host[MOED_MAX_TENSORS] = {NULL};
   grpc_slice data[MOED_MAX_TENSORS];
   size_t nd = 0;
-  grpc_status_code code = still_wanted(r->req->rpc, c.err);
+  grpc_status_code code = still_wanted(r, c.err);
   if (code) goto done;
   t.start_ns = moed_now_ns();
   code = run_call(&c, r->model, r->in, r->n_in, r->params, r->n_params, host, &t);
@@ -356,7 +356,7 @@ void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, siz
   for (size_t k = 0; k < n; k++) { /* answer what failed or is no longer wanted */
     moed_infer_req *r = reqs[k];
     char err[MOED_ERR_LEN];
-    grpc_status_code code = r->code ? r->code : still_wanted(r->req->rpc, err);
+    grpc_status_code code = r->code ? r->code : still_wanted(r, err);
     if (code)
       moed_infer_finish(srv, r, code, r->code ? r->err : err, NULL, NULL, 0);
     else

@@ -234,6 +234,8 @@ def bad_calls(ch):
         ("missing input", make_req("quant.per_token", [], {"out_dtype": "int8"}), B),
         ("unknown input", make_req("quant.per_token", [("y", "FP32", [4, 64], x)], {"out_dtype": "int8"}), B),
         ("bad parameter", make_req("quant.per_token", [("x", "FP32", [4, 64], x)], {"out_dtype": "fp3"}), B),
+        ("negative timeout", make_req("quant.per_token", [("x", "FP32", [4, 64], x)], {"timeout": -5}), B),
+        ("string priority", make_req("quant.per_token", [("x", "FP32", [4, 64], x)], {"priority": "high"}), B),
         ("overflowing shape", make_req("quant.per_token", [("x", "FP32", [2**62, 2**62], x)]), B),
         ("negative dim", make_req("quant.per_token", [("x", "FP32", [-4, 64], x)]), B),
         ("unknown model", make_req("nope", [("x", "FP32", [4, 64], x)]), grpc.StatusCode.NOT_FOUND),
@@ -257,6 +259,21 @@ def test_bad_inputs(ch, pid):
     r = make_req("quant.per_token", [("x", "FP32", list(big.shape), big.tobytes())], {"out_dtype": "int8"})
     code, _ = code_of(lambda: infer_pb(ch, r, timeout=0.001))
     check(code == grpc.StatusCode.DEADLINE_EXCEEDED, "1 ms deadline -> DEADLINE_EXCEEDED")
+    # Triton's request parameters: timeout (us) expires before the work starts; priority accepted
+    small = np.ones((4, 64), np.float32)
+    r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], {"out_dtype": "int8", "timeout": 1})
+    code, msg = code_of(lambda: infer_pb(ch, r))
+    check(code == grpc.StatusCode.DEADLINE_EXCEEDED, f"parameters timeout 1 us -> DEADLINE_EXCEEDED ({code} {msg})")
+    for extra in ({"timeout": 0}, {"timeout": 10_000_000, "priority": 3}):
+        r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], {"out_dtype": "int8", **extra})
+        ref = moelib.run("quant.per_token", {"x": (small, "fp32")}, {"out_dtype": "int8"})
+        resp = infer_pb(ch, r)
+        check(resp.raw_output_contents[0] == ref["q"][0].tobytes(), f"parameters {extra}: accepted, same answer")
+    for bad in ({"timeout": -5}, {"priority": "high"}):
+        r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], bad)
+        code, msg = code_of(lambda: infer_pb(ch, r))
+        name = next(iter(bad))
+        check(code == grpc.StatusCode.INVALID_ARGUMENT and name in msg, f"parameters {bad}: INVALID_ARGUMENT naming it ({msg})")
     # client cancel mid-call
     f = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
                        request_serializer=lambda m: m.SerializeToString()).future(r)

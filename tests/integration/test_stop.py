@@ -33,13 +33,13 @@ def call_fn(ch):
                           request_serializer=lambda m: m.SerializeToString())
 
 
-def req_of(tokens, seed=1):
+def req_of(tokens, seed=1, params=None):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
     xb = (x.view(np.uint32) >> 16).astype(np.uint16)
     logits = rng.standard_normal((tokens, EXPERTS)).astype(np.float32)
     return make_req("bigset", [("hidden_states", "BF16", [tokens, HIDDEN], xb.tobytes()),
-                               ("router_logits", "FP32", [tokens, EXPERTS], logits.tobytes())])
+                               ("router_logits", "FP32", [tokens, EXPERTS], logits.tobytes())], params)
 
 
 def timed(fn):
@@ -75,6 +75,12 @@ def test_deadline_and_cancel(tmp, repo):
         check(code == SC.DEADLINE_EXCEEDED, f"long call past its deadline: DEADLINE_EXCEEDED ({code} {msg})")
         code, msg, t = timed(lambda: f(small, timeout=60))
         check(code == SC.OK and t < full / 3, f"next call answered in {t:.2f}s (< {full / 3:.2f}s: the op was stopped)")
+        # Triton's `timeout` request parameter (microseconds, no gRPC deadline): the same
+        code, msg, t = timed(lambda: f(req_of(tokens, params={"timeout": int(full / 6 * 1e6)}), timeout=120))
+        check(code == SC.DEADLINE_EXCEEDED and t < full / 2,
+              f"long call past parameters['timeout']: DEADLINE_EXCEEDED in {t:.2f}s ({code} {msg})")
+        code, msg, t = timed(lambda: f(small, timeout=60))
+        check(code == SC.OK and t < full / 3, f"after the timeout, next call answered in {t:.2f}s (< {full / 3:.2f}s)")
         # cancel: the same through the client's cancel
         fut = f.future(req_of(tokens), timeout=120)
         time.sleep(full / 6)
