@@ -142,8 +142,7 @@ def main():
         test_drain_stops_work(tmp, repo, tokens, full)
         if ts.failures:
             print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
-    print(f"{len(ts.failures)} failures")
-    sys.exit(1 if ts.failures else 0)
+    ts.exit_with_summary()
 
 
 if __name__ == "__main__":
