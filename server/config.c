@@ -40,7 +40,14 @@ static const char usage[] =
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
     "  --log-json                JSON log lines (MOED_LOG_JSON=1)\n"
     "  --port-file PATH          write \"GRPC_PORT HTTP_PORT\" once listening (tests)\n"
-    "  --help                    this text\n";
+    "  --help                    this text\n"
+    "Triton's spellings, for deployments written for tritonserver:\n"
+    "  --grpc-address ADDR       = --address (the gRPC port's; the HTTP port's too unless --http-address)\n"
+    "  --http-address ADDR       the HTTP port's bind address\n"
+    "  --allow-http true|false   false: no HTTP port (= --http-port -1)\n"
+    "  --exit-timeout-secs N     = --drain-timeout\n"
+    "  --log-verbose N           N > 0: --log-level debug, 0: info\n"
+    "  --strict-model-config B   accepted; moed derives every model's configuration itself\n";
 
 enum {
   OPT_ADDRESS = 256,
@@ -67,6 +74,10 @@ enum {
   OPT_MAX_UPLOAD,
   OPT_INLINE,
   OPT_DEVICE,
+  OPT_HTTP_ADDRESS,
+  OPT_ALLOW_HTTP,
+  OPT_LOG_VERBOSE,
+  OPT_STRICT_CONFIG,
 };
 
 static const struct option options[] = {
@@ -94,6 +105,13 @@ static const struct option options[] = {
     {"inline-bytes", required_argument, NULL, OPT_INLINE},
     {"device", required_argument, NULL, OPT_DEVICE},
     {"help", no_argument, NULL, OPT_HELP},
+    /* Triton's spellings (usage) */
+    {"grpc-address", required_argument, NULL, OPT_ADDRESS},
+    {"http-address", required_argument, NULL, OPT_HTTP_ADDRESS},
+    {"allow-http", required_argument, NULL, OPT_ALLOW_HTTP},
+    {"exit-timeout-secs", required_argument, NULL, OPT_DRAIN},
+    {"log-verbose", required_argument, NULL, OPT_LOG_VERBOSE},
+    {"strict-model-config", required_argument, NULL, OPT_STRICT_CONFIG},
     {NULL, 0, NULL, 0},
 };
 
@@ -104,6 +122,12 @@ static bool parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
   if (errno || end == s || *end || v < lo || v > hi) return false;
   *out = v;
   return true;
+}
+
+static bool parse_bool(const char *s, bool *out) {
+  if (!strcmp(s, "true") || !strcmp(s, "1")) return *out = true, true;
+  if (!strcmp(s, "false") || !strcmp(s, "0")) return *out = false, true;
+  return false;
 }
 
 static bool parse_level(const char *s, int *out) {
@@ -122,6 +146,22 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   bool ok = true;
   switch (opt) {
   case OPT_ADDRESS: c->address = v; break;
+  case OPT_HTTP_ADDRESS: c->http_address = v; break;
+  case OPT_ALLOW_HTTP: {
+    bool allow = true;
+    ok = parse_bool(v, &allow);
+    c->http_off = ok && !allow;
+    break;
+  }
+  case OPT_LOG_VERBOSE:
+    ok = parse_i64(v, 0, INT32_MAX, &n) && (c->log_level = n > 0 ? MOED_LOG_DEBUG : MOED_LOG_INFO, true);
+    break;
+  case OPT_STRICT_CONFIG: {
+    bool strict; /* checked, then unused: every configuration is moed's own */
+    ok = parse_bool(v, &strict);
+    (void)strict;
+    break;
+  }
   case OPT_DEVICE:
     ok = !strcmp(v, "auto") || !strcmp(v, "cpu") || !strcmp(v, "gpu");
     if (ok) c->device = v;
@@ -225,6 +265,7 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
     fprintf(stderr, "moed: unexpected argument '%s'\n", argv[optind]);
     return -1;
   }
+  if (c->http_off) c->http_port = -1;
   /* a repository that is not there is a deployment error, not an empty
    * server that reports ready (Triton refuses to start too) */
   if (c->model_repository) {

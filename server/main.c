@@ -120,7 +120,8 @@ int main(int argc, char **argv) {
   if (a.cfg.cache_bytes && moed_weight_cache_create(a.cfg.cache_bytes, &s->weights) != 0) goto out;
   if (moed_rpc_start(&a.cfg, &a.loop, moed_handle_request, moed_handle_inline, s, &s->rpc, &grpc_port) != 0)
     goto out;
-  if (a.cfg.http_port >= 0 && moed_http_start(s, a.cfg.address, a.cfg.http_port, &a.http, &http_port) != 0) {
+  if (a.cfg.http_port >= 0 && moed_http_start(s, a.cfg.http_address ? a.cfg.http_address : a.cfg.address,
+                                              a.cfg.http_port, &a.http, &http_port) != 0) {
     moed_rpc_shutdown(s->rpc);
     moed_rpc_cancel_all(s->rpc);
     while (!moed_rpc_quiet(s->rpc))

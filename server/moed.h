@@ -24,6 +24,8 @@
 
 typedef struct moed_config {
   const char *address;          /* bind address, "0.0.0.0" */
+  const char *http_address;     /* the HTTP port's, when it differs (NULL: address) */
+  bool http_off;                /* --allow-http false: no HTTP port whatever --http-port says */
   int grpc_port;                /* 8001; 0 = pick a free one */
   int http_port;                /* 8002; 0 = pick, -1 = off */
   const char *model_repository; /* NULL: built-ins only */

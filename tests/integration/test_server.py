@@ -418,6 +418,21 @@ def test_cli(tmp):
                        capture_output=True, text=True, timeout=30)
     check(r.returncode != 0 and "--model-repository" in r.stderr and "No such file" in r.stderr,
           f"a missing model repository refuses to start ({r.returncode}: {r.stderr.strip()})")
+    r = subprocess.run([MOED, "--allow-http", "maybe"], capture_output=True, text=True, timeout=30)
+    check(r.returncode != 0 and "'maybe' for --allow-http" in r.stderr,
+          f"a bad Triton flag value names the flag ({r.returncode}: {r.stderr.strip()})")
+    # Triton's spellings: a tritonserver command line starts moed
+    p, port, http_port = start(tmp, "--grpc-address", "127.0.0.1", "--allow-http", "false", "--exit-timeout-secs", "5",
+                               "--log-verbose", "1", "--strict-model-config", "false")
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        live = raw_unary(ch, "/inference.GRPCInferenceService/ServerLive")(b"")
+        check(live == b"\x08\x01" and http_port == -1, f"Triton's flags accepted: live, HTTP off ({http_port})")
+        p.send_signal(signal.SIGTERM)
+        check(p.wait(timeout=30) == 0, "Triton's flags: clean exit")
+    finally:
+        if p.poll() is None:
+            p.kill()
     with open(os.path.join(tmp, "a-file"), "w") as f:
         f.write("x")
     r = subprocess.run([MOED, "--model-repository", os.path.join(tmp, "a-file"), "--grpc-port", "0",
