@@ -47,7 +47,11 @@ static const char usage[] =
     "  --allow-http true|false   false: no HTTP port (= --http-port -1)\n"
     "  --exit-timeout-secs N     = --drain-timeout\n"
     "  --log-verbose N           N > 0: --log-level debug, 0: info\n"
-    "  --strict-model-config B   accepted; moed derives every model's configuration itself\n";
+    "  --strict-model-config B   accepted; moed derives every model's configuration itself\n"
+    "  --model-control-mode M    moed (default): every set loaded at start, RepositoryModelLoad/Unload and\n"
+    "                            uploads allowed; none: every set loaded, those refused; explicit: only the\n"
+    "                            --load-model sets loaded at start, changes allowed\n"
+    "  --load-model NAME         with explicit: a set to load at start (repeatable; * = every set)\n";
 
 enum {
   OPT_ADDRESS = 256,
@@ -78,6 +82,8 @@ enum {
   OPT_ALLOW_HTTP,
   OPT_LOG_VERBOSE,
   OPT_STRICT_CONFIG,
+  OPT_CONTROL_MODE,
+  OPT_LOAD_MODEL,
 };
 
 static const struct option options[] = {
@@ -112,6 +118,8 @@ static const struct option options[] = {
     {"exit-timeout-secs", required_argument, NULL, OPT_DRAIN},
     {"log-verbose", required_argument, NULL, OPT_LOG_VERBOSE},
     {"strict-model-config", required_argument, NULL, OPT_STRICT_CONFIG},
+    {"model-control-mode", required_argument, NULL, OPT_CONTROL_MODE},
+    {"load-model", required_argument, NULL, OPT_LOAD_MODEL},
     {NULL, 0, NULL, 0},
 };
 
@@ -155,6 +163,18 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   }
   case OPT_LOG_VERBOSE:
     ok = parse_i64(v, 0, INT32_MAX, &n) && (c->log_level = n > 0 ? MOED_LOG_DEBUG : MOED_LOG_INFO, true);
+    break;
+  case OPT_CONTROL_MODE: /* Triton's poll is not offered: files change only through an explicit reload */
+    ok = !strcmp(v, "moed") || !strcmp(v, "none") || !strcmp(v, "explicit");
+    if (ok)
+      c->model_control = !strcmp(v, "moed")   ? MOED_CONTROL_MOED
+                         : !strcmp(v, "none") ? MOED_CONTROL_NONE
+                                              : MOED_CONTROL_EXPLICIT;
+    break;
+  case OPT_LOAD_MODEL:
+    ok = c->n_load_models < (int)(sizeof c->load_models / sizeof c->load_models[0]) &&
+         (!strcmp(v, "*") || moed_model_name_ok(v));
+    if (ok) c->load_models[c->n_load_models++] = v;
     break;
   case OPT_STRICT_CONFIG: {
     bool strict; /* checked, then unused: every configuration is moed's own */
@@ -266,6 +286,10 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
     return -1;
   }
   if (c->http_off) c->http_port = -1;
+  if (c->n_load_models && c->model_control != MOED_CONTROL_EXPLICIT) {
+    fprintf(stderr, "moed: --load-model needs --model-control-mode explicit\n");
+    return -1;
+  }
   /* a repository that is not there is a deployment error, not an empty
    * server that reports ready (Triton refuses to start too) */
   if (c->model_repository) {

@@ -671,11 +671,16 @@ void moed_handle_request(moed_request *req, void *arg) {
     break;
   case MOED_M_REPOSITORY_LOAD:
   case MOED_M_REPOSITORY_UNLOAD:
-    submit_repo_change(s, req);
-    keep = true;
-    break;
   case MOED_M_EXPERT_UPLOAD:
-    moed_upload_handle(s, req);
+    if (s->cfg->model_control == MOED_CONTROL_NONE) { /* an upload stream: refused at its first message */
+      moed_rpc_finish(req->rpc, GRPC_STATUS_UNAVAILABLE,
+                      "the model repository is not changed by RPC (--model-control-mode none)", NULL);
+      break;
+    }
+    if (req->method == MOED_M_EXPERT_UPLOAD)
+      moed_upload_handle(s, req);
+    else
+      submit_repo_change(s, req);
     keep = true;
     break;
   default: moed_rpc_finish(req->rpc, GRPC_STATUS_UNIMPLEMENTED, "unknown method", NULL); break;

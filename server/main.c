@@ -114,7 +114,19 @@ int main(int argc, char **argv) {
   int grpc_port = 0, http_port = -1;
 
   if (moed_repository_create(a.cfg.model_repository, &s->repo) != 0) goto out;
-  moed_repository_load_all(s->repo);
+  if (a.cfg.model_control != MOED_CONTROL_EXPLICIT) {
+    moed_repository_load_all(s->repo);
+  } else {
+    for (int i = 0; i < a.cfg.n_load_models; i++) { /* as Triton: a named model that fails stops the start */
+      moe_error err = {{0}};
+      if (!strcmp(a.cfg.load_models[i], "*")) {
+        moed_repository_load_all(s->repo);
+      } else if (moed_repository_load(s->repo, a.cfg.load_models[i], &err) != MOE_OK) {
+        fprintf(stderr, "moed: --load-model %s: %s\n", a.cfg.load_models[i], err.msg);
+        goto out;
+      }
+    }
+  }
   if (moed_devices_create(&a.cfg, &s->devices) != 0) goto out;
   if (moed_batcher_create(s, &s->batcher) != 0) goto out;
   if (a.cfg.cache_bytes && moed_weight_cache_create(a.cfg.cache_bytes, &s->weights) != 0) goto out;

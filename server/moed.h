@@ -23,9 +23,12 @@
 /* ---- config.c ------------------------------------------------------------- */
 
 typedef struct moed_config {
-  const char *address;          /* bind address, "0.0.0.0" */
-  const char *http_address;     /* the HTTP port's, when it differs (NULL: address) */
-  bool http_off;                /* --allow-http false: no HTTP port whatever --http-port says */
+  const char *address;         /* bind address, "0.0.0.0" */
+  const char *http_address;    /* the HTTP port's, when it differs (NULL: address) */
+  bool http_off;               /* --allow-http false: no HTTP port whatever --http-port says */
+  int model_control;           /* MOED_CONTROL_*: what is loaded at start, whether RPCs may change it */
+  const char *load_models[64]; /* --load-model names (explicit control; "*": every set) */
+  int n_load_models;
   int grpc_port;                /* 8001; 0 = pick a free one */
   int http_port;                /* 8002; 0 = pick, -1 = off */
   const char *model_repository; /* NULL: built-ins only */
@@ -56,6 +59,10 @@ int moed_config_parse(moed_config *cfg, int argc, char **argv);
 /* ---- log.c ---------------------------------------------------------------- */
 
 enum { MOED_LOG_ERROR = 0, MOED_LOG_WARN, MOED_LOG_INFO, MOED_LOG_DEBUG };
+/* --model-control-mode: moed's own (every set loaded at start, the repository
+ * RPCs and uploads allowed), Triton's none (every set loaded, no changes by
+ * RPC) and explicit (only --load-model sets loaded, changes allowed) */
+enum { MOED_CONTROL_MOED = 0, MOED_CONTROL_NONE, MOED_CONTROL_EXPLICIT };
 void moed_log_init(int level, bool json);
 /* One line per event: `event` is a short key ("listening", "model_loaded"),
  * the rest a printf message. */
