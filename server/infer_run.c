@@ -24,6 +24,11 @@ typedef struct run_ctx {
   char err[MOED_ERR_LEN];
 } run_ctx;
 
+/* Whether r's caller still waits for its work at `now`. */
+static bool wanted(const moed_infer_req *r, uint64_t now) {
+  return !moed_rpc_cancelled(r->req->rpc) && now < r->deadline_ns;
+}
+
 /* A running op stops once nobody waits for it (every caller cancelled or
  * past its deadline) or the drain timeout has passed (moed_server.stop_work).
  * Called from the op's threads. */
@@ -31,21 +36,25 @@ static bool run_stop(void *ctx) {
   const run_ctx *c = ctx;
   if (atomic_load(&c->srv->stop_work)) return true;
   const uint64_t now = moed_now_ns();
-  for (size_t k = 0; k < c->n_reqs; k++) {
-    const moed_infer_req *r = c->reqs[k];
-    if (!moed_rpc_cancelled(r->req->rpc) && now < r->deadline_ns) return false;
-  }
+  for (size_t k = 0; k < c->n_reqs; k++)
+    if (wanted(c->reqs[k], now)) return false;
   return true;
 }
 
-/* The status of a request whose op was stopped by run_stop. */
-static grpc_status_code stopped_status(const moed_server *srv, const moed_infer_req *r, char *err) {
-  if (atomic_load(&srv->stop_work))
+/* Why r's work is not done (OK: it is still wanted): its caller cancelled,
+ * its deadline passed, or, for an op that ran and was stopped (`stopped`),
+ * the drain timeout passed. Work is skipped when nobody waits for it or it
+ * is already too late. */
+static grpc_status_code unwanted(const moed_server *srv, const moed_infer_req *r, bool stopped, char *err) {
+  if (stopped && atomic_load(&srv->stop_work))
     return moed_failf(err, GRPC_STATUS_UNAVAILABLE,
                       "server shutting down: work stopped at the drain timeout");
   if (moed_rpc_cancelled(r->req->rpc)) return moed_failf(err, GRPC_STATUS_CANCELLED, "call cancelled");
-  return moed_failf(err, GRPC_STATUS_DEADLINE_EXCEEDED,
-                    "deadline exceeded while running: the work was stopped");
+  if (!wanted(r, moed_now_ns()))
+    return moed_failf(err, GRPC_STATUS_DEADLINE_EXCEEDED, "%s",
+                      stopped ? "deadline exceeded while running: the work was stopped"
+                              : "deadline exceeded before the work started");
+  return GRPC_STATUS_OK;
 }
 
 static void ctx_cleanup(run_ctx *c) {
@@ -144,14 +153,6 @@ static grpc_status_code copy_out(run_ctx *c, void **take) {
   return GRPC_STATUS_OK;
 }
 
-/* Work is skipped when nobody waits for it or it is already too late. */
-static grpc_status_code still_wanted(const moed_infer_req *r, char *err) {
-  if (moed_rpc_cancelled(r->req->rpc)) return moed_failf(err, GRPC_STATUS_CANCELLED, "call cancelled");
-  if (moed_now_ns() >= r->deadline_ns)
-    return moed_failf(err, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded before the work started");
-  return GRPC_STATUS_OK;
-}
-
 /* prepare + memory + run + outputs to the host; on error c->err. The
  * caller sets t->start_ns where its staging began; t's input, infer and
  * output (the copy to the host) are filled here. */
@@ -204,11 +205,11 @@ static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r) {
   void *host[MOED_MAX_TENSORS] = {NULL};
   grpc_slice data[MOED_MAX_TENSORS];
   size_t nd = 0;
-  grpc_status_code code = still_wanted(r, c.err);
+  grpc_status_code code = unwanted(srv, r, false, c.err);
   if (code) goto done;
   t.start_ns = moed_now_ns();
   code = run_call(&c, r->model, r->in, r->n_in, r->params, r->n_params, host, &t);
-  if (c.stopped) code = stopped_status(srv, r, c.err);
+  if (c.stopped) code = unwanted(srv, r, true, c.err);
   if (code) goto done;
   moed_stats_record_execution(r->model->stats, 1, &t);
   const uint64_t encoding = moed_now_ns();
@@ -293,7 +294,7 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
     if (!c.stopped) goto out;
     for (size_t k = 0; k < n; k++) { /* stopped: answered here, not run again one by one */
       char err[MOED_ERR_LEN];
-      grpc_status_code code = stopped_status(srv, reqs[k], err);
+      grpc_status_code code = unwanted(srv, reqs[k], true, err);
       moed_infer_finish(srv, reqs[k], code, err, NULL, NULL, 0);
       reqs[k] = NULL;
     }
@@ -356,7 +357,7 @@ void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, siz
   for (size_t k = 0; k < n; k++) { /* answer what failed or is no longer wanted */
     moed_infer_req *r = reqs[k];
     char err[MOED_ERR_LEN];
-    grpc_status_code code = r->code ? r->code : still_wanted(r, err);
+    grpc_status_code code = r->code ? r->code : unwanted(srv, r, false, err);
     if (code)
       moed_infer_finish(srv, r, code, r->code ? r->err : err, NULL, NULL, 0);
     else

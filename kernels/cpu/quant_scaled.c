@@ -70,12 +70,6 @@ MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t
   }
 }
 
-/* Dynamic scale from an amax: s = amax / dtype_max, 1 when that is 0. */
-static float scale_from_amax(float amax, float dtype_max) {
-  float s = amax / dtype_max;
-  return s == 0.0f ? 1.0f : s;
-}
-
 /* ---- ops ------------------------------------------------------------------------ */
 
 moe_status moe_cpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_error *err) {
@@ -94,7 +88,7 @@ moe_status moe_cpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_error *err)
       float m = amax_of(x->data, x->dtype, (size_t)ch * CHUNK, end);
       if (m > amax) amax = m;
     }
-    s = scale_from_amax(amax, a->dtype_max);
+    s = moe_dynamic_scale(amax, a->dtype_max, false);
   }
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (long ch = 0; ch < chunks; ch++) {
@@ -120,8 +114,7 @@ moe_status moe_cpu_quant_grouped(moe_backend *b, moe_call *c, moe_error *err) {
     size_t begin = (size_t)u * g;
     float amax = amax_of(x->data, x->dtype, begin, begin + g);
     if (a->has_scale_ub && a->scale_ub < amax) amax = a->scale_ub;
-    float s = scale_from_amax(amax, a->dtype_max);
-    if (a->pow2_scale) s = moe_f32_from_bits((moe_f32_bits(s) + 0x7FFFFFu) & 0x7F800000u);
+    const float s = moe_dynamic_scale(amax, a->dtype_max, a->pow2_scale);
     scales[u] = s;
     encode(x->data, x->dtype, begin, begin + g, s, a, c->out[0].tensor.data);
   }

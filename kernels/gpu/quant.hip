@@ -244,17 +244,6 @@ __device__ uint32_t block_max(uint32_t m) {
   return m;
 }
 
-/* s = amax / dtype_max, 1 when that is 0 (docs/numerics.md dynamic scale). */
-__device__ __forceinline__ float scale_from_amax(float amax, float dtype_max) {
-  float s = amax / dtype_max;
-  return s == 0.0f ? 1.0f : s;
-}
-/* quant.per_token_group's scale_rule: pow2_up rounds s up to a power of two */
-__device__ __forceinline__ float group_scale(float amax, float dtype_max, int pow2) {
-  const float s = scale_from_amax(amax, dtype_max);
-  return pow2 ? moe_f32_from_bits((moe_f32_bits(s) + 0x7FFFFFu) & 0x7F800000u) : s;
-}
-
 template <int Q, bool HW>
 __device__ __forceinline__ void encode8(const float v[VEC], float s, float r, bool exact, uint8_t *q,
                                         size_t i, bool vec) {
@@ -312,7 +301,7 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK)
     uint32_t m = 0;
     for (int i = (int)threadIdx.x; i < npart; i += (int)blockDim.x)
       m = partials[i] > m ? partials[i] : m;
-    s = scale_from_amax(moe_f32_from_bits(block_max(m)), dtype_max);
+    s = moe_dynamic_scale(moe_f32_from_bits(block_max(m)), dtype_max, false);
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = s;
   const float r = 1.0f / s;
@@ -409,7 +398,7 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK, IN == IN_F32 ? 3 : 5) /* rows i
     }
     float amax = moe_f32_from_bits(block_max(m));
     if (has_ub && ub < amax) amax = ub;
-    const float s = group_scale(amax, dtype_max, pow2);
+    const float s = moe_dynamic_scale(amax, dtype_max, pow2);
     const float r = 1.0f / s;
     if (threadIdx.x == 0) scales[row] = s;
 #pragma unroll
@@ -473,7 +462,7 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK)
     }
     float amax = moe_f32_from_bits(m);
     if (has_ub && ub < amax) amax = ub;
-    const float s = group_scale(amax, dtype_max, pow2), r = 1.0f / s;
+    const float s = moe_dynamic_scale(amax, dtype_max, pow2), r = 1.0f / s;
     if (active && sub == 0) scales[grp] = s;
 #pragma unroll
     for (int j = 0; j < GROUP_CACHE; j++)

@@ -321,17 +321,7 @@ def test_upload(cli, ch, repo, tmp):
 
 def test_control_modes(tmp, repo):
     """--model-control-mode none / explicit and --load-model (Triton's flags)."""
-    def with_moed(extra, body):
-        p, port, _ = ts.start(tmp, "--model-repository", repo, *extra)
-        try:
-            body(tc.InferenceServerClient(f"127.0.0.1:{port}"))
-            p.send_signal(signal.SIGTERM)
-            check(p.wait(timeout=30) == 0, f"{extra}: clean exit")
-        finally:
-            if p.poll() is None:
-                p.kill()
-
-    def none_mode(cli):
+    def none_mode(cli, ch):
         try:
             cli.unload_model("bf16set")
             refused = ""
@@ -340,13 +330,14 @@ def test_control_modes(tmp, repo):
         check("model-control-mode none" in refused and cli.is_model_ready("bf16set"),
               f"mode none: every set loaded, unload refused naming the flag ({refused})")
 
-    def explicit_mode(cli):
+    def explicit_mode(cli, ch):
         check(cli.is_model_ready("bf16set") and not cli.is_model_ready("fp16set"),
               "mode explicit: only the --load-model set is loaded")
         cli.load_model("fp16set")
         check(cli.is_model_ready("fp16set"), "mode explicit: RepositoryModelLoad loads another")
-    with_moed(["--model-control-mode", "none"], none_mode)
-    with_moed(["--model-control-mode", "explicit", "--load-model", "bf16set"], explicit_mode)
+    ts.serve(tmp, ["--model-repository", repo, "--model-control-mode", "none"], none_mode)
+    ts.serve(tmp, ["--model-repository", repo, "--model-control-mode", "explicit", "--load-model", "bf16set"],
+             explicit_mode)
     for extra, want in ((["--model-control-mode", "explicit", "--load-model", "nosuch"], "--load-model nosuch"),
                         (["--load-model", "bf16set"], "needs --model-control-mode explicit"),
                         (["--model-control-mode", "poll"], "'poll' for --model-control-mode")):

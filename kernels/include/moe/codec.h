@@ -54,6 +54,16 @@ MOE_HD uint32_t moe_round_shift(uint32_t mant, int shift, bool half_up) {
   return n;
 }
 
+/* ---- dynamic scales (quant.per_tensor, per_token, per_token_group) ------- */
+
+/* s = amax / dtype_max, 1 when that is 0; pow2_up (per_token_group's
+ * scale_rule) then rounds s up to a power of two through its bits. */
+MOE_HD float moe_dynamic_scale(float amax, float dtype_max, bool pow2_up) {
+  float s = amax / dtype_max;
+  if (s == 0.0f) s = 1.0f;
+  return pow2_up ? moe_f32_from_bits((moe_f32_bits(s) + 0x7FFFFFu) & 0x7F800000u) : s;
+}
+
 /* ---- bf16 / fp16 -------------------------------------------------------- */
 
 MOE_HD float moe_bf16_to_f32(uint16_t h) { return moe_f32_from_bits((uint32_t)h << 16); }
