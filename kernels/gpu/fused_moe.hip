@@ -660,7 +660,11 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   const size_t o_scratch = p.take(el > ALIGN_SMEM_EXPERTS ? 3 * (size_t)el + 2 : 0, 4);
   const size_t o_tiles = p.take((size_t)max_tiles, sizeof(int4));
   const size_t o_ntiles = p.take(1, 4), o_sorted = p.take((size_t)n, 4);
-  const size_t o_a = p.take((size_t)n * (size_t)inter, 2), o_y = p.take((size_t)n * (size_t)hidden, 2);
+  /* the bulk path's K-major buffers have a row per tile row (128 per tile) */
+  const bool bulk = tc && moe_tc_bulk(b, cfg, tc_config) && max_tiles * bm <= 0x7FFFFFFF;
+  const size_t rows_a = bulk ? (size_t)max_tiles * (size_t)bm : (size_t)n;
+  const size_t o_xk = p.take(bulk ? rows_a * (size_t)hidden : 0, 2);
+  const size_t o_a = p.take(rows_a * (size_t)inter, 2), o_y = p.take((size_t)n * (size_t)hidden, 2);
   if (p.overflow) return moe_fail(err, MOE_EOVERFLOW, "fused_moe: workspace size overflows");
   char *ws = (char *)moe_gpu_workspace(b, p.size);
   if (!ws) return moe_fail(err, MOE_ENOMEM, "fused_moe: %zu bytes of device workspace", p.size);
@@ -733,6 +737,11 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
     t2.x = a_buf;
     t2.x_vec = 1;
     t2.out = y_buf;
+    if (bulk) {
+      t1.cap = t2.cap = (int)rows_a;
+      if ((s = moe_tc_gather(b, (int)max_tiles, t1, (uint16_t *)(ws + o_xk), err))) return s;
+      t1.x = ws + o_xk;
+    }
     if ((s = moe_tc_gemm(b, cfg, act, tc_config, (int)max_tiles, t1, err))) return s;
     if ((s = moe_tc_gemm(b, cfg, act, tc_config, (int)max_tiles, t2, err))) return s;
   } else {

@@ -119,6 +119,8 @@ struct TcArgs {
   const int4 *tiles;
   const float *tw;
   uint16_t *out;
+  int cap; /* the bulk path (moe_tc_bulk): rows of the K-major buffers (phase 1's x and out, phase 2's x);
+            * 0: the generic kernel, row-major buffers */
 };
 
 /* Whether a set takes this path: gpu.h's moe_gpu_fused_packs. */
@@ -131,6 +133,12 @@ size_t moe_tc_packed_bytes(const moe_expert_config *cfg, int slot);
 moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_dtype scale_dt[2],
                        void *const src[MOE_EXPERT_TENSOR_COUNT], void *dst[MOE_EXPERT_TENSOR_COUNT],
                        moe_error *err);
+/* Whether the call's GEMMs take the bulk path (sm_90a, 16-bit weights,
+ * the large tile; MOE_GPU_TC_BULK=0: never): then the caller gathers
+ * phase 1's x with moe_tc_gather into a K-major buffer of cap = max_tiles
+ * x 128 rows and sizes the intermediate the same (TcArgs.cap). */
+bool moe_tc_bulk(moe_backend *b, const moe_expert_config *cfg, int config);
+moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_t *xk, moe_error *err);
 /* One GEMM launch (grid over the worst-case tile count). */
 moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, int config, int max_tiles,
                        const TcArgs &a, moe_error *err);

@@ -8,11 +8,14 @@
  * Operands. A = the weights (16 rows of W per mma: the mma's M is the
  * GEMM's N), B = the tokens of one expert's tile (8 per mma: n8). A is
  * read from a packed copy made once when the weights reach the device
- * (moe_tc_pack): for each 16-row x 64-column block of an expert's matrix,
- * the 32 lanes' fragment registers are stored lane after lane, so a
- * stage is a straight 16-byte cp.async copy and each lane reads its
- * fragments with one 16-byte shared load, no ldmatrix and no bank
- * conflicts. int4 codes are stored so that one lop3 makes two 16-bit
+ * (moe_tc_pack). 16-bit weights: for each 64-column block of K, every
+ * row's 128 bytes with their 16-byte chunks in the stage's swizzled order,
+ * so a stage's A is one contiguous run (16-byte cp.async copies, or one
+ * bulk copy) that wgmma reads from shared memory (sm_90a) or ldmatrix
+ * loads (mma.sync). Quantized codes: for each 16-row x 64-column block,
+ * the 32 lanes' fragment registers lane after lane, so each lane reads its
+ * codes with one 16-byte shared load and dequantizes them in registers
+ * (wgmma with A from registers). int4 codes are stored so that one lop3 makes two 16-bit
  * floats (code | 0x4300 in bf16 = 128 + q, | 0x6400 in fp16 = 1024 + q);
  * int8 codes by prmt (fp16: 0x64qq) or through fp32 (bf16: 0x4B0000qq).
  * docs/numerics.md's w = act((q - z) * s): (q - z) is an exact small integer in
@@ -35,6 +38,10 @@
  * Results are deterministic and independent of batching; across backends
  * docs/numerics.md's tolerance applies (another summation order than the CPU).
  *
+ * The large tile with 16-bit weights on sm_90a runs tc_gemm_bulk (one
+ * copying thread, mbarriers, no block barrier; see there), the rest
+ * tc_gemm.
+ *
  * Grid: x = the tile list, y = the weight strips; blocks run in groups of
  * RASTER tiles x every strip (tiles fastest), so the tiles of one expert
  * that share a weight strip run together and hit L2. Blocks past the tile
@@ -44,6 +51,7 @@
  * stage is dequantized and issued (wgmma.wait_group 1), so a stage slot is
  * refilled two stages after its use and the fragment registers alternate
  * between two buffers that are kept live until their products are done. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "../ops/backend_impl.h" /* b->device */
@@ -153,20 +161,17 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-#if !defined(__CUDA_ARCH_FEAT_SM90_ALL) /* the mma.sync path's B loads */
-__device__ __forceinline__ void ldmatrix_x2(uint32_t &d0, uint32_t &d1, const void *p) {
+[[maybe_unused]] __device__ __forceinline__ void ldmatrix_x2(uint32_t &d0, uint32_t &d1, const void *p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
                : "=r"(d0), "=r"(d1)
                : "r"(smem_addr(p)));
 }
-__device__ __forceinline__ void ldmatrix_x4(uint32_t &d0, uint32_t &d1, uint32_t &d2, uint32_t &d3,
-                                            const void *p) {
+[[maybe_unused]] __device__ __forceinline__ void ldmatrix_x4(uint32_t &d0, uint32_t &d1, uint32_t &d2,
+                                                             uint32_t &d3, const void *p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
                : "r"(smem_addr(p)));
 }
-
-#endif
 
 template <int ACT>
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -218,42 +223,49 @@ __device__ __forceinline__ void keep_alive(uint32_t (&r)[4]) {
 }
 
 /* D (64 x N, fp32, this thread's N / 2 values: n8 block j, c0..c3 as in
- * mma.sync's C) += A (this warp's 16 x 16 fragment) x B (N x 16 at desc).
- * One asm per (N, dtype); the operand lists are spelled by the macros. */
+ * mma.sync's C) += A (64 x 16) x B (N x 16 at desc). SS: A from shared
+ * memory too (adesc: 64 rows, K-major, 128-byte swizzle); else A is this
+ * warp's 16 x 16 fragment in registers (a). One asm per (N, form, dtype);
+ * the operand lists are spelled by the macros. */
 #define MOE_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
 #define MOE_D16(j) MOE_D4(j), MOE_D4(j + 1), MOE_D4(j + 2), MOE_D4(j + 3)
-#define MOE_WGMMA_TY(SHAPE, TY, DREGS, AREGS, ...)                                                           \
+#define MOE_WGMMA_TY(SHAPE, TY, DREGS, AREGS, TAIL, ...)                                                     \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." TY      \
-               "." TY " " DREGS ", " AREGS ", p, 1, 1, 0;\n}\n"                                              \
+               "." TY " " DREGS ", " AREGS ", p, 1, 1" TAIL ";\n}\n"                                         \
                : __VA_ARGS__                                                                                 \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)                                       \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "l"(adesc)                           \
                : "memory")
-#define MOE_WGMMA(SHAPE, DREGS, AREGS, ...)                                                                  \
+#define MOE_WGMMA(SHAPE, DREGS, RS_A, SS_A, ...)                                                             \
   do {                                                                                                       \
-    if (ACT == A_BF16)                                                                                       \
-      MOE_WGMMA_TY(SHAPE, "bf16", DREGS, AREGS, __VA_ARGS__);                                                \
+    if (SS && ACT == A_BF16)                                                                                 \
+      MOE_WGMMA_TY(SHAPE, "bf16", DREGS, SS_A, ", 0, 0", __VA_ARGS__);                                       \
+    else if (SS)                                                                                             \
+      MOE_WGMMA_TY(SHAPE, "f16", DREGS, SS_A, ", 0, 0", __VA_ARGS__);                                        \
+    else if (ACT == A_BF16)                                                                                  \
+      MOE_WGMMA_TY(SHAPE, "bf16", DREGS, RS_A, ", 0", __VA_ARGS__);                                          \
     else                                                                                                     \
-      MOE_WGMMA_TY(SHAPE, "f16", DREGS, AREGS, __VA_ARGS__);                                                 \
+      MOE_WGMMA_TY(SHAPE, "f16", DREGS, RS_A, ", 0", __VA_ARGS__);                                           \
   } while (0)
-template <int N, int ACT>
-__device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc) {
+template <int N, int ACT, bool SS>
+__device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t adesc,
+                                      uint64_t desc) {
   if constexpr (N == 8)
-    MOE_WGMMA("m64n8k16", "{%0, %1, %2, %3}", "{%4, %5, %6, %7}, %8", MOE_D4(0));
+    MOE_WGMMA("m64n8k16", "{%0, %1, %2, %3}", "{%4, %5, %6, %7}, %8", "%9, %8", MOE_D4(0));
   else if constexpr (N == 32)
     MOE_WGMMA("m64n32k16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}",
-              "{%16, %17, %18, %19}, %20", MOE_D16(0));
+              "{%16, %17, %18, %19}, %20", "%21, %20", MOE_D16(0));
   else if constexpr (N == 64)
     MOE_WGMMA("m64n64k16",
               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
               "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
-              "{%32, %33, %34, %35}, %36", MOE_D16(0), MOE_D16(4));
+              "{%32, %33, %34, %35}, %36", "%37, %36", MOE_D16(0), MOE_D16(4));
   else if constexpr (N == 128)
     MOE_WGMMA("m64n128k16",
               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
               "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
               "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
               "%56, %57, %58, %59, %60, %61, %62, %63}",
-              "{%64, %65, %66, %67}, %68", MOE_D16(0), MOE_D16(4), MOE_D16(8), MOE_D16(12));
+              "{%64, %65, %66, %67}, %68", "%69, %68", MOE_D16(0), MOE_D16(4), MOE_D16(8), MOE_D16(12));
   else
     static_assert(N == 8, "no wgmma shape for this tile");
 }
@@ -261,6 +273,9 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[
 #undef MOE_WGMMA_TY
 #undef MOE_D16
 #undef MOE_D4
+constexpr bool WGMMA = true;
+#else
+constexpr bool WGMMA = false;
 #endif
 
 __device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
@@ -358,7 +373,27 @@ __device__ __forceinline__ void dequant(const uint32_t *words, const Deq &d, boo
   }
 }
 
-/* ---- the GEMM kernel ------------------------------------------------------------- */
+/* ---- the GEMM kernels -------------------------------------------------------------- */
+
+/* This block's (tile, weight strip). Groups of RASTER tiles (consecutive
+ * tiles are mostly one expert's) sweep every strip, tiles fastest, so a
+ * wave of blocks shares a few strips and one expert's tokens in L2
+ * instead of streaming every expert's tokens once per strip. */
+__device__ __forceinline__ void block_order(int &ti, int &strip) {
+  const long long pid = (long long)blockIdx.y * gridDim.x + blockIdx.x,
+                  in_group = (long long)RASTER * gridDim.y;
+  const int first = (int)(pid / in_group) * RASTER, nm = (int)gridDim.x;
+  const int gsz = nm - first < RASTER ? nm - first : RASTER;
+  ti = first + (int)(pid % in_group % gsz);
+  strip = (int)(pid % in_group / gsz);
+}
+
+/* Element (row pos, column col) of a K-major buffer with `cap` rows: [K /
+ * KB][cap][KB], 16-byte chunks swizzled by row as in a stage. */
+__host__ __device__ __forceinline__ size_t kmajor(int col, int pos, int cap) {
+  return ((size_t)(col / KB) * (size_t)cap + (size_t)pos) * KB +
+         (size_t)((((col >> 3) & 7) ^ (pos & 7)) << 3) + (size_t)(col & 7);
+}
 
 template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
   using S = Smem<W, C>;
@@ -369,15 +404,8 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
   /* stages start on a 1024-byte boundary of the shared window (the swizzle) */
   uint8_t *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
 
-  /* Block order: groups of RASTER tiles (consecutive tiles are mostly one
-   * expert's) sweep every weight strip, tiles fastest, so a wave of blocks
-   * shares a few strips and one expert's tokens in L2 instead of streaming
-   * every expert's tokens once per strip. */
-  const long long pid = (long long)blockIdx.y * gridDim.x + blockIdx.x,
-                  in_group = (long long)RASTER * gridDim.y;
-  const int first = (int)(pid / in_group) * RASTER, nm = (int)gridDim.x;
-  const int gsz = nm - first < RASTER ? nm - first : RASTER;
-  const int ti = first + (int)(pid % in_group % gsz), strip = (int)(pid % in_group / gsz);
+  int ti, strip;
+  block_order(ti, strip);
   pdl_wait();
   if (ti >= *a.ntiles) return;
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -394,6 +422,9 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
   __syncthreads();
 
   const uint8_t *wexp = a.w + (size_t)e * (size_t)mtc * (size_t)nkb * CH;
+  /* a stage's A: 16-bit weights are whole 128-byte rows (N of them per KB
+   * columns), the others one packed block per 16 rows */
+  const size_t a_step = W == TW_16 ? (size_t)N * 128 : CH;
   const int G = a.group, sg = G < KB ? KB / G : 1; /* scale groups per stage */
 
   /* Per-thread copy assignments, fixed for the tile: piece tid + q THREADS
@@ -407,7 +438,9 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
   for (int q = 0; q < AP; q++) {
     const int i = tid + q * THREADS, m = n0 / 16 + i / APC;
     a_ok[q] = i < S::A / 16 && m < mtc;
-    a_src[q] = a_ok[q] ? wexp + (size_t)m * nkb * CH + (i % APC) * 16 : a.w;
+    a_src[q] = !a_ok[q]     ? a.w
+               : W == TW_16 ? wexp + (size_t)(n0 * 8 + i) * 16
+                            : wexp + (size_t)m * nkb * CH + (i % APC) * 16;
   }
   const uint16_t *b_src[BP];
   int b_ok[BP]; /* 1: row present; 0: zero-fill; -1: no piece */
@@ -424,7 +457,7 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
 #pragma unroll
     for (int q = 0; q < AP; q++) {
       const int i = tid + q * THREADS;
-      if (i < S::A / 16) cp_async16(sa + i * 16, a_src[q] + (a_ok[q] ? (size_t)kb * CH : 0), a_ok[q]);
+      if (i < S::A / 16) cp_async16(sa + i * 16, a_src[q] + (a_ok[q] ? (size_t)kb * a_step : 0), a_ok[q]);
     }
 #pragma unroll
     for (int q = 0; q < BP; q++) {
@@ -485,9 +518,12 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
     const uint8_t *sb = smem + stage * S::STAGE, *sa = sb + S::B;
     const float *ss = (const float *)(sa + S::A);
     const uint8_t *sz = (const uint8_t *)(ss + SG_MAX * BN);
-    uint4 raw[CH / 512];
+    /* 16-bit weights: the tensor cores read A from the stage (wgmma) or
+     * ldmatrix does (mma.sync); packed codes are dequantized from raw */
+    constexpr bool A_SMEM = W == TW_16 && WGMMA;
+    uint4 raw[W == TW_16 ? 1 : CH / 512];
 #pragma unroll
-    for (int h = 0; h < CH / 512; h++)
+    for (int h = 0; h < (W == TW_16 ? 0 : CH / 512); h++)
       raw[h] = *(const uint4 *)(sa + (warp * CH + h * 512 + lane * 16));
 #pragma unroll
     for (int ks = 0; ks < KB / 16; ks++) {
@@ -507,11 +543,10 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
         }
       }
       if (W == TW_16) {
-        const uint4 u = raw[ks];
-        af[ks][0] = u.x;
-        af[ks][1] = u.y;
-        af[ks][2] = u.z;
-        af[ks][3] = u.w;
+        if constexpr (!A_SMEM) { /* rows 0-7 / 8-15 x columns 0-7 / 8-15: the four fragment registers */
+          const int r = warp * 16 + (lane & 15), chunk = 2 * ks + (lane >> 4);
+          ldmatrix_x4(af[ks][0], af[ks][1], af[ks][2], af[ks][3], sa + r * 128 + ((chunk ^ (r & 7)) << 4));
+        }
       } else if (W == TW_INT4) {
         const uint32_t wd[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
         dequant<W, ACT>(&wd[ks], dq, a.scale16, af[ks]);
@@ -524,13 +559,20 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
 #if defined(MOE_TC_WGMMA)
     /* everything the products read or write is in place before the fence
      * and untouched until their wait (else ptxas serializes them) */
+    if (!A_SMEM)
 #pragma unroll
-    for (int ks = 0; ks < KB / 16; ks++)
-      keep_alive(af[ks]);
+      for (int ks = 0; ks < KB / 16; ks++)
+        keep_alive(af[ks]);
     wgmma_fence();
+    const uint32_t none[4] = {0, 0, 0, 0}; /* SS: no A registers */
 #pragma unroll
-    for (int ks = 0; ks < KB / 16; ks++)
-      wgmma<BT, ACT>(acc, af[ks], wgmma_desc(smem_addr(sb) + ks * 32));
+    for (int ks = 0; ks < KB / 16; ks++) {
+      const uint64_t bd = wgmma_desc(smem_addr(sb) + ks * 32);
+      if constexpr (A_SMEM) /* this warpgroup's 64 rows of the stage */
+        wgmma<BT, ACT, true>(acc, none, wgmma_desc(smem_addr(sa) + (warp >> 2) * 8192 + ks * 32), bd);
+      else
+        wgmma<BT, ACT, false>(acc, af[ks], 0, bd);
+    }
     wgmma_commit();
     /* This stage's products stay in flight while the next stage's
      * fragments are made; the previous stage's are done here. Its
@@ -538,9 +580,10 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
      * or the compiler may hand those registers to af, written while the
      * tensor cores still read them (that race gave wrong results). */
     wgmma_wait<1>();
+    if (!A_SMEM)
 #pragma unroll
-    for (int ks = 0; ks < KB / 16; ks++)
-      keep_alive(af_prev[ks]);
+      for (int ks = 0; ks < KB / 16; ks++)
+        keep_alive(af_prev[ks]);
 #else
 #pragma unroll
     for (int ks = 0; ks < KB / 16; ks++) {
@@ -618,6 +661,176 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
     }
 }
 
+/* The bulk path (sm_90a, 16-bit weights, the large tile): every operand
+ * of a stage is one contiguous run, so one thread copies it with two bulk
+ * copies and the multiplying warps never copy, load fragments or meet at
+ * a block barrier. A = the weight rows (moe_tc_pack's layout), B = the
+ * tile's token rows from a K-major buffer written for the call (phase 1:
+ * gather_rows; phase 2: phase 1's epilogue), tile ti's rows at ti * BT.
+ * Stages are handed over by mbarriers: full (the copies' bytes landed),
+ * empty (each multiplying warp's products of the stage are done). The
+ * products are the generic kernel's wgmma on the same operands in the
+ * same K order (batch invariance: identical bits, test_gpu's tile test). */
+namespace bulk {
+constexpr int BT = 128, BN = 256, CONSUMERS = 4, THREADS = 128 * CONSUMERS + 32;
+constexpr int B = BT * KB * 2, A = BN * KB * 2, STAGE = B + A, STAGES = 4, BYTES = STAGES * STAGE + 1024;
+} // namespace bulk
+
+#if defined(MOE_TC_WGMMA)
+__device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
+  uint32_t done;
+  do
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  while (!done);
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+/* one arrival that also expects `bytes` of bulk copies */
+__device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+/* `bytes` (a multiple of 16) by the copy engine, counted on bar */
+__device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+#endif
+
+template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_bulk(TcArgs a) {
+#if defined(MOE_TC_WGMMA)
+  using namespace bulk;
+  constexpr int NT = BT / 8;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  __shared__ uint64_t full[STAGES], empty[STAGES];
+  __shared__ int slot_of[BT];
+  uint8_t *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  int ti, strip;
+  block_order(ti, strip);
+  pdl_wait();
+  if (ti >= *a.ntiles) return;
+  const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int4 tile = a.tiles[ti];
+  const int e = tile.x, row0 = tile.y, rows = tile.z;
+  const int N = a.n, nkb = a.k / KB, n0 = strip * BN;
+  if (tid < STAGES) {
+    mbar_init(&full[tid], 1);
+    mbar_init(&empty[tid], 4 * CONSUMERS);
+  }
+  for (int i = tid; i < BT; i += THREADS)
+    slot_of[i] = i < rows ? a.sorted[row0 + i] : -1;
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  __syncthreads();
+
+  if (warp == 4 * CONSUMERS) { /* the copying warp: one thread issues every stage */
+    if (lane == 0) {
+      const uint32_t a_bytes = (uint32_t)((N - n0 < BN ? N - n0 : BN) * KB * 2);
+      const uint8_t *wa = a.w + ((size_t)e * nkb * N + n0) * KB * 2,
+                    *xb = (const uint8_t *)a.x + (size_t)ti * B;
+      for (int kb = 0; kb < nkb; kb++) {
+        const int s = kb % STAGES;
+        if (kb >= STAGES) mbar_wait(&empty[s], (kb / STAGES - 1) & 1);
+        uint8_t *sb = smem + s * STAGE;
+        mbar_expect(&full[s], a_bytes + B);
+        bulk_copy(sb, xb + (size_t)kb * a.cap * KB * 2, B, &full[s]);
+        bulk_copy(sb + B, wa + (size_t)kb * N * KB * 2, a_bytes, &full[s]);
+      }
+    }
+    return;
+  }
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; j++)
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+      acc[j][q] = 0.0f;
+  const uint32_t none[4] = {0, 0, 0, 0};
+  /* descriptors of stage 0; a stage and 16 columns further are plain adds
+   * to the address field (in 16-byte units) */
+  const uint64_t db = wgmma_desc(smem_addr(smem)),
+                 da = wgmma_desc(smem_addr(smem) + B + (warp >> 2) * 64 * 128);
+  for (int kb = 0; kb < nkb; kb++) {
+    const int s = kb % STAGES;
+    mbar_wait(&full[s], (kb / STAGES) & 1);
+    const uint32_t so = (uint32_t)(s * STAGE) >> 4;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KB / 16; ks++)
+      wgmma<BT, ACT, true>(acc, none, da + so + ks * 2, db + so + ks * 2);
+    wgmma_commit();
+    wgmma_wait<1>(); /* the previous stage's products are done: hand it back */
+    if (kb > 0 && lane == 0) mbar_arrive(&empty[(kb - 1) % STAGES]);
+  }
+  wgmma_wait<0>();
+  fence_acc(acc);
+  pdl_next();
+
+  const int mt = n0 / 16 + warp;
+  if (mt >= N / 16) return;
+#pragma unroll
+  for (int j = 0; j < NT; j++)
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+      const int tok = j * 8 + 2 * (lane & 3) + q;
+      if (tok >= rows) continue;
+      if (a.phase == 1) { /* K-major for phase 2's B, row ti * BT + tok */
+        const int unit = 8 * mt + (lane >> 2);
+        const float v = activate<ACT>(a.activation, act_round<ACT>(acc[j][q]), act_round<ACT>(acc[j][2 + q]));
+        a.out[kmajor(unit, ti * BT + tok, a.cap)] = to16<ACT>(v);
+      } else {
+        const int slot = slot_of[tok], h = 16 * mt + (lane >> 2);
+        const float w = a.tw[slot];
+        a.out[(size_t)slot * (size_t)a.hidden + (size_t)h] = to16<ACT>(acc[j][q] * w);
+        a.out[(size_t)slot * (size_t)a.hidden + (size_t)(h + 8)] = to16<ACT>(acc[j][2 + q] * w);
+      }
+    }
+#else
+  (void)a; /* moe_tc_bulk is false off sm_90a */
+#endif
+}
+
+/* Phase 1's B for the bulk path: hidden_states rows in tile order, K-major
+ * (tile ti's row i at ti * BT + i; rows past the tile's count zero). One
+ * block per (tile, KB columns), 16 bytes per thread and step. */
+__global__ void gather_rows(TcArgs a, uint16_t *xk) {
+  constexpr int BT = bulk::BT;
+  pdl_wait();
+  const int ti = (int)blockIdx.x;
+  if (ti >= *a.ntiles) return;
+  const int4 tile = a.tiles[ti];
+  const int row0 = tile.y, rows = tile.z, K = a.k;
+  const uint16_t *x = (const uint16_t *)a.x;
+  for (int q = (int)threadIdx.x; q < BT * KB / 8; q += (int)blockDim.x) {
+    const int c = q & 7, r = q / 8, col = (int)blockIdx.y * KB + c * 8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < rows) {
+      const uint16_t *src = x + (size_t)(a.sorted[row0 + r] / a.top_k) * (size_t)K + col;
+      if (a.x_vec) {
+        v = *(const uint4 *)src;
+      } else {
+        uint32_t u[4];
+        for (int p = 0; p < 4; p++)
+          u[p] = src[2 * p] | (uint32_t)src[2 * p + 1] << 16;
+        v = make_uint4(u[0], u[1], u[2], u[3]);
+      }
+    }
+    *(uint4 *)(xk + kmajor(col, ti * BT + r, a.cap)) = v;
+  }
+  pdl_next();
+}
+
 /* ---- packing ------------------------------------------------------------------------ */
 
 /* Original row of packed row p of a matrix with N rows (W13: N = 2I). */
@@ -627,7 +840,10 @@ __device__ __forceinline__ int orig_row(int p, bool w13, int inter, bool interle
   return interleaved ? 2 * unit + up : up * inter + unit;
 }
 
-/* One thread per (expert, 16-row block, KB block, lane). */
+/* One thread per (expert, 16-row block, KB block, lane). 16-bit weights:
+ * [E][K / KB][N][KB], each 128-byte row's 16-byte chunks in the stage's
+ * swizzled order, so that a stage's A (rows n0.. of one KB block) is one
+ * contiguous run; packed codes: the fragment order per 16-row block. */
 template <int W>
 __global__ void pack_weights(const uint8_t *src, uint8_t *dst, int experts, int n, int k, int w13, int inter,
                              int interleaved) {
@@ -637,6 +853,18 @@ __global__ void pack_weights(const uint8_t *src, uint8_t *dst, int experts, int 
        i += (size_t)gridDim.x * blockDim.x) {
     const int lane = (int)(i % 32), kb = (int)(i / 32 % nkb), mt = (int)(i / 32 / nkb % mtc);
     const int e = (int)(i / 32 / nkb / mtc);
+    if (W == TW_16) { /* lane: half a row, chunks swizzled as in the stage (row r: c ^ (r & 7)) */
+      const int r = mt * 16 + (lane >> 1), row = orig_row(r, w13, inter, interleaved);
+      const uint16_t *in = (const uint16_t *)src + ((size_t)e * n + row) * k + kb * KB;
+      uint8_t *out = dst + (((size_t)e * nkb + kb) * n + r) * 128;
+      for (int c = (lane & 1) * 4; c < (lane & 1) * 4 + 4; c++) {
+        uint32_t v[4];
+        for (int p = 0; p < 4; p++)
+          v[p] = in[c * 8 + 2 * p] | (uint32_t)in[c * 8 + 2 * p + 1] << 16;
+        *(uint4 *)(out + ((c ^ (r & 7)) << 4)) = make_uint4(v[0], v[1], v[2], v[3]);
+      }
+      continue;
+    }
     const int g = lane >> 2, c = lane & 3;
     const int rows[2] = {orig_row(mt * 16 + g, w13, inter, interleaved),
                          orig_row(mt * 16 + g + 8, w13, inter, interleaved)};
@@ -646,20 +874,14 @@ __global__ void pack_weights(const uint8_t *src, uint8_t *dst, int experts, int 
       for (int q = 0; q < 8; q++) {
         const size_t row = (size_t)e * n + rows[(q >> 1) & 1];
         const int col = kb * KB + ks * 16 + 2 * c + (q & 1) + 8 * (q >> 2);
-        if (W == TW_16) {
-          v[q] = ((const uint16_t *)src)[row * k + col];
-        } else if (W == TW_INT8) {
+        if (W == TW_INT8) {
           v[q] = src[row * k + col];
         } else {
           const uint8_t b = src[row * (size_t)(k / 2) + col / 2];
           v[q] = (col & 1) ? b >> 4 : b & 15u;
         }
       }
-      if (W == TW_16) {
-        uint32_t *o = (uint32_t *)(out + ks * 512 + lane * 16);
-        for (int p = 0; p < 4; p++)
-          o[p] = v[2 * p] | v[2 * p + 1] << 16;
-      } else if (W == TW_INT8) {
+      if (W == TW_INT8) {
         uint32_t *o = (uint32_t *)(out + (ks >> 1) * 512 + lane * 16 + (ks & 1) * 8);
         o[0] = v[0] | v[1] << 8 | v[2] << 16 | v[3] << 24;
         o[1] = v[4] | v[5] << 8 | v[6] << 16 | v[7] << 24;
@@ -734,6 +956,22 @@ moe_status launch_act(moe_backend *b, int act, int config, int max_tiles, const 
                        : launch_cfg<W, A_F16>(b, config, max_tiles, a, err);
 }
 
+template <int ACT> moe_status launch_bulk(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err) {
+  static bool attr_set[64]; /* as in launch */
+  const int dev = b->device;
+  if (dev < 0 || dev >= 64 || !attr_set[dev]) {
+    moe_status s = moe_gpu_check(
+        cudaFuncSetAttribute(tc_gemm_bulk<ACT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bulk::BYTES),
+        "fused_moe tensor-core smem", err);
+    if (s) return s;
+    if (dev >= 0 && dev < 64) attr_set[dev] = true;
+  }
+  const dim3 grid((unsigned)max_tiles, (unsigned)((a.n + bulk::BN - 1) / bulk::BN)); /* as tc_gemm's */
+  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), tc_gemm_bulk<ACT>, grid, dim3(bulk::THREADS), bulk::BYTES,
+                                  moe_gpu_stream(b), a),
+                       "fused_moe tensor-core gemm", err);
+}
+
 unsigned blocks_for(size_t items, moe_backend *b) {
   size_t blocks = (items + 255) / 256, cap = (size_t)moe_gpu_sm_count(b) * 16;
   return (unsigned)(blocks < 1 ? 1 : blocks > cap ? cap : blocks);
@@ -760,6 +998,24 @@ int moe_tc_choose(const moe_expert_config *cfg, int64_t avg) {
   for (int c = 0; c < TC_CONFIGS; c++)
     if (avg <= upto[w][c]) return c;
   return TC_LARGE;
+}
+
+bool moe_tc_bulk(moe_backend *b, const moe_expert_config *cfg, int config) {
+#if defined(MOE_TC_SM90A)
+  const char *off = getenv("MOE_GPU_TC_BULK"); /* 0: the generic kernel (tests compare the two) */
+  return moe_gpu_cc_major(b) == 9 && tc_wkind(cfg) == TW_16 && config == TC_LARGE &&
+         !(off && !strcmp(off, "0"));
+#else
+  (void)b, (void)cfg, (void)config;
+  return false;
+#endif
+}
+
+moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_t *xk, moe_error *err) {
+  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), gather_rows,
+                                  dim3((unsigned)max_tiles, (unsigned)(a.k / KB)), dim3(256), 0,
+                                  moe_gpu_stream(b), a, xk),
+                       "fused_moe row gather", err);
 }
 
 extern "C" bool moe_gpu_fused_packs(moe_backend *b, const moe_expert_config *cfg) {
@@ -804,6 +1060,9 @@ moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_d
 
 moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, int config, int max_tiles,
                        const TcArgs &a, moe_error *err) {
+  if (a.cap)
+    return act == A_BF16 ? launch_bulk<A_BF16>(b, max_tiles, a, err)
+                         : launch_bulk<A_F16>(b, max_tiles, a, err);
   switch (tc_wkind(cfg)) {
   case TW_INT4: return launch_act<TW_INT4>(b, act, config, max_tiles, a, err);
   case TW_INT8: return launch_act<TW_INT8>(b, act, config, max_tiles, a, err);
@@ -815,6 +1074,10 @@ moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, in
 
 int moe_tc_rows(int config) { return 8; }
 int moe_tc_choose(const moe_expert_config *cfg, int64_t avg) { return TC_SMALL; }
+bool moe_tc_bulk(moe_backend *b, const moe_expert_config *cfg, int config) { return false; }
+moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_t *xk, moe_error *err) {
+  return moe_fail(err, MOE_EUNSUPPORTED, "fused_moe: no tensor-core path on this GPU");
+}
 extern "C" bool moe_gpu_fused_packs(moe_backend *b, const moe_expert_config *cfg) { return false; }
 moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_dtype scale_dt[2],
                        void *const src[MOE_EXPERT_TENSOR_COUNT], void *dst[MOE_EXPERT_TENSOR_COUNT],

@@ -591,7 +591,7 @@ typedef struct fm_case {
 
 static const fm_case fm_cases[] = {
     {"bf16", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 2048, 384},
-    {"fp16", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 1280, 256},
+    {"fp16", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 1152, 256}, /* H: a half weight strip */
     {"bf16 odd sizes", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 72, 20},
     {"fp16 odd sizes", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 40, 36},
     {"int4 g128 bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 128, false, MOE_BF16, 2048, 384},
@@ -888,12 +888,15 @@ END_TEST
 /* GPU only: every tile configuration the tensor-core path can pick for a
  * batch (MOE_GPU_FUSED_TILE forces one; the batch size picks one in
  * service) gives the same bits for the same batch, so a token's result
- * cannot depend on the configuration its batch size selects. Shapes the
- * path does not take ignore the variable and pass trivially. */
+ * cannot depend on the configuration its batch size selects; the large
+ * tile twice, with the bulk kernel (16-bit weights on sm_90a) and with
+ * the generic one (MOE_GPU_TC_BULK=0). Shapes the path does not take
+ * ignore the variables and pass trivially. */
 START_TEST(fused_tile_configs) {
   const size_t picks[] = {0, 1,  4,  5,
                           7, 12, 13, 14}; /* bf16, fp16, int4 g128, g128 zp, g32 zp, g16, int8 g128, g64 zp */
-  static const char *const configs[] = {"small", "medium", "wide", "large"};
+  static const char *const configs[] = {"small", "medium", "wide", "large", "large"};
+  static const char *const bulk[] = {"1", "1", "1", "1", "0"};
   char label[200];
   for (size_t pi = 0; pi < sizeof picks / sizeof picks[0]; pi++) {
     const fm_case *c = &fm_cases[picks[pi]];
@@ -904,8 +907,9 @@ START_TEST(fused_tile_configs) {
     uint16_t *first = NULL;
     for (size_t k = 0; k < sizeof configs / sizeof configs[0]; k++) {
       setenv("MOE_GPU_FUSED_TILE", configs[k], 1);
+      setenv("MOE_GPU_TC_BULK", bulk[k], 1);
       uint16_t *r, *g;
-      snprintf(label, sizeof label, "tile config %s %s", configs[k], c->name);
+      snprintf(label, sizeof label, "tile config %s (MOE_GPU_TC_BULK=%s) %s", configs[k], bulk[k], c->name);
       fm_run(&m, NULL, &tk, 0, label, &r, &g);
       fm_compare(c, r, g, (size_t)(tk.T * c->hidden), label, NULL, NULL);
       free(r);
@@ -919,6 +923,7 @@ START_TEST(fused_tile_configs) {
       free(g);
     }
     unsetenv("MOE_GPU_FUSED_TILE");
+    unsetenv("MOE_GPU_TC_BULK");
     free(first);
     fm_tokens_free(&tk);
     fm_free(&m);
