@@ -37,6 +37,11 @@ static const char usage[] =
     "  --max-upload-bytes N      tensor bytes per ExpertStore upload (default 64 GiB)\n"
     "  --inline-bytes N          unbatched ModelInfer messages up to N bytes run on the gRPC thread\n"
     "                            (CPU backend; MOED_INLINE_BYTES, default 65536; 0 = always hand off)\n"
+    "  --handshake-timeout SEC   a connection that has not sent its gRPC handshake (HTTP: its whole\n"
+    "                            request) within SEC is closed (MOED_HANDSHAKE_TIMEOUT, default 10)\n"
+    "  --idle-timeout SEC        a gRPC connection without calls for SEC is closed; keepalive pings find\n"
+    "                            dead peers (MOED_IDLE_TIMEOUT, default 300)\n"
+    "  --http-max-connections N  open HTTP connections; beyond: closed at accept (default 256)\n"
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
     "  --log-json                JSON log lines (MOED_LOG_JSON=1)\n"
     "  --port-file PATH          write \"GRPC_PORT HTTP_PORT\" once listening (tests)\n"
@@ -84,6 +89,9 @@ enum {
   OPT_STRICT_CONFIG,
   OPT_CONTROL_MODE,
   OPT_LOAD_MODEL,
+  OPT_HANDSHAKE,
+  OPT_IDLE,
+  OPT_HTTP_CONNS,
 };
 
 static const struct option options[] = {
@@ -110,6 +118,9 @@ static const struct option options[] = {
     {"max-upload-bytes", required_argument, NULL, OPT_MAX_UPLOAD},
     {"inline-bytes", required_argument, NULL, OPT_INLINE},
     {"device", required_argument, NULL, OPT_DEVICE},
+    {"handshake-timeout", required_argument, NULL, OPT_HANDSHAKE},
+    {"idle-timeout", required_argument, NULL, OPT_IDLE},
+    {"http-max-connections", required_argument, NULL, OPT_HTTP_CONNS},
     {"help", no_argument, NULL, OPT_HELP},
     /* Triton's spellings (usage) */
     {"grpc-address", required_argument, NULL, OPT_ADDRESS},
@@ -212,6 +223,9 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_BATCH_TOKENS: ok = parse_i64(v, 0, INT32_MAX, &n) && (c->max_batch_tokens = n, true); break;
   case OPT_QUEUE_DELAY: ok = parse_i64(v, 0, 60000000, &n) && (c->max_queue_delay_us = n, true); break;
   case OPT_INLINE: ok = parse_i64(v, 0, 1 << 30, &n) && (c->inline_bytes = (size_t)n, true); break;
+  case OPT_HANDSHAKE: ok = parse_i64(v, 1, 3600, &n) && (c->handshake_timeout_s = (int)n, true); break;
+  case OPT_IDLE: ok = parse_i64(v, 1, 86400 * 7, &n) && (c->idle_timeout_s = (int)n, true); break;
+  case OPT_HTTP_CONNS: ok = parse_i64(v, 1, 1 << 20, &n) && (c->http_max_connections = (int)n, true); break;
   case OPT_MAX_UPLOAD: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_upload_bytes = (size_t)n, true); break;
   }
   if (!ok) fprintf(stderr, "moed: bad value '%s' for %s\n", v, src);
@@ -238,6 +252,8 @@ static const struct {
     {"MOED_DEVICE", OPT_DEVICE},
     {"MOED_MAX_BATCH_TOKENS", OPT_BATCH_TOKENS},
     {"MOED_MAX_QUEUE_DELAY_US", OPT_QUEUE_DELAY},
+    {"MOED_HANDSHAKE_TIMEOUT", OPT_HANDSHAKE},
+    {"MOED_IDLE_TIMEOUT", OPT_IDLE},
 };
 
 int moed_config_parse(moed_config *c, int argc, char **argv) {
@@ -259,6 +275,9 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .max_batch_tokens = 4096,
       .max_upload_bytes = (size_t)64 << 30,
       .inline_bytes = 65536,
+      .handshake_timeout_s = 10,
+      .idle_timeout_s = 300,
+      .http_max_connections = 256,
   };
   for (size_t i = 0; i < sizeof env_map / sizeof env_map[0]; i++) {
     const char *v = getenv(env_map[i].env);

@@ -1,6 +1,14 @@
 /* http: the side port on the loop: Prometheus /metrics and the Kubernetes
  * probes /v2/health/live and /v2/health/ready. One request per connection
- * (Connection: close), parsed by http-parser. */
+ * (Connection: close), parsed by http-parser; a connection has
+ * --handshake-timeout to send its whole request (slowloris), and at most
+ * --http-max-connections are open (beyond: closed at accept).
+ *
+ * The probes check the gRPC listener itself: gRPC core stops accepting
+ * for good once accept4 fails with EMFILE, and a probe that only read a
+ * flag would keep answering 200 for a pod nobody can call. Each probe
+ * connects to the gRPC port and expects the server's HTTP/2 SETTINGS frame
+ * within PROBE_MS. */
 #include <http_parser.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -9,19 +17,42 @@
 
 #include "moed.h"
 
+#define PROBE_MS 2000
+
 struct moed_http {
   moed_server *srv;
   uv_tcp_t tcp;
+  int open;          /* connections open (loop thread) */
+  uint64_t refused;  /* closed at accept: over --http-max-connections */
+  uint64_t timeouts; /* closed: no whole request within --handshake-timeout */
 };
+
+typedef struct probe probe;
 
 typedef struct conn {
   uv_tcp_t tcp;
+  uv_timer_t timer; /* the request deadline */
+  int handles;      /* open handles of tcp and timer: freed at 0 */
   moed_http *h;
   http_parser parser;
   char url[256];
   size_t url_len;
+  bool complete; /* the request was whole (its answer may wait for a probe) */
   bool responded;
+  probe *pr; /* the gRPC listener check this request waits for */
 } conn;
+
+struct probe {
+  uv_tcp_t tcp;
+  uv_timer_t timer;
+  uv_connect_t creq;
+  uv_write_t wreq;
+  int handles;
+  conn *c; /* NULL once the requester went away */
+  bool done;
+  unsigned char buf[16];
+  size_t got;
+};
 
 typedef struct wbuf {
   char *p;
@@ -102,7 +133,8 @@ static void model_metrics(moed_model *m, void *arg) {
   }
 }
 
-static void render_metrics(moed_server *s, wbuf *b) {
+static void render_metrics(moed_http *h, wbuf *b) {
+  moed_server *s = h->srv;
   static const char *const heads[] = {
       "# HELP moed_requests_total Inference requests by model and outcome.\n# TYPE moed_requests_total "
       "counter\n",
@@ -152,6 +184,16 @@ static void render_metrics(moed_server *s, wbuf *b) {
     wb_printf(b, "moed_device_memory_bytes{worker=\"%d\",backend=\"%s\",kind=\"held\"} %zu\n", i, name,
               mem.held);
   }
+  wb_printf(b,
+            "# HELP moed_http_connections_closed_total HTTP connections closed by moed: over "
+            "--http-max-connections at accept (refused), or without a whole request within "
+            "--handshake-timeout (timeout).\n"
+            "# TYPE moed_http_connections_closed_total counter\n"
+            "moed_http_connections_closed_total{reason=\"refused\"} %llu\n"
+            "moed_http_connections_closed_total{reason=\"timeout\"} %llu\n"
+            "# HELP moed_http_connections Open HTTP connections.\n# TYPE moed_http_connections gauge\n"
+            "moed_http_connections %d\n",
+            (unsigned long long)h->refused, (unsigned long long)h->timeouts, h->open);
   wb_printf(
       b, "# HELP moed_ready Whether the server accepts inference.\n# TYPE moed_ready gauge\nmoed_ready %d\n",
       atomic_load(&s->ready) ? 1 : 0);
@@ -159,10 +201,19 @@ static void render_metrics(moed_server *s, wbuf *b) {
 
 /* ---- connections -------------------------------------------------------------- */
 
-static void on_closed(uv_handle_t *h) { free(h->data); }
+static void on_closed(uv_handle_t *hd) {
+  conn *c = hd->data;
+  if (--c->handles == 0) {
+    c->h->open--;
+    free(c);
+  }
+}
 
 static void close_conn(conn *c) {
+  if (c->pr) c->pr->c = NULL; /* the probe finishes on its own, answering no one */
+  c->pr = NULL;
   if (!uv_is_closing((uv_handle_t *)&c->tcp)) uv_close((uv_handle_t *)&c->tcp, on_closed);
+  if (!uv_is_closing((uv_handle_t *)&c->timer)) uv_close((uv_handle_t *)&c->timer, on_closed);
 }
 
 typedef struct write_req {
@@ -220,6 +271,94 @@ static int on_url(http_parser *p, const char *at, size_t len) {
   return 0;
 }
 
+/* ---- the gRPC listener check ------------------------------------------------- */
+
+static void probe_closed(uv_handle_t *hd) {
+  probe *pr = hd->data;
+  if (--pr->handles == 0) free(pr);
+}
+
+static void probe_finish(probe *pr, bool ok) {
+  if (pr->done) return;
+  pr->done = true;
+  conn *c = pr->c;
+  if (c) {
+    c->pr = NULL;
+    if (ok)
+      respond(c, 200, "OK", "text/plain", "", 0);
+    else
+      respond(c, 503, "Service Unavailable", "text/plain", "grpc listener not answering\n", 28);
+  }
+  uv_close((uv_handle_t *)&pr->tcp, probe_closed);
+  uv_close((uv_handle_t *)&pr->timer, probe_closed);
+}
+
+static void probe_timeout(uv_timer_t *t) { probe_finish(t->data, false); }
+
+static void probe_alloc(uv_handle_t *hd, size_t suggested, uv_buf_t *buf) {
+  (void)suggested;
+  probe *pr = hd->data;
+  buf->base = (char *)pr->buf + pr->got;
+  buf->len = sizeof pr->buf - pr->got;
+}
+
+/* HTTP/2 (RFC 9113): a frame header is length (3 bytes), type (1 byte: 4 =
+ * SETTINGS), flags, stream id; the server's first frame is its SETTINGS. */
+static void probe_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
+  (void)buf;
+  probe *pr = st->data;
+  if (n < 0) {
+    probe_finish(pr, false);
+    return;
+  }
+  pr->got += (size_t)n;
+  if (pr->got >= 9) probe_finish(pr, pr->buf[3] == 4);
+}
+
+static void probe_written(uv_write_t *w, int status) {
+  probe *pr = w->data;
+  if (status < 0) probe_finish(pr, false);
+}
+
+static void probe_connected(uv_connect_t *cr, int status) {
+  probe *pr = cr->data;
+  /* the client connection preface, then an empty SETTINGS frame */
+  static char hello[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\4\0\0\0\0\0";
+  if (pr->done) return;
+  uv_buf_t b = uv_buf_init(hello, sizeof hello - 1);
+  pr->wreq.data = pr;
+  if (status < 0 || uv_write(&pr->wreq, (uv_stream_t *)&pr->tcp, &b, 1, probe_written) != 0 ||
+      uv_read_start((uv_stream_t *)&pr->tcp, probe_alloc, probe_read) != 0)
+    probe_finish(pr, false);
+}
+
+/* Answers c once the gRPC port has (200) or has not (503) answered. */
+static void probe_start(conn *c) {
+  moed_server *s = c->h->srv;
+  /* a wildcard bind is checked on loopback */
+  const char *a = s->cfg->address;
+  const char *host = !strcmp(a, "0.0.0.0")                      ? "127.0.0.1"
+                     : (!strcmp(a, "::") || !strcmp(a, "[::]")) ? "::1"
+                                                                : a;
+  struct sockaddr_storage addr;
+  probe *pr = calloc(1, sizeof *pr);
+  if (!pr || (uv_ip4_addr(host, s->grpc_port, (struct sockaddr_in *)&addr) != 0 &&
+              uv_ip6_addr(host, s->grpc_port, (struct sockaddr_in6 *)&addr) != 0)) {
+    free(pr);
+    respond(c, 503, "Service Unavailable", "text/plain", "grpc listener not checked\n", 26);
+    return;
+  }
+  uv_tcp_init(s->loop, &pr->tcp);
+  uv_timer_init(s->loop, &pr->timer);
+  pr->handles = 2;
+  pr->tcp.data = pr->timer.data = pr->creq.data = pr;
+  pr->c = c;
+  c->pr = pr;
+  uv_timer_start(&pr->timer, probe_timeout, PROBE_MS, 0);
+  if (uv_tcp_connect(&pr->creq, &pr->tcp, (const struct sockaddr *)&addr, probe_connected) != 0)
+    probe_finish(pr, false);
+}
+
 static int on_message_complete(http_parser *p) {
   conn *c = p->data;
   moed_server *s = c->h->srv;
@@ -229,23 +368,28 @@ static int on_message_complete(http_parser *p) {
     respond(c, 405, "Method Not Allowed", "text/plain", "GET only\n", 9);
   } else if (strcmp(c->url, "/metrics") == 0) {
     wbuf b = {0};
-    render_metrics(s, &b);
+    render_metrics(c->h, &b);
     if (b.oom)
       respond(c, 500, "Internal Server Error", "text/plain", "out of memory\n", 14);
     else
       respond(c, 200, "OK", "text/plain; version=0.0.4", b.p, b.len);
     free(b.p);
   } else if (strcmp(c->url, "/v2/health/live") == 0) {
-    respond(c, 200, "OK", "text/plain", "", 0);
+    if (atomic_load(&s->draining)) /* the gRPC port closes on purpose; the exit is bounded by the drain */
+      respond(c, 200, "OK", "text/plain", "", 0);
+    else
+      probe_start(c);
   } else if (strcmp(c->url, "/v2/health/ready") == 0) {
     if (atomic_load(&s->ready))
-      respond(c, 200, "OK", "text/plain", "", 0);
+      probe_start(c);
     else
       respond(c, 503, "Service Unavailable", "text/plain", "", 0);
   } else {
     respond(c, 404, "Not Found", "text/plain", "not found\n", 10);
   }
-  return 1; /* one request per connection: stop parsing */
+  c->complete = true;
+  uv_timer_stop(&c->timer); /* the request is whole: the answer (or its probe) has its own bound */
+  return 1;                 /* one request per connection: stop parsing */
 }
 
 static const http_parser_settings settings = {
@@ -261,12 +405,12 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
 
 static void on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
   conn *c = st->data;
-  if (n > 0 && !c->responded) {
+  if (n > 0 && !c->complete) {
     size_t used = http_parser_execute(&c->parser, &settings, buf->base, (size_t)n);
-    if (!c->responded && (c->parser.http_errno != HPE_OK || used != (size_t)n)) {
+    if (!c->complete && (c->parser.http_errno != HPE_OK || used != (size_t)n)) {
       uv_read_stop(st);
       respond(c, 400, "Bad Request", "text/plain", "bad request\n", 12);
-    } else if (c->responded) {
+    } else if (c->complete) {
       uv_read_stop(st);
     }
   } else if (n < 0) {
@@ -275,18 +419,33 @@ static void on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
   free(buf->base);
 }
 
+static void on_deadline(uv_timer_t *t) {
+  conn *c = t->data;
+  c->h->timeouts++;
+  close_conn(c);
+}
+
 static void on_connection(uv_stream_t *server, int status) {
   moed_http *h = server->data;
   if (status < 0) return;
   conn *c = calloc(1, sizeof *c);
   if (!c) return;
   c->h = h;
+  h->open++;
   uv_tcp_init(server->loop, &c->tcp);
-  c->tcp.data = c;
+  uv_timer_init(server->loop, &c->timer);
+  c->handles = 2;
+  c->tcp.data = c->timer.data = c;
   if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0) {
     close_conn(c);
     return;
   }
+  if (h->open > h->srv->cfg->http_max_connections) { /* accepted only to leave the backlog */
+    h->refused++;
+    close_conn(c);
+    return;
+  }
+  uv_timer_start(&c->timer, on_deadline, (uint64_t)h->srv->cfg->handshake_timeout_s * 1000, 0);
   http_parser_init(&c->parser, HTTP_REQUEST);
   c->parser.data = c;
   uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);

@@ -3,11 +3,13 @@
  * in-flight work completes (bounded by --drain-timeout: past it, running
  * ops stop at their next work item and their calls get UNAVAILABLE), gRPC
  * shut down, exit 0. */
+#include <errno.h>
 #include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "moed.h"
 
@@ -99,6 +101,14 @@ int main(int argc, char **argv) {
   if (rc) return rc > 0 ? 0 : 2;
   moed_log_init(a.cfg.log_level, a.cfg.log_json);
   signal(SIGPIPE, SIG_IGN);
+  /* every descriptor the hard limit allows: gRPC core never recovers from
+   * an accept that failed with EMFILE (the HTTP probes report it) */
+  struct rlimit fds;
+  if (getrlimit(RLIMIT_NOFILE, &fds) == 0 && fds.rlim_cur < fds.rlim_max) {
+    fds.rlim_cur = fds.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &fds) != 0)
+      moed_log(MOED_LOG_WARN, "fd_limit", "could not raise the open-file limit: %s", strerror(errno));
+  }
   /* Multi-MiB tensors: keep freed memory in the heap instead of mmap/munmap
    * per request (fresh pages fault 2-3x slower). */
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
@@ -132,6 +142,7 @@ int main(int argc, char **argv) {
   if (a.cfg.cache_bytes && moed_weight_cache_create(a.cfg.cache_bytes, &s->weights) != 0) goto out;
   if (moed_rpc_start(&a.cfg, &a.loop, moed_handle_request, moed_handle_inline, s, &s->rpc, &grpc_port) != 0)
     goto out;
+  s->grpc_port = grpc_port;
   if (a.cfg.http_port >= 0 && moed_http_start(s, a.cfg.http_address ? a.cfg.http_address : a.cfg.address,
                                               a.cfg.http_port, &a.http, &http_port) != 0) {
     moed_rpc_shutdown(s->rpc);

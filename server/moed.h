@@ -51,6 +51,9 @@ typedef struct moed_config {
   int64_t max_queue_delay_us; /* longest wait for a batch to fill */
   size_t max_upload_bytes;    /* ExpertStore: tensor bytes per upload */
   size_t inline_bytes;        /* unbatched requests up to this size run on the CQ thread (host backends) */
+  int handshake_timeout_s;    /* gRPC handshake / whole HTTP request, else the connection is closed */
+  int idle_timeout_s;         /* gRPC connection without calls: closed */
+  int http_max_connections;   /* open HTTP connections; beyond: closed at accept */
 } moed_config;
 
 /* 0: run; 1: exit 0 (--help); -1: bad flags (message printed). */
@@ -296,6 +299,7 @@ typedef struct moed_server {
   const moed_config *cfg;
   uv_loop_t *loop;
   moed_rpc_server *rpc;
+  int grpc_port; /* bound (the HTTP probes check it) */
   moed_repository *repo;
   moed_devices *devices;
   _Atomic bool ready;

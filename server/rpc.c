@@ -564,8 +564,28 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
   s->generic.tag = (rpc_tag){TAG_GENERIC, s};
 
   int max_msg = cfg->max_message_bytes > (size_t)INT32_MAX ? INT32_MAX : (int)cfg->max_message_bytes;
-  grpc_arg args[3];
+  /* Connections cannot pile up (issue 13): gRPC core stops accepting for
+   * good once accept4 fails with EMFILE, so a connection that never
+   * completes its handshake, or holds no calls, is closed, and keepalive
+   * pings (at most one per idle interval, answers within 20 s) find peers
+   * that went away. */
+  const int idle_ms = cfg->idle_timeout_s > INT32_MAX / 1000 ? INT32_MAX : cfg->idle_timeout_s * 1000;
+  const struct {
+    const char *key;
+    int value;
+  } ints[] = {
+      {GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, cfg->handshake_timeout_s * 1000},
+      {GRPC_ARG_MAX_CONNECTION_IDLE_MS, idle_ms},
+      {GRPC_ARG_KEEPALIVE_TIME_MS, idle_ms},
+      {GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000},
+  };
+  grpc_arg args[3 + sizeof ints / sizeof ints[0]];
   memset(args, 0, sizeof args);
+  for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
+    args[3 + i].type = GRPC_ARG_INTEGER;
+    args[3 + i].key = (char *)ints[i].key;
+    args[3 + i].value.integer = ints[i].value;
+  }
   args[0].type = GRPC_ARG_INTEGER;
   args[0].key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
   args[0].value.integer = max_msg;
@@ -575,7 +595,7 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
   args[2].type = GRPC_ARG_INTEGER;
   args[2].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
   args[2].value.integer = 0; /* a second moed on the same port must fail, not share */
-  grpc_channel_args chargs = {3, args};
+  grpc_channel_args chargs = {sizeof args / sizeof args[0], args};
 
   s->server = grpc_server_create(&chargs, NULL);
   s->cq = grpc_completion_queue_create_for_next(NULL);

@@ -31,13 +31,14 @@ def check(cond, what):
         failures.append(what)
 
 
-def start(tmp, *extra):
+def start(tmp, *extra, preexec_fn=None):
     port_file = os.path.join(tmp, "ports")
     if os.path.exists(port_file):
         os.unlink(port_file)
     log = open(os.path.join(tmp, "moed.log"), "ab")
     p = subprocess.Popen([MOED, "--address", "127.0.0.1", "--grpc-port", "0", "--http-port", "0",
-                          "--port-file", port_file, "--workers", "2", *extra], stdout=log, stderr=log)
+                          "--port-file", port_file, "--workers", "2", *extra], stdout=log, stderr=log,
+                         preexec_fn=preexec_fn)
     for _ in range(200):
         if os.path.exists(port_file):
             g, h = open(port_file).read().split()
