@@ -41,6 +41,11 @@ static const char usage[] =
     "                            request) within SEC is closed (MOED_HANDSHAKE_TIMEOUT, default 10)\n"
     "  --idle-timeout SEC        a gRPC connection without calls for SEC is closed; keepalive pings find\n"
     "                            dead peers (MOED_IDLE_TIMEOUT, default 300)\n"
+    "  --stream-buffer-bytes N   responses a stream's client has not read yet; beyond, the stream's next\n"
+    "                            request waits (default 64 MiB)\n"
+    "  --response-buffer-bytes N the same over every stream: beyond, streams holding some pause too,\n"
+    "                            and one holding its stream budget is ended with RESOURCE_EXHAUSTED\n"
+    "                            (default 2 GiB)\n"
     "  --http-max-connections N  open HTTP connections; beyond: closed at accept (default 256)\n"
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
     "  --log-json                JSON log lines (MOED_LOG_JSON=1)\n"
@@ -92,6 +97,8 @@ enum {
   OPT_HANDSHAKE,
   OPT_IDLE,
   OPT_HTTP_CONNS,
+  OPT_STREAM_BUF,
+  OPT_RESPONSE_BUF,
 };
 
 static const struct option options[] = {
@@ -121,6 +128,8 @@ static const struct option options[] = {
     {"handshake-timeout", required_argument, NULL, OPT_HANDSHAKE},
     {"idle-timeout", required_argument, NULL, OPT_IDLE},
     {"http-max-connections", required_argument, NULL, OPT_HTTP_CONNS},
+    {"stream-buffer-bytes", required_argument, NULL, OPT_STREAM_BUF},
+    {"response-buffer-bytes", required_argument, NULL, OPT_RESPONSE_BUF},
     {"help", no_argument, NULL, OPT_HELP},
     /* Triton's spellings (usage) */
     {"grpc-address", required_argument, NULL, OPT_ADDRESS},
@@ -226,6 +235,12 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_HANDSHAKE: ok = parse_i64(v, 1, 3600, &n) && (c->handshake_timeout_s = (int)n, true); break;
   case OPT_IDLE: ok = parse_i64(v, 1, 86400 * 7, &n) && (c->idle_timeout_s = (int)n, true); break;
   case OPT_HTTP_CONNS: ok = parse_i64(v, 1, 1 << 20, &n) && (c->http_max_connections = (int)n, true); break;
+  case OPT_STREAM_BUF:
+    ok = parse_i64(v, 1, INT64_MAX, &n) && (c->stream_buffer_bytes = (size_t)n, true);
+    break;
+  case OPT_RESPONSE_BUF:
+    ok = parse_i64(v, 1, INT64_MAX, &n) && (c->response_buffer_bytes = (size_t)n, true);
+    break;
   case OPT_MAX_UPLOAD: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_upload_bytes = (size_t)n, true); break;
   }
   if (!ok) fprintf(stderr, "moed: bad value '%s' for %s\n", v, src);
@@ -278,6 +293,8 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .handshake_timeout_s = 10,
       .idle_timeout_s = 300,
       .http_max_connections = 256,
+      .stream_buffer_bytes = (size_t)64 << 20,
+      .response_buffer_bytes = (size_t)2 << 30,
   };
   for (size_t i = 0; i < sizeof env_map / sizeof env_map[0]; i++) {
     const char *v = getenv(env_map[i].env);

@@ -44,16 +44,18 @@ typedef struct moed_config {
   double drain_timeout_s;       /* SIGTERM: wait for in-flight work */
   int log_level;                /* 0 error, 1 warn, 2 info, 3 debug */
   bool log_json;
-  const char *port_file;      /* write "grpc_port http_port" once bound (tests) */
-  size_t cache_bytes;         /* inline-weight device cache; 0 = off */
-  bool cache_host;            /* also cache on host backends (they read in place) */
-  int64_t max_batch_tokens;   /* rows merged per batch; 0 = no batching */
-  int64_t max_queue_delay_us; /* longest wait for a batch to fill */
-  size_t max_upload_bytes;    /* ExpertStore: tensor bytes per upload */
-  size_t inline_bytes;        /* unbatched requests up to this size run on the CQ thread (host backends) */
-  int handshake_timeout_s;    /* gRPC handshake / whole HTTP request, else the connection is closed */
-  int idle_timeout_s;         /* gRPC connection without calls: closed */
-  int http_max_connections;   /* open HTTP connections; beyond: closed at accept */
+  const char *port_file;        /* write "grpc_port http_port" once bound (tests) */
+  size_t cache_bytes;           /* inline-weight device cache; 0 = off */
+  bool cache_host;              /* also cache on host backends (they read in place) */
+  int64_t max_batch_tokens;     /* rows merged per batch; 0 = no batching */
+  int64_t max_queue_delay_us;   /* longest wait for a batch to fill */
+  size_t max_upload_bytes;      /* ExpertStore: tensor bytes per upload */
+  size_t inline_bytes;          /* unbatched requests up to this size run on the CQ thread (host backends) */
+  int handshake_timeout_s;      /* gRPC handshake / whole HTTP request, else the connection is closed */
+  int idle_timeout_s;           /* gRPC connection without calls: closed */
+  int http_max_connections;     /* open HTTP connections; beyond: closed at accept */
+  size_t stream_buffer_bytes;   /* unsent responses of one stream; beyond: its reads pause */
+  size_t response_buffer_bytes; /* of all streams; beyond: a stream holding some is ended */
 } moed_config;
 
 /* 0: run; 1: exit 0 (--help); -1: bad flags (message printed). */

@@ -84,6 +84,7 @@ typedef struct generic_slot {
 typedef struct out_msg {
   struct out_msg *next;
   grpc_byte_buffer *bb;
+  size_t len;
 } out_msg;
 
 struct moed_rpc {
@@ -110,6 +111,11 @@ struct moed_rpc {
   bool read_done;
   int pending; /* stream hand-offs not yet done */
   grpc_byte_buffer *recv_bb;
+  /* responses queued or being written, not yet sent: their bytes (also in
+   * the server's `buffered`), their count, the one being written */
+  size_t wq_bytes, writing_len;
+  int wq_count;
+  bool recv_paused; /* the next read waits until the stream has room */
 };
 
 struct moed_rpc_server {
@@ -132,6 +138,17 @@ struct moed_rpc_server {
   _Atomic bool shutting_down;
   _Atomic bool shutdown_done;
   _Atomic int live_calls;
+  /* Stream responses buffered for clients (all calls), and the limits: a
+   * stream pauses its reads while it holds stream_bytes (or STREAM_QUEUE
+   * messages, or STREAM_PENDING requests in work), and while it holds any
+   * and all streams together hold total_bytes. The work it had already
+   * read still answers; when an answer would take the total past
+   * total_bytes, a stream that holds its stream_bytes already is ended
+   * with RESOURCE_EXHAUSTED. A client that never reads its responses so
+   * costs bounded memory and stops being read; a paused stream that holds
+   * nothing is never kept waiting. */
+  _Atomic size_t buffered;
+  size_t stream_bytes, total_bytes;
 };
 
 uint64_t moed_now_ns(void) {
@@ -207,6 +224,7 @@ void moed_rpc_release(moed_rpc *r) {
     m = next;
   }
   if (r->writing_bb) grpc_byte_buffer_destroy(r->writing_bb);
+  atomic_fetch_sub(&s->buffered, r->wq_bytes);
   if (r->fin_msg) grpc_byte_buffer_destroy(r->fin_msg);
   if (r->recv_bb) grpc_byte_buffer_destroy(r->recv_bb);
   grpc_slice_unref(r->fin_details);
@@ -273,12 +291,33 @@ static void start_finish_locked(moed_rpc *r) {
   start_batch(r, ops, n, &r->finish_tag);
 }
 
+#define STREAM_QUEUE 1024 /* responses queued per stream */
+#define STREAM_PENDING 32 /* requests of one stream in work */
+
+/* r->mu held: whether the stream may read its next request. */
+static bool stream_room_locked(const moed_rpc *r) {
+  const moed_rpc_server *s = r->srv;
+  return r->wq_bytes < s->stream_bytes && r->wq_count < STREAM_QUEUE && r->pending < STREAM_PENDING &&
+         (r->wq_bytes == 0 || atomic_load(&s->buffered) < s->total_bytes);
+}
+
+/* r->mu held: a paused read that may go now (the caller starts it, unlocked). */
+static bool resume_locked(moed_rpc *r) {
+  if (!r->recv_paused || r->finishing || r->read_done || !stream_room_locked(r)) return false;
+  r->recv_paused = false;
+  return true;
+}
+
+static void start_recv(moed_rpc *r);
+
 /* Starts the next queued write; r->mu held, nothing being written. */
 static void start_write_locked(moed_rpc *r) {
   out_msg *m = r->wq_head;
   r->wq_head = m->next;
   if (!r->wq_head) r->wq_tail = NULL;
   r->writing_bb = m->bb;
+  r->writing_len = m->len;
+  r->wq_count--;
   free(m);
   grpc_op ops[2];
   size_t n = 0;
@@ -315,15 +354,31 @@ void moed_rpc_finish(moed_rpc *r, grpc_status_code code, const char *msg, grpc_b
 
 void moed_rpc_stream_write(moed_rpc *r, grpc_byte_buffer *message) {
   out_msg *m = malloc(sizeof *m);
+  const size_t n = grpc_byte_buffer_length(message);
+  moed_rpc_server *s = r->srv;
   pthread_mutex_lock(&r->mu);
-  if (!m || r->finishing) {
+  bool over =
+      m && !r->finishing && r->wq_bytes >= s->stream_bytes && atomic_load(&s->buffered) + n > s->total_bytes;
+  if (!m || r->finishing || over) {
+    if (over) r->finishing = true; /* what the stream still sends is dropped */
     pthread_mutex_unlock(&r->mu);
     free(m);
     grpc_byte_buffer_destroy(message);
+    if (over) {
+      atomic_store(&r->cancelled, true);
+      grpc_call_cancel_with_status(r->call, GRPC_STATUS_RESOURCE_EXHAUSTED,
+                                   "responses buffered for stream clients past --response-buffer-bytes, this "
+                                   "stream's past --stream-buffer-bytes: its client does not read them",
+                                   NULL);
+    }
     return;
   }
   m->next = NULL;
   m->bb = message;
+  m->len = n;
+  r->wq_bytes += n;
+  r->wq_count++;
+  atomic_fetch_add(&s->buffered, n);
   if (r->wq_tail)
     r->wq_tail->next = m;
   else
@@ -347,7 +402,9 @@ void moed_rpc_stream_done(moed_rpc *r) {
   pthread_mutex_lock(&r->mu);
   r->pending--;
   maybe_end_stream_locked(r);
+  const bool go = resume_locked(r);
   pthread_mutex_unlock(&r->mu);
+  if (go) start_recv(r);
   moed_rpc_release(r);
 }
 
@@ -478,7 +535,13 @@ static void on_recv(moed_rpc *r, bool ok) {
   pthread_mutex_unlock(&r->mu);
   moed_rpc_ref(r); /* for the hand-off */
   handoff(r->srv, r, bb);
-  if (bb && !methods[r->method].paced) start_recv(r);
+  if (bb && !methods[r->method].paced) {
+    pthread_mutex_lock(&r->mu);
+    const bool go = stream_room_locked(r);
+    r->recv_paused = !go;
+    pthread_mutex_unlock(&r->mu);
+    if (go) start_recv(r);
+  }
 }
 
 void moed_rpc_read_next(moed_rpc *r) {
@@ -493,11 +556,16 @@ static void on_write(moed_rpc *r, bool ok) {
   grpc_byte_buffer_destroy(r->writing_bb);
   r->writing_bb = NULL;
   r->writing = false;
+  r->wq_bytes -= r->writing_len;
+  atomic_fetch_sub(&r->srv->buffered, r->writing_len);
+  r->writing_len = 0;
   if (r->wq_head && ok && !atomic_load(&r->cancelled))
     start_write_locked(r);
   else if (r->finishing && !r->finished)
     start_finish_locked(r);
+  const bool go = resume_locked(r);
   pthread_mutex_unlock(&r->mu);
+  if (go) start_recv(r);
 }
 
 static void on_generic(moed_rpc_server *s, bool ok) {
@@ -563,6 +631,8 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
   s->shutdown_tag = (rpc_tag){TAG_SHUTDOWN, s};
   s->generic.tag = (rpc_tag){TAG_GENERIC, s};
 
+  s->stream_bytes = cfg->stream_buffer_bytes;
+  s->total_bytes = cfg->response_buffer_bytes;
   int max_msg = cfg->max_message_bytes > (size_t)INT32_MAX ? INT32_MAX : (int)cfg->max_message_bytes;
   /* Connections cannot pile up (issue 13): gRPC core stops accepting for
    * good once accept4 fails with EMFILE, so a connection that never
