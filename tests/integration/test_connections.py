@@ -14,10 +14,8 @@
 env: MOED, MOEC, MOE_LIB."""
 import os
 import resource
-import signal
 import socket
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -75,15 +73,6 @@ def grpc_ok(port):
         ch.close()
 
 
-def stop(p):
-    p.send_signal(signal.SIGTERM)
-    try:
-        p.wait(timeout=30)
-    finally:
-        if p.poll() is None:
-            p.kill()
-
-
 def test_timeouts_and_cap(tmp):
     p, g, h = ts.start(tmp, "--handshake-timeout", str(TIMEOUT_S), "--http-max-connections", "3")
     try:
@@ -119,7 +108,7 @@ def test_timeouts_and_cap(tmp):
         check(metric(h, 'moed_http_connections_closed_total{reason="refused"}') == 1, "refusal counted")
         check(http_get(h, "/v2/health/live")[0] == 200, "live again once the slots are free")
     finally:
-        stop(p)
+        ts.stop(p)
 
 
 def test_listener_check(tmp):
@@ -146,17 +135,8 @@ def test_listener_check(tmp):
         check(live == (200 if ok else 503), "live tells whether the gRPC listener answers")
         check(ready == (200 if ok else 503), "ready tells it too")
     finally:
-        stop(p)
-
-
-def main():
-    with tempfile.TemporaryDirectory() as tmp:
-        test_timeouts_and_cap(tmp)
-        test_listener_check(tmp)
-        if ts.failures:
-            print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
-    ts.exit_with_summary()
+        ts.stop(p)
 
 
 if __name__ == "__main__":
-    main()
+    ts.run_tests(test_timeouts_and_cap, test_listener_check)

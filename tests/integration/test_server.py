@@ -65,6 +65,26 @@ def serve(tmp, extra, body):
         print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
 
 
+def stop(p):
+    """SIGTERM, then a clean exit checked (killed if it hangs)."""
+    p.send_signal(signal.SIGTERM)
+    try:
+        check(p.wait(timeout=30) == 0, "clean exit")
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def run_tests(*tests):
+    """Runs each test(tmp) in one temporary directory, prints the log's tail on failures, exits."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for t in tests:
+            t(tmp)
+        if failures:
+            print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
+    exit_with_summary()
+
+
 def exit_with_summary():
     print(f"{len(failures)} failures")
     sys.exit(1 if failures else 0)

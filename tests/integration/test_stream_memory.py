@@ -12,9 +12,7 @@ with RESOURCE_EXHAUSTED; the server goes on serving.
 
 env: MOED, MOEC, MOE_LIB."""
 import os
-import signal
 import sys
-import tempfile
 import time
 
 import grpc
@@ -56,15 +54,6 @@ def open_stream(port):
     return ch, fn
 
 
-def stop(p):
-    p.send_signal(signal.SIGTERM)
-    try:
-        check(p.wait(timeout=30) == 0, "clean exit")
-    finally:
-        if p.poll() is None:
-            p.kill()
-
-
 def test_paused(tmp):
     p, g, _ = ts.start(tmp, "--stream-buffer-bytes", str(16 << 20))
     try:
@@ -87,7 +76,7 @@ def test_paused(tmp):
               f"then every response arrives ({len(got)}, {len(errors)} errors, sizes {sizes})")
         ch.close()
     finally:
-        stop(p)
+        ts.stop(p)
 
 
 def test_ended(tmp):
@@ -112,17 +101,8 @@ def test_ended(tmp):
         resp = ts.infer_pb(grpc.insecure_channel(f"127.0.0.1:{g}"), req)
         check(len(resp.raw_output_contents[0]) == 8 * COLS * 4, "the server goes on serving")
     finally:
-        stop(p)
-
-
-def main():
-    with tempfile.TemporaryDirectory() as tmp:
-        test_paused(tmp)
-        test_ended(tmp)
-        if ts.failures:
-            print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
-    ts.exit_with_summary()
+        ts.stop(p)
 
 
 if __name__ == "__main__":
-    main()
+    ts.run_tests(test_paused, test_ended)
