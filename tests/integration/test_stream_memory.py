@@ -65,7 +65,10 @@ def test_paused(tmp):
         grown, taken = rss_mib(p.pid) - before, sent[0]
         print(f"     not reading for 4 s: {taken} of {N} requests taken, RSS +{grown:.0f} MiB")
         check(taken < N, "moed stopped reading the stream (the client's sends wait)")
-        check(grown < 100, f"RSS grew by {grown:.0f} MiB, far less than the {N} MiB of responses")
+        if os.environ.get("MOE_SANITIZED") == "1":  # ASan's quarantine keeps freed memory: RSS says nothing
+            print(f"skipped: RSS check under ASan (+{grown:.0f} MiB)")
+        else:
+            check(grown < 100, f"RSS grew by {grown:.0f} MiB, far less than the {N} MiB of responses")
         got = []
         for resp in call:
             got.append(resp)
@@ -80,10 +83,11 @@ def test_paused(tmp):
 
 
 def test_ended(tmp):
-    # one worker and 4 MiB answers: requests are read faster than answered, so several are in work when
-    # the first answer pauses the stream, and their answers pass the total
+    # 4 MiB answers, merged four to a batch (row-independent op, 4096 rows per batch, a long queue
+    # delay): the batch's answers are queued one after the other while the first is being written,
+    # so the second finds the stream over its budget and the total past it
     p, g, _ = ts.start(tmp, "--stream-buffer-bytes", str(64 << 10), "--response-buffer-bytes", str(2 << 20),
-                       "--workers", "1")
+                       "--max-batch-tokens", "4096", "--max-queue-delay-us", "500000")
     try:
         ch, fn = open_stream(g)
         sent = [0]
