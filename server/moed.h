@@ -235,6 +235,8 @@ typedef struct moed_repository moed_repository;
 int moed_repository_create(const char *dir, moed_repository **out);
 /* A name usable as a model and a directory entry (no '/', no leading '.'). */
 bool moed_model_name_ok(const char *name);
+/* the rule moed_model_name_ok checks, for error messages (which never echo a rejected name) */
+#define MOED_MODEL_NAME_RULE "letters, digits, '.', '_', '-'; 1 to 127 characters, not starting with '.'"
 void moed_repository_destroy(moed_repository *r);
 /* Loads every subdirectory of the repository directory. */
 void moed_repository_load_all(moed_repository *r);

@@ -140,14 +140,16 @@ moed_model *moed_repository_acquire(moed_repository *r, const char *name) {
 /* A model name usable as a directory entry: no path tricks. */
 bool moed_model_name_ok(const char *name) {
   if (!name || !*name || strlen(name) >= 128 || name[0] == '.') return false;
-  for (const char *p = name; *p; p++)
-    if (*p == '/' || *p == '\\') return false;
+  for (const char *p = name; *p; p++) /* nothing that could end a path, a metric label or a log line */
+    if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') || *p == '.' ||
+          *p == '_' || *p == '-'))
+      return false;
   return true;
 }
 
 moe_status moed_repository_load(moed_repository *r, const char *name, moe_error *err) {
   if (!moed_model_name_ok(name))
-    return moe_fail(err, MOE_EINVAL, "model_name: '%s' is not a valid model name", name);
+    return moe_fail(err, MOE_EINVAL, "model_name: not a valid model name (%s)", MOED_MODEL_NAME_RULE);
   pthread_mutex_lock(&r->mu);
   size_t i = find_locked(r, name);
   bool builtin = i < r->count && r->models[i]->builtin;

@@ -95,8 +95,8 @@ static bool on_header(moed_upload *u, const Moe__V1__UploadHeader *h) {
   moed_server *s = u->srv;
   if (u->have_header) return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "header: sent twice");
   if (!moed_model_name_ok(h->name))
-    return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "header.name: '%s' is not a valid model name",
-                       h->name);
+    return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "header.name: not a valid model name (%s)",
+                       MOED_MODEL_NAME_RULE);
   moe_expert_config cfg;
   moe_error err = {{0}};
   if (moe_expert_config_parse(h->config_json, &cfg, &err) != MOE_OK)

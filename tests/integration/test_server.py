@@ -241,6 +241,10 @@ def test_metadata(cli, ch, http_port):
     check(code != grpc.StatusCode.OK, "unloading a built-in refused")
     code, _ = code_of(lambda: cli.load_model("no-such-set"))
     check(code == grpc.StatusCode.NOT_FOUND, "RepositoryModelLoad unknown NOT_FOUND")
+    for bad in ('a"b', "a\nb", "a b", "../x", "x/y", ".hidden", "x" * 128):
+        code, msg = code_of(lambda: cli.load_model(bad))
+        check(code == grpc.StatusCode.INVALID_ARGUMENT and "model_name" in msg and bad not in msg,
+              f"RepositoryModelLoad {bad[:12]!r}: INVALID_ARGUMENT naming the field, not echoing the name")
 
 
 def bad_calls(ch):
