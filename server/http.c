@@ -22,9 +22,11 @@
 struct moed_http {
   moed_server *srv;
   uv_tcp_t tcp;
-  int open;          /* connections open (loop thread) */
-  uint64_t refused;  /* closed at accept: over --http-max-connections */
-  uint64_t timeouts; /* closed: no whole request within --handshake-timeout */
+  int open;                     /* connections open (loop thread) */
+  uint64_t refused;             /* closed at accept: over --http-max-connections */
+  uint64_t timeouts;            /* closed: no whole request within --handshake-timeout */
+  struct sockaddr_storage grpc; /* what the probes connect to */
+  bool grpc_ok;                 /* parsed (a host name is not: probes answer 503, not checked) */
 };
 
 typedef struct probe probe;
@@ -335,15 +337,8 @@ static void probe_connected(uv_connect_t *cr, int status) {
 /* Answers c once the gRPC port has (200) or has not (503) answered. */
 static void probe_start(conn *c) {
   moed_server *s = c->h->srv;
-  /* a wildcard bind is checked on loopback */
-  const char *a = s->cfg->address;
-  const char *host = !strcmp(a, "0.0.0.0")                      ? "127.0.0.1"
-                     : (!strcmp(a, "::") || !strcmp(a, "[::]")) ? "::1"
-                                                                : a;
-  struct sockaddr_storage addr;
   probe *pr = calloc(1, sizeof *pr);
-  if (!pr || (uv_ip4_addr(host, s->grpc_port, (struct sockaddr_in *)&addr) != 0 &&
-              uv_ip6_addr(host, s->grpc_port, (struct sockaddr_in6 *)&addr) != 0)) {
+  if (!pr || !c->h->grpc_ok) {
     free(pr);
     respond(c, 503, "Service Unavailable", "text/plain", "grpc listener not checked\n", 26);
     return;
@@ -355,7 +350,7 @@ static void probe_start(conn *c) {
   pr->c = c;
   c->pr = pr;
   uv_timer_start(&pr->timer, probe_timeout, PROBE_MS, 0);
-  if (uv_tcp_connect(&pr->creq, &pr->tcp, (const struct sockaddr *)&addr, probe_connected) != 0)
+  if (uv_tcp_connect(&pr->creq, &pr->tcp, (const struct sockaddr *)&c->h->grpc, probe_connected) != 0)
     probe_finish(pr, false);
 }
 
@@ -451,13 +446,23 @@ static void on_connection(uv_stream_t *server, int status) {
   uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
 }
 
+static bool parse_addr(const char *host, int port, struct sockaddr_storage *out) {
+  return uv_ip4_addr(host, port, (struct sockaddr_in *)out) == 0 ||
+         uv_ip6_addr(host, port, (struct sockaddr_in6 *)out) == 0;
+}
+
 int moed_http_start(moed_server *s, const char *address, int port, moed_http **out, int *bound_port) {
   moed_http *h = calloc(1, sizeof *h);
   if (!h) return -1;
   h->srv = s;
+  /* the gRPC listener the probes check; a wildcard bind is checked on loopback */
+  const char *g = s->cfg->address;
+  const char *ghost = !strcmp(g, "0.0.0.0")                      ? "127.0.0.1"
+                      : (!strcmp(g, "::") || !strcmp(g, "[::]")) ? "::1"
+                                                                 : g;
   struct sockaddr_storage addr;
-  if (uv_ip4_addr(address, port, (struct sockaddr_in *)&addr) != 0 &&
-      uv_ip6_addr(address, port, (struct sockaddr_in6 *)&addr) != 0) {
+  h->grpc_ok = parse_addr(ghost, s->grpc_port, &h->grpc);
+  if (!parse_addr(address, port, &addr)) {
     free(h);
     return -1;
   }

@@ -112,7 +112,9 @@ struct moed_rpc {
   int pending; /* stream hand-offs not yet done */
   grpc_byte_buffer *recv_bb;
   /* responses queued or being written, not yet sent: their bytes (also in
-   * the server's `buffered`), their count, the one being written */
+   * the server's `buffered`), their count, the one being written (kept:
+   * a sent byte buffer's slices may have been taken by the transport, so
+   * its length is not known after the write) */
   size_t wq_bytes, writing_len;
   int wq_count;
   bool recv_paused; /* the next read waits until the stream has room */
