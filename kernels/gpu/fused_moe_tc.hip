@@ -102,7 +102,6 @@ extern "C" moe_status moe_gpu_fused_pack(moe_backend *b, const moe_expert_set *s
 namespace {
 
 constexpr int KB = 64;    /* K columns per pipeline stage */
-constexpr int SG_MAX = 4; /* scale groups per stage (G = 16) */
 constexpr int RASTER = 8; /* tiles per group of the block order (tc_gemm) */
 
 enum { TW_16, TW_INT4, TW_INT8 };
@@ -117,30 +116,41 @@ int tc_wkind(const moe_expert_config *cfg) {
 /* Tile configurations: WG warpgroups, each 64 weight rows (16 per warp) x
  * BT tokens; BUDGET bytes of shared memory for the stages (small tiles
  * leave room for several blocks per SM, the large one takes one SM and a
- * deep pipeline). The large tile is 256 x 128 because the L2 -> SM path,
+ * deep pipeline); KS blocks of KB columns per stage (one barrier and one
+ * round of copies per stage: packed int4/int8 blocks are small, so decode
+ * tiles take several per stage, or the per-stage latency, not the bytes,
+ * bounds them). The large tile is 256 x 128 because the L2 -> SM path,
  * not the tensor cores, bounded a 128 x 128 one (32 KB per 2 MFLOP per 64
  * columns of K); 128 x 256 (two warpgroups of n256) measured slower, and
  * so did 192 x 128 (three warpgroups, five stages) and 128 x 128 with six
  * stages: four warpgroups keep the tensor cores busier than a deeper
  * pipeline does. */
-template <int WG_, int BT_, int BUDGET_> struct Cfg {
-  static constexpr int WG = WG_, BT = BT_, NT = BT_ / 8, BUDGET = BUDGET_;
+template <int WG_, int BT_, int BUDGET_, int KS_ = 1> struct Cfg {
+  static constexpr int WG = WG_, BT = BT_, NT = BT_ / 8, BUDGET = BUDGET_, KS = KS_;
   static constexpr int BN = 64 * WG, THREADS = 128 * WG;
 };
 using CfgS = Cfg<1, 8, 49152>;    /* decode: 64 x 8 */
 using CfgM = Cfg<1, 32, 49152>;   /* 64 x 32 */
 using CfgW = Cfg<2, 64, 98304>;   /* 128 x 64, two blocks per SM */
 using CfgL = Cfg<4, 128, 200704>; /* 256 x 128 */
+/* packed int4/int8 weights at decode: several KB blocks per stage (fewer
+ * barriers and copy rounds per weight byte), three stages, four blocks
+ * per SM (bench/RESULTS.md, sixth pass) */
+using CfgQS = Cfg<1, 8, 65536, 4>;
+using CfgQM = Cfg<1, 32, 49152, 2>;
 
-/* One stage: B (the tokens, 128-byte rows, 16-byte chunks swizzled by
- * row: the wgmma 128-byte swizzle, so the stage is 1024-byte aligned), A
- * (packed weights), and for wna16 the scales and zero points. */
+/* One stage: B (the tokens: per KB block, 128-byte rows, 16-byte chunks
+ * swizzled by row: the wgmma 128-byte swizzle, so the stage is 1024-byte
+ * aligned), A (packed weights, per KB block), and for wna16 the scales
+ * and zero points of the groups that start in the stage. */
 template <int W, class C> struct Smem {
   static constexpr bool WNA16 = W != TW_16;
-  static constexpr int B = C::BT * KB * 2;
-  static constexpr int A = C::BN / 16 * chunk_bytes(W);
-  static constexpr int S = WNA16 ? SG_MAX * C::BN * 4 : 0;
-  static constexpr int Z = WNA16 ? SG_MAX * C::BN : 0;
+  static constexpr int KS = C::KS, COLS = KS * KB;
+  static constexpr int B1 = C::BT * KB * 2, B = KS * B1;
+  static constexpr int A1 = C::BN / 16 * chunk_bytes(W), A = KS * A1;
+  static constexpr int SGS = COLS / 16; /* groups starting in a stage, at most (G >= 16) */
+  static constexpr int S = WNA16 ? SGS * C::BN * 4 : 0;
+  static constexpr int Z = WNA16 ? SGS * C::BN : 0;
   static constexpr int STAGE = (B + A + S + Z + 1023) / 1024 * 1024;
   /* the budget's worth of stages, 3 to 8 deep */
   static constexpr int STAGES = C::BUDGET / STAGE < 3 ? 3 : C::BUDGET / STAGE > 8 ? 8 : C::BUDGET / STAGE;
@@ -397,10 +407,12 @@ __host__ __device__ __forceinline__ size_t kmajor(int col, int pos, int cap) {
 
 template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
   using S = Smem<W, C>;
-  constexpr int BN = C::BN, BT = C::BT, NT = C::NT, CH = chunk_bytes(W), THREADS = C::THREADS;
+  constexpr int BN = C::BN, BT = C::BT, NT = C::NT, CH = chunk_bytes(W), THREADS = C::THREADS, KS = C::KS;
+  constexpr int ST = S::STAGES;
   constexpr bool WNA16 = S::WNA16;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   __shared__ int src_row[BT], slot_of[BT];
+  __shared__ float tw_of[BT]; /* phase 2: the slots' routing weights, read before the main loop */
   /* stages start on a 1024-byte boundary of the shared window (the swizzle) */
   uint8_t *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
 
@@ -411,92 +423,121 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int4 tile = a.tiles[ti];
   const int e = tile.x, row0 = tile.y, rows = tile.z;
-  const int N = a.n, K = a.k, nkb = K / KB, mtc = N / 16;
+  const int N = a.n, K = a.k, nkb = K / KB, mtc = N / 16, nst = (nkb + KS - 1) / KS;
   const int n0 = strip * BN;
   const int mt = n0 / 16 + warp; /* this warp's 16-row block */
   for (int i = tid; i < BT; i += THREADS) {
     const int slot = i < rows ? a.sorted[row0 + i] : -1;
     slot_of[i] = slot;
+    if (a.phase == 2) tw_of[i] = slot < 0 ? 0.0f : a.tw[slot];
     src_row[i] = i >= rows ? -1 : a.phase == 1 ? slot / a.top_k : row0 + i;
   }
+  /* token rows past the tile's count are zero in every stage: written once
+   * here and never copied (a decode tile is mostly such rows) */
+  if (rows < BT)
+    for (int i = tid; i < ST * KS * BT * 8; i += THREADS) {
+      const int r = i / 8 % BT, blk = i / 8 / BT; /* blk: stage * KS + KB block */
+      if (r >= rows)
+        *(uint4 *)(smem + (blk / KS) * S::STAGE + (blk % KS) * S::B1 + r * 128 + (i & 7) * 16) =
+            make_uint4(0, 0, 0, 0);
+    }
   __syncthreads();
 
+  /* The main loop is issue-bound at small batches (wna16 dequantizes every
+   * weight), so everything per stage that is not a copy, a dequantization
+   * or a product is kept out of it: copy sources are running pointers,
+   * shared-memory offsets are fixed per thread, group starts are counted
+   * columns (no division by the group size). */
   const uint8_t *wexp = a.w + (size_t)e * (size_t)mtc * (size_t)nkb * CH;
-  /* a stage's A: 16-bit weights are whole 128-byte rows (N of them per KB
-   * columns), the others one packed block per 16 rows */
+  /* a KB block's A: 16-bit weights are whole 128-byte rows (N of them per
+   * KB columns), the others one packed block per 16 rows */
   const size_t a_step = W == TW_16 ? (size_t)N * 128 : CH;
-  const int G = a.group, sg = G < KB ? KB / G : 1; /* scale groups per stage */
+  const int G = a.group;
 
   /* Per-thread copy assignments, fixed for the tile: piece tid + q THREADS
-   * of the A stage and of the B stage; only the K offset moves per stage. */
-  constexpr int APC = CH / 16;                            /* 16-byte pieces per 16-row block */
-  constexpr int AP = (S::A / 16 + THREADS - 1) / THREADS; /* A pieces per thread */
-  constexpr int BP = (BT * 8 + THREADS - 1) / THREADS;    /* B pieces per thread */
+   * of a KB block's A and B; the sources move on by a KB block per copy. */
+  constexpr int APC = CH / 16;                             /* 16-byte pieces per 16-row block */
+  constexpr int AP = (S::A1 / 16 + THREADS - 1) / THREADS; /* A pieces per thread */
+  constexpr int BP = (BT * 8 + THREADS - 1) / THREADS;     /* B pieces per thread */
   const uint8_t *a_src[AP];
   bool a_ok[AP];
 #pragma unroll
   for (int q = 0; q < AP; q++) {
     const int i = tid + q * THREADS, m = n0 / 16 + i / APC;
-    a_ok[q] = i < S::A / 16 && m < mtc;
+    a_ok[q] = i < S::A1 / 16 && m < mtc;
     a_src[q] = !a_ok[q]     ? a.w
                : W == TW_16 ? wexp + (size_t)(n0 * 8 + i) * 16
                             : wexp + (size_t)m * nkb * CH + (i % APC) * 16;
   }
   const uint16_t *b_src[BP];
-  int b_ok[BP]; /* 1: row present; 0: zero-fill; -1: no piece */
+  bool b_ok[BP]; /* a present row's piece */
+  int b_dst[BP]; /* its place in a KB block's B */
 #pragma unroll
   for (int q = 0; q < BP; q++) {
     const int i = tid + q * THREADS, r = i >> 3, c = i & 7;
     const int xr = i < BT * 8 ? src_row[r] : -1;
-    b_ok[q] = i >= BT * 8 ? -1 : xr >= 0;
+    b_ok[q] = xr >= 0;
     b_src[q] = (const uint16_t *)a.x + (xr < 0 ? 0 : (size_t)xr * (size_t)K + c * 8);
+    b_dst[q] = r * 128 + ((c ^ (r & 7)) << 4);
   }
+  /* wna16: this thread's 16-byte piece of a group's scales (and zero
+   * points) for the strip's rows */
+  const bool s_ok = WNA16 && tid < BN / 4 && n0 + 4 * tid < N;
+  const bool z_ok = WNA16 && a.zero && tid < BN / 16 && n0 + 16 * tid < N;
+  const float *s_src = s_ok ? a.scale + (size_t)e * a.groups * (size_t)N + n0 + 4 * tid : NULL;
+  const uint8_t *z_src = z_ok ? a.zero + (size_t)e * a.groups * (size_t)N + n0 + 16 * tid : NULL;
+  int iss_gcol = 0; /* first column of the next group whose scales are copied */
 
-  auto issue = [&](int kb, int stage) {
-    uint8_t *sb = smem + stage * S::STAGE, *sa = sb + S::B;
+  /* stage st (KB blocks st KS.., the last stage may hold fewer) into sb */
+  auto issue = [&](int st, uint8_t *sb) {
 #pragma unroll
-    for (int q = 0; q < AP; q++) {
-      const int i = tid + q * THREADS;
-      if (i < S::A / 16) cp_async16(sa + i * 16, a_src[q] + (a_ok[q] ? (size_t)kb * a_step : 0), a_ok[q]);
-    }
+    for (int u = 0; u < KS; u++) {
+      if (KS > 1 && st * KS + u >= nkb) break;
 #pragma unroll
-    for (int q = 0; q < BP; q++) {
-      if (b_ok[q] < 0) continue;
-      const int i = tid + q * THREADS, r = i >> 3, c = i & 7;
-      uint8_t *dst = sb + r * 128 + ((c ^ (r & 7)) << 4);
-      const uint16_t *src = b_src[q] + (b_ok[q] ? kb * KB : 0);
-      if (a.x_vec) {
-        cp_async16(dst, src, b_ok[q]);
-      } else { /* unaligned rows: 16-bit loads, ordered by the barrier before use */
-        uint16_t v[8];
-#pragma unroll
-        for (int e8 = 0; e8 < 8; e8++)
-          v[e8] = b_ok[q] ? src[e8] : 0;
-        uint4 u;
-        u.x = v[0] | (uint32_t)v[1] << 16;
-        u.y = v[2] | (uint32_t)v[3] << 16;
-        u.z = v[4] | (uint32_t)v[5] << 16;
-        u.w = v[6] | (uint32_t)v[7] << 16;
-        *(uint4 *)dst = u;
+      for (int q = 0; q < AP; q++) {
+        const int i = tid + q * THREADS;
+        if ((q + 1) * THREADS <= S::A1 / 16 || i < S::A1 / 16)
+          cp_async16(sb + S::B + u * S::A1 + i * 16, a_src[q], a_ok[q]);
+        if (a_ok[q]) a_src[q] += a_step;
       }
-    }
-    /* scales and zero points: only where a group starts (compute reloads there) */
-    if (WNA16 && (sg > 1 || (kb * KB) % G == 0)) {
-      float *ss = (float *)(sa + S::A);
-      uint8_t *sz = (uint8_t *)(ss + SG_MAX * BN);
-      for (int i = tid; i < sg * (BN / 4); i += THREADS) {
-        const int j = i / (BN / 4), q = i % (BN / 4), g = kb * KB / G + j, n = n0 + 4 * q;
-        const bool ok = n < N;
-        cp_async16(ss + j * BN + 4 * q, ok ? a.scale + ((size_t)e * a.groups + g) * (size_t)N + n : a.scale,
-                   ok);
-      }
-      if (a.zero)
-        for (int i = tid; i < sg * (BN / 16); i += THREADS) {
-          const int j = i / (BN / 16), q = i % (BN / 16), g = kb * KB / G + j, n = n0 + 16 * q;
-          const bool ok = n < N;
-          cp_async16(sz + j * BN + 16 * q, ok ? a.zero + ((size_t)e * a.groups + g) * (size_t)N + n : a.zero,
-                     ok);
+#pragma unroll
+      for (int q = 0; q < BP; q++) {
+        if (!b_ok[q]) continue;
+        uint8_t *dst = sb + u * S::B1 + b_dst[q];
+        const uint16_t *src = b_src[q];
+        b_src[q] += KB;
+        if (a.x_vec) {
+          cp_async16(dst, src, true);
+        } else { /* unaligned rows: 16-bit loads, ordered by the barrier before use */
+          uint16_t v[8];
+#pragma unroll
+          for (int e8 = 0; e8 < 8; e8++)
+            v[e8] = src[e8];
+          uint4 w4;
+          w4.x = v[0] | (uint32_t)v[1] << 16;
+          w4.y = v[2] | (uint32_t)v[3] << 16;
+          w4.z = v[4] | (uint32_t)v[5] << 16;
+          w4.w = v[6] | (uint32_t)v[7] << 16;
+          *(uint4 *)dst = w4;
         }
+      }
+    }
+    /* scales and zero points of the groups that start in this stage, in
+     * slots 0.. (compute reloads its registers at each group's first column) */
+    if (WNA16) {
+      const int col_end = (st + 1) * S::COLS < K ? (st + 1) * S::COLS : K;
+      float *ss = (float *)(sb + S::B + S::A);
+      uint8_t *sz = (uint8_t *)(ss + S::SGS * BN);
+      for (int j = 0; iss_gcol < col_end; j++, iss_gcol += G) {
+        if (s_ok) {
+          cp_async16(ss + j * BN + 4 * tid, s_src, true);
+          s_src += N;
+        }
+        if (z_ok) {
+          cp_async16(sz + j * BN + 16 * tid, z_src, true);
+          z_src += N;
+        }
+      }
     }
   };
 
@@ -508,32 +549,44 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
       acc[j][q] = 0.0f;
 
   const uint32_t zdef = W == TW_INT4 ? 8 : 128;
-  Deq dq; /* the group's scales and zero points: reloaded where a group starts */
-  /* compute: this warp's A fragments of stage kb into af (rows past N:
-   * zeros, results unused), then the stage's multiply-adds. With wgmma they
-   * stay in flight when compute returns (af and the stage too, until the
-   * next compute's wait): af alternates between two buffers. */
-  auto compute = [&](int kb, int stage, uint32_t(&af)[KB / 16][4], uint32_t(&af_prev)[KB / 16][4]) {
-    (void)af_prev;
-    const uint8_t *sb = smem + stage * S::STAGE, *sa = sb + S::B;
-    const float *ss = (const float *)(sa + S::A);
-    const uint8_t *sz = (const uint8_t *)(ss + SG_MAX * BN);
-    /* 16-bit weights: the tensor cores read A from the stage (wgmma) or
-     * ldmatrix does (mma.sync); packed codes are dequantized from raw */
-    constexpr bool A_SMEM = W == TW_16 && WGMMA;
-    uint4 raw[W == TW_16 ? 1 : CH / 512];
+  Deq dq;           /* the group's scales and zero points: reloaded where a group starts */
+  int cmp_gcol = 0; /* first column of the next group compute reloads */
+  const int raw_off = S::B + warp * CH + lane * 16;
+  const int sc_off = S::B + S::A + (warp * 16 + (lane >> 2)) * 4;
+  const int zp_off = S::B + S::A + S::SGS * BN * 4 + warp * 16 + (lane >> 2);
+#if defined(MOE_TC_WGMMA)
+  /* descriptors of the shared window's start: a stage, a KB block and 16
+   * columns further are plain adds to the address field (16-byte units) */
+  const uint64_t desc0 = wgmma_desc(smem_addr(smem));
+#endif
+  /* compute: for each KB block of the stage at sb, this warp's A fragments
+   * into af (rows past N: zeros, results unused), then the block's
+   * multiply-adds. With wgmma they stay in flight when the block is done
+   * (af and the stage too, until the next block's wait): af alternates
+   * between two buffers by KB block (afA for even blocks of the stage). */
+  auto compute = [&](int st, const uint8_t *sb, uint32_t(&afA)[KB / 16][4], uint32_t(&afB)[KB / 16][4]) {
+    int j = 0; /* the stage's group slot */
 #pragma unroll
-    for (int h = 0; h < (W == TW_16 ? 0 : CH / 512); h++)
-      raw[h] = *(const uint4 *)(sa + (warp * CH + h * 512 + lane * 16));
+    for (int u = 0; u < KS; u++) {
+      const int kb = st * KS + u;
+      if (KS > 1 && kb >= nkb) break;
+      uint32_t(&af)[KB / 16][4] = (u & 1) ? afB : afA;
+      uint32_t(&af_prev)[KB / 16][4] = (u & 1) ? afA : afB;
+      (void)af_prev;
+      /* 16-bit weights: the tensor cores read A from the stage (wgmma) or
+       * ldmatrix does (mma.sync); packed codes are dequantized from raw */
+      constexpr bool A_SMEM = W == TW_16 && WGMMA;
+      uint4 raw[W == TW_16 ? 1 : CH / 512];
 #pragma unroll
-    for (int ks = 0; ks < KB / 16; ks++) {
-      if (WNA16 && ((ks == 0 && (kb * KB) % G == 0) || (sg > 1 && (ks * 16) % G == 0))) {
-        const int j = sg > 1 ? ks * 16 / G : 0;
+      for (int h = 0; h < (W == TW_16 ? 0 : CH / 512); h++)
+        raw[h] = *(const uint4 *)(sb + raw_off + u * S::A1 + h * 512);
+      /* the group's scales and zero points into dq (slot j of the stage) */
+      auto reload = [&]() {
+        cmp_gcol += G;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-          const int r = warp * 16 + (lane >> 2) + 8 * h;
-          const float sc = ss[j * BN + r];
-          const uint32_t z = a.zero ? sz[j * BN + r] : zdef;
+          const float sc = *(const float *)(sb + sc_off + j * BN * 4 + h * 32);
+          const uint32_t z = a.zero ? sb[zp_off + j * BN + h * 8] : zdef;
           dq.s[h] = sc;
           dq.s16[h] = pack2<ACT>(sc, sc); /* exact when scale16 */
           /* 128 + z (bf16) and 1024 + z (fp16) by their bits: z < 2^7 resp. 2^10 */
@@ -541,73 +594,101 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
           dq.zb16[h] = zb | zb << 16;
           dq.zb32[h] = __uint_as_float(0x4B000000u + z);
         }
-      }
-      if (W == TW_16) {
-        if constexpr (!A_SMEM) { /* rows 0-7 / 8-15 x columns 0-7 / 8-15: the four fragment registers */
-          const int r = warp * 16 + (lane & 15), chunk = 2 * ks + (lane >> 4);
-          ldmatrix_x4(af[ks][0], af[ks][1], af[ks][2], af[ks][3], sa + r * 128 + ((chunk ^ (r & 7)) << 4));
-        }
-      } else if (W == TW_INT4) {
-        const uint32_t wd[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
-        dequant<W, ACT>(&wd[ks], dq, a.scale16, af[ks]);
-      } else {
-        const uint4 u = raw[(ks >> 1) & (CH / 512 - 1)];
-        const uint32_t wd[2] = {(ks & 1) ? u.z : u.x, (ks & 1) ? u.w : u.y};
-        dequant<W, ACT>(wd, dq, a.scale16, af[ks]);
-      }
-    }
-#if defined(MOE_TC_WGMMA)
-    /* everything the products read or write is in place before the fence
-     * and untouched until their wait (else ptxas serializes them) */
-    if (!A_SMEM)
-#pragma unroll
-      for (int ks = 0; ks < KB / 16; ks++)
-        keep_alive(af[ks]);
-    wgmma_fence();
-    const uint32_t none[4] = {0, 0, 0, 0}; /* SS: no A registers */
-#pragma unroll
-    for (int ks = 0; ks < KB / 16; ks++) {
-      const uint64_t bd = wgmma_desc(smem_addr(sb) + ks * 32);
-      if constexpr (A_SMEM) /* this warpgroup's 64 rows of the stage */
-        wgmma<BT, ACT, true>(acc, none, wgmma_desc(smem_addr(sa) + (warp >> 2) * 8192 + ks * 32), bd);
-      else
-        wgmma<BT, ACT, false>(acc, af[ks], 0, bd);
-    }
-    wgmma_commit();
-    /* This stage's products stay in flight while the next stage's
-     * fragments are made; the previous stage's are done here. Its
-     * fragments (af_prev) must stay in their registers until this point,
-     * or the compiler may hand those registers to af, written while the
-     * tensor cores still read them (that race gave wrong results). */
-    wgmma_wait<1>();
-    if (!A_SMEM)
-#pragma unroll
-      for (int ks = 0; ks < KB / 16; ks++)
-        keep_alive(af_prev[ks]);
-#else
-#pragma unroll
-    for (int ks = 0; ks < KB / 16; ks++) {
-#pragma unroll
-      for (int j = 0; j < NT; j += 2) {
-        const int mat = lane >> 3, t = j + (NT > 1 ? mat >> 1 : 0), r = t * 8 + (lane & 7);
-        const int chunk = 2 * ks + (mat & 1);
-        const uint8_t *p = sb + r * 128 + ((chunk ^ (r & 7)) << 4);
-        uint32_t b0, b1, b2, b3;
-        if (NT > 1) {
-          ldmatrix_x4(b0, b1, b2, b3, p);
-          mma<ACT>(acc[j], af[ks], b0, b1);
-          mma<ACT>(acc[j + 1], af[ks], b2, b3);
+        j++;
+      };
+      auto deq = [&](int ks, bool scale16) {
+        if (W == TW_INT4) {
+          const uint32_t wd[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
+          dequant<W, ACT>(&wd[ks], dq, scale16, af[ks]);
         } else {
-          ldmatrix_x2(b0, b1, p);
-          mma<ACT>(acc[j], af[ks], b0, b1);
+          const uint4 v = raw[(ks >> 1) & (CH / 512 - 1)];
+          const uint32_t wd[2] = {(ks & 1) ? v.z : v.x, (ks & 1) ? v.w : v.y};
+          dequant<W, ACT>(wd, dq, scale16, af[ks]);
+        }
+      };
+      if constexpr (W == TW_16) {
+        if constexpr (!A_SMEM) { /* rows 0-7 / 8-15 x columns 0-7 / 8-15: the four fragment registers */
+#pragma unroll
+          for (int ks = 0; ks < KB / 16; ks++) {
+            const int r = warp * 16 + (lane & 15), chunk = 2 * ks + (lane >> 4);
+            ldmatrix_x4(af[ks][0], af[ks][1], af[ks][2], af[ks][3],
+                        sb + S::B + u * S::A1 + r * 128 + ((chunk ^ (r & 7)) << 4));
+          }
+        }
+      } else if (G < KB) { /* groups of 16 or 32 columns: a group can start at any 16 */
+#pragma unroll
+        for (int ks = 0; ks < KB / 16; ks++) {
+          if (kb * KB + ks * 16 == cmp_gcol) reload();
+          deq(ks, a.scale16);
+        }
+      } else { /* groups of whole KB blocks: one check per block, the scale kind decided once */
+        if (kb * KB == cmp_gcol) reload();
+        if (a.scale16) {
+#pragma unroll
+          for (int ks = 0; ks < KB / 16; ks++)
+            deq(ks, true);
+        } else {
+#pragma unroll
+          for (int ks = 0; ks < KB / 16; ks++)
+            deq(ks, false);
         }
       }
-    }
+#if defined(MOE_TC_WGMMA)
+      /* everything the products read or write is in place before the fence
+       * and untouched until their wait (else ptxas serializes them) */
+      if (!A_SMEM)
+#pragma unroll
+        for (int ks = 0; ks < KB / 16; ks++)
+          keep_alive(af[ks]);
+      wgmma_fence();
+      const uint32_t none[4] = {0, 0, 0, 0}; /* SS: no A registers */
+      const uint64_t db = desc0 + ((uint32_t)(sb - smem + u * S::B1) >> 4);
+#pragma unroll
+      for (int ks = 0; ks < KB / 16; ks++) {
+        if constexpr (A_SMEM) /* this warpgroup's 64 rows of the stage */
+          wgmma<BT, ACT, true>(acc, none,
+                               desc0 + ((uint32_t)(sb - smem + S::B + u * S::A1 + (warp >> 2) * 8192) >> 4) +
+                                   ks * 2,
+                               db + ks * 2);
+        else
+          wgmma<BT, ACT, false>(acc, af[ks], 0, db + ks * 2);
+      }
+      wgmma_commit();
+      /* This block's products stay in flight while the next block's
+       * fragments are made; the previous block's are done here. Its
+       * fragments (af_prev) must stay in their registers until this point,
+       * or the compiler may hand those registers to af, written while the
+       * tensor cores still read them (that race gave wrong results). */
+      wgmma_wait<1>();
+      if (!A_SMEM)
+#pragma unroll
+        for (int ks = 0; ks < KB / 16; ks++)
+          keep_alive(af_prev[ks]);
+#else
+      const uint8_t *sbu = sb + u * S::B1;
+#pragma unroll
+      for (int ks = 0; ks < KB / 16; ks++) {
+#pragma unroll
+        for (int jj = 0; jj < NT; jj += 2) {
+          const int mat = lane >> 3, t = jj + (NT > 1 ? mat >> 1 : 0), r = t * 8 + (lane & 7);
+          const int chunk = 2 * ks + (mat & 1);
+          const uint8_t *p = sbu + r * 128 + ((chunk ^ (r & 7)) << 4);
+          uint32_t b0, b1, b2, b3;
+          if (NT > 1) {
+            ldmatrix_x4(b0, b1, b2, b3, p);
+            mma<ACT>(acc[jj], af[ks], b0, b1);
+            mma<ACT>(acc[jj + 1], af[ks], b2, b3);
+          } else {
+            ldmatrix_x2(b0, b1, p);
+            mma<ACT>(acc[jj], af[ks], b0, b1);
+          }
+        }
+      }
 #endif
+    }
   };
 
   /* PF stages ahead */
-  constexpr int ST = S::STAGES;
 #if defined(MOE_TC_WGMMA)
   constexpr int PF = ST - 2; /* the stage before this one is still being read */
 #else
@@ -615,23 +696,32 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
 #endif
 #pragma unroll
   for (int s = 0; s < PF; s++) {
-    if (s < nkb) issue(s, s);
+    if (s < nst) issue(s, smem + s * S::STAGE);
     cp_async_commit();
   }
-  auto step = [&](int kb, uint32_t(&af)[KB / 16][4], uint32_t(&af_prev)[KB / 16][4]) {
+  uint8_t *const smem_end = smem + ST * S::STAGE;
+  uint8_t *iss_sb = smem + PF * S::STAGE, *cmp_sb = smem;
+  auto step = [&](int st, uint32_t(&afA)[KB / 16][4], uint32_t(&afB)[KB / 16][4]) {
     cp_async_wait<PF - 1>();
 #if defined(MOE_TC_WGMMA)
     fence_proxy_async();
 #endif
-    __syncthreads(); /* stage kb landed for everyone; the stage PF ahead is free */
-    if (kb + PF < nkb) issue(kb + PF, (kb + PF) % ST);
+    __syncthreads(); /* stage st landed for everyone; the stage PF ahead is free */
+    if (st + PF < nst) issue(st + PF, iss_sb);
+    iss_sb = iss_sb + S::STAGE == smem_end ? smem : iss_sb + S::STAGE;
     cp_async_commit();
-    compute(kb, kb % ST, af, af_prev);
+    compute(st, cmp_sb, afA, afB);
+    cmp_sb = cmp_sb + S::STAGE == smem_end ? smem : cmp_sb + S::STAGE;
   };
   uint32_t af0[KB / 16][4], af1[KB / 16][4];
-  for (int kb = 0; kb < nkb; kb += 2) { /* by two (nkb is even): the fragment buffers alternate by name */
-    step(kb, af0, af1);
-    step(kb + 1, af1, af0);
+  if constexpr (KS % 2 == 0) { /* each stage ends on afB: the next starts on afA */
+    for (int st = 0; st < nst; st++)
+      step(st, af0, af1);
+  } else { /* by two: the fragment buffers alternate by name */
+    for (int st = 0; st < nst; st += 2) {
+      step(st, af0, af1);
+      if (st + 1 < nst) step(st + 1, af1, af0);
+    }
   }
 #if defined(MOE_TC_WGMMA)
   wgmma_wait<0>();
@@ -654,7 +744,7 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
         a.out[(size_t)(row0 + tok) * (size_t)a.inter + (size_t)unit] = to16<ACT>(v);
       } else {
         const int slot = slot_of[tok], h = 16 * mt + (lane >> 2);
-        const float w = a.tw[slot];
+        const float w = tw_of[tok];
         a.out[(size_t)slot * (size_t)a.hidden + (size_t)h] = to16<ACT>(acc[j][q] * w);
         a.out[(size_t)slot * (size_t)a.hidden + (size_t)(h + 8)] = to16<ACT>(acc[j][2 + q] * w);
       }
@@ -715,6 +805,7 @@ template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_b
   extern __shared__ __align__(16) uint8_t smem_raw[];
   __shared__ uint64_t full[STAGES], empty[STAGES];
   __shared__ int slot_of[BT];
+  __shared__ float tw_of[BT]; /* as in tc_gemm */
   uint8_t *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   int ti, strip;
   block_order(ti, strip);
@@ -728,8 +819,10 @@ template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_b
     mbar_init(&full[tid], 1);
     mbar_init(&empty[tid], 4 * CONSUMERS);
   }
-  for (int i = tid; i < BT; i += THREADS)
+  for (int i = tid; i < BT; i += THREADS) {
     slot_of[i] = i < rows ? a.sorted[row0 + i] : -1;
+    if (a.phase == 2) tw_of[i] = i < rows ? a.tw[a.sorted[row0 + i]] : 0.0f;
+  }
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   __syncthreads();
 
@@ -791,7 +884,7 @@ template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_b
         a.out[kmajor(unit, ti * BT + tok, a.cap)] = to16<ACT>(v);
       } else {
         const int slot = slot_of[tok], h = 16 * mt + (lane >> 2);
-        const float w = a.tw[slot];
+        const float w = tw_of[tok];
         a.out[(size_t)slot * (size_t)a.hidden + (size_t)h] = to16<ACT>(acc[j][q] * w);
         a.out[(size_t)slot * (size_t)a.hidden + (size_t)(h + 8)] = to16<ACT>(acc[j][2 + q] * w);
       }
@@ -943,8 +1036,16 @@ moe_status launch(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err
 template <int W, int ACT>
 moe_status launch_cfg(moe_backend *b, int config, int max_tiles, const TcArgs &a, moe_error *err) {
   switch (config) {
-  case TC_SMALL: return launch<W, ACT, CfgS>(b, max_tiles, a, err);
-  case TC_MEDIUM: return launch<W, ACT, CfgM>(b, max_tiles, a, err);
+  case TC_SMALL:
+    if constexpr (W == TW_16)
+      return launch<W, ACT, CfgS>(b, max_tiles, a, err);
+    else
+      return launch<W, ACT, CfgQS>(b, max_tiles, a, err);
+  case TC_MEDIUM:
+    if constexpr (W == TW_16)
+      return launch<W, ACT, CfgM>(b, max_tiles, a, err);
+    else
+      return launch<W, ACT, CfgQM>(b, max_tiles, a, err);
   case TC_WIDE: return launch<W, ACT, CfgW>(b, max_tiles, a, err);
   default: return launch<W, ACT, CfgL>(b, max_tiles, a, err);
   }
