@@ -468,13 +468,36 @@ __global__ void __launch_bounds__(ALIGN_THREADS)
 
 /* ---- sum over k --------------------------------------------------------------------- */
 
+/* y[slot, h .. h + 8) of a split down GEMM (moe_tc_split): its segments'
+ * fp32 sums folded in segment order, times the routing weight, rounded to
+ * act: what the unsplit epilogue stores. hidden % 8 == 0 (moe_tc_split). */
+template <int ACT>
+__device__ __forceinline__ uint4 fold_parts(const float *part, int split, size_t slots, int hidden,
+                                            size_t slot, int h0, float w) {
+  const float *p = part + slot * (size_t)hidden + (size_t)h0;
+  float4 lo = *(const float4 *)p, hi = *(const float4 *)(p + 4);
+  for (int s = 1; s < split; s++) {
+    p += slots * (size_t)hidden;
+    const float4 l = *(const float4 *)p, h = *(const float4 *)(p + 4);
+    lo = make_float4(lo.x + l.x, lo.y + l.y, lo.z + l.z, lo.w + l.w);
+    hi = make_float4(hi.x + h.x, hi.y + h.y, hi.z + h.z, hi.w + h.w);
+  }
+  uint4 u;
+  u.x = to16<ACT>(lo.x * w) | (uint32_t)to16<ACT>(lo.y * w) << 16;
+  u.y = to16<ACT>(lo.z * w) | (uint32_t)to16<ACT>(lo.w * w) << 16;
+  u.z = to16<ACT>(hi.x * w) | (uint32_t)to16<ACT>(hi.y * w) << 16;
+  u.w = to16<ACT>(hi.z * w) | (uint32_t)to16<ACT>(hi.w * w) << 16;
+  return u;
+}
+
 /* out[t, h .. h + 8) = act(sum over k of y[t k + kk, ...]), experts held
- * elsewhere skipped; 8 columns per thread. */
+ * elsewhere skipped; 8 columns per thread. With split > 1, y comes from
+ * the down GEMM's segment sums (fold_parts). */
 constexpr int SUM_K = 8;
 template <int ACT>
 __global__ void __launch_bounds__(MOE_GPU_BLOCK)
-    sum_kernel(const uint16_t *y, const int32_t *ids, int tokens, int k, int hidden, int offset, int el,
-               int vec, uint16_t *out) {
+    sum_kernel(const uint16_t *y, const float *part, int split, const float *tw, const int32_t *ids,
+               int tokens, int k, int hidden, int offset, int el, int vec, uint16_t *out) {
   pdl_wait();
   const int per_row = (hidden + 7) / 8;
   const size_t total = (size_t)tokens * (size_t)per_row;
@@ -493,11 +516,14 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK)
         const int le = k0 + j < k ? ids[slot0 + j] - offset : -1;
         held[j] = le >= 0 && le < el;
       }
-      if (vec) {
+      if (vec || split > 1) {
         uint4 u[SUM_K];
 #pragma unroll
         for (int j = 0; j < SUM_K; j++)
-          if (held[j]) u[j] = *(const uint4 *)(y + (slot0 + j) * (size_t)hidden + (size_t)h0);
+          if (held[j])
+            u[j] = split > 1 ? fold_parts<ACT>(part, split, (size_t)tokens * (size_t)k, hidden, slot0 + j, h0,
+                                               tw[slot0 + j])
+                             : *(const uint4 *)(y + (slot0 + j) * (size_t)hidden + (size_t)h0);
 #pragma unroll
         for (int j = 0; j < SUM_K; j++) {
           if (!held[j]) continue;
@@ -665,6 +691,9 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   const size_t rows_a = bulk ? (size_t)max_tiles * (size_t)bm : (size_t)n;
   const size_t o_xk = p.take(bulk ? rows_a * (size_t)hidden : 0, 2);
   const size_t o_a = p.take(rows_a * (size_t)inter, 2), o_y = p.take((size_t)n * (size_t)hidden, 2);
+  /* a split down GEMM's segment sums (moe_tc_split) */
+  const int split = tc && !bulk ? moe_tc_split(cfg) : 1;
+  const size_t o_part = p.take(split > 1 ? (size_t)split * (size_t)n * (size_t)hidden : 0, 4);
   if (p.overflow) return moe_fail(err, MOE_EOVERFLOW, "fused_moe: workspace size overflows");
   char *ws = (char *)moe_gpu_workspace(b, p.size);
   if (!ws) return moe_fail(err, MOE_ENOMEM, "fused_moe: %zu bytes of device workspace", p.size);
@@ -714,7 +743,11 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
     t1.ntiles = ntiles;
     t1.tiles = tiles;
     t1.tw = tw;
+    t1.split = 1;
     TcArgs t2 = t1;
+    t2.split = split;
+    t2.slots = n;
+    t2.part = split > 1 ? (float *)(ws + o_part) : NULL;
     for (int m = 0; m < 2; m++) {
       TcArgs &t = m == 0 ? t1 : t2;
       const int ws_ = wna16 ? (m == 0 ? MOE_W13_QWEIGHT : MOE_W2_QWEIGHT) : (m == 0 ? MOE_W13 : MOE_W2);
@@ -786,7 +819,7 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   if (blocks > cap) blocks = cap;
   return moe_gpu_check(pdl_launch(pdl, args->act == MOE_BF16 ? sum_kernel<A_BF16> : sum_kernel<A_F16>,
                                   dim3((unsigned)blocks), dim3(MOE_GPU_BLOCK), 0, st, (const uint16_t *)y_buf,
-                                  ids, (int)tokens, (int)k, (int)hidden, (int)cfg->expert_offset, (int)el,
-                                  vec, (uint16_t *)out),
+                                  (const float *)(ws + o_part), split, tw, ids, (int)tokens, (int)k,
+                                  (int)hidden, (int)cfg->expert_offset, (int)el, vec, (uint16_t *)out),
                        "fused_moe sum", err);
 }

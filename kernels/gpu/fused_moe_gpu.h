@@ -103,6 +103,10 @@ int moe_tc_rows(int config);                              /* BT of a configurati
 /* The configuration for a batch of `avg` slots per routed expert (measured
  * on the H200: bench/RESULTS.md) */
 int moe_tc_choose(const moe_expert_config *cfg, int64_t avg);
+/* K segments of the down GEMM (1: none): a property of the set's shape and
+ * scheme only, never of the batch, so a token's sums are the same fold
+ * whatever came with it (docs/gpu-kernels.md "Batch invariance"). */
+int moe_tc_split(const moe_expert_config *cfg);
 
 /* One GEMM of the pipeline on packed weights (moe_gpu_fused_pack). */
 struct TcArgs {
@@ -119,8 +123,11 @@ struct TcArgs {
   const int4 *tiles;
   const float *tw;
   uint16_t *out;
-  int cap; /* the bulk path (moe_tc_bulk): rows of the K-major buffers (phase 1's x and out, phase 2's x);
-            * 0: the generic kernel, row-major buffers */
+  int cap;     /* the bulk path (moe_tc_bulk): rows of the K-major buffers (phase 1's x and out, phase 2's x);
+                * 0: the generic kernel, row-major buffers */
+  int split;   /* K segments (moe_tc_split; 1 for phase 1 and the bulk path) */
+  int slots;   /* split > 1: rows of each segment's part */
+  float *part; /* split > 1: the segments' fp32 sums [split][slots][hidden], no routing weight */
 };
 
 /* Whether a set takes this path: gpu.h's moe_gpu_fused_packs. */

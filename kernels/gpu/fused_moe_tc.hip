@@ -32,9 +32,12 @@
  * columns of K in ascending order: the same instruction on the same 16 +
  * 16 operand values in the same order whatever the tile configuration
  * (BT, BN, warp layout: chosen from the batch size), the token's position
- * in its tile, the other tokens, or the grid. No split K, no atomics. The
- * dequantized weights are the same bits in every configuration (the
- * per-group path is chosen from the set's dtypes, not from the call).
+ * in its tile, the other tokens, or the grid. No atomics. The one K split
+ * (moe_tc_split) is a property of the set's shape and scheme: for such a
+ * set every batch size and configuration accumulates the same K segments
+ * from 0 and the sum kernel folds them in segment order. The dequantized
+ * weights are the same bits in every configuration (the per-group path is
+ * chosen from the set's dtypes, not from the call).
  * Results are deterministic and independent of batching; across backends
  * docs/numerics.md's tolerance applies (another summation order than the CPU).
  *
@@ -405,7 +408,11 @@ __host__ __device__ __forceinline__ size_t kmajor(int col, int pos, int cap) {
          (size_t)((((col >> 3) & 7) ^ (pos & 7)) << 3) + (size_t)(col & 7);
 }
 
-template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
+/* SPLIT: the down GEMM in K segments (moe_tc_split; a kernel of its own so
+ * that the unsplit ones keep their registers: the large int4 tile sits at
+ * the 128-register cap, where the extra epilogue cost 4-8% at T = 4096). */
+template <int W, int ACT, class C, bool SPLIT>
+__global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
   using S = Smem<W, C>;
   constexpr int BN = C::BN, BT = C::BT, NT = C::NT, CH = chunk_bytes(W), THREADS = C::THREADS, KS = C::KS;
   constexpr int ST = S::STAGES;
@@ -423,7 +430,16 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int4 tile = a.tiles[ti];
   const int e = tile.x, row0 = tile.y, rows = tile.z;
-  const int N = a.n, K = a.k, nkb = K / KB, mtc = N / 16, nst = (nkb + KS - 1) / KS;
+  /* this block's K segment (moe_tc_split: a.split > 1 for phase 2 only):
+   * KB blocks kbs .. kbs + nkb_seg with accumulators of its own, folded by
+   * the sum. The main loop counts within the segment (segments start at a
+   * group's first column): the copy sources start at kbs. */
+  const int split = SPLIT ? a.split : 1, seg = strip % split;
+  strip /= split;
+  __shared__ int seg_of; /* for the epilogue: no register held through the main loop */
+  if (SPLIT && tid == 0) seg_of = seg;
+  const int N = a.n, K = a.k, nkb = K / KB, mtc = N / 16, nkb_seg = nkb / split, kbs = seg * nkb_seg,
+            seg_cols = nkb_seg * KB, nst = (nkb_seg + KS - 1) / KS;
   const int n0 = strip * BN;
   const int mt = n0 / 16 + warp; /* this warp's 16-row block */
   for (int i = tid; i < BT; i += THREADS) {
@@ -466,8 +482,8 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
     const int i = tid + q * THREADS, m = n0 / 16 + i / APC;
     a_ok[q] = i < S::A1 / 16 && m < mtc;
     a_src[q] = !a_ok[q]     ? a.w
-               : W == TW_16 ? wexp + (size_t)(n0 * 8 + i) * 16
-                            : wexp + (size_t)m * nkb * CH + (i % APC) * 16;
+               : W == TW_16 ? wexp + (size_t)(n0 * 8 + i) * 16 + (size_t)kbs * a_step
+                            : wexp + ((size_t)m * nkb + kbs) * CH + (i % APC) * 16;
   }
   const uint16_t *b_src[BP];
   bool b_ok[BP]; /* a present row's piece */
@@ -477,22 +493,25 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
     const int i = tid + q * THREADS, r = i >> 3, c = i & 7;
     const int xr = i < BT * 8 ? src_row[r] : -1;
     b_ok[q] = xr >= 0;
-    b_src[q] = (const uint16_t *)a.x + (xr < 0 ? 0 : (size_t)xr * (size_t)K + c * 8);
+    b_src[q] = (const uint16_t *)a.x + (xr < 0 ? 0 : (size_t)xr * (size_t)K + c * 8 + (size_t)kbs * KB);
     b_dst[q] = r * 128 + ((c ^ (r & 7)) << 4);
   }
   /* wna16: this thread's 16-byte piece of a group's scales (and zero
    * points) for the strip's rows */
   const bool s_ok = WNA16 && tid < BN / 4 && n0 + 4 * tid < N;
   const bool z_ok = WNA16 && a.zero && tid < BN / 16 && n0 + 16 * tid < N;
-  const float *s_src = s_ok ? a.scale + (size_t)e * a.groups * (size_t)N + n0 + 4 * tid : NULL;
-  const uint8_t *z_src = z_ok ? a.zero + (size_t)e * a.groups * (size_t)N + n0 + 16 * tid : NULL;
-  int iss_gcol = 0; /* first column of the next group whose scales are copied */
+  /* segments start at a group's first column (moe_tc_split) */
+  const size_t g0 = (size_t)e * a.groups + (size_t)(kbs * KB / G);
+  const float *s_src = s_ok ? a.scale + g0 * (size_t)N + n0 + 4 * tid : NULL;
+  const uint8_t *z_src = z_ok ? a.zero + g0 * (size_t)N + n0 + 16 * tid : NULL;
+  int iss_gcol = 0; /* first column of the next group whose scales are copied (in the segment) */
 
   /* stage st (KB blocks st KS.., the last stage may hold fewer) into sb */
   auto issue = [&](int st, uint8_t *sb) {
 #pragma unroll
     for (int u = 0; u < KS; u++) {
-      if (KS > 1 && st * KS + u >= nkb) break;
+      const int kb = st * KS + u; /* in the segment */
+      if (KS > 1 && kb >= nkb_seg) break;
 #pragma unroll
       for (int q = 0; q < AP; q++) {
         const int i = tid + q * THREADS;
@@ -525,7 +544,7 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
     /* scales and zero points of the groups that start in this stage, in
      * slots 0.. (compute reloads its registers at each group's first column) */
     if (WNA16) {
-      const int col_end = (st + 1) * S::COLS < K ? (st + 1) * S::COLS : K;
+      const int col_end = (st + 1) * S::COLS < seg_cols ? (st + 1) * S::COLS : seg_cols;
       float *ss = (float *)(sb + S::B + S::A);
       uint8_t *sz = (uint8_t *)(ss + S::SGS * BN);
       for (int j = 0; iss_gcol < col_end; j++, iss_gcol += G) {
@@ -550,7 +569,7 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
 
   const uint32_t zdef = W == TW_INT4 ? 8 : 128;
   Deq dq;           /* the group's scales and zero points: reloaded where a group starts */
-  int cmp_gcol = 0; /* first column of the next group compute reloads */
+  int cmp_gcol = 0; /* first column of the next group compute reloads (in the segment) */
   const int raw_off = S::B + warp * CH + lane * 16;
   const int sc_off = S::B + S::A + (warp * 16 + (lane >> 2)) * 4;
   const int zp_off = S::B + S::A + S::SGS * BN * 4 + warp * 16 + (lane >> 2);
@@ -568,8 +587,8 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
     int j = 0; /* the stage's group slot */
 #pragma unroll
     for (int u = 0; u < KS; u++) {
-      const int kb = st * KS + u;
-      if (KS > 1 && kb >= nkb) break;
+      const int kb = st * KS + u; /* in the segment */
+      if (KS > 1 && kb >= nkb_seg) break;
       uint32_t(&af)[KB / 16][4] = (u & 1) ? afB : afA;
       uint32_t(&af_prev)[KB / 16][4] = (u & 1) ? afA : afB;
       (void)af_prev;
@@ -742,6 +761,11 @@ template <int W, int ACT, class C> __global__ void __launch_bounds__(C::THREADS)
         const int unit = 8 * mt + (lane >> 2);
         const float v = activate<ACT>(a.activation, act_round<ACT>(acc[j][q]), act_round<ACT>(acc[j][2 + q]));
         a.out[(size_t)(row0 + tok) * (size_t)a.inter + (size_t)unit] = to16<ACT>(v);
+      } else if (SPLIT) { /* the segment's sums, fp32: the sum kernel folds them */
+        const int slot = slot_of[tok], h = 16 * mt + (lane >> 2);
+        float *p = a.part + ((size_t)seg_of * (size_t)a.slots + (size_t)slot) * (size_t)a.hidden + (size_t)h;
+        p[0] = acc[j][q];
+        p[8] = acc[j][2 + q];
       } else {
         const int slot = slot_of[tok], h = 16 * mt + (lane >> 2);
         const float w = tw_of[tok];
@@ -1013,7 +1037,7 @@ __global__ void pack_groups(const void *scales, int scale_dt, const uint8_t *zer
   }
 }
 
-template <int W, int ACT, class C>
+template <int W, int ACT, class C, bool SPLIT = false>
 moe_status launch(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err) {
   using S = Smem<W, C>;
   /* the limit is an attribute of the function per device; set once each
@@ -1021,33 +1045,40 @@ moe_status launch(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err
   static bool attr_set[64];
   const int dev = b->device;
   if (dev < 0 || dev >= 64 || !attr_set[dev]) {
-    moe_status s = moe_gpu_check(
-        cudaFuncSetAttribute(tc_gemm<W, ACT, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::BYTES),
-        "fused_moe tensor-core smem", err);
+    moe_status s = moe_gpu_check(cudaFuncSetAttribute(tc_gemm<W, ACT, C, SPLIT>,
+                                                      cudaFuncAttributeMaxDynamicSharedMemorySize, S::BYTES),
+                                 "fused_moe tensor-core smem", err);
     if (s) return s;
     if (dev >= 0 && dev < 64) attr_set[dev] = true;
   }
-  const dim3 grid((unsigned)max_tiles, (unsigned)((a.n + C::BN - 1) / C::BN)); /* tiles x strips */
-  return moe_gpu_check(
-      pdl_launch(moe_gpu_pdl(b), tc_gemm<W, ACT, C>, grid, dim3(C::THREADS), S::BYTES, moe_gpu_stream(b), a),
-      "fused_moe tensor-core gemm", err);
+  /* tiles x strips (x K segments) */
+  const dim3 grid((unsigned)max_tiles, (unsigned)((a.n + C::BN - 1) / C::BN * a.split));
+  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), tc_gemm<W, ACT, C, SPLIT>, grid, dim3(C::THREADS), S::BYTES,
+                                  moe_gpu_stream(b), a),
+                       "fused_moe tensor-core gemm", err);
 }
 
 template <int W, int ACT>
 moe_status launch_cfg(moe_backend *b, int config, int max_tiles, const TcArgs &a, moe_error *err) {
-  switch (config) {
-  case TC_SMALL:
-    if constexpr (W == TW_16)
-      return launch<W, ACT, CfgS>(b, max_tiles, a, err);
-    else
-      return launch<W, ACT, CfgQS>(b, max_tiles, a, err);
-  case TC_MEDIUM:
-    if constexpr (W == TW_16)
-      return launch<W, ACT, CfgM>(b, max_tiles, a, err);
-    else
-      return launch<W, ACT, CfgQM>(b, max_tiles, a, err);
-  case TC_WIDE: return launch<W, ACT, CfgW>(b, max_tiles, a, err);
-  default: return launch<W, ACT, CfgL>(b, max_tiles, a, err);
+  if constexpr (W == TW_16) {
+    switch (config) {
+    case TC_SMALL: return launch<W, ACT, CfgS>(b, max_tiles, a, err);
+    case TC_MEDIUM: return launch<W, ACT, CfgM>(b, max_tiles, a, err);
+    case TC_WIDE: return launch<W, ACT, CfgW>(b, max_tiles, a, err);
+    default: return launch<W, ACT, CfgL>(b, max_tiles, a, err);
+    }
+  } else { /* packed codes: the wide tile is never chosen (moe_tc_choose), so forcing it takes the large one
+            */
+    if (a.split > 1) switch (config) {
+      case TC_SMALL: return launch<W, ACT, CfgQS, true>(b, max_tiles, a, err);
+      case TC_MEDIUM: return launch<W, ACT, CfgQM, true>(b, max_tiles, a, err);
+      default: return launch<W, ACT, CfgL, true>(b, max_tiles, a, err);
+      }
+    switch (config) {
+    case TC_SMALL: return launch<W, ACT, CfgQS>(b, max_tiles, a, err);
+    case TC_MEDIUM: return launch<W, ACT, CfgQM>(b, max_tiles, a, err);
+    default: return launch<W, ACT, CfgL>(b, max_tiles, a, err);
+    }
   }
 }
 
@@ -1099,6 +1130,21 @@ int moe_tc_choose(const moe_expert_config *cfg, int64_t avg) {
   for (int c = 0; c < TC_CONFIGS; c++)
     if (avg <= upto[w][c]) return c;
   return TC_LARGE;
+}
+
+int moe_tc_split(const moe_expert_config *cfg) {
+  /* Packed int4/int8 weights are dequantized on the fly, so a GEMM whose
+   * blocks are one per SM at decode (few 64-row strips, long K: Mixtral's
+   * down GEMM, 64 strips x 2 experts) is bound by each block's dependency
+   * chain, not by memory; four K segments give it four times the blocks
+   * (bench/RESULTS.md, sixth pass). Segments start at a scale group. */
+  constexpr int SEGS = 4;
+  const int64_t n = cfg->hidden_size, k = cfg->intermediate_size;
+  const int64_t g = cfg->group_size == -1 ? k : cfg->group_size;
+  if (cfg->scheme != MOE_SCHEME_WNA16 || n / 64 > 64 || k < 8192 || (k / KB) % SEGS || (k / SEGS) % g ||
+      n % 8)
+    return 1;
+  return SEGS;
 }
 
 bool moe_tc_bulk(moe_backend *b, const moe_expert_config *cfg, int config) {
@@ -1175,6 +1221,7 @@ moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, in
 
 int moe_tc_rows(int config) { return 8; }
 int moe_tc_choose(const moe_expert_config *cfg, int64_t avg) { return TC_SMALL; }
+int moe_tc_split(const moe_expert_config *cfg) { return 1; }
 bool moe_tc_bulk(moe_backend *b, const moe_expert_config *cfg, int config) { return false; }
 moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_t *xk, moe_error *err) {
   return moe_fail(err, MOE_EUNSUPPORTED, "fused_moe: no tensor-core path on this GPU");

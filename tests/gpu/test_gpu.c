@@ -610,6 +610,8 @@ static const fm_case fm_cases[] = {
     {"int8 g5 zp odd sizes", MOE_SCHEME_WNA16, MOE_BF16, 8, 5, true, MOE_BF16, 40, 30},
     /* K not a multiple of 128: the portable GEMM on every GPU */
     {"int4 g16 bf16 K%128", MOE_SCHEME_WNA16, MOE_BF16, 4, 16, false, MOE_BF16, 1056, 96},
+    /* the down GEMM in K segments (moe_tc_split: few strips, K >= 8192) */
+    {"int4 g128 bf16 split K", MOE_SCHEME_WNA16, MOE_BF16, 4, 128, false, MOE_BF16, 256, 8192},
 };
 #define FM_EXPERTS 12
 #define FM_TOPK 4
@@ -841,7 +843,8 @@ END_TEST
 /* GPU only: a token's output bits alone, in a batch, and in another batch at
  * another position (other tokens, other expert loads) are identical. */
 START_TEST(fused_batch_invariance) {
-  const size_t picks[] = {0, 2, 4, 13, 16}; /* bf16, int4 g128, int4 g64 zp fp16, int8 g128, int8 g-1 zp */
+  const size_t picks[] = {0,  2,  4,
+                          13, 16, 19}; /* bf16, odd sizes, int4 g128, int8 g128, int8 g-1 zp, split K */
   char label[200];
   for (size_t pi = 0; pi < sizeof picks / sizeof picks[0]; pi++) {
     const fm_case *c = &fm_cases[picks[pi]];
@@ -893,8 +896,9 @@ END_TEST
  * the generic one (MOE_GPU_TC_BULK=0). Shapes the path does not take
  * ignore the variables and pass trivially. */
 START_TEST(fused_tile_configs) {
-  const size_t picks[] = {0, 1,  4,  5,
-                          7, 12, 13, 14}; /* bf16, fp16, int4 g128, g128 zp, g32 zp, g16, int8 g128, g64 zp */
+  const size_t picks[] = {
+      0,  1,  4,  5, 7,
+      12, 13, 14, 19}; /* bf16, fp16, int4 g128, g128 zp, g32 zp, g16, int8 g128, g64 zp, split K */
   static const char *const configs[] = {"small", "medium", "wide", "large", "large"};
   static const char *const bulk[] = {"1", "1", "1", "1", "0"};
   char label[200];
