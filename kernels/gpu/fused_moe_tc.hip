@@ -408,6 +408,44 @@ __host__ __device__ __forceinline__ size_t kmajor(int col, int pos, int cap) {
          (size_t)((((col >> 3) & 7) ^ (pos & 7)) << 3) + (size_t)(col & 7);
 }
 
+/* The epilogue of both GEMM kernels: this warp's accumulators (16-row
+ * block mt; c0, c1 = row r (lane / 4), tokens 2 (lane % 4) + {0, 1}; c2,
+ * c3 = row r + 8) for the tile's first `rows` tokens. Phase 1: packed rows
+ * are the gate of unit 8 mt + r, then its up: one activated value per
+ * unit, at a's row `row` (KMAJOR: row `row` of the K-major buffer with
+ * a.cap rows, for the bulk down GEMM; else row-major). Phase 2: the
+ * routing-weighted row of each slot in y, or (seg >= 0) the segment's fp32
+ * sums for the sum kernel to fold. */
+template <int ACT, bool KMAJOR, int NT>
+__device__ __forceinline__ void store_tile(const TcArgs &a, const float (&acc)[NT][4], int mt, int lane,
+                                           int rows, int row, const int *slot_of, const float *tw_of,
+                                           int seg) {
+#pragma unroll
+  for (int j = 0; j < NT; j++)
+#pragma unroll
+    for (int q = 0; q < 2; q++) {
+      const int tok = j * 8 + 2 * (lane & 3) + q;
+      if (tok >= rows) continue;
+      if (a.phase == 1) {
+        const int unit = 8 * mt + (lane >> 2);
+        const float v = activate<ACT>(a.activation, act_round<ACT>(acc[j][q]), act_round<ACT>(acc[j][2 + q]));
+        a.out[KMAJOR ? kmajor(unit, row + tok, a.cap)
+                     : (size_t)(row + tok) * (size_t)a.inter + (size_t)unit] = to16<ACT>(v);
+        continue;
+      }
+      const int slot = slot_of[tok], h = 16 * mt + (lane >> 2);
+      if (seg >= 0) {
+        float *p = a.part + ((size_t)seg * (size_t)a.slots + (size_t)slot) * (size_t)a.hidden + (size_t)h;
+        p[0] = acc[j][q];
+        p[8] = acc[j][2 + q];
+      } else {
+        const float w = tw_of[tok];
+        a.out[(size_t)slot * (size_t)a.hidden + (size_t)h] = to16<ACT>(acc[j][q] * w);
+        a.out[(size_t)slot * (size_t)a.hidden + (size_t)(h + 8)] = to16<ACT>(acc[j][2 + q] * w);
+      }
+    }
+}
+
 /* SPLIT: the down GEMM in K segments (moe_tc_split; a kernel of its own so
  * that the unsplit ones keep their registers: the large int4 tile sits at
  * the 128-register cap, where the extra epilogue cost 4-8% at T = 4096). */
@@ -749,30 +787,7 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
   cp_async_wait<0>();
   pdl_next(); /* the next GEMM (or the sum) may launch: only this block's stores are left */
 
-  /* epilogue: c0, c1 = row r (lane / 4), tokens 2 (lane % 4) + {0, 1}; c2, c3 = row r + 8 */
-  if (mt >= mtc) return;
-#pragma unroll
-  for (int j = 0; j < NT; j++)
-#pragma unroll
-    for (int q = 0; q < 2; q++) {
-      const int tok = j * 8 + 2 * (lane & 3) + q;
-      if (tok >= rows) continue;
-      if (a.phase == 1) { /* packed rows: gate of unit 8 mt + r, then its up */
-        const int unit = 8 * mt + (lane >> 2);
-        const float v = activate<ACT>(a.activation, act_round<ACT>(acc[j][q]), act_round<ACT>(acc[j][2 + q]));
-        a.out[(size_t)(row0 + tok) * (size_t)a.inter + (size_t)unit] = to16<ACT>(v);
-      } else if (SPLIT) { /* the segment's sums, fp32: the sum kernel folds them */
-        const int slot = slot_of[tok], h = 16 * mt + (lane >> 2);
-        float *p = a.part + ((size_t)seg_of * (size_t)a.slots + (size_t)slot) * (size_t)a.hidden + (size_t)h;
-        p[0] = acc[j][q];
-        p[8] = acc[j][2 + q];
-      } else {
-        const int slot = slot_of[tok], h = 16 * mt + (lane >> 2);
-        const float w = tw_of[tok];
-        a.out[(size_t)slot * (size_t)a.hidden + (size_t)h] = to16<ACT>(acc[j][q] * w);
-        a.out[(size_t)slot * (size_t)a.hidden + (size_t)(h + 8)] = to16<ACT>(acc[j][2 + q] * w);
-      }
-    }
+  if (mt < mtc) store_tile<ACT, false>(a, acc, mt, lane, rows, row0, slot_of, tw_of, SPLIT ? seg_of : -1);
 }
 
 /* The bulk path (sm_90a, 16-bit weights, the large tile): every operand
@@ -895,24 +910,7 @@ template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_b
   pdl_next();
 
   const int mt = n0 / 16 + warp;
-  if (mt >= N / 16) return;
-#pragma unroll
-  for (int j = 0; j < NT; j++)
-#pragma unroll
-    for (int q = 0; q < 2; q++) {
-      const int tok = j * 8 + 2 * (lane & 3) + q;
-      if (tok >= rows) continue;
-      if (a.phase == 1) { /* K-major for phase 2's B, row ti * BT + tok */
-        const int unit = 8 * mt + (lane >> 2);
-        const float v = activate<ACT>(a.activation, act_round<ACT>(acc[j][q]), act_round<ACT>(acc[j][2 + q]));
-        a.out[kmajor(unit, ti * BT + tok, a.cap)] = to16<ACT>(v);
-      } else {
-        const int slot = slot_of[tok], h = 16 * mt + (lane >> 2);
-        const float w = tw_of[tok];
-        a.out[(size_t)slot * (size_t)a.hidden + (size_t)h] = to16<ACT>(acc[j][q] * w);
-        a.out[(size_t)slot * (size_t)a.hidden + (size_t)(h + 8)] = to16<ACT>(acc[j][2 + q] * w);
-      }
-    }
+  if (mt < N / 16) store_tile<ACT, true>(a, acc, mt, lane, rows, ti * BT, slot_of, tw_of, -1);
 #else
   (void)a; /* moe_tc_bulk is false off sm_90a */
 #endif
