@@ -446,6 +446,16 @@ __device__ __forceinline__ void store_tile(const TcArgs &a, const float (&acc)[N
     }
 }
 
+/* The tile's slots (-1 past its count) and, for phase 2, their routing
+ * weights: read once before the main loop, for the epilogue. */
+__device__ __forceinline__ int load_slot(const TcArgs &a, int row0, int rows, int i, int *slot_of,
+                                         float *tw_of) {
+  const int slot = i < rows ? a.sorted[row0 + i] : -1;
+  slot_of[i] = slot;
+  if (a.phase == 2) tw_of[i] = slot < 0 ? 0.0f : a.tw[slot];
+  return slot;
+}
+
 /* SPLIT: the down GEMM in K segments (moe_tc_split; a kernel of its own so
  * that the unsplit ones keep their registers: the large int4 tile sits at
  * the 128-register cap, where the extra epilogue cost 4-8% at T = 4096). */
@@ -481,9 +491,7 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
   const int n0 = strip * BN;
   const int mt = n0 / 16 + warp; /* this warp's 16-row block */
   for (int i = tid; i < BT; i += THREADS) {
-    const int slot = i < rows ? a.sorted[row0 + i] : -1;
-    slot_of[i] = slot;
-    if (a.phase == 2) tw_of[i] = slot < 0 ? 0.0f : a.tw[slot];
+    const int slot = load_slot(a, row0, rows, i, slot_of, tw_of);
     src_row[i] = i >= rows ? -1 : a.phase == 1 ? slot / a.top_k : row0 + i;
   }
   /* token rows past the tile's count are zero in every stage: written once
@@ -699,14 +707,12 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
           keep_alive(af[ks]);
       wgmma_fence();
       const uint32_t none[4] = {0, 0, 0, 0}; /* SS: no A registers */
-      const uint64_t db = desc0 + ((uint32_t)(sb - smem + u * S::B1) >> 4);
+      const uint64_t db = desc0 + ((uint32_t)(sb - smem + u * S::B1) >> 4),
+                     da = desc0 + ((uint32_t)(sb - smem + S::B + u * S::A1 + (warp >> 2) * 8192) >> 4);
 #pragma unroll
       for (int ks = 0; ks < KB / 16; ks++) {
         if constexpr (A_SMEM) /* this warpgroup's 64 rows of the stage */
-          wgmma<BT, ACT, true>(acc, none,
-                               desc0 + ((uint32_t)(sb - smem + S::B + u * S::A1 + (warp >> 2) * 8192) >> 4) +
-                                   ks * 2,
-                               db + ks * 2);
+          wgmma<BT, ACT, true>(acc, none, da + ks * 2, db + ks * 2);
         else
           wgmma<BT, ACT, false>(acc, af[ks], 0, db + ks * 2);
       }
@@ -858,10 +864,8 @@ template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_b
     mbar_init(&full[tid], 1);
     mbar_init(&empty[tid], 4 * CONSUMERS);
   }
-  for (int i = tid; i < BT; i += THREADS) {
-    slot_of[i] = i < rows ? a.sorted[row0 + i] : -1;
-    if (a.phase == 2) tw_of[i] = i < rows ? a.tw[a.sorted[row0 + i]] : 0.0f;
-  }
+  for (int i = tid; i < BT; i += THREADS)
+    load_slot(a, row0, rows, i, slot_of, tw_of);
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   __syncthreads();
 
