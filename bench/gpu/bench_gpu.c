@@ -15,7 +15,13 @@
  *
  *   moe-bench-gpu [--runs N] [--max-mib 1024]
  *   moe-bench-gpu --fused [--runs N] [--matmul-tflops X] [--max-tokens T] [--only NAME|bf16|int4[,...]]
- *                 [--tokens T1,T2,...] */
+ *                 [--tokens T1,T2,...] [--tune FILE]
+ *
+ * --tune FILE: also times every tile configuration of the tensor-core path
+ * per cell (a table on stderr) and writes the rows where one beats the
+ * untuned choice to FILE, in the form of kernels/gpu/fused_moe_tuned.h
+ * (the time column is then the untuned choice's). */
+#include <ctype.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -186,8 +192,129 @@ static bool token_selected(const char *list, int64_t t) {
   return false;
 }
 
+/* Median ms of the rotated calls: `runs` runs, fewer (>= 20) where that
+ * would take more than about 3 s; *used: the count. A first single run
+ * longer than `limit` ms (> 0) is returned as it is (*used = 1). */
+static double time_cell(moe_backend *b, rot_arg *ra, int *used, double limit) {
+  const int saved = runs;
+  hipEvent_t e0, e1;
+  float ms0;
+  CHECK(hipEventCreate(&e0));
+  CHECK(hipEventCreate(&e1));
+  run_rot(ra);
+  CHECK(hipEventRecord(e0, moe_gpu_stream(b)));
+  run_rot(ra);
+  CHECK(hipEventRecord(e1, moe_gpu_stream(b)));
+  CHECK(hipEventSynchronize(e1));
+  CHECK(hipEventElapsedTime(&ms0, e0, e1));
+  if (limit > 0 && ms0 > limit) {
+    *used = 1;
+    return ms0;
+  }
+  if (ms0 * runs > 3000.0f) runs = ms0 > 150.0f ? 20 : (int)(3000.0f / ms0) < 20 ? 20 : (int)(3000.0f / ms0);
+  CHECK(hipEventDestroy(e0));
+  CHECK(hipEventDestroy(e1));
+  const double ms = time_median(moe_gpu_stream(b), run_rot, ra);
+  *used = runs;
+  runs = saved;
+  return ms;
+}
+
+/* ---- --tune: the tile configuration table (kernels/gpu/fused_moe_tuned.h) ---- */
+
+/* A configuration must beat the untuned choice by this much to get a row
+ * (run-to-run noise of the bench is 1-3%). */
+#define TUNE_MARGIN 0.97
+
+typedef struct tune_pick {
+  int64_t avg; /* slots per routed expert, as fused_moe.hip computes it */
+  int config;  /* -1: the untuned choice stays */
+} tune_pick;
+
+typedef struct tune_state {
+  FILE *out;
+  tune_pick picks[16];
+  int n;
+} tune_state;
+
+/* Times every configuration on the prepared calls (the untuned time
+ * `untuned` is already measured with MOE_GPU_TC_TUNED=0) and records the
+ * winner for this cell. */
+static void tune_cell(moe_backend *b, rot_arg *ra, const char *layer, int64_t E, int64_t K, int64_t T,
+                      int int4, double untuned, tune_state *ts) {
+  double t[TC_CONFIGS];
+  int used[TC_CONFIGS], best = -1; /* used: 0 not run (scheme), 1 one run (pruned), else the median's runs */
+  for (int c = 0; c < TC_CONFIGS; c++) {
+    used[c] = 0;
+    if (int4 && c == TC_WIDE) continue; /* packed codes never take it (fused_moe_tc.hip) */
+    setenv("MOE_GPU_FUSED_TILE", moe_tc_config_names[c], 1);
+    /* a configuration 1.5x slower than the untuned one in a single run is not timed further */
+    t[c] = time_cell(b, ra, &used[c], 1.5 * untuned);
+    if (used[c] > 1 && (best < 0 || t[c] < t[best])) best = c;
+  }
+  unsetenv("MOE_GPU_FUSED_TILE");
+  const int64_t n = T * K, avg = n / (E < n ? E : n);
+  const int pick = best >= 0 && t[best] < TUNE_MARGIN * untuned ? best : -1;
+  fprintf(stderr, "| %s | %s | %lld | %lld | %.1f |", layer, int4 ? "wna16 int4 g128" : "bf16", (long long)T,
+          (long long)avg, untuned * 1e3);
+  for (int c = 0; c < TC_CONFIGS; c++)
+    if (!used[c])
+      fprintf(stderr, " - |");
+    else
+      fprintf(stderr, used[c] == 1 ? " (%.0f) |" : " %.1f |", t[c] * 1e3); /* (one run) */
+  fprintf(stderr, " %s |\n", pick < 0 ? "untuned" : moe_tc_config_names[pick]);
+  if (ts->n < (int)(sizeof ts->picks / sizeof ts->picks[0])) ts->picks[ts->n++] = (tune_pick){avg, pick};
+}
+
+/* The rows of one set: each measured avg (token counts with the same avg
+ * must agree, else the untuned choice stays) covers the slot counts up to
+ * the geometric midpoint to its neighbours. */
+static void tune_emit(tune_state *ts, const char *device, int64_t E, int64_t H, int64_t I, int int4) {
+  int64_t avg[16];
+  int cfg[16], m = 0;
+  for (int i = 0; i < ts->n; i++) {
+    int j = 0;
+    while (j < m && avg[j] != ts->picks[i].avg)
+      j++;
+    if (j == m)
+      avg[m] = ts->picks[i].avg, cfg[m++] = ts->picks[i].config;
+    else if (cfg[j] != ts->picks[i].config)
+      cfg[j] = -1;
+  }
+  for (int i = 0; i < m; i++) {
+    if (cfg[i] < 0) continue;
+    const int64_t lo = i == 0 ? 0 : (int64_t)sqrt((double)avg[i - 1] * (double)avg[i]) + 1;
+    fprintf(ts->out, "    {\"%s\", %lld, %lld, %lld, %s, %lld, ", device, (long long)E, (long long)H,
+            (long long)I, int4 ? "TW_INT4" : "TW_16", (long long)lo);
+    if (i + 1 < m)
+      fprintf(ts->out, "%lld, ", (long long)sqrt((double)avg[i] * (double)avg[i + 1]));
+    else
+      fprintf(ts->out, "INT64_MAX, ");
+    fprintf(ts->out, "TC_"); /* the enum: TC_ and the name in capitals */
+    for (const char *c = moe_tc_config_names[cfg[i]]; *c; c++)
+      fputc(toupper((unsigned char)*c), ts->out);
+    fprintf(ts->out, "},\n");
+  }
+  ts->n = 0;
+}
+
 static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64_t max_tokens,
-                        const char *only, const char *only_tokens) {
+                        const char *only, const char *only_tokens, FILE *tune) {
+  tune_state tt = {tune, {{0}}, 0};
+  const char *device = strstr(moe_backend_name(b), ": "); /* "gpuN: <device name>" */
+  device = device ? device + 2 : moe_backend_name(b);
+  if (tune) {
+    setenv("MOE_GPU_TC_TUNED", "0", 1); /* "time (us)" is then the untuned choice's */
+    fprintf(stderr,
+            "\n| layer | scheme | T | slots per expert | untuned (us) | small | medium | wide | large | "
+            "pick |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    fprintf(tune, "/* Tuned tile configurations of the tensor-core fused_moe (fused_moe_tc.hip's\n"
+                  " * Tuned rows; the last row ends the table). Written by\n"
+                  " * `moe-bench-gpu --fused --tune FILE` on the device it names; the rows\n"
+                  " * below are its output as measured (bench/RESULTS.md, tuner). Only rows\n"
+                  " * where a configuration beat the untuned choice by 3%% or more. */\n"
+                  "static const Tuned tuned[] = {\n");
+  }
   static const struct {
     const char *name;
     int64_t e, k, h, i;
@@ -287,26 +414,9 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
         }
         moe_backend_synchronize(b);
         rot_arg ra = {calls, ROT, 0, b};
-        const int saved = runs;
-        { /* one timed run decides the count: >= 20 runs, about 3 s at most */
-          hipEvent_t e0, e1;
-          float ms0;
-          CHECK(hipEventCreate(&e0));
-          CHECK(hipEventCreate(&e1));
-          run_rot(&ra);
-          CHECK(hipEventRecord(e0, moe_gpu_stream(b)));
-          run_rot(&ra);
-          CHECK(hipEventRecord(e1, moe_gpu_stream(b)));
-          CHECK(hipEventSynchronize(e1));
-          CHECK(hipEventElapsedTime(&ms0, e0, e1));
-          if (ms0 * runs > 3000.0f)
-            runs = ms0 > 150.0f ? 20 : (int)(3000.0f / ms0) < 20 ? 20 : (int)(3000.0f / ms0);
-          CHECK(hipEventDestroy(e0));
-          CHECK(hipEventDestroy(e1));
-        }
-        const double ms = time_median(moe_gpu_stream(b), run_rot, &ra);
-        const int used_runs = runs;
-        runs = saved;
+        int used_runs;
+        const double ms = time_cell(b, &ra, &used_runs, 0);
+        if (tune) tune_cell(b, &ra, models[mi].name, E, K, T, int4, ms, &tt);
         const double bytes = wbytes + 2.0 * (double)(T * H) * 2 + (double)(T * K) * 8;
         const double gbs = bytes / (ms * 1e-3) / 1e9;
         const double flops = 2.0 * (double)T * (double)K * (double)(H * 2 * I + I * H);
@@ -329,11 +439,16 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
         free(tw);
         free(used);
       }
+      if (tune) tune_emit(&tt, device, E, H, I, int4);
       moe_backend_free(b, x);
       moe_backend_free(b, out);
       for (size_t q = 0; q < nw; q++)
         moe_backend_free(b, w[q].tensor.data);
     }
+  if (tune) {
+    fprintf(tune, "    {nullptr, 0, 0, 0, 0, 0, 0, 0},\n};\n");
+    unsetenv("MOE_GPU_TC_TUNED");
+  }
 }
 
 int main(int argc, char **argv) {
@@ -343,6 +458,7 @@ int main(int argc, char **argv) {
   int64_t max_tokens = 4096;
   const char *only = NULL;        /* --only A,B: layers whose name contains each, or a scheme (bf16, int4) */
   const char *only_tokens = NULL; /* --tokens T1,T2 */
+  const char *tune_path = NULL;   /* --tune FILE: the tuned table (with --fused) */
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--runs") && i + 1 < argc)
       runs = atoi(argv[++i]);
@@ -358,6 +474,8 @@ int main(int argc, char **argv) {
       only = argv[++i];
     else if (!strcmp(argv[i], "--tokens") && i + 1 < argc)
       only_tokens = argv[++i];
+    else if (!strcmp(argv[i], "--tune") && i + 1 < argc)
+      tune_path = argv[++i];
   }
   setvbuf(stdout, NULL, _IOLBF, 0); /* lines reach a pipe as they are printed */
   const char *why;
@@ -393,7 +511,16 @@ int main(int argc, char **argv) {
   moe_backend_free(b, dst);
   if (fused) {
     moe_backend_free(b, src);
-    bench_fused(b, copy_gbs, mm_tflops, max_tokens, only, only_tokens);
+    FILE *tune = NULL;
+    if (tune_path && !(tune = fopen(tune_path, "w"))) {
+      perror(tune_path);
+      return 1;
+    }
+    bench_fused(b, copy_gbs, mm_tflops, max_tokens, only, only_tokens, tune);
+    if (tune && fclose(tune)) {
+      perror(tune_path);
+      return 1;
+    }
     moe_backend_destroy(b);
     return 0;
   }

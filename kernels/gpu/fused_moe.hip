@@ -675,7 +675,7 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
    * forces one tensor-core configuration (tests compare them bit for bit). */
   const bool tc = moe_gpu_fused_packs(b, cfg);
   const int64_t avg = n64 / (el < n64 ? el : n64);
-  int tc_config = moe_tc_choose(cfg, avg);
+  int tc_config = moe_tc_choose(b, cfg, avg);
   if (const char *force = getenv("MOE_GPU_FUSED_TILE"))
     for (int i = 0; i < TC_CONFIGS; i++)
       if (!strcmp(force, moe_tc_config_names[i])) tc_config = i;

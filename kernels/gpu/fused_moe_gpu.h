@@ -97,12 +97,11 @@ hipError_t pdl_launch(bool pdl, void (*k)(P...), dim3 grid, dim3 block, size_t s
 /* Tile configurations of the tensor-core GEMM (token rows per tile BT):
  * a launch choice from the batch only; every one computes each output
  * element with the same instruction sequence (fused_moe_tc.hip's header). */
-enum { TC_SMALL, TC_MEDIUM, TC_WIDE, TC_LARGE, TC_CONFIGS };
-extern const char *const moe_tc_config_names[TC_CONFIGS]; /* small, medium, wide, large */
-int moe_tc_rows(int config);                              /* BT of a configuration */
-/* The configuration for a batch of `avg` slots per routed expert (measured
- * on the H200: bench/RESULTS.md) */
-int moe_tc_choose(const moe_expert_config *cfg, int64_t avg);
+int moe_tc_rows(int config); /* BT of a configuration */
+/* The configuration for a batch of `avg` slots per routed expert on b:
+ * the tuned table's where it has the device and set (fused_moe_tuned.h),
+ * else a default by weight kind (measured on the H200: bench/RESULTS.md) */
+int moe_tc_choose(moe_backend *b, const moe_expert_config *cfg, int64_t avg);
 /* K segments of the down GEMM (1: none): a property of the set's shape and
  * scheme only, never of the batch, so a token's sums are the same fold
  * whatever came with it (docs/gpu-kernels.md "Batch invariance"). */

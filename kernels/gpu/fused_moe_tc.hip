@@ -1118,7 +1118,30 @@ int moe_tc_rows(int config) {
   return rows[config];
 }
 
-int moe_tc_choose(const moe_expert_config *cfg, int64_t avg) {
+/* A row of the tuned table (fused_moe_tuned.h, written by `moe-bench-gpu
+ * --tune`): on device `device`, for sets of this shape and weight kind and
+ * batches of lo..hi slots per routed expert, configuration `config` beat
+ * the untuned choice. The table ends with a row whose device is NULL. */
+struct Tuned {
+  const char *device;
+  int experts, hidden, inter, wkind;
+  int64_t lo, hi;
+  int config;
+};
+#include "fused_moe_tuned.h"
+
+int moe_tc_choose(moe_backend *b, const moe_expert_config *cfg, int64_t avg) {
+  const int w = tc_wkind(cfg);
+  const char *off = getenv("MOE_GPU_TC_TUNED"); /* 0: the untuned choice (what the tuner compares against) */
+  if (!(off && !strcmp(off, "0"))) {
+    const char *name = strstr(moe_backend_name(b), ": "); /* "gpuN: <device name>" */
+    name = name ? name + 2 : moe_backend_name(b);
+    for (const Tuned *t = tuned; t->device; t++)
+      if (t->experts == cfg->num_experts && t->hidden == cfg->hidden_size &&
+          t->inter == cfg->intermediate_size && t->wkind == w && avg >= t->lo && avg <= t->hi &&
+          !strcmp(t->device, name))
+        return t->config;
+  }
   /* the largest average slot count each configuration takes, per weight
    * kind (0: never); measured on the H200 (bench/RESULTS.md, tile choice).
    * The 128 x 64 tile pays for 16-bit weights only: with int4/int8 its
@@ -1128,7 +1151,6 @@ int moe_tc_choose(const moe_expert_config *cfg, int64_t avg) {
       /* TW_INT4 */ {4, 48, 0, INT64_MAX},
       /* TW_INT8 */ {4, 48, 0, INT64_MAX},
   };
-  const int w = tc_wkind(cfg);
   for (int c = 0; c < TC_CONFIGS; c++)
     if (avg <= upto[w][c]) return c;
   return TC_LARGE;
@@ -1222,7 +1244,7 @@ moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, in
 #else /* AMD: no tensor-core path yet (the portable GEMM serves every shape) */
 
 int moe_tc_rows(int config) { return 8; }
-int moe_tc_choose(const moe_expert_config *cfg, int64_t avg) { return TC_SMALL; }
+int moe_tc_choose(moe_backend *b, const moe_expert_config *cfg, int64_t avg) { return TC_SMALL; }
 int moe_tc_split(const moe_expert_config *cfg) { return 1; }
 bool moe_tc_bulk(moe_backend *b, const moe_expert_config *cfg, int config) { return false; }
 moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_t *xk, moe_error *err) {

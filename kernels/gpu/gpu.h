@@ -63,6 +63,12 @@ moe_status moe_gpu_fused_pack(moe_backend *b, const moe_expert_set *set,
 moe_status moe_gpu_inline_packed(moe_backend *b, const moe_expert_set *set,
                                  void *dev[MOE_EXPERT_TENSOR_COUNT], moe_error *err);
 
+/* Tile configurations of fused_moe's tensor-core GEMM (fused_moe_gpu.h),
+ * by name: MOE_GPU_FUSED_TILE=<name> forces one, and the bench's tuner
+ * (moe-bench-gpu --tune) times each. */
+enum { TC_SMALL, TC_MEDIUM, TC_WIDE, TC_LARGE, TC_CONFIGS };
+extern const char *const moe_tc_config_names[TC_CONFIGS]; /* small, medium, wide, large */
+
 /* moe.topk routing of rows [0, T) of `logits` (device) into ids/weights
  * (device, [T, r->top_k]); bias: device F32 [E] or NULL. Queued on b's
  * stream; also fused_moe's routing step (kernels/gpu/topk.hip). */

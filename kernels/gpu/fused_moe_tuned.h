@@ -1,0 +1,10 @@
+/* Tuned tile configurations of the tensor-core fused_moe (fused_moe_tc.hip's
+ * Tuned rows; the last row ends the table). Written by
+ * `moe-bench-gpu --fused --tune FILE` on the device it names; the rows
+ * below are its output as measured (bench/RESULTS.md, tuner). Only rows
+ * where a configuration beat the untuned choice by 3% or more. */
+static const Tuned tuned[] = {
+    {"NVIDIA H200", 256, 7168, 2048, TW_16, 17, 64, TC_WIDE},
+    {"NVIDIA H200", 256, 7168, 2048, TW_INT4, 17, 64, TC_LARGE},
+    {nullptr, 0, 0, 0, 0, 0, 0, 0},
+};
