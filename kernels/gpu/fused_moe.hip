@@ -499,11 +499,12 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK)
     sum_kernel(const uint16_t *y, const float *part, int split, const float *tw, const int32_t *ids,
                int tokens, int k, int hidden, int offset, int el, int vec, uint16_t *out) {
   pdl_wait();
-  const int per_row = (hidden + 7) / 8;
-  const size_t total = (size_t)tokens * (size_t)per_row;
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-       i += (size_t)gridDim.x * blockDim.x) {
-    const int t = (int)(i / (size_t)per_row), h0 = (int)(i % (size_t)per_row) * 8;
+  /* x: 8-column pieces of a row; y: rows, strided (no 64-bit division
+   * per item, as a flat index needed) */
+  const int piece = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+  if (piece >= (hidden + 7) / 8) return;
+  const int h0 = piece * 8;
+  for (int t = (int)blockIdx.y; t < tokens; t += (int)gridDim.y) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     /* SUM_K slots at a time: their ids, then their rows, are loaded
      * together (one memory round trip each, not one per slot); the adds
@@ -814,12 +815,14 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
 
   void *out = c->out[0].tensor.data;
   const int vec = aligned16(out) && hidden % 8 == 0;
-  const size_t items = (size_t)tokens * (size_t)((hidden + 7) / 8);
-  size_t blocks = (items + MOE_GPU_BLOCK - 1) / MOE_GPU_BLOCK, cap = (size_t)moe_gpu_sm_count(b) * 16;
-  if (blocks > cap) blocks = cap;
+  /* a row's pieces across x, rows across y: about 16 blocks per SM in all */
+  const int64_t gx = ((hidden + 7) / 8 + MOE_GPU_BLOCK - 1) / MOE_GPU_BLOCK,
+                want = (int64_t)moe_gpu_sm_count(b) * 16 / gx;
+  const int64_t gy = want < 1 ? 1 : want > tokens ? tokens : want > 65535 ? 65535 : want;
   return moe_gpu_check(pdl_launch(pdl, args->act == MOE_BF16 ? sum_kernel<A_BF16> : sum_kernel<A_F16>,
-                                  dim3((unsigned)blocks), dim3(MOE_GPU_BLOCK), 0, st, (const uint16_t *)y_buf,
-                                  (const float *)(ws + o_part), split, tw, ids, (int)tokens, (int)k,
-                                  (int)hidden, (int)cfg->expert_offset, (int)el, vec, (uint16_t *)out),
+                                  dim3((unsigned)gx, (unsigned)gy), dim3(MOE_GPU_BLOCK), 0, st,
+                                  (const uint16_t *)y_buf, (const float *)(ws + o_part), split, tw, ids,
+                                  (int)tokens, (int)k, (int)hidden, (int)cfg->expert_offset, (int)el, vec,
+                                  (uint16_t *)out),
                        "fused_moe sum", err);
 }

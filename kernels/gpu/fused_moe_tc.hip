@@ -921,8 +921,13 @@ template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_b
 }
 
 /* Phase 1's B for the bulk path: hidden_states rows in tile order, K-major
- * (tile ti's row i at ti * BT + i; rows past the tile's count zero). One
- * block per (tile, KB columns), 16 bytes per thread and step. */
+ * (tile ti's row i at ti * BT + i). Rows past the tile's count are not
+ * written (as phase 1's epilogue leaves them in phase 2's B): whatever
+ * they hold only reaches the products of their own token columns, which
+ * no epilogue stores (each output element is one column's dot product).
+ * Writing zeros there cost up to half the kernel's bytes (Qwen3-30B-A3B at
+ * T = 1024: one half-empty 128-row tile per expert). One block per (tile,
+ * KB columns), 16 bytes per thread and step. */
 __global__ void gather_rows(TcArgs a, uint16_t *xk) {
   constexpr int BT = bulk::BT;
   pdl_wait();
@@ -933,17 +938,16 @@ __global__ void gather_rows(TcArgs a, uint16_t *xk) {
   const uint16_t *x = (const uint16_t *)a.x;
   for (int q = (int)threadIdx.x; q < BT * KB / 8; q += (int)blockDim.x) {
     const int c = q & 7, r = q / 8, col = (int)blockIdx.y * KB + c * 8;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < rows) {
-      const uint16_t *src = x + (size_t)(a.sorted[row0 + r] / a.top_k) * (size_t)K + col;
-      if (a.x_vec) {
-        v = *(const uint4 *)src;
-      } else {
-        uint32_t u[4];
-        for (int p = 0; p < 4; p++)
-          u[p] = src[2 * p] | (uint32_t)src[2 * p + 1] << 16;
-        v = make_uint4(u[0], u[1], u[2], u[3]);
-      }
+    if (r >= rows) break; /* r grows with q */
+    const uint16_t *src = x + (size_t)(a.sorted[row0 + r] / a.top_k) * (size_t)K + col;
+    uint4 v;
+    if (a.x_vec) {
+      v = *(const uint4 *)src;
+    } else {
+      uint32_t u[4];
+      for (int p = 0; p < 4; p++)
+        u[p] = src[2 * p] | (uint32_t)src[2 * p + 1] << 16;
+      v = make_uint4(u[0], u[1], u[2], u[3]);
     }
     *(uint4 *)(xk + kmajor(col, ti * BT + r, a.cap)) = v;
   }
