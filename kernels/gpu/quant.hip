@@ -714,15 +714,18 @@ __device__ __forceinline__ void mx_part(const raw8<IN> (&r)[N], size_t v, bool a
 /* Each thread takes N consecutive vectors, U such units per round, all
  * loaded before the first is encoded (as for_each_vector, but the round
  * bound is block-uniform so that every lane reaches the shuffles). */
-/* H200, bf16 [M, 7168] at 1 GiB: mxfp4 90% of copy with N = 2, 96% with
- * N = 4 (fewer instructions per element: the encoder is issue-bound);
+/* N: the vectors whose codes fill one 16-byte store, 4 for fp4 and 2 for
+ * fp8 (H200, bf16 [M, 7168] at 1 GiB: mxfp4 90% of copy with N = 2, 96%
+ * with 4, as its encoder is issue-bound; mxfp8 94% with 2, 90% with 4,
+ * whose 32 bytes of codes per thread took two half-coalesced stores).
  * U = 2, 4: no faster. */
-constexpr int MX_N = 4, MX_U = 1;
+template <int Q> constexpr int MX_N = Q == Q_E2M1 ? 4 : 2;
+constexpr int MX_U = 1;
 template <int IN, int Q, bool HW, int U>
 __global__ void __launch_bounds__(MOE_GPU_BLOCK)
     quant_mx_kernel(const void *x, uint8_t *q, uint8_t *scales, size_t nblocks, int vec, int rule,
                     int half_up) {
-  constexpr int N = MX_N;
+  constexpr int N = MX_N<Q>;
   const size_t nu = nblocks * 4 / N; /* units of N vectors */
   const size_t stride = (size_t)gridDim.x * blockDim.x;
   for (size_t u0 = (size_t)blockIdx.x * blockDim.x; u0 < nu; u0 += U * stride) {
@@ -1007,16 +1010,13 @@ extern "C" moe_status moe_gpu_quant_mx(moe_backend *b, moe_call *c, moe_error *e
   size_t nblocks = n / 32;
   if (nblocks == 0) return MOE_OK;
   int qk = q_kind(a->qdtype);
-  /* the stores of N vectors' codes (16 bytes at most) */
-  const size_t qa = (qk == Q_E2M1 ? 4 : 8) * MX_N;
-  int vec = aligned(x->data, 16) && aligned(q, qa < 16 ? qa : 16);
+  const int vec = aligned(x->data, 16) && aligned(q, 16); /* 16-byte code stores */
   hipStream_t st = moe_gpu_stream(b);
-  const size_t nv = nblocks * 4 / MX_N;
   auto go = [&]<int IN, int Q, int U>() {
     auto launch = [&]<bool HW>() {
       constexpr auto K = quant_mx_kernel<IN, Q, HW, U>;
-      K<<<resident_grid<K>(b, nv, U), MOE_GPU_BLOCK, 0, st>>>(x->data, q, scales, nblocks, vec, a->rule,
-                                                              Q == Q_E2M1 ? a->half_up : 0);
+      K<<<resident_grid<K>(b, nblocks * 4 / MX_N<Q>, U), MOE_GPU_BLOCK, 0, st>>>(
+          x->data, q, scales, nblocks, vec, a->rule, Q == Q_E2M1 ? a->half_up : 0);
     };
     if (hw)
       launch.template operator()<true>();
