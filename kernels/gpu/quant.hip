@@ -2,14 +2,17 @@
  * quant.mx, dequant.per_tensor, dequant.mx), bit-exact with the CPU backend
  * (kernels/cpu/quant_scaled.c, quant_mx.c).
  *
- * Every conversion is a codec.h function (the one definition both backends
- * compile); kernels only move bytes and reduce. Each thread handles 8
- * consecutive elements: one 16-byte load of 16-bit input (two of fp32) and
- * one 8-byte store of fp8/int8 codes (4 bytes of fp4), coalesced across the
- * warp. A scalar path covers misaligned buffers and tails. Reductions are
- * integer maxima of |x| bits (exact, so order-free); no atomics. Warp size
- * 32 or 64: shuffles use at most 4-lane groups or the full warpSize. Built
- * with --fmad=false / -ffp-contract=off and denormals preserved. */
+ * The portable path converts with codec.h alone (the one definition both
+ * backends compile); the fast path (NVIDIA) uses hardware conversions and
+ * the e2m1 formulations below where they compute the same function. The
+ * unit of work is a vector of 8 consecutive elements (one 16-byte load of
+ * 16-bit input, two of fp32), coalesced across the warp; quant.mx gives a
+ * thread the vectors whose codes fill one 16-byte store. The streaming
+ * kernels run on resident grids. A scalar path covers misaligned buffers
+ * and tails. Reductions are integer maxima of |x| bits (exact, so
+ * order-free); no atomics. Warp size 32 or 64: shuffles use at most 4-lane
+ * groups or the full warpSize. Built with --fmad=false / -ffp-contract=off
+ * and denormals preserved. */
 #include <stdlib.h>
 #include <string.h>
 
