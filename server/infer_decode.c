@@ -230,9 +230,20 @@ static grpc_status_code decode_inputs(moed_infer_req *c, const moed_config *cfg)
 /* The KServe/Triton request parameters the server itself takes (not the
  * op's, and not part of the batch key): `timeout` in microseconds (0: none)
  * shortens the call's deadline, counted from arrival; `priority` (>= 0) is
- * accepted. Both integers. true: e was one of them (or an error is set). */
+ * accepted (both integers); `triton_enable_empty_final_response` (bool) is
+ * accepted. Any other name goes to the op, which rejects names it does not
+ * take. true: e was one of them (or an error is set). */
 static bool server_param(moed_infer_req *c, const Inference__ModelInferRequest__ParametersEntry *e,
                          grpc_status_code *code) {
+  /* tritonclient's stream option enable_empty_final_response: every moed
+   * model answers each request with exactly one (final) response, so there
+   * is nothing to change; accepted so the op does not reject the name */
+  if (strcmp(e->key, "triton_enable_empty_final_response") == 0) {
+    if (!e->value ||
+        e->value->parameter_choice_case != INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_BOOL_PARAM)
+      *code = fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters['%s']: a bool is expected", e->key);
+    return true;
+  }
   const bool timeout = strcmp(e->key, "timeout") == 0;
   if (!timeout && strcmp(e->key, "priority") != 0) return false;
   const Inference__InferParameter *v = e->value;

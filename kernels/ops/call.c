@@ -148,7 +148,13 @@ moe_status moe_op_prepare(const moe_op *op, const moe_named_tensor *inputs, size
       goto fail;
     }
   }
+  moe_params_track(params);
   s = op->prepare(c, params, err);
+  const char *unread = moe_params_unread(params);
+  if (!s && unread)
+    s = moe_fail(err, MOE_EINVAL,
+                 "parameter '%s' is not one %s takes here (misspelt, or meant for another model?)", unread,
+                 op->info.name);
   if (s) goto fail;
   *out = c;
   return MOE_OK;

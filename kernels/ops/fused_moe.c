@@ -235,6 +235,16 @@ static moe_status fused_prepare(moe_call *c, const moe_params *p, moe_error *err
   } else {
     if ((s = check_ids(ids, w, a->tokens, cfg->global_num_experts, err))) return s;
     a->top_k = ids->shape[1];
+    /* routing parameters do nothing beside precomputed ids, but callers
+     * send them anyway: they are still parsed (a wrong type is an error,
+     * so is a top_k other than the ids' width), which also makes them
+     * known names, not rejected as misspelt (moe_op_prepare) */
+    moe_routing unused = cfg->routing;
+    unused.top_k = a->top_k;
+    if ((s = moe_routing_params(p, &unused, err))) return s;
+    if (unused.top_k != a->top_k)
+      return moe_fail(err, MOE_EINVAL, "top_k: %lld, but topk_ids has %lld columns", (long long)unused.top_k,
+                      (long long)a->top_k);
   }
   const int64_t shape[2] = {a->tokens, cfg->hidden_size};
   return moe_call_set_output(c, 0, x->dtype, 2, shape, err);

@@ -23,6 +23,14 @@ struct moe_op {
   moe_op_run_fn gpu;         /* device memory; NULL until the GPU has the op */
 };
 
+/* Which of p's items an op's prepare looked up (params.c, per thread):
+ * moe_params_track(p) before it, moe_params_unread(p) after: the name of
+ * the first item no getter asked for (NULL: none), which moe_op_prepare
+ * rejects, so a misspelt parameter is an error, not a silent default.
+ * Items past the 64th are not tracked (the server takes at most 64). */
+void moe_params_track(const moe_params *p);
+const char *moe_params_unread(const moe_params *p);
+
 /* ---- parsed arguments, one struct per op ---------------------------------- */
 
 typedef enum moe_narrow_kind {

@@ -7,11 +7,34 @@
 
 #include "moe/params.h"
 
+/* The parameters of the op preparation running on this thread
+ * (moe_params_track): bit i of `seen` is set once a getter looked item i
+ * up, whether or not its value was then used. */
+static _Thread_local const moe_param *tracked;
+static _Thread_local uint64_t seen;
+
 static const moe_param *find(const moe_params *p, const char *name) {
   if (!p) return NULL;
   for (size_t i = 0; i < p->count; i++)
-    if (p->items[i].name && strcmp(p->items[i].name, name) == 0) return &p->items[i];
+    if (p->items[i].name && strcmp(p->items[i].name, name) == 0) {
+      if (p->items == tracked && i < 64) seen |= (uint64_t)1 << i;
+      return &p->items[i];
+    }
   return NULL;
+}
+
+void moe_params_track(const moe_params *p) {
+  tracked = p ? p->items : NULL;
+  seen = 0;
+}
+
+const char *moe_params_unread(const moe_params *p) {
+  const char *unread = NULL;
+  if (p && p->items == tracked)
+    for (size_t i = 0; i < p->count && i < 64 && !unread; i++)
+      if (!(seen >> i & 1)) unread = p->items[i].name ? p->items[i].name : "";
+  tracked = NULL;
+  return unread;
 }
 
 bool moe_params_has(const moe_params *p, const char *name) { return find(p, name) != NULL; }

@@ -289,16 +289,16 @@ def test_bad_inputs(ch, pid):
     r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], {"out_dtype": "int8", "timeout": 1})
     code, msg = code_of(lambda: infer_pb(ch, r))
     check(code == grpc.StatusCode.DEADLINE_EXCEEDED, f"parameters timeout 1 us -> DEADLINE_EXCEEDED ({code} {msg})")
-    for extra in ({"timeout": 0}, {"timeout": 10_000_000, "priority": 3}):
+    for extra in ({"timeout": 0}, {"timeout": 10_000_000, "priority": 3}, {"triton_enable_empty_final_response": True}):
         r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], {"out_dtype": "int8", **extra})
         ref = moelib.run("quant.per_token", {"x": (small, "fp32")}, {"out_dtype": "int8"})
         resp = infer_pb(ch, r)
         check(resp.raw_output_contents[0] == ref["q"][0].tobytes(), f"parameters {extra}: accepted, same answer")
-    for bad in ({"timeout": -5}, {"priority": "high"}):
+    for bad in ({"timeout": -5}, {"priority": "high"}, {"out_dtype": "int8", "out_dtyp": "fp8_e4m3fn"}):
         r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], bad)
         code, msg = code_of(lambda: infer_pb(ch, r))
-        name = next(iter(bad))
-        check(code == grpc.StatusCode.INVALID_ARGUMENT and name in msg, f"parameters {bad}: INVALID_ARGUMENT naming it ({msg})")
+        name = list(bad)[-1]
+        check(code == grpc.StatusCode.INVALID_ARGUMENT and f"'{name}'" in msg, f"parameters {bad}: INVALID_ARGUMENT naming it ({msg})")
     # client cancel mid-call
     f = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
                        request_serializer=lambda m: m.SerializeToString()).future(r)

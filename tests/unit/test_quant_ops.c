@@ -290,6 +290,11 @@ START_TEST(bad_inputs_are_named) {
   /* element count overflow */
   moe_named_tensor huge[1] = {tensor("x", MOE_BF16, h, sizeof h, 3, big)};
   expect_einval("quant.mx", huge, 1, NULL, 0, "x");
+  /* a parameter the op does not take (misspelt out_dtype): named, not ignored */
+  moe_named_tensor ok_x[1] = {tensor("x", MOE_F32, x, sizeof x, 1, s64)};
+  moe_param misspelt[2] = {pstr("out_dtype", "int8"), pstr("out_dtyp", "fp8_e4m3fn")};
+  expect_einval("quant.per_tensor", ok_x, 1, misspelt, 2, "'out_dtyp'");
+  expect_einval("quant.mx", ok_x, 1, (moe_param[]){pint("group_size", 32)}, 1, "'group_size'");
   /* rank 0 where a last axis is needed */
   moe_named_tensor scalar[1] = {tensor("x", MOE_F32, x, 4, 0, NULL)};
   expect_einval("quant.per_token", scalar, 1, NULL, 0, "x");
