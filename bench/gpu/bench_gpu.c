@@ -217,13 +217,13 @@ static double time_cell(moe_backend *b, rot_arg *ra, int *used, double limit) {
   CHECK(hipEventRecord(e1, moe_gpu_stream(b)));
   CHECK(hipEventSynchronize(e1));
   CHECK(hipEventElapsedTime(&ms0, e0, e1));
+  CHECK(hipEventDestroy(e0));
+  CHECK(hipEventDestroy(e1));
   if (limit > 0 && ms0 > limit) {
     *used = 1;
     return ms0;
   }
   if (ms0 * runs > 3000.0f) runs = ms0 > 150.0f ? 20 : (int)(3000.0f / ms0) < 20 ? 20 : (int)(3000.0f / ms0);
-  CHECK(hipEventDestroy(e0));
-  CHECK(hipEventDestroy(e1));
   const double ms = time_median(moe_gpu_stream(b), run_rot, ra);
   *used = runs;
   runs = saved;
@@ -311,8 +311,7 @@ static void tune_emit(tune_state *ts, const char *device, int64_t E, int64_t H, 
 static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64_t max_tokens,
                         const char *only, const char *only_tokens, FILE *tune) {
   tune_state tt = {tune, {{0}}, 0};
-  const char *device = strstr(moe_backend_name(b), ": "); /* "gpuN: <device name>" */
-  device = device ? device + 2 : moe_backend_name(b);
+  const char *device = moe_gpu_device_name(b);
   if (tune) {
     setenv("MOE_GPU_TC_TUNED", "0", 1); /* "time (us)" is then the untuned choice's */
     fprintf(stderr,

@@ -249,6 +249,10 @@ void *moe_gpu_workspace(moe_backend *b, size_t bytes) {
 hipStream_t moe_gpu_stream(moe_backend *b) { return ((gpu_ctx *)b->context)->stream; }
 int moe_gpu_sm_count(const moe_backend *b) { return ((const gpu_ctx *)b->context)->sm_count; }
 int moe_gpu_cc_major(const moe_backend *b) { return ((const gpu_ctx *)b->context)->cc_major; }
+const char *moe_gpu_device_name(const moe_backend *b) {
+  const char *p = strstr(b->name, ": "); /* the backend's name is "gpuN: <device name>" */
+  return p ? p + 2 : b->name;
+}
 
 moe_status moe_gpu_enter(moe_backend *b, moe_error *err) {
   return moe_gpu_check(hipSetDevice(((gpu_ctx *)b->context)->device), "hipSetDevice", err);

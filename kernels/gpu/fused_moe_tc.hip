@@ -1064,6 +1064,16 @@ moe_status launch(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err
                        "fused_moe tensor-core gemm", err);
 }
 
+/* packed int4/int8 codes: their decode tiles, the split kernel when SPLIT */
+template <int W, int ACT, bool SPLIT>
+moe_status launch_packed(moe_backend *b, int config, int max_tiles, const TcArgs &a, moe_error *err) {
+  switch (config) {
+  case TC_SMALL: return launch<W, ACT, CfgQS, SPLIT>(b, max_tiles, a, err);
+  case TC_MEDIUM: return launch<W, ACT, CfgQM, SPLIT>(b, max_tiles, a, err);
+  default: return launch<W, ACT, CfgL, SPLIT>(b, max_tiles, a, err);
+  }
+}
+
 template <int W, int ACT>
 moe_status launch_cfg(moe_backend *b, int config, int max_tiles, const TcArgs &a, moe_error *err) {
   if constexpr (W == TW_16) {
@@ -1075,16 +1085,8 @@ moe_status launch_cfg(moe_backend *b, int config, int max_tiles, const TcArgs &a
     }
   } else { /* packed codes: the wide tile is never chosen (moe_tc_choose), so forcing it takes the large one
             */
-    if (a.split > 1) switch (config) {
-      case TC_SMALL: return launch<W, ACT, CfgQS, true>(b, max_tiles, a, err);
-      case TC_MEDIUM: return launch<W, ACT, CfgQM, true>(b, max_tiles, a, err);
-      default: return launch<W, ACT, CfgL, true>(b, max_tiles, a, err);
-      }
-    switch (config) {
-    case TC_SMALL: return launch<W, ACT, CfgQS>(b, max_tiles, a, err);
-    case TC_MEDIUM: return launch<W, ACT, CfgQM>(b, max_tiles, a, err);
-    default: return launch<W, ACT, CfgL>(b, max_tiles, a, err);
-    }
+    return a.split > 1 ? launch_packed<W, ACT, true>(b, config, max_tiles, a, err)
+                       : launch_packed<W, ACT, false>(b, config, max_tiles, a, err);
   }
 }
 
@@ -1138,8 +1140,7 @@ int moe_tc_choose(moe_backend *b, const moe_expert_config *cfg, int64_t avg) {
   const int w = tc_wkind(cfg);
   const char *off = getenv("MOE_GPU_TC_TUNED"); /* 0: the untuned choice (what the tuner compares against) */
   if (!(off && !strcmp(off, "0"))) {
-    const char *name = strstr(moe_backend_name(b), ": "); /* "gpuN: <device name>" */
-    name = name ? name + 2 : moe_backend_name(b);
+    const char *name = moe_gpu_device_name(b);
     for (const Tuned *t = tuned; t->device; t++)
       if (t->experts == cfg->num_experts && t->hidden == cfg->hidden_size &&
           t->inter == cfg->intermediate_size && t->wkind == w && avg >= t->lo && avg <= t->hi &&

@@ -20,6 +20,9 @@ hipStream_t moe_gpu_stream(moe_backend *b);
 int moe_gpu_sm_count(const moe_backend *b);
 /* Major compute capability of b's device (NVIDIA; the gfx major on AMD). */
 int moe_gpu_cc_major(const moe_backend *b);
+/* The device's model name as the runtime reports it ("NVIDIA H200"): the
+ * key of the tuned tile table (fused_moe_tuned.h). */
+const char *moe_gpu_device_name(const moe_backend *b);
 /* Device scratch of at least `bytes`, owned by the backend and reused across
  * calls (no device malloc per call once it has grown). Valid until the next
  * call of this function on `b`; work queued on b's stream may use it. NULL
