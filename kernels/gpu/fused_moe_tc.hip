@@ -57,6 +57,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "../ops/backend_impl.h" /* b->device */
 #include "fused_moe_gpu.h"
 
@@ -388,6 +390,12 @@ __device__ __forceinline__ void dequant(const uint32_t *words, const Deq &d, boo
 
 /* ---- the GEMM kernels -------------------------------------------------------------- */
 
+/* How a main loop dequantizes: groups of 16 or 32 columns (a group may
+ * start at any 16), groups of whole KB blocks with scales in the activation
+ * dtype or not, or any of these, checked in every KB block (M_RUNTIME; and
+ * 16-bit weights, which are not dequantized) */
+enum { M_SMALL_GROUPS, M_SCALE16, M_SCALE32, M_RUNTIME };
+
 /* This block's (tile, weight strip). Groups of RASTER tiles (consecutive
  * tiles are mostly one expert's) sweep every strip, tiles fastest, so a
  * wave of blocks shares a few strips and one expert's tokens in L2
@@ -536,7 +544,14 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
   int b_dst[BP]; /* its place in a KB block's B */
 #pragma unroll
   for (int q = 0; q < BP; q++) {
-    const int i = tid + q * THREADS, r = i >> 3, c = i & 7;
+    /* piece i: row i / 8, 16-byte chunk i % 8. Packed codes with one
+     * warpgroup: lanes 2j, 2j + 1 of warp w take chunks 2w, 2w + 1 of a row
+     * (one 32-byte sector per pair), so a decode tile's few rows are copied
+     * by every warp, not all by the first one: the warpgroup's products wait
+     * for its slowest warp, and the first one also dequantizes */
+    const int i =
+        WNA16 && THREADS == 128 ? q * THREADS + (lane >> 1) * 8 + 2 * warp + (lane & 1) : tid + q * THREADS;
+    const int r = i >> 3, c = i & 7;
     const int xr = i < BT * 8 ? src_row[r] : -1;
     b_ok[q] = xr >= 0;
     b_src[q] = (const uint16_t *)a.x + (xr < 0 ? 0 : (size_t)xr * (size_t)K + c * 8 + (size_t)kbs * KB);
@@ -553,7 +568,8 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
   int iss_gcol = 0; /* first column of the next group whose scales are copied (in the segment) */
 
   /* stage st (KB blocks st KS.., the last stage may hold fewer) into sb */
-  auto issue = [&](int st, uint8_t *sb) {
+  auto issue_as = [&](int st, uint8_t *sb, auto vec) {
+    constexpr bool x_vec = decltype(vec)::value; /* one branch per stage, not one per piece */
 #pragma unroll
     for (int u = 0; u < KS; u++) {
       const int kb = st * KS + u; /* in the segment */
@@ -562,8 +578,7 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
       for (int q = 0; q < AP; q++) {
         const int i = tid + q * THREADS;
         if ((q + 1) * THREADS <= S::A1 / 16 || i < S::A1 / 16)
-          cp_async16(sb + S::B + u * S::A1 + i * 16, a_src[q], a_ok[q]);
-        if (a_ok[q]) a_src[q] += a_step;
+          cp_async16(sb + S::B + u * S::A1 + i * 16, a_src[q] + u * a_step, a_ok[q]);
       }
 #pragma unroll
       for (int q = 0; q < BP; q++) {
@@ -571,7 +586,7 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
         uint8_t *dst = sb + u * S::B1 + b_dst[q];
         const uint16_t *src = b_src[q];
         b_src[q] += KB;
-        if (a.x_vec) {
+        if (x_vec) {
           cp_async16(dst, src, true);
         } else { /* unaligned rows: 16-bit loads, ordered by the barrier before use */
           uint16_t v[8];
@@ -587,6 +602,10 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
         }
       }
     }
+    /* the sources move on by the stage (after a last, shorter stage they are not used) */
+#pragma unroll
+    for (int q = 0; q < AP; q++)
+      if (a_ok[q]) a_src[q] += KS * a_step;
     /* scales and zero points of the groups that start in this stage, in
      * slots 0.. (compute reloads its registers at each group's first column) */
     if (WNA16) {
@@ -605,14 +624,16 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
       }
     }
   };
+  auto issue = [&](int st, uint8_t *sb) {
+    if (a.x_vec)
+      issue_as(st, sb, std::true_type{});
+    else
+      issue_as(st, sb, std::false_type{});
+  };
 
-  float acc[NT][4];
-#pragma unroll
-  for (int j = 0; j < NT; j++)
-#pragma unroll
-    for (int q = 0; q < 4; q++)
-      acc[j][q] = 0.0f;
-
+  struct Acc {
+    float v[NT][4]; /* the tile's fp32 sums (per main-loop copy) */
+  };
   const uint32_t zdef = W == TW_INT4 ? 8 : 128;
   Deq dq;           /* the group's scales and zero points: reloaded where a group starts */
   int cmp_gcol = 0; /* first column of the next group compute reloads (in the segment) */
@@ -629,7 +650,9 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
    * multiply-adds. With wgmma they stay in flight when the block is done
    * (af and the stage too, until the next block's wait): af alternates
    * between two buffers by KB block (afA for even blocks of the stage). */
-  auto compute = [&](int st, const uint8_t *sb, uint32_t(&afA)[KB / 16][4], uint32_t(&afB)[KB / 16][4]) {
+  auto compute = [&](Acc &ac, int st, const uint8_t *sb, uint32_t(&afA)[KB / 16][4],
+                     uint32_t(&afB)[KB / 16][4], auto mode) {
+    constexpr int MODE = decltype(mode)::value;
     int j = 0; /* the stage's group slot */
 #pragma unroll
     for (int u = 0; u < KS; u++) {
@@ -680,23 +703,37 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
                         sb + S::B + u * S::A1 + r * 128 + ((chunk ^ (r & 7)) << 4));
           }
         }
-      } else if (G < KB) { /* groups of 16 or 32 columns: a group can start at any 16 */
+      } else if constexpr (MODE == M_SMALL_GROUPS) {
+        /* groups of 16 or 32 columns: a group can start at any 16 */
 #pragma unroll
         for (int ks = 0; ks < KB / 16; ks++) {
           if (kb * KB + ks * 16 == cmp_gcol) reload();
           deq(ks, a.scale16);
         }
-      } else { /* groups of whole KB blocks: one check per block, the scale kind decided once */
-        if (kb * KB == cmp_gcol) reload();
-        if (a.scale16) {
+      } else if constexpr (MODE == M_RUNTIME) { /* the route checked here (see main_loop's dispatch) */
+        if (G < KB) {
 #pragma unroll
-          for (int ks = 0; ks < KB / 16; ks++)
-            deq(ks, true);
+          for (int ks = 0; ks < KB / 16; ks++) {
+            if (kb * KB + ks * 16 == cmp_gcol) reload();
+            deq(ks, a.scale16);
+          }
         } else {
+          if (kb * KB == cmp_gcol) reload();
+          if (a.scale16) {
 #pragma unroll
-          for (int ks = 0; ks < KB / 16; ks++)
-            deq(ks, false);
+            for (int ks = 0; ks < KB / 16; ks++)
+              deq(ks, true);
+          } else {
+#pragma unroll
+            for (int ks = 0; ks < KB / 16; ks++)
+              deq(ks, false);
+          }
         }
+      } else { /* groups of whole KB blocks: one check per block */
+        if (kb * KB == cmp_gcol) reload();
+#pragma unroll
+        for (int ks = 0; ks < KB / 16; ks++)
+          deq(ks, MODE == M_SCALE16);
       }
 #if defined(MOE_TC_WGMMA)
       /* everything the products read or write is in place before the fence
@@ -712,9 +749,9 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
 #pragma unroll
       for (int ks = 0; ks < KB / 16; ks++) {
         if constexpr (A_SMEM) /* this warpgroup's 64 rows of the stage */
-          wgmma<BT, ACT, true>(acc, none, da + ks * 2, db + ks * 2);
+          wgmma<BT, ACT, true>(ac.v, none, da + ks * 2, db + ks * 2);
         else
-          wgmma<BT, ACT, false>(acc, af[ks], 0, db + ks * 2);
+          wgmma<BT, ACT, false>(ac.v, af[ks], 0, db + ks * 2);
       }
       wgmma_commit();
       /* This block's products stay in flight while the next block's
@@ -739,11 +776,11 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
           uint32_t b0, b1, b2, b3;
           if (NT > 1) {
             ldmatrix_x4(b0, b1, b2, b3, p);
-            mma<ACT>(acc[jj], af[ks], b0, b1);
-            mma<ACT>(acc[jj + 1], af[ks], b2, b3);
+            mma<ACT>(ac.v[jj], af[ks], b0, b1);
+            mma<ACT>(ac.v[jj + 1], af[ks], b2, b3);
           } else {
             ldmatrix_x2(b0, b1, p);
-            mma<ACT>(acc[jj], af[ks], b0, b1);
+            mma<ACT>(ac.v[jj], af[ks], b0, b1);
           }
         }
       }
@@ -764,7 +801,7 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
   }
   uint8_t *const smem_end = smem + ST * S::STAGE;
   uint8_t *iss_sb = smem + PF * S::STAGE, *cmp_sb = smem;
-  auto step = [&](int st, uint32_t(&afA)[KB / 16][4], uint32_t(&afB)[KB / 16][4]) {
+  auto step = [&](Acc &ac, int st, uint32_t(&afA)[KB / 16][4], uint32_t(&afB)[KB / 16][4], auto mode) {
     cp_async_wait<PF - 1>();
 #if defined(MOE_TC_WGMMA)
     fence_proxy_async();
@@ -773,27 +810,53 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
     if (st + PF < nst) issue(st + PF, iss_sb);
     iss_sb = iss_sb + S::STAGE == smem_end ? smem : iss_sb + S::STAGE;
     cp_async_commit();
-    compute(st, cmp_sb, afA, afB);
+    compute(ac, st, cmp_sb, afA, afB, mode);
     cmp_sb = cmp_sb + S::STAGE == smem_end ? smem : cmp_sb + S::STAGE;
   };
   uint32_t af0[KB / 16][4], af1[KB / 16][4];
-  if constexpr (KS % 2 == 0) { /* each stage ends on afB: the next starts on afA */
-    for (int st = 0; st < nst; st++)
-      step(st, af0, af1);
-  } else { /* by two: the fragment buffers alternate by name */
-    for (int st = 0; st < nst; st += 2) {
-      step(st, af0, af1);
-      if (st + 1 < nst) step(st + 1, af1, af0);
-    }
-  }
+  /* the main loop and the epilogue, with accumulators of their own: each
+   * dequantization route below is a copy of this, and accumulators shared by
+   * the copies made ptxas serialize every wgmma (moves into them at the join) */
+  auto finish = [&](Acc &ac) {
 #if defined(MOE_TC_WGMMA)
-  wgmma_wait<0>();
-  fence_acc(acc); /* the epilogue reads the accumulators after the wait */
+    wgmma_wait<0>();
+    fence_acc(ac.v); /* the epilogue reads the accumulators after the wait */
 #endif
-  cp_async_wait<0>();
-  pdl_next(); /* the next GEMM (or the sum) may launch: only this block's stores are left */
-
-  if (mt < mtc) store_tile<ACT, false>(a, acc, mt, lane, rows, row0, slot_of, tw_of, SPLIT ? seg_of : -1);
+    cp_async_wait<0>();
+    pdl_next(); /* the next GEMM (or the sum) may launch: only this block's stores are left */
+    if (mt < mtc) store_tile<ACT, false>(a, ac.v, mt, lane, rows, row0, slot_of, tw_of, SPLIT ? seg_of : -1);
+  };
+  auto main_loop = [&](auto mode) {
+    Acc ac;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+      for (int q = 0; q < 4; q++)
+        ac.v[j][q] = 0.0f;
+    if constexpr (KS % 2 == 0) { /* each stage ends on afB: the next starts on afA */
+      for (int st = 0; st < nst; st++)
+        step(ac, st, af0, af1, mode);
+    } else { /* by two: the fragment buffers alternate by name */
+      for (int st = 0; st < nst; st += 2) {
+        step(ac, st, af0, af1, mode);
+        if (st + 1 < nst) step(ac, st + 1, af1, af0, mode);
+      }
+    }
+    finish(ac);
+  };
+  /* The decode tiles decide the dequantization route once per block,
+   * outside the loop: a check of the group size and the scale kind in every
+   * KB block cost issue slots and a constant load their loop could not hide.
+   * The large tile keeps one loop that checks (three copies of it push its
+   * registers past the cap into spills). */
+  if constexpr (!WNA16 || KS == 1)
+    main_loop(std::integral_constant<int, M_RUNTIME>{});
+  else if (G < KB)
+    main_loop(std::integral_constant<int, M_SMALL_GROUPS>{});
+  else if (a.scale16)
+    main_loop(std::integral_constant<int, M_SCALE16>{});
+  else
+    main_loop(std::integral_constant<int, M_SCALE32>{});
 }
 
 /* The bulk path (sm_90a, 16-bit weights, the large tile): every operand
