@@ -118,11 +118,11 @@ done | sort -u | while read -r name path; do
 done
 
 # The staged binaries must find every library in lib/ or the system.
-missing=$(for bin in "$prefix"/bin/*; do LD_LIBRARY_PATH="$prefix/lib" ldd "$bin"; done | grep "not found" || true)
-if [ -n "$missing" ]; then
+unresolved=$(for bin in "$prefix"/bin/*; do LD_LIBRARY_PATH="$prefix/lib" ldd "$bin"; done | grep "not found" || true)
+if [ -n "$unresolved" ]; then
   echo "deploy/build.sh: unresolved libraries:" >&2
-  echo "$missing" >&2
+  echo "$unresolved" >&2
   exit 1
 fi
 LD_LIBRARY_PATH="$prefix/lib" "$prefix/bin/moed" --help >/dev/null
-echo "deploy/build.sh: $backend staged in $prefix ($(ls "$prefix/lib" | wc -l) bundled libraries, GPU backend: $gpu_built)"
+echo "deploy/build.sh: $backend staged in $prefix ($(find "$prefix/lib" -type f | wc -l) bundled libraries, GPU backend: $gpu_built)"
