@@ -10,7 +10,8 @@
 #                 tensor-core kernels, compute_90 PTX; MOE_CUDA_ARCH_FLAGS /
 #                 MOE_CUDA_TC_ARCH_FLAGS override them)
 #           hip  (-DMOE_GPU=HIP: hipcc, MOE_HIP_ARCHS, default "gfx90a;gfx942":
-#                 MI200 and MI300)
+#                 MI200 and MI300; ROCm 6's hipcc, as in the AMD image. Debian 12's
+#                 hipcc (ROCm 5.2) has no gfx942: MOE_HIP_ARCHS="gfx90a;gfx940" there)
 # --deps            install the build packages first (apt-get; the same names on
 #                   Debian 12 and Ubuntu 24.04; the GPU compilers come from the image)
 # --build-dir DIR   CMake build directory (default build-deploy-BACKEND)
