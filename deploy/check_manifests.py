@@ -163,6 +163,9 @@ def check_overlay(path):
     kinds = {}
     for d in docs:
         kinds.setdefault(d["kind"], []).append(d)
+        if d["kind"] != "Namespace" and d["metadata"].get("namespace") != "moed":
+            fail(overlay, f"{d['kind']}/{d['metadata']['name']}: not in namespace moed "
+                          "(an overlay's components need the overlay's own `namespace:`)")
     workloads = kinds.get("Deployment", []) + kinds.get("StatefulSet", [])
     if len(workloads) != 1:
         return fail(overlay, f"want one moed workload, found {len(workloads)}")
