@@ -24,7 +24,8 @@ COPY --from=build /opt/moed /opt/moed
 RUN mkdir -p /models && chown 10001:10001 /models
 ENV PATH=/opt/moed/bin:$PATH \
     LD_LIBRARY_PATH=/opt/moed/lib \
-    MOED_MODEL_REPOSITORY=/models
+    MOED_MODEL_REPOSITORY=/models \
+    HOME=/tmp
 VOLUME ["/models"]
 USER 10001:10001
 EXPOSE 8001 8002

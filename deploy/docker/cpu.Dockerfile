@@ -21,7 +21,8 @@ COPY --from=build /opt/moed /opt/moed
 RUN mkdir -p /models && chown 10001:10001 /models
 ENV PATH=/opt/moed/bin:$PATH \
     LD_LIBRARY_PATH=/opt/moed/lib \
-    MOED_MODEL_REPOSITORY=/models
+    MOED_MODEL_REPOSITORY=/models \
+    HOME=/tmp
 VOLUME ["/models"]
 USER 10001:10001
 # 8001 gRPC (KServe v2, grpc.health.v1, moe.v1.ExpertStore), 8002 HTTP (/metrics, /v2/health/*)

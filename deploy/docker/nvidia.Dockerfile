@@ -30,6 +30,7 @@ RUN mkdir -p /models && chown 10001:10001 /models
 ENV PATH=/opt/moed/bin:$PATH \
     LD_LIBRARY_PATH=/opt/moed/lib \
     MOED_MODEL_REPOSITORY=/models \
+    HOME=/tmp \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 VOLUME ["/models"]
 USER 10001:10001
