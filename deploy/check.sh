@@ -73,28 +73,47 @@ echo "== deploy/build.sh cpu (the images' recipe)"
 bash deploy/build.sh cpu --jobs "$jobs"
 stage=build-deploy-cpu/stage
 
-echo "== the staged moed with the CPU Deployment's environment"
-repo="$out/models"
+echo "== the staged moed as the image runs it: the CPU Deployment's environment, uid 10001"
+stage=$(cd "$stage" && pwd)
+chmod 755 "$out"
+run="$out/run" repo="$out/models"
+mkdir -p "$run" "$repo"
 LD_LIBRARY_PATH="$stage/lib" "$stage/bin/moe-mkset" --out "$repo/demo" --scheme bf16 --experts 8 \
   --hidden 256 --intermediate 128 --top-k 2 --seed 1 >/dev/null
+LD_LIBRARY_PATH="$stage/lib" "$stage/bin/moe-mkset" --out "$out/upload" --scheme bf16 --experts 4 \
+  --hidden 128 --intermediate 64 --top-k 2 --seed 2 >/dev/null
+# the images' user (numeric, no passwd entry), where this shell may switch to it
+as_user=()
+if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null &&
+  setpriv --reuid 10001 --regid 10001 --clear-groups test -x "$stage/bin/moed"; then
+  as_user=(setpriv --reuid 10001 --regid 10001 --clear-groups)
+  chown -R 10001:10001 "$run" "$repo"
+else
+  echo "note: running as $(id -un), not uid 10001"
+fi
 env_args=()
 while IFS= read -r kv; do env_args+=("$kv"); done < <("$bin/python" deploy/check_manifests.py --env "$out/cpu.yaml")
-env_args+=("MOED_MODEL_REPOSITORY=$repo" "MOED_GRPC_PORT=0" "MOED_HTTP_PORT=0" "MOED_DRAIN_TIMEOUT=5")
+env_args+=("MOED_MODEL_REPOSITORY=$repo" "MOED_GRPC_PORT=0" "MOED_HTTP_PORT=0" "MOED_DRAIN_TIMEOUT=5" "HOME=/tmp")
 env -i PATH=/usr/bin:/bin LD_LIBRARY_PATH="$stage/lib" "${env_args[@]}" \
-  "$stage/bin/moed" --port-file "$out/ports" > "$out/moed.log" 2>&1 &
+  "${as_user[@]}" "$stage/bin/moed" --port-file "$run/ports" > "$out/moed.log" 2>&1 &
 pid=$!
-for _ in $(seq 100); do [ -s "$out/ports" ] && break; sleep 0.1; done
-if [ ! -s "$out/ports" ]; then
+for _ in $(seq 100); do [ -s "$run/ports" ] && break; sleep 0.1; done
+if [ ! -s "$run/ports" ]; then
   cat "$out/moed.log"; kill "$pid" 2>/dev/null || true
   echo "FAIL: the staged moed did not start"; exit 1
 fi
-read -r gport _ < "$out/ports"
-LD_LIBRARY_PATH="$stage/lib" "$stage/bin/moec" -a "127.0.0.1:$gport" --timeout-ms 5000 health
-LD_LIBRARY_PATH="$stage/lib" "$stage/bin/moec" -a "127.0.0.1:$gport" --timeout-ms 5000 models | grep -q '^demo '
+read -r gport _ < "$run/ports"
+moec() { LD_LIBRARY_PATH="$stage/lib" "$stage/bin/moec" -a "127.0.0.1:$gport" --timeout-ms 10000 "$@"; }
+moec health
+moec models | grep -q '^demo '
+# an ExpertStore upload lands in the repository volume (written as that user)
+moec upload "$out/upload" --name uploaded >/dev/null
+moec models | grep -q '^uploaded '
+[ -f "$repo/uploaded/config.json" ]
 kill -TERM "$pid"
 rc=0; wait "$pid" || rc=$?
 if [ "$rc" != 0 ]; then cat "$out/moed.log"; echo "FAIL: moed exited $rc after SIGTERM"; exit 1; fi
-echo "ok: ready with the Deployment's environment, serves the demo set, drains and exits 0 on SIGTERM"
+echo "ok: ready, serves the demo set, takes an upload into the repository, drains and exits 0 on SIGTERM"
 
 for b in cuda hip; do
   tool=$([ "$b" = cuda ] && echo nvcc || echo hipcc)
