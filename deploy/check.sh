@@ -51,7 +51,12 @@ fi
 
 echo "== kustomize + kubernetes-validate --strict"
 out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
+pid=""
+cleanup() {
+  if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; fi
+  rm -rf "$out"
+}
+trap cleanup EXIT
 n=0
 for o in deploy/k8s/overlays/*/; do
   name=$(basename "$o")
@@ -110,8 +115,12 @@ moec models | grep -q '^demo '
 moec upload "$out/upload" --name uploaded >/dev/null
 moec models | grep -q '^uploaded '
 [ -f "$repo/uploaded/config.json" ]
+if [ "${#as_user[@]}" -gt 0 ] && [ "$(stat -c %u "$repo/uploaded/config.json")" != 10001 ]; then
+  echo "FAIL: the upload was not written as uid 10001"; exit 1
+fi
 kill -TERM "$pid"
 rc=0; wait "$pid" || rc=$?
+pid=""
 if [ "$rc" != 0 ]; then cat "$out/moed.log"; echo "FAIL: moed exited $rc after SIGTERM"; exit 1; fi
 echo "ok: ready, serves the demo set, takes an upload into the repository, drains and exits 0 on SIGTERM"
 
