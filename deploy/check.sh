@@ -74,6 +74,16 @@ echo "== check_manifests.py"
 
 [ "$want_build" = 1 ] || exit 0
 
+echo "== the Docker build context (.dockerignore's allowlist) is enough to configure"
+ctx="$out/context"
+mkdir -p "$ctx"
+sed -n 's/^!//p' .dockerignore | while read -r path; do
+  git ls-files -z -- "$path" | xargs -0 -r cp --parents -t "$ctx"
+done
+(cd "$ctx" && bash deploy/build.sh cpu --configure-only --build-dir "$out/context-build" > "$out/context.log" 2>&1) ||
+  { cat "$out/context.log"; echo "FAIL: the build context lacks files (.dockerignore)"; exit 1; }
+echo "ok: $(find "$ctx" -type f | wc -l) files, $(du -sh "$ctx" | cut -f1)"
+
 echo "== deploy/build.sh cpu (the images' recipe)"
 bash deploy/build.sh cpu --jobs "$jobs"
 stage=build-deploy-cpu/stage
