@@ -7,10 +7,12 @@
 #      for the oldest and the newest Kubernetes we support (1.29, 1.37)
 #   3. deploy/check_manifests.py: probes, drain timings, env names, metric
 #      names, GPU resources, security settings agree with moed's sources
-# --build also runs the images' recipe (deploy/build.sh cpu) and starts the
-# staged moed with the environment of the rendered CPU Deployment; with nvcc
-# and hipcc present, the CUDA and HIP variants are configured (the kernels
-# themselves are compiled by `make test`).
+# --build also configures from exactly the files .dockerignore admits to the
+# build context, runs the images' recipe (deploy/build.sh cpu) and starts the
+# staged moed as the image would (uid 10001, the rendered CPU Deployment's
+# environment): ready, serving, taking an upload, draining on SIGTERM; with
+# nvcc and hipcc present, the CUDA and HIP variants are configured (the
+# kernels themselves are compiled by `make test`).
 # The tools (pinned in deploy/requirements-check.txt) live in .venv-deploy,
 # installed when missing or when that file changes. Idempotent; the lint part
 # takes seconds once the tools are there.
