@@ -28,6 +28,7 @@ pkgs=(
   valgrind
   clang-format                              # .ci/run: the tree stays formatted (scripts/check-format.sh)
   cppcheck                                  # .ci/run: static analysis of the C sources (scripts/cppcheck.sh)
+  shellcheck                                # .ci/run: deploy/check.sh lints deploy/*.sh
 )
 # AMD compile check: Debian's HIP toolchain.
 [ "$want_hip" = 1 ] && pkgs+=(hipcc libamdhip64-dev rocm-device-libs)
