@@ -47,6 +47,9 @@ static const char usage[] =
     "                            and one holding its stream budget is ended with RESOURCE_EXHAUSTED\n"
     "                            (default 2 GiB)\n"
     "  --http-max-connections N  open HTTP connections; beyond: closed at accept (default 256)\n"
+    "  --fd-reserve N            descriptors kept free of connections: a connection accepted into the\n"
+    "                            last N below the open-file limit is closed at once (MOED_FD_RESERVE,\n"
+    "                            default 64; at most a quarter of the limit)\n"
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
     "  --log-json                JSON log lines (MOED_LOG_JSON=1)\n"
     "  --port-file PATH          write \"GRPC_PORT HTTP_PORT\" once listening (tests)\n"
@@ -99,6 +102,7 @@ enum {
   OPT_HTTP_CONNS,
   OPT_STREAM_BUF,
   OPT_RESPONSE_BUF,
+  OPT_FD_RESERVE,
 };
 
 static const struct option options[] = {
@@ -130,6 +134,7 @@ static const struct option options[] = {
     {"http-max-connections", required_argument, NULL, OPT_HTTP_CONNS},
     {"stream-buffer-bytes", required_argument, NULL, OPT_STREAM_BUF},
     {"response-buffer-bytes", required_argument, NULL, OPT_RESPONSE_BUF},
+    {"fd-reserve", required_argument, NULL, OPT_FD_RESERVE},
     {"help", no_argument, NULL, OPT_HELP},
     /* Triton's spellings (usage) */
     {"grpc-address", required_argument, NULL, OPT_ADDRESS},
@@ -234,6 +239,7 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_INLINE: ok = parse_i64(v, 0, 1 << 30, &n) && (c->inline_bytes = (size_t)n, true); break;
   case OPT_HANDSHAKE: ok = parse_i64(v, 1, 3600, &n) && (c->handshake_timeout_s = (int)n, true); break;
   case OPT_IDLE: ok = parse_i64(v, 1, 86400 * 7, &n) && (c->idle_timeout_s = (int)n, true); break;
+  case OPT_FD_RESERVE: ok = parse_i64(v, 0, 1 << 20, &n) && (c->fd_reserve = (int)n, true); break;
   case OPT_HTTP_CONNS: ok = parse_i64(v, 1, 1 << 20, &n) && (c->http_max_connections = (int)n, true); break;
   case OPT_STREAM_BUF:
     ok = parse_i64(v, 1, INT64_MAX, &n) && (c->stream_buffer_bytes = (size_t)n, true);
@@ -269,6 +275,7 @@ static const struct {
     {"MOED_MAX_QUEUE_DELAY_US", OPT_QUEUE_DELAY},
     {"MOED_HANDSHAKE_TIMEOUT", OPT_HANDSHAKE},
     {"MOED_IDLE_TIMEOUT", OPT_IDLE},
+    {"MOED_FD_RESERVE", OPT_FD_RESERVE},
 };
 
 int moed_config_parse(moed_config *c, int argc, char **argv) {
@@ -293,6 +300,7 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .handshake_timeout_s = 10,
       .idle_timeout_s = 300,
       .http_max_connections = 256,
+      .fd_reserve = 64,
       .stream_buffer_bytes = (size_t)64 << 20,
       .response_buffer_bytes = (size_t)2 << 30,
   };

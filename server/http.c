@@ -5,10 +5,10 @@
  * --http-max-connections are open (beyond: closed at accept).
  *
  * The probes check the gRPC listener itself: gRPC core stops accepting
- * for good once accept4 fails with EMFILE, and a probe that only read a
- * flag would keep answering 200 for a pod nobody can call. Each probe
- * connects to the gRPC port and expects the server's HTTP/2 SETTINGS frame
- * within PROBE_MS. */
+ * for good once accept4 fails (fd_budget.c keeps EMFILE from it; this
+ * catches what it does not), and a probe that only read a flag would keep
+ * answering 200 for a pod nobody can call. Each probe connects to the gRPC
+ * port and expects the server's HTTP/2 SETTINGS frame within PROBE_MS. */
 #include <http_parser.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -196,6 +196,15 @@ static void render_metrics(moed_http *h, wbuf *b) {
             "# HELP moed_http_connections Open HTTP connections.\n# TYPE moed_http_connections gauge\n"
             "moed_http_connections %d\n",
             (unsigned long long)h->refused, (unsigned long long)h->timeouts, h->open);
+  uint64_t fd_reserve, fd_exhausted;
+  moed_fd_budget_refused(&fd_reserve, &fd_exhausted);
+  wb_printf(b,
+            "# HELP moed_connections_refused_total Connections (gRPC and HTTP) closed at accept: their "
+            "descriptor fell into --fd-reserve (reserve), or none was left (exhausted).\n"
+            "# TYPE moed_connections_refused_total counter\n"
+            "moed_connections_refused_total{reason=\"reserve\"} %llu\n"
+            "moed_connections_refused_total{reason=\"exhausted\"} %llu\n",
+            (unsigned long long)fd_reserve, (unsigned long long)fd_exhausted);
   wb_printf(
       b, "# HELP moed_ready Whether the server accepts inference.\n# TYPE moed_ready gauge\nmoed_ready %d\n",
       atomic_load(&s->ready) ? 1 : 0);

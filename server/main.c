@@ -3,13 +3,11 @@
  * in-flight work completes (bounded by --drain-timeout: past it, running
  * ops stop at their next work item and their calls get UNAVAILABLE), gRPC
  * shut down, exit 0. */
-#include <errno.h>
 #include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 
 #include "moed.h"
 
@@ -101,14 +99,10 @@ int main(int argc, char **argv) {
   if (rc) return rc > 0 ? 0 : 2;
   moed_log_init(a.cfg.log_level, a.cfg.log_json);
   signal(SIGPIPE, SIG_IGN);
-  /* every descriptor the hard limit allows: gRPC core never recovers from
-   * an accept that failed with EMFILE (the HTTP probes report it) */
-  struct rlimit fds;
-  if (getrlimit(RLIMIT_NOFILE, &fds) == 0 && fds.rlim_cur < fds.rlim_max) {
-    fds.rlim_cur = fds.rlim_max;
-    if (setrlimit(RLIMIT_NOFILE, &fds) != 0)
-      moed_log(MOED_LOG_WARN, "fd_limit", "could not raise the open-file limit: %s", strerror(errno));
-  }
+  /* every descriptor the hard limit allows, connections kept out of the last
+   * --fd-reserve, and no accept that fails with EMFILE: gRPC core's listener
+   * never recovers from one (fd_budget.c; the HTTP probes would report it) */
+  moed_fd_budget_init(a.cfg.fd_reserve);
   /* Multi-MiB tensors: keep freed memory in the heap instead of mmap/munmap
    * per request (fresh pages fault 2-3x slower). */
   mallopt(M_MMAP_THRESHOLD, 32 << 20);

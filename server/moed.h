@@ -54,6 +54,7 @@ typedef struct moed_config {
   int handshake_timeout_s;      /* gRPC handshake / whole HTTP request, else the connection is closed */
   int idle_timeout_s;           /* gRPC connection without calls: closed */
   int http_max_connections;     /* open HTTP connections; beyond: closed at accept */
+  int fd_reserve;               /* descriptors kept from connections (fd_budget.c) */
   size_t stream_buffer_bytes;   /* unsent responses of one stream; beyond: its reads pause */
   size_t response_buffer_bytes; /* of all streams; beyond: a stream holding some is ended */
 } moed_config;
@@ -407,6 +408,15 @@ void moed_weight_cache_stats_get(moed_weight_cache *c, moed_weight_cache_stats *
 
 /* One message of an upload stream (payload NULL: the client closed). */
 void moed_upload_handle(moed_server *s, moed_request *req);
+
+/* ---- fd_budget.c: descriptors for connections, a reserve kept --------------- */
+
+/* Raises the open-file limit to the hard limit; from then on an accepted
+ * connection (gRPC's or HTTP's) whose descriptor would fall into the last
+ * `reserve` ones is closed at once, and accept never fails with EMFILE. */
+void moed_fd_budget_init(int reserve);
+/* Connections closed at accept: into the reserve; with no descriptor left. */
+void moed_fd_budget_refused(uint64_t *reserve, uint64_t *exhausted);
 
 /* ---- http.c: metrics and probes -------------------------------------------- */
 
