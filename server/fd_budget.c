@@ -87,8 +87,9 @@ void moed_fd_budget_init(int reserve) {
   }
   rlim_t limit = fds.rlim_cur == RLIM_INFINITY || fds.rlim_cur > INT32_MAX ? INT32_MAX : fds.rlim_cur;
   if ((rlim_t)reserve > limit / 4) {
-    moed_log(MOED_LOG_WARN, "fd_limit", "--fd-reserve %d is over a quarter of the open-file limit %llu: using %llu",
-             reserve, (unsigned long long)limit, (unsigned long long)(limit / 4));
+    moed_log(MOED_LOG_WARN, "fd_limit",
+             "--fd-reserve %d is over a quarter of the open-file limit %llu: using %llu", reserve,
+             (unsigned long long)limit, (unsigned long long)(limit / 4));
     reserve = (int)(limit / 4);
   }
   atomic_store(&ceiling, (int)(limit - (rlim_t)reserve));
