@@ -408,6 +408,8 @@ void moed_weight_cache_stats_get(moed_weight_cache *c, moed_weight_cache_stats *
 
 /* One message of an upload stream (payload NULL: the client closed). */
 void moed_upload_handle(moed_server *s, moed_request *req);
+/* Uploads in progress (the drain waits for them; loop thread). */
+int moed_upload_count(const moed_server *s);
 
 /* ---- fd_budget.c: descriptors for connections, a reserve kept --------------- */
 
