@@ -157,6 +157,11 @@ static void render_metrics(moed_http *h, wbuf *b) {
             "# TYPE moed_inflight_requests gauge\nmoed_inflight_requests %d\n",
             atomic_load(&s->inflight));
   wb_printf(b,
+            "# HELP moed_stream_buffered_bytes ModelStreamInfer responses queued for clients, not yet "
+            "written (bounded by --stream-buffer-bytes per stream, --response-buffer-bytes in all).\n"
+            "# TYPE moed_stream_buffered_bytes gauge\nmoed_stream_buffered_bytes %zu\n",
+            moed_rpc_buffered_bytes(s->rpc));
+  wb_printf(b,
             "# HELP moed_rejected_total Requests refused (limits, drain).\n"
             "# TYPE moed_rejected_total counter\nmoed_rejected_total %llu\n",
             (unsigned long long)atomic_load(&s->rejected));

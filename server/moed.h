@@ -143,6 +143,8 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
                    moed_inline_fn try_inline, void *arg, moed_rpc_server **out, int *bound_port);
 /* Calls accepted and not yet freed. */
 int moed_rpc_active(moed_rpc_server *s);
+/* Stream responses queued for clients and not yet written (any thread). */
+size_t moed_rpc_buffered_bytes(moed_rpc_server *s);
 /* Shutdown in steps driven by the loop (which keeps serving hand-offs
  * meanwhile): stop accepting; cancel what is left; quiet = the server's
  * shutdown finished and every call is freed; then destroy (joins the CQ

@@ -738,6 +738,8 @@ void moed_rpc_shutdown(moed_rpc_server *s) {
 
 void moed_rpc_cancel_all(moed_rpc_server *s) { grpc_server_cancel_all_calls(s->server); }
 
+size_t moed_rpc_buffered_bytes(moed_rpc_server *s) { return s ? atomic_load(&s->buffered) : 0; }
+
 bool moed_rpc_quiet(moed_rpc_server *s) {
   return atomic_load(&s->shutdown_done) && atomic_load(&s->live_calls) == 0;
 }
