@@ -165,5 +165,37 @@ def test_fd_reserve(tmp):
         ts.stop(p)
 
 
+def test_no_reserve(tmp):
+    """--fd-reserve 0: connections take every descriptor, so accept itself
+    fails with EMFILE; moed closes its spare descriptor to take the pending
+    connection and close it, and gRPC's listener is rearmed, not dropped."""
+    def low_fds():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
+
+    p, g, h = ts.start(tmp, "--handshake-timeout", "2", "--fd-reserve", "0", preexec_fn=low_fds)
+    try:
+        storm = []
+        for _ in range(160):
+            try:
+                storm.append(socket.create_connection(("127.0.0.1", g), timeout=2))
+            except OSError:
+                break
+        time.sleep(0.3)
+        refused = sum(1 for s in storm[-40:] if closed_within(s, 0.1) is not None)
+        check(refused == 40, f"connections past the limit closed at once ({refused} of the last 40)")
+        for s in storm:
+            s.close()
+        t = time.monotonic()
+        ok = grpc_ok(g)
+        while not ok and time.monotonic() - t < 10:
+            time.sleep(0.5)
+            ok = grpc_ok(g)
+        check(ok, "a new gRPC client is served after accept failed with EMFILE")
+        n = metric(h, 'moed_connections_refused_total{reason="exhausted"}')
+        check(n is not None and n >= 40, f"refusals without a descriptor counted ({n})")
+    finally:
+        ts.stop(p)
+
+
 if __name__ == "__main__":
-    ts.run_tests(test_timeouts_and_cap, test_fd_reserve)
+    ts.run_tests(test_timeouts_and_cap, test_fd_reserve, test_no_reserve)
