@@ -12,7 +12,9 @@
  * closed at once; EMFILE/ENFILE (the reserve used up by other descriptors)
  * closes a spare descriptor to take the pending connection and close it,
  * as libuv does for its own listeners. Either way the caller sees the next
- * connection or EAGAIN, which rearms gRPC's listener. */
+ * connection or EAGAIN, which rearms gRPC's listener. The HTTP port may
+ * use the first half of the reserve, so that its probes and /metrics still
+ * answer while gRPC connections fill everything up to the reserve. */
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -25,7 +27,9 @@
 #include "moed.h"
 
 static _Atomic int ceiling = INT32_MAX; /* an accepted descriptor >= this is refused */
-static _Atomic int spare = -1;          /* closed to make room when accept fails with EMFILE */
+static _Atomic int side_fd = -1;        /* the HTTP port's listener: half the reserve is its too */
+static _Atomic int side_ceiling = INT32_MAX;
+static _Atomic int spare = -1; /* closed to make room when accept fails with EMFILE */
 static _Atomic uint64_t refused_reserve, refused_exhausted;
 
 static int sys_accept4(int fd, struct sockaddr *addr, socklen_t *len, int flags) {
@@ -46,8 +50,8 @@ static bool refuse_one(int listener) {
   close(fd);
   int c = sys_accept4(listener, NULL, NULL, SOCK_CLOEXEC);
   if (c >= 0) {
+    atomic_fetch_add(&refused_exhausted, 1); /* before the close a probe may see */
     close(c);
-    atomic_fetch_add(&refused_exhausted, 1);
   }
   spare_refill();
   return c >= 0;
@@ -57,12 +61,13 @@ static bool refuse_one(int listener) {
  * is one of its members. */
 int accept4(int fd, struct sockaddr *addr, socklen_t *len, int flags) {
   const socklen_t room = len ? *len : 0;
+  const int top = fd == atomic_load(&side_fd) ? atomic_load(&side_ceiling) : atomic_load(&ceiling);
   for (;;) {
     int c = sys_accept4(fd, addr, len, flags);
     if (c >= 0) {
-      if (c < atomic_load(&ceiling)) return c;
-      close(c); /* into the reserve: refused; the next pending one may still fit */
-      atomic_fetch_add(&refused_reserve, 1);
+      if (c < top) return c;
+      atomic_fetch_add(&refused_reserve, 1); /* into the reserve: refused (counted before a probe sees it) */
+      close(c);                              /* the next pending one may still fit */
       if (len) *len = room;
       continue;
     }
@@ -93,6 +98,7 @@ void moed_fd_budget_init(int reserve) {
     reserve = (int)(limit / 4);
   }
   atomic_store(&ceiling, (int)(limit - (rlim_t)reserve));
+  atomic_store(&side_ceiling, (int)(limit - (rlim_t)reserve / 2));
   spare_refill();
   /* a build that linked accept4 elsewhere would leave gRPC's listener unguarded */
   if (dlsym(RTLD_DEFAULT, "accept4") != (void *)accept4)
@@ -100,6 +106,8 @@ void moed_fd_budget_init(int reserve) {
   moed_log(MOED_LOG_DEBUG, "fd_limit", "open-file limit %llu, connections refused from descriptor %d",
            (unsigned long long)limit, atomic_load(&ceiling));
 }
+
+void moed_fd_budget_side_listener(int fd) { atomic_store(&side_fd, fd); }
 
 void moed_fd_budget_refused(uint64_t *reserve, uint64_t *exhausted) {
   *reserve = atomic_load(&refused_reserve);

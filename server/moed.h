@@ -419,6 +419,9 @@ int moed_upload_count(const moed_server *s);
  * connection (gRPC's or HTTP's) whose descriptor would fall into the last
  * `reserve` ones is closed at once, and accept never fails with EMFILE. */
 void moed_fd_budget_init(int reserve);
+/* Connections on listener fd (the HTTP port) may use the first half of the
+ * reserve: its probes answer while gRPC connections fill the rest. */
+void moed_fd_budget_side_listener(int fd);
 /* Connections closed at accept: into the reserve; with no descriptor left. */
 void moed_fd_budget_refused(uint64_t *reserve, uint64_t *exhausted);
 

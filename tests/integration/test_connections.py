@@ -7,8 +7,9 @@
   both counted in /metrics.
 - Descriptors: under a 96-descriptor limit, a storm of idle connections
   must not make gRPC core's accept fail with EMFILE (after which it never
-  accepts again): connections into --fd-reserve are closed at accept, and
-  a new client is served once the handshake timeout closed the storm's.
+  accepts again): connections into --fd-reserve are closed at accept, the
+  probes say alive but not ready while the storm lasts, and a new client
+  is served once the handshake timeout closed the storm's.
 
 env: MOED, MOEC, MOE_LIB."""
 import os
@@ -125,7 +126,7 @@ def test_fd_reserve(tmp):
     def low_fds():
         resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
 
-    hs = 2
+    hs = 4
     p, g, h = ts.start(tmp, "--handshake-timeout", str(hs), "--fd-reserve", "16", preexec_fn=low_fds)
     try:
         base = fd_count(p.pid)
@@ -142,6 +143,13 @@ def test_fd_reserve(tmp):
         check(held <= 96 - 16 + 2, "connections stay out of the reserve")
         refused = sum(1 for s in storm[-40:] if closed_within(s, 0.1) is not None)
         check(refused == 40, f"connections past the budget closed at once ({refused} of the last 40)")
+        # while the storm holds every descriptor up to the reserve: the HTTP port (half the
+        # reserve is its) says alive but not ready, and /metrics answers
+        live, _ = http_get(h, "/v2/health/live")
+        ready, body = http_get(h, "/v2/health/ready")
+        check(live == 200 and ready == 503 and "connection limit" in body,
+              f"during the storm: live 200, ready 503 at the connection limit ({live}, {ready} {body.strip()!r})")
+        check(metric(h, "moed_http_connections") is not None, "/metrics answers during the storm")
         t = time.monotonic()
         ok = grpc_ok(g)  # while the storm's sockets are open on the client side
         while not ok and time.monotonic() - t < 3 * hs + 5:
