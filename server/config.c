@@ -41,6 +41,9 @@ static const char usage[] =
     "                            request) within SEC is closed (MOED_HANDSHAKE_TIMEOUT, default 10)\n"
     "  --idle-timeout SEC        a gRPC connection without calls for SEC is closed; keepalive pings find\n"
     "                            dead peers (MOED_IDLE_TIMEOUT, default 300)\n"
+    "  --max-connection-age SEC  a gRPC connection older than SEC gets GOAWAY (clients reconnect for new\n"
+    "                            calls; MOED_MAX_CONNECTION_AGE, default 0 = never)\n"
+    "  --max-connection-age-grace SEC  its calls then have SEC to finish before it is closed (default 30)\n"
     "  --stream-buffer-bytes N   responses a stream's client has not read yet; beyond, the stream's next\n"
     "                            request waits (default 64 MiB)\n"
     "  --response-buffer-bytes N the same over every stream: beyond, streams holding some pause too,\n"
@@ -103,6 +106,8 @@ enum {
   OPT_STREAM_BUF,
   OPT_RESPONSE_BUF,
   OPT_FD_RESERVE,
+  OPT_CONN_AGE,
+  OPT_CONN_AGE_GRACE,
 };
 
 static const struct option options[] = {
@@ -135,6 +140,8 @@ static const struct option options[] = {
     {"stream-buffer-bytes", required_argument, NULL, OPT_STREAM_BUF},
     {"response-buffer-bytes", required_argument, NULL, OPT_RESPONSE_BUF},
     {"fd-reserve", required_argument, NULL, OPT_FD_RESERVE},
+    {"max-connection-age", required_argument, NULL, OPT_CONN_AGE},
+    {"max-connection-age-grace", required_argument, NULL, OPT_CONN_AGE_GRACE},
     {"help", no_argument, NULL, OPT_HELP},
     /* Triton's spellings (usage) */
     {"grpc-address", required_argument, NULL, OPT_ADDRESS},
@@ -239,6 +246,12 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_INLINE: ok = parse_i64(v, 0, 1 << 30, &n) && (c->inline_bytes = (size_t)n, true); break;
   case OPT_HANDSHAKE: ok = parse_i64(v, 1, 3600, &n) && (c->handshake_timeout_s = (int)n, true); break;
   case OPT_IDLE: ok = parse_i64(v, 1, 86400 * 7, &n) && (c->idle_timeout_s = (int)n, true); break;
+  case OPT_CONN_AGE:
+    ok = parse_i64(v, 0, INT32_MAX / 1000, &n) && (c->max_connection_age_s = (int)n, true);
+    break;
+  case OPT_CONN_AGE_GRACE:
+    ok = parse_i64(v, 0, 86400 * 7, &n) && (c->connection_age_grace_s = (int)n, true);
+    break;
   case OPT_FD_RESERVE: ok = parse_i64(v, 0, 1 << 20, &n) && (c->fd_reserve = (int)n, true); break;
   case OPT_HTTP_CONNS: ok = parse_i64(v, 1, 1 << 20, &n) && (c->http_max_connections = (int)n, true); break;
   case OPT_STREAM_BUF:
@@ -276,6 +289,7 @@ static const struct {
     {"MOED_HANDSHAKE_TIMEOUT", OPT_HANDSHAKE},
     {"MOED_IDLE_TIMEOUT", OPT_IDLE},
     {"MOED_FD_RESERVE", OPT_FD_RESERVE},
+    {"MOED_MAX_CONNECTION_AGE", OPT_CONN_AGE},
 };
 
 int moed_config_parse(moed_config *c, int argc, char **argv) {
@@ -301,6 +315,7 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .idle_timeout_s = 300,
       .http_max_connections = 256,
       .fd_reserve = 64,
+      .connection_age_grace_s = 30,
       .stream_buffer_bytes = (size_t)64 << 20,
       .response_buffer_bytes = (size_t)2 << 30,
   };

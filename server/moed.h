@@ -53,6 +53,8 @@ typedef struct moed_config {
   size_t inline_bytes;          /* unbatched requests up to this size run on the CQ thread (host backends) */
   int handshake_timeout_s;      /* gRPC handshake / whole HTTP request, else the connection is closed */
   int idle_timeout_s;           /* gRPC connection without calls: closed */
+  int max_connection_age_s;     /* gRPC connection older: GOAWAY (0 = none) */
+  int connection_age_grace_s;   /* ... then closed this much later */
   int http_max_connections;     /* open HTTP connections; beyond: closed at accept */
   int fd_reserve;               /* descriptors kept from connections (fd_budget.c) */
   size_t stream_buffer_bytes;   /* unsent responses of one stream; beyond: its reads pause */

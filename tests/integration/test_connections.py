@@ -2,6 +2,8 @@
 
 - gRPC: a TCP connection that never sends its HTTP/2 preface is closed
   after --handshake-timeout.
+- gRPC: --max-connection-age closes even a connection that is not idle
+  (GOAWAY, then the grace).
 - HTTP: a request not whole within --handshake-timeout (slowloris) is
   closed; past --http-max-connections a connection is closed at accept;
   both counted in /metrics.
@@ -111,6 +113,21 @@ def test_timeouts_and_cap(tmp):
         ts.stop(p)
 
 
+def test_connection_age(tmp):
+    """--max-connection-age: a connection that keeps itself from idling out
+    is still asked to go (GOAWAY) and closed after the grace."""
+    p, g, _ = ts.start(tmp, "--idle-timeout", "120", "--max-connection-age", "1", "--max-connection-age-grace", "1")
+    try:
+        s = socket.create_connection(("127.0.0.1", g))
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0\0\0\4\0\0\0\0\0")  # preface, empty SETTINGS
+        w = closed_within(s, 10)
+        check(w is not None and 0.5 < w < 10, f"a connection past its age closed after the grace ({w})")
+        s.close()
+        check(grpc_ok(g), "new connections still served")
+    finally:
+        ts.stop(p)
+
+
 def fd_count(pid):
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -206,4 +223,4 @@ def test_no_reserve(tmp):
 
 
 if __name__ == "__main__":
-    ts.run_tests(test_timeouts_and_cap, test_fd_reserve, test_no_reserve)
+    ts.run_tests(test_timeouts_and_cap, test_connection_age, test_fd_reserve, test_no_reserve)
