@@ -9,11 +9,13 @@ than the rest of the long op), and moed exits within the drain timeout
 instead of after the op. An upload in progress at SIGTERM may finish
 within the drain timeout (moed exits once it is stored), a new one is
 refused, and one that outlasts the timeout is cut off with the exit still
-bounded by it.
+bounded by it. Work that stops nowhere (a load blocked in a read) ends
+with the process 4 s after the drain timeout (the exit watchdog).
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -205,6 +207,38 @@ def test_drain_uploads(tmp, repo):
             p.kill()
 
 
+def test_exit_watchdog(tmp):
+    """What stops at no work item still cannot hold the exit: a
+    RepositoryModelLoad blocked in a read that never returns (a config.json
+    that is a FIFO nobody writes: the stand-in for a hung network
+    filesystem) keeps its call open, so the drain never finishes on its own;
+    moed's exit watchdog ends the process 4 s after the drain timeout."""
+    repo = os.path.join(tmp, "hung-repo")
+    os.makedirs(f"{repo}/stuck")
+    os.mkfifo(f"{repo}/stuck/config.json")
+    p, port, _ = ts.start(tmp, "--model-repository", repo, "--model-control-mode", "explicit",
+                          "--drain-timeout", str(DRAIN_S))
+    try:
+        load = channel(port).unary_unary("/inference.GRPCInferenceService/RepositoryModelLoad",
+                                         request_serializer=lambda m: m.SerializeToString())
+        fut = load.future(ts.pb.RepositoryModelLoadRequest(model_name="stuck"), timeout=60)
+        time.sleep(0.5)
+        check(not fut.done(), "the load is blocked in its read (else this test needs another stand-in)")
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        try:
+            rc = p.wait(timeout=DRAIN_S + 15)
+        except subprocess.TimeoutExpired:
+            rc = None  # hung: the old behaviour
+        exit_s = time.monotonic() - t0
+        check(rc == 1 and DRAIN_S + 3.5 < exit_s < DRAIN_S + 6.0,
+              f"exit 1 {exit_s:.2f}s after SIGTERM (the drain timeout {DRAIN_S}s + 4 s)")
+        check("exit_forced" in open(os.path.join(tmp, "moed.log")).read(), "exit_forced logged")
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         repo = os.path.join(tmp, "repo")
@@ -212,6 +246,7 @@ def main():
         tokens, full = test_deadline_and_cancel(tmp, repo)
         test_drain_stops_work(tmp, repo, tokens, full)
         test_drain_uploads(tmp, repo)
+        test_exit_watchdog(tmp)
         if ts.failures:
             print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
     ts.exit_with_summary()
