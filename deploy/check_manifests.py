@@ -109,7 +109,8 @@ def check_workload(where, w, overlay):
     sp = c.get("startupProbe", {})
     if sp.get("periodSeconds", 10) * sp.get("failureThreshold", 3) < 300:
         fail(where, "startupProbe: covers less than 5 minutes of weight loading")
-    # drain: grace > preStop + drain timeout + 2 s (docs/server.md "Drain")
+    # drain: grace > preStop + drain timeout + 5 s (the exit watchdog fires 4 s past the
+    # timeout: docs/server.md "Drain")
     pre = (((c.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command", [])
     pre_s = int(pre[1]) if len(pre) == 2 and pre[0] == "sleep" else None
     if pre_s is None:
@@ -117,8 +118,8 @@ def check_workload(where, w, overlay):
         pre_s = 0
     drain = int(env.get("MOED_DRAIN_TIMEOUT", "30"))
     grace = pod.get("terminationGracePeriodSeconds", 30)
-    if grace <= pre_s + drain + 2:
-        fail(where, f"terminationGracePeriodSeconds {grace} <= preStop {pre_s} + drain {drain} + 2")
+    if grace <= pre_s + drain + 5:
+        fail(where, f"terminationGracePeriodSeconds {grace} <= preStop {pre_s} + drain {drain} + 5")
     # security
     psc, csc = pod.get("securityContext", {}), c.get("securityContext", {})
     if not psc.get("runAsNonRoot") or not isinstance(psc.get("runAsUser"), int) or psc["runAsUser"] == 0:
