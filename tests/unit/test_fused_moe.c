@@ -720,7 +720,7 @@ END_TEST
 typedef struct bad_req {
   moe_named_tensor in[16];
   size_t n;
-  moe_param p[4];
+  moe_param p[6];
   size_t np;
   const moe_expert_set *set;
 } bad_req;
@@ -934,6 +934,157 @@ START_TEST(bad_inputs_wna16) {
 }
 END_TEST
 
+static const fm_case *case_named(const char *name) {
+  for (int i = 0; i < N_CASES; i++)
+    if (strcmp(cases[i].name, name) == 0) return &cases[i];
+  ck_abort_msg("no case %s", name);
+  return NULL;
+}
+
+START_TEST(bad_inputs_mxfp4_and_bias) {
+  model m;
+  model_make(&m, case_named("mxfp4 bf16 bias f32"), MOE_ACT_SWIGLU_OAI, 7); /* H 256, I 128 */
+  batch b;
+  batch_make(&b, &m.c, 4, N_EXPERTS);
+  float xf[4 * 256] = {0};
+  uint16_t b16[N_EXPERTS * 256] = {0};
+  bad_req r, base;
+  good_request(&base, &m, &b);
+  { /* sanity: the base request runs */
+    moe_params params = {NULL, 0};
+    moe_named_tensor *out;
+    size_t n;
+    moe_error err;
+    ck_assert_msg(moe_run_host("fused_moe", base.in, base.n, &params, NULL, &out, &n, &err) == MOE_OK, "%s",
+                  err.msg);
+    moe_outputs_free(out, n);
+  }
+  r = base; /* 16-bit activations only */
+  r.in[0].tensor = (moe_tensor){MOE_F32, 2, {4, 256}, xf, sizeof xf};
+  expect_einval(&r, "hidden_states");
+  expect_einval(&r, "16-bit");
+  /* e8m0 0xFF (a NaN scale) in the weights: the tensor and the index */
+  uint8_t *s2 = m.buf[MOE_W2_SCALES];
+  const size_t at = (size_t)((1 * 256 + 2) * 4 + 3); /* w2_scales [6, 256, 4] */
+  const uint8_t keep = s2[at];
+  s2[at] = 0xFF;
+  r = base;
+  expect_einval(&r, "w2_scales: e8m0 scale byte 0xFF (NaN) at [1, 2, 3]");
+  s2[at] = keep;
+  r = base; /* scales of another dtype */
+  r.in[find_input(&r, "w13_scales")].tensor.dtype = MOE_BF16;
+  r.in[find_input(&r, "w13_scales")].tensor.shape[2] = 4;
+  r.p[r.np++] = (moe_param){.name = "scheme", .type = MOE_PARAM_STRING, .s = "mxfp4"};
+  expect_einval(&r, "w13_scales");
+  /* biases: shape, one without the other, dtype other than f32 or the activations' */
+  r = base;
+  r.in[find_input(&r, "w13_bias")].tensor.shape[1] = 128;
+  r.in[find_input(&r, "w13_bias")].tensor.nbytes /= 2;
+  expect_einval(&r, "w13_bias: shape [6, 128], expected [6, 256]");
+  r = base;
+  drop_input(&r, "w2_bias");
+  expect_einval(&r, "w2_bias: missing");
+  r = base;
+  r.in[find_input(&r, "w2_bias")].tensor = (moe_tensor){MOE_F16, 2, {N_EXPERTS, 256}, b16, sizeof b16};
+  expect_einval(&r, "w2_bias: dtype fp16");
+  r = base;
+  r.in[find_input(&r, "w2_bias")].tensor = (moe_tensor){MOE_F16, 1, {N_EXPERTS * 256}, b16, sizeof b16};
+  expect_einval(&r, "w2_bias");
+  /* a loaded set without biases refuses them inline; one with them, a contradicting scheme */
+  moe_expert_set *set = model_set(&m, NULL);
+  r = base;
+  r.set = set;
+  r.n = 3;
+  r.p[r.np++] = (moe_param){.name = "scheme", .type = MOE_PARAM_STRING, .s = "wna16"};
+  expect_einval(&r, "scheme: differs");
+  moe_expert_set_destroy(set);
+  batch_free(&b);
+  model_free(&m);
+}
+END_TEST
+
+START_TEST(bad_inputs_fp8) {
+  model m;
+  model_make(&m, case_named("fp8 block 48x64 fp16 bias"), MOE_ACT_SILU, 8); /* H 256, I 128 */
+  batch b;
+  batch_make(&b, &m.c, 4, N_EXPERTS);
+  float xf[4 * 256] = {0};
+  bad_req r, base;
+  good_request(&base, &m, &b);
+  base.p[base.np++] = (moe_param){.name = "scheme", .type = MOE_PARAM_STRING, .s = "fp8"};
+  base.p[base.np++] = (moe_param){.name = "block_n", .type = MOE_PARAM_INT, .i = 48};
+  base.p[base.np++] = (moe_param){.name = "block_k", .type = MOE_PARAM_INT, .i = 64};
+  { /* sanity: the base request runs */
+    moe_params params = {base.p, base.np};
+    moe_named_tensor *out;
+    size_t n;
+    moe_error err;
+    ck_assert_msg(moe_run_host("fused_moe", base.in, base.n, &params, NULL, &out, &n, &err) == MOE_OK, "%s",
+                  err.msg);
+    moe_outputs_free(out, n);
+  }
+  r = base; /* a block size that does not divide K (H = 256, I = 128) */
+  r.p[2].i = 48;
+  expect_einval(&r, "block_k: must divide");
+  r.p[2].i = 0;
+  expect_einval(&r, "block_k");
+  r = base; /* block_n the scales do not have */
+  r.p[1].i = 64;
+  expect_einval(&r, "w13_scales: shape [6, 6, 4], expected [6, 4, 4]");
+  r = base;
+  r.p[1].i = 0;
+  expect_einval(&r, "block_n");
+  r = base; /* 16-bit activations only */
+  r.in[0].tensor = (moe_tensor){MOE_F32, 2, {4, 256}, xf, sizeof xf};
+  expect_einval(&r, "hidden_states");
+  r = base;
+  r.p[0].s = "fp9";
+  expect_einval(&r, "scheme");
+  r = base;
+  r.p[r.np++] = (moe_param){.name = "weight_scale", .type = MOE_PARAM_STRING, .s = "per_row"};
+  expect_einval(&r, "weight_scale");
+  r = base; /* per_channel scales must be [E, N] */
+  r.p[r.np++] = (moe_param){.name = "weight_scale", .type = MOE_PARAM_STRING, .s = "per_channel"};
+  expect_einval(&r, "w13_scales");
+  r = base; /* codes as another dtype */
+  r.in[find_input(&r, "w2_qweight")].tensor.dtype = MOE_INT8;
+  expect_einval(&r, "w2_qweight");
+  batch_free(&b);
+  model_free(&m);
+
+  /* static activation scales: finite and > 0, both given, per_tensor only */
+  model_make(&m, case_named("fp8 per_tensor static bf16 bias"), MOE_ACT_SILU, 9);
+  batch_make(&b, &m.c, 4, N_EXPERTS);
+  good_request(&base, &m, &b);
+  float *a13 = m.buf[MOE_A13_SCALE];
+  const float keep = a13[4];
+  a13[4] = 0.0f;
+  r = base;
+  expect_einval(&r, "a13_scale: entry 4");
+  a13[4] = NAN;
+  expect_einval(&r, "a13_scale: entry 4");
+  a13[4] = INFINITY;
+  expect_einval(&r, "a13_scale: entry 4");
+  a13[4] = keep;
+  r = base;
+  drop_input(&r, "a2_scale");
+  expect_einval(&r, "a2_scale: missing");
+  r = base;
+  r.p[r.np++] = (moe_param){.name = "weight_scale", .type = MOE_PARAM_STRING, .s = "per_channel"};
+  expect_einval(&r, "has_activation_scales");
+  /* a loaded fp8 set: a contradicting exact_division or block size is refused */
+  moe_expert_set *set = model_set(&m, NULL);
+  r = base;
+  r.set = set;
+  r.n = 3;
+  r.p[r.np++] = (moe_param){.name = "exact_division", .type = MOE_PARAM_BOOL, .b = true};
+  expect_einval(&r, "exact_division: differs");
+  moe_expert_set_destroy(set);
+  batch_free(&b);
+  model_free(&m);
+}
+END_TEST
+
 static void setup(void) {
   moe_error err;
   ck_assert_int_eq(moe_backend_open(MOE_BACKEND_HOST, 0, &cpu, &err), MOE_OK);
@@ -951,6 +1102,8 @@ static Suite *fused_suite(void) {
   tcase_add_test(tc, shards_contribute_their_experts_only);
   tcase_add_test(tc, bad_inputs_dense);
   tcase_add_test(tc, bad_inputs_wna16);
+  tcase_add_test(tc, bad_inputs_mxfp4_and_bias);
+  tcase_add_test(tc, bad_inputs_fp8);
   suite_add_tcase(s, tc);
   return s;
 }
