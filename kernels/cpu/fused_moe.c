@@ -303,13 +303,15 @@ static void gate_up_item(const fused_ctx *f, const work_item *it, float *strip, 
       const float *t = tile + m * STRIP;
       float *a = f->a + (size_t)(p + m) * (size_t)f->ka.stride;
       for (int64_t i = 0; i < ni; i++) {
-        const int cg = interleaved ? (int)(2 * i) : (int)i, cu = interleaved ? (int)(2 * i + 1) : HALF + (int)i;
+        const int cg = interleaved ? (int)(2 * i) : (int)i,
+                  cu = interleaved ? (int)(2 * i + 1) : HALF + (int)i;
         float sg = t[cg], su = t[cu];
         if (w->bias) { /* the bias follows its weight row */
           sg += moe_weight_bias(w, e, gate_up_row(f, i0, ni, cg));
           su += moe_weight_bias(w, e, gate_up_row(f, i0, ni, cu));
         }
-        a[k_pos(&f->ka, i0 + i)] = activate(f->activation, act_round(sg, f->act), act_round(su, f->act), f->act);
+        a[k_pos(&f->ka, i0 + i)] =
+            activate(f->activation, act_round(sg, f->act), act_round(su, f->act), f->act);
       }
       if (i0 + ni == f->inter && f->ka.blocks == 1) /* the down GEMM reads the padding */
         memset(a + f->inter, 0, (size_t)(f->ka.stride - f->inter) * sizeof(float));
@@ -387,8 +389,7 @@ static void convert_token(const fused_ctx *f, int64_t tl) {
       blk[j] = moe_load_float(f->x->data, f->act, base + (size_t)(b * l->len + j));
     memset(blk + l->len, 0, (size_t)(l->pad - l->len) * sizeof(float));
     if (f->w13.scaled && !f->w13.act_scales)
-      f->xs[tl * l->blocks + b] =
-          moe_cpu_fp8_quant_group(blk, (size_t)l->len, 0.0f, f->w13.exact_division);
+      f->xs[tl * l->blocks + b] = moe_cpu_fp8_quant_group(blk, (size_t)l->len, 0.0f, f->w13.exact_division);
   }
 }
 

@@ -168,8 +168,8 @@ static MOE_CPU_HOT void dequant_mxfp4(const moe_weight_matrix *m, int64_t e, int
 /* ---- fp8 -------------------------------------------------------------------------- */
 
 /* The codes' exact values; the scales come in the GEMM. */
-static MOE_CPU_HOT void dequant_fp8(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows, int64_t k0,
-                                    int64_t ncols, float *dst, size_t ld) {
+static MOE_CPU_HOT void dequant_fp8(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
+                                    int64_t k0, int64_t ncols, float *dst, size_t ld) {
   for (int64_t r = 0; r < nrows; r++) {
     const uint8_t *q = row_ptr(m, e, n0 + r) + k0;
     float *d = dst + (size_t)r * ld;
@@ -241,9 +241,7 @@ void moe_weight_matrix_init(const moe_expert_set *set, moe_expert_tensor which, 
     m->scaled = true;
     m->blockwise = cfg->weight_scale == MOE_WSCALE_BLOCK;
     m->kblock = m->blockwise ? cfg->block_k : m->cols;
-    m->scale_rows = m->blockwise                                 ? cfg->block_n
-                    : cfg->weight_scale == MOE_WSCALE_PER_CHANNEL ? 1
-                                                                  : m->rows;
+    m->scale_rows = m->blockwise ? cfg->block_n : cfg->weight_scale == MOE_WSCALE_PER_CHANNEL ? 1 : m->rows;
     m->scale_cols = m->blockwise ? m->cols / cfg->block_k : 1; /* BK divides K (validated) */
     m->act_scales = cfg->has_act_scales ? set->t[w13 ? MOE_A13_SCALE : MOE_A2_SCALE].data : NULL;
     m->exact_division = cfg->exact_division;

@@ -17,8 +17,8 @@ const char *const moe_weight_scale_names[] = {"per_tensor", "per_channel", "bloc
 const char *const moe_activation_names[] = {"silu", "gelu", "swiglu_oai", NULL};
 const char *const moe_scoring_names[] = {"softmax", "sigmoid", NULL};
 const char *const moe_expert_tensor_names[] = {
-    "w13",      "w2",      "w13_qweight", "w13_scales", "w13_qzeros",      "w2_qweight", "w2_scales",
-    "w2_qzeros", "w13_bias", "w2_bias",     "a13_scale",  "a2_scale", "correction_bias", NULL};
+    "w13",       "w2",       "w13_qweight", "w13_scales", "w13_qzeros", "w2_qweight",      "w2_scales",
+    "w2_qzeros", "w13_bias", "w2_bias",     "a13_scale",  "a2_scale",   "correction_bias", NULL};
 
 bool moe_expert_tensor_is_weight(const char *name) {
   for (int i = 0; name && moe_expert_tensor_names[i]; i++)

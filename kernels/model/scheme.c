@@ -2,6 +2,7 @@
  * fp16, wna16, fp8 and mxfp4 (docs/numerics.md "fused_moe"; the tensors of
  * each in docs/expert-set.md). */
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -31,8 +32,8 @@ moe_gemm_dims moe_gemm_of(const moe_expert_config *cfg, bool w13) {
 
 /* "[E, 2I, H/2]"-style symbols: the GEMM's N and K names with a suffix on K. */
 static void symbols(moe_slot_spec *sp, const moe_gemm_dims *g, const char *n_suffix, const char *k_suffix) {
-  snprintf(sp->symbols, sizeof sp->symbols, "[E, %s%s, %s%s]", g->w13 ? "2I" : "H", n_suffix, g->w13 ? "H" : "I",
-           k_suffix);
+  snprintf(sp->symbols, sizeof sp->symbols, "[E, %s%s, %s%s]", g->w13 ? "2I" : "H", n_suffix,
+           g->w13 ? "H" : "I", k_suffix);
 }
 
 static void shape3(moe_slot_spec *sp, int64_t a, int64_t b, int64_t c) {
@@ -51,12 +52,6 @@ static void store_f32(moe_tensor *t, size_t i, float v) { memcpy((uint8_t *)t->d
 
 /* ---- bf16 / fp16 --------------------------------------------------------------------- */
 
-static moe_status dense_check(const moe_expert_config *cfg, moe_error *err) {
-  (void)cfg;
-  (void)err;
-  return MOE_OK;
-}
-
 static void dense_layout(const moe_expert_config *cfg, const moe_gemm_dims *g, moe_slot_kind kind,
                          moe_slot_spec *sp) {
   if (kind != MOE_KIND_W) return;
@@ -69,8 +64,8 @@ static void dense_layout(const moe_expert_config *cfg, const moe_gemm_dims *g, m
 /* Weights whose dequantized values have standard deviation about
  * 1/sqrt(K): a GEMM over K inputs of size O(1) then stays O(1), so outputs
  * neither vanish nor overflow fp16. */
-static void dense_fill(const moe_expert_config *cfg, const moe_gemm_dims *g, moe_slot_kind kind, moe_tensor *t,
-                       uint64_t *rng) {
+static void dense_fill(const moe_expert_config *cfg, const moe_gemm_dims *g, moe_slot_kind kind,
+                       moe_tensor *t, uint64_t *rng) {
   (void)cfg;
   (void)kind;
   const float a = (float)sqrt(3.0 / (double)g->k);
@@ -79,15 +74,6 @@ static void dense_fill(const moe_expert_config *cfg, const moe_gemm_dims *g, moe
     const uint16_t code = t->dtype == MOE_F16 ? moe_f32_to_f16(v) : moe_f32_to_bf16(v);
     memcpy((uint8_t *)t->data + 2 * i, &code, 2);
   }
-}
-
-static moe_status dense_from_inline(moe_expert_config *cfg, const moe_tensor *const *slots, const moe_params *p,
-                                    moe_error *err) {
-  (void)cfg;
-  (void)slots;
-  (void)p;
-  (void)err;
-  return MOE_OK;
 }
 
 /* ---- wna16 ------------------------------------------------------------------------------- */
@@ -143,8 +129,8 @@ static void wna16_layout(const moe_expert_config *cfg, const moe_gemm_dims *g, m
   }
 }
 
-static void wna16_fill(const moe_expert_config *cfg, const moe_gemm_dims *g, moe_slot_kind kind, moe_tensor *t,
-                       uint64_t *rng) {
+static void wna16_fill(const moe_expert_config *cfg, const moe_gemm_dims *g, moe_slot_kind kind,
+                       moe_tensor *t, uint64_t *rng) {
   uint8_t *bytes = t->data;
   if (kind == MOE_KIND_QWEIGHT) { /* every byte uniform = every code (int4: both nibbles) uniform */
     for (size_t i = 0; i < t->nbytes; i++)
@@ -167,14 +153,15 @@ static void wna16_fill(const moe_expert_config *cfg, const moe_gemm_dims *g, moe
   }
 }
 
-static moe_status wna16_from_inline(moe_expert_config *cfg, const moe_tensor *const *slots, const moe_params *p,
-                                    moe_error *err) {
+static moe_status wna16_from_inline(moe_expert_config *cfg, const moe_tensor *const *slots,
+                                    const moe_params *p, moe_error *err) {
   const moe_tensor *q13 = slots[MOE_W13_QWEIGHT], *s13 = slots[MOE_W13_SCALES];
   moe_status s;
   /* the last axis of w13_qweight tells the bits */
   int64_t bits = q13->shape[2] == cfg->hidden_size ? 8 : 4;
   if ((s = moe_params_int(p, "bits", &bits, err))) return s;
-  if (bits != 4 && bits != 8) return moe_fail(err, MOE_EINVAL, "bits: must be 4 or 8, got %lld", (long long)bits);
+  if (bits != 4 && bits != 8)
+    return moe_fail(err, MOE_EINVAL, "bits: must be 4 or 8, got %lld", (long long)bits);
   cfg->bits = (int)bits;
   /* group size from the scales' group count unless stated */
   if (s13 && s13->ndim == 3 && s13->shape[2] > 0 && cfg->hidden_size % s13->shape[2] == 0)
@@ -192,8 +179,9 @@ static moe_status fp8_check(const moe_expert_config *c, moe_error *err) {
   if ((unsigned)c->weight_scale >= MOE_WSCALE_COUNT)
     return moe_fail(err, MOE_EINVAL, "weight_scale: value %d out of range", (int)c->weight_scale);
   if (c->weight_scale == MOE_WSCALE_BLOCK) {
-    if (c->block_n < 1 || c->block_n > c->intermediate_size * 2 + c->hidden_size)
-      return moe_fail(err, MOE_EINVAL, "block_n: must be positive (and not beyond the matrices), got %lld",
+    /* capped like every size of a config, so ceil(N / BN) cannot overflow */
+    if (c->block_n < 1 || c->block_n > INT32_MAX)
+      return moe_fail(err, MOE_EINVAL, "block_n: must be in [1, %d], got %lld", INT32_MAX,
                       (long long)c->block_n);
     /* activations are quantized per group of BK along K: BK divides both K */
     if (c->block_k < 1 || c->hidden_size % c->block_k != 0 || c->intermediate_size % c->block_k != 0)
@@ -254,7 +242,8 @@ static moe_status fp8_values(const moe_expert_set *set, moe_error *err) {
       float v;
       memcpy(&v, (const uint8_t *)t->data + 4 * i, 4);
       if (!(v > 0.0f) || !moe_f32_isfinite(v))
-        return moe_fail(err, MOE_EINVAL, "%s: entry %zu is %g; static activation scales must be finite and > 0",
+        return moe_fail(err, MOE_EINVAL,
+                        "%s: entry %zu is %g; static activation scales must be finite and > 0",
                         moe_expert_tensor_names[slot], i, (double)v);
     }
   }
@@ -307,7 +296,8 @@ static moe_status mxfp4_check(const moe_expert_config *c, moe_error *err) {
     return moe_fail(err, MOE_EINVAL, "hidden_size: must be a multiple of 32 for mxfp4 weights, got %lld",
                     (long long)c->hidden_size);
   if (c->intermediate_size % MX_BLOCK != 0)
-    return moe_fail(err, MOE_EINVAL, "intermediate_size: must be a multiple of 32 for mxfp4 weights, got %lld",
+    return moe_fail(err, MOE_EINVAL,
+                    "intermediate_size: must be a multiple of 32 for mxfp4 weights, got %lld",
                     (long long)c->intermediate_size);
   return MOE_OK;
 }
@@ -330,7 +320,8 @@ static moe_status mxfp4_values(const moe_expert_set *set, moe_error *err) {
     const uint8_t *b = t->data;
     const void *hit = b ? memchr(b, 0xFF, t->nbytes) : NULL;
     if (!hit) continue;
-    const size_t i = (size_t)((const uint8_t *)hit - b), cols = (size_t)t->shape[2], rows = (size_t)t->shape[1];
+    const size_t i = (size_t)((const uint8_t *)hit - b), cols = (size_t)t->shape[2],
+                 rows = (size_t)t->shape[1];
     return moe_fail(err, MOE_EINVAL, "%s: e8m0 scale byte 0xFF (NaN) at [%zu, %zu, %zu]",
                     moe_expert_tensor_names[slot], i / (rows * cols), i / cols % rows, i % cols);
   }
@@ -339,8 +330,8 @@ static moe_status mxfp4_values(const moe_expert_set *set, moe_error *err) {
 
 /* Uniform codes (values of std ~2.93) and scales 2^(b - 127) near
  * 1 / (2.93 sqrt(K)), one of two neighbouring powers per block. */
-static void mxfp4_fill(const moe_expert_config *cfg, const moe_gemm_dims *g, moe_slot_kind kind, moe_tensor *t,
-                       uint64_t *rng) {
+static void mxfp4_fill(const moe_expert_config *cfg, const moe_gemm_dims *g, moe_slot_kind kind,
+                       moe_tensor *t, uint64_t *rng) {
   (void)cfg;
   uint8_t *bytes = t->data;
   if (kind == MOE_KIND_QWEIGHT) {
@@ -353,28 +344,17 @@ static void mxfp4_fill(const moe_expert_config *cfg, const moe_gemm_dims *g, moe
     bytes[i] = (uint8_t)(127 + e + (int)(moe_splitmix64(rng) >> 63));
 }
 
-static moe_status mxfp4_from_inline(moe_expert_config *cfg, const moe_tensor *const *slots, const moe_params *p,
-                                    moe_error *err) {
-  (void)cfg;
-  (void)slots;
-  (void)p;
-  (void)err;
-  return MOE_OK;
-}
-
 /* ---- the table --------------------------------------------------------------------------------- */
 
 const moe_scheme_desc moe_schemes[MOE_SCHEME_COUNT] = {
-    [MOE_SCHEME_BF16] = {"bf16", MOE_BF16, false, true, dense_check, dense_layout, NULL, dense_fill,
-                         dense_from_inline},
-    [MOE_SCHEME_FP16] = {"fp16", MOE_F16, false, true, dense_check, dense_layout, NULL, dense_fill,
-                         dense_from_inline},
+    [MOE_SCHEME_BF16] = {"bf16", MOE_BF16, false, true, NULL, dense_layout, NULL, dense_fill, NULL},
+    [MOE_SCHEME_FP16] = {"fp16", MOE_F16, false, true, NULL, dense_layout, NULL, dense_fill, NULL},
     [MOE_SCHEME_WNA16] = {"wna16", MOE_DTYPE_INVALID, true, true, wna16_check, wna16_layout, NULL, wna16_fill,
                           wna16_from_inline},
     [MOE_SCHEME_FP8] = {"fp8", MOE_DTYPE_INVALID, true, false, fp8_check, fp8_layout, fp8_values, fp8_fill,
                         fp8_from_inline},
     [MOE_SCHEME_MXFP4] = {"mxfp4", MOE_DTYPE_INVALID, true, false, mxfp4_check, mxfp4_layout, mxfp4_values,
-                          mxfp4_fill, mxfp4_from_inline},
+                          mxfp4_fill, NULL},
 };
 
 /* Keys that belong to one scheme: on another they must keep their defaults
@@ -408,7 +388,8 @@ moe_status moe_scheme_check_config(const moe_expert_config *cfg, moe_error *err)
     if (scheme_keys[i].owner != cfg->scheme && scheme_keys[i].is_set(cfg))
       return moe_fail(err, MOE_EINVAL, "%s: only scheme %s takes this key (scheme is %s)", scheme_keys[i].key,
                       moe_schemes[scheme_keys[i].owner].name, moe_schemes[cfg->scheme].name);
-  return moe_schemes[cfg->scheme].check_config(cfg, err);
+  const moe_scheme_desc *d = &moe_schemes[cfg->scheme];
+  return d->check_config ? d->check_config(cfg, err) : MOE_OK;
 }
 
 moe_slot_spec moe_slot_expected(const moe_expert_config *cfg, moe_expert_tensor slot) {

@@ -18,7 +18,11 @@
 #include "moe/expert_set.h"
 #include "moe/params.h"
 
-typedef enum moe_slot_presence { MOE_SLOT_ABSENT = 0, MOE_SLOT_REQUIRED, MOE_SLOT_OPTIONAL } moe_slot_presence;
+typedef enum moe_slot_presence {
+  MOE_SLOT_ABSENT = 0,
+  MOE_SLOT_REQUIRED,
+  MOE_SLOT_OPTIONAL
+} moe_slot_presence;
 
 /* The role of a slot within one GEMM (W13 or W2). */
 typedef enum moe_slot_kind {
@@ -72,7 +76,7 @@ typedef struct moe_scheme_desc {
   moe_dtype act;  /* the one activation dtype it computes in; MOE_DTYPE_INVALID: fp16 or bf16 */
   bool quantized; /* weights in w13_qweight / w2_qweight (+ scales), not w13 / w2 */
   bool gpu;       /* the GPU backend has kernels for it (kernels/gpu/) */
-  /* the scheme's own config keys (the others' are rejected before) */
+  /* optional: the scheme's own config keys (the others' are rejected before) */
   moe_status (*check_config)(const moe_expert_config *cfg, moe_error *err);
   /* the form of a slot of kind W, QWEIGHT, SCALES, QZEROS or ASCALE; left
    * absent for the kinds the scheme does not have */
@@ -82,7 +86,7 @@ typedef struct moe_scheme_desc {
   /* synthetic weights of a slot the layout requires (t sized and typed) */
   void (*fill)(const moe_expert_config *cfg, const moe_gemm_dims *g, moe_slot_kind kind, moe_tensor *t,
                uint64_t *rng);
-  /* inline weights: the scheme's config from the tensors (by slot, NULL
+  /* optional: inline weights, the scheme's config from the tensors (by slot, NULL
    * when absent; cfg has scheme, E, I and H already) and the request's
    * parameters */
   moe_status (*from_inline)(moe_expert_config *cfg, const moe_tensor *const *slots, const moe_params *p,

@@ -37,7 +37,8 @@ moe_status moe_call_check_backend(const moe_call *c, const moe_backend *b, moe_e
   if (c->op != &moe_op_fused_moe || b->kind == MOE_BACKEND_CPU) return MOE_OK;
   const moe_expert_set *set = c->args.fused.set;
   if (!moe_schemes[set->cfg.scheme].gpu)
-    return moe_fail(err, MOE_EUNSUPPORTED, "fused_moe: scheme %s has no GPU kernel yet (the CPU backend serves it)",
+    return moe_fail(err, MOE_EUNSUPPORTED,
+                    "fused_moe: scheme %s has no GPU kernel yet (the CPU backend serves it)",
                     moe_scheme_names[set->cfg.scheme]);
   if (set->cfg.has_bias)
     return moe_fail(err, MOE_EUNSUPPORTED,

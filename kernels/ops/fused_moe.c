@@ -27,10 +27,12 @@ static const moe_op_io_desc fused_inputs[MOE_FUSED_IN_COUNT] = {
     [MOE_FUSED_IN_WEIGHTS + MOE_W13] = {"w13", true, "fp16,bf16", HELD_WEIGHT, "E,N,H"},
     [MOE_FUSED_IN_WEIGHTS + MOE_W2] = {"w2", true, "fp16,bf16", HELD_WEIGHT, "E,H,I"},
     [MOE_FUSED_IN_WEIGHTS + MOE_W13_QWEIGHT] = {"w13_qweight", true, "uint8", HELD_WEIGHT, "E,N,Hq"},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W13_SCALES] = {"w13_scales", true, "fp32,fp16,bf16,uint8", HELD_WEIGHT, "E,N,Hg"},
+    [MOE_FUSED_IN_WEIGHTS +
+        MOE_W13_SCALES] = {"w13_scales", true, "fp32,fp16,bf16,uint8", HELD_WEIGHT, "E,N,Hg"},
     [MOE_FUSED_IN_WEIGHTS + MOE_W13_QZEROS] = {"w13_qzeros", true, "uint8", HELD_WEIGHT, "E,Nz,Hg"},
     [MOE_FUSED_IN_WEIGHTS + MOE_W2_QWEIGHT] = {"w2_qweight", true, "uint8", HELD_WEIGHT, "E,H,Iq"},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W2_SCALES] = {"w2_scales", true, "fp32,fp16,bf16,uint8", HELD_WEIGHT, "E,H,Ig"},
+    [MOE_FUSED_IN_WEIGHTS +
+        MOE_W2_SCALES] = {"w2_scales", true, "fp32,fp16,bf16,uint8", HELD_WEIGHT, "E,H,Ig"},
     [MOE_FUSED_IN_WEIGHTS + MOE_W2_QZEROS] = {"w2_qzeros", true, "uint8", HELD_WEIGHT, "E,Hz,Ig"},
     [MOE_FUSED_IN_WEIGHTS + MOE_W13_BIAS] = {"w13_bias", true, "fp32,fp16,bf16", HELD_WEIGHT, "E,N"},
     [MOE_FUSED_IN_WEIGHTS + MOE_W2_BIAS] = {"w2_bias", true, "fp32,fp16,bf16", HELD_WEIGHT, "E,H"},
@@ -70,7 +72,7 @@ static moe_status build_inline_set(moe_call *c, const moe_params *p, moe_error *
   /* without a scheme parameter: codes with UINT8 (e8m0) scales are mxfp4,
    * with scales of rank 1 or 2 fp8 (per tensor, per channel), else wna16;
    * fp8 with block scales looks like int8 wna16 and must be named */
-  int scheme = !q13                            ? (w13->dtype == MOE_F16 ? MOE_SCHEME_FP16 : MOE_SCHEME_BF16)
+  int scheme = !q13                             ? (w13->dtype == MOE_F16 ? MOE_SCHEME_FP16 : MOE_SCHEME_BF16)
                : s13 && s13->dtype == MOE_UINT8 ? MOE_SCHEME_MXFP4
                : s13 && s13->ndim < 3           ? MOE_SCHEME_FP8
                                                 : MOE_SCHEME_WNA16;
@@ -99,7 +101,7 @@ static moe_status build_inline_set(moe_call *c, const moe_params *p, moe_error *
     cfg.hidden_size = q2->shape[1];
   }
   cfg.has_bias = slots[MOE_W13_BIAS] || slots[MOE_W2_BIAS];
-  if ((s = d->from_inline(&cfg, slots, p, err))) return s;
+  if (d->from_inline && (s = d->from_inline(&cfg, slots, p, err))) return s;
   /* routing comes from the request's parameters (see fused_prepare) */
   moe_named_tensor tensors[MOE_EXPERT_TENSOR_COUNT];
   size_t n = 0;
@@ -157,13 +159,15 @@ static moe_status check_hidden(const moe_tensor *x, const moe_expert_set *set, m
   const moe_dtype act = moe_schemes[cfg->scheme].act;
   moe_status s;
   if (x->dtype == MOE_F32 && act == MOE_DTYPE_INVALID)
-    return moe_fail(err, MOE_EINVAL, "hidden_states: dtype fp32; scheme %s takes 16-bit activations only (fp16 or bf16)",
+    return moe_fail(err, MOE_EINVAL,
+                    "hidden_states: dtype fp32; scheme %s takes 16-bit activations only (fp16 or bf16)",
                     moe_scheme_names[cfg->scheme]);
   if ((s = moe_check_dtype(x, "hidden_states", act_types, err))) return s;
   for (int slot = MOE_W13_BIAS; slot <= MOE_W2_BIAS; slot++) {
     const moe_dtype bt = set->t[slot].dtype;
     if (set->t[slot].data && bt != MOE_F32 && bt != x->dtype)
-      return moe_fail(err, MOE_EINVAL, "%s: dtype %s; a bias is fp32 or the activation dtype (hidden_states is %s)",
+      return moe_fail(err, MOE_EINVAL,
+                      "%s: dtype %s; a bias is fp32 or the activation dtype (hidden_states is %s)",
                       moe_expert_tensor_names[slot], moe_dtype_name(bt), moe_dtype_name(x->dtype));
   }
   if (act != MOE_DTYPE_INVALID && x->dtype != act)

@@ -865,7 +865,8 @@ END_TEST
 START_TEST(write_and_load_new_schemes) {
   moe_expert_config cfgs[3];
   cfgs[0] = small_config(MOE_SCHEME_FP8, 0, -1, false);
-  cfgs[0].weight_scale = MOE_WSCALE_BLOCK, cfgs[0].block_n = 48, cfgs[0].block_k = 32, cfgs[0].has_bias = true;
+  cfgs[0].weight_scale = MOE_WSCALE_BLOCK, cfgs[0].block_n = 48, cfgs[0].block_k = 32,
+  cfgs[0].has_bias = true;
   cfgs[1] = small_config(MOE_SCHEME_FP8, 0, -1, false);
   cfgs[1].has_act_scales = true, cfgs[1].exact_division = true;
   cfgs[2] = small_config(MOE_SCHEME_MXFP4, 0, -1, false);

@@ -81,13 +81,13 @@ static const fm_case cases[] = {
     {"mxfp4 bf16 bias f32", MOE_SCHEME_MXFP4, MOE_BF16, 0, -1, false, 0, 256, 128, .bias_t = MOE_F32},
     {"mxfp4 fp16 bias fp16", MOE_SCHEME_MXFP4, MOE_F16, 0, -1, false, 0, 64, 160, .bias_t = MOE_F16},
     {"fp8 block 128 bf16", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, 0, 256, 128, MOE_WSCALE_BLOCK, 128, 128},
-    {"fp8 block 48x64 fp16 bias", MOE_SCHEME_FP8, MOE_F16, 0, -1, false, 0, 256, 128, MOE_WSCALE_BLOCK, 48, 64,
-     .bias_t = MOE_F32},
+    {"fp8 block 48x64 fp16 bias", MOE_SCHEME_FP8, MOE_F16, 0, -1, false, 0, 256, 128, MOE_WSCALE_BLOCK, 48,
+     64, .bias_t = MOE_F32},
     {"fp8 block 40x24 odd", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, 0, 72, 48, MOE_WSCALE_BLOCK, 40, 24},
     {"fp8 per_channel bf16", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, 0, 256, 128, MOE_WSCALE_PER_CHANNEL},
     {"fp8 per_tensor fp16", MOE_SCHEME_FP8, MOE_F16, 0, -1, false, 0, 72, 20, MOE_WSCALE_PER_TENSOR},
-    {"fp8 per_tensor static bf16 bias", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, 0, 256, 128, MOE_WSCALE_PER_TENSOR,
-     .static_a = true, .bias_t = MOE_BF16},
+    {"fp8 per_tensor static bf16 bias", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, 0, 256, 128,
+     MOE_WSCALE_PER_TENSOR, .static_a = true, .bias_t = MOE_BF16},
 };
 #pragma GCC diagnostic pop
 #define N_CASES ((int)(sizeof cases / sizeof cases[0]))
@@ -283,8 +283,10 @@ static float ref_weight(const model *m, bool down, int64_t e, int64_t n, int64_t
     return moe_narrow_to_f32(qw[(e * nn + n) * k + j], &fmt_e4m3);
   if (c->scheme == MOE_SCHEME_MXFP4) {
     const uint8_t b = qw[(e * nn + n) * (k / 2) + j / 2];
-    const uint8_t sb = ((const uint8_t *)m->buf[down ? MOE_W2_SCALES : MOE_W13_SCALES])[(e * nn + n) * (k / 32) + j / 32];
-    return round_act(moe_narrow_to_f32(j % 2 ? b >> 4 : b & 15, &fmt_e2m1) * (float)ldexp(1.0, sb - 127), c->act);
+    const uint8_t sb =
+        ((const uint8_t *)m->buf[down ? MOE_W2_SCALES : MOE_W13_SCALES])[(e * nn + n) * (k / 32) + j / 32];
+    return round_act(moe_narrow_to_f32(j % 2 ? b >> 4 : b & 15, &fmt_e2m1) * (float)ldexp(1.0, sb - 127),
+                     c->act);
   }
   const int64_t group = c->group == -1 ? k : c->group, groups = k / group, g = j / group;
   const uint8_t *q = m->buf[down ? MOE_W2_QWEIGHT : MOE_W13_QWEIGHT];

@@ -68,9 +68,9 @@ typedef struct moe_expert_config {
   int64_t hidden_size;        /* H */
   int64_t intermediate_size;  /* I */
   moe_activation activation;
-  int bits;             /* wna16: 4 or 8 */
-  int64_t group_size;   /* wna16: divides K of each GEMM; -1 = one group per row */
-  bool has_zero_points; /* wna16 */
+  int bits;                      /* wna16: 4 or 8 */
+  int64_t group_size;            /* wna16: divides K of each GEMM; -1 = one group per row */
+  bool has_zero_points;          /* wna16 */
   moe_weight_scale weight_scale; /* fp8 */
   int64_t block_n, block_k;      /* fp8 block: BN, BK (default 128, 128) */
   bool has_act_scales;           /* fp8 per_tensor: static a13_scale / a2_scale given */
@@ -89,11 +89,12 @@ typedef enum moe_expert_tensor {
   MOE_W2_QWEIGHT,
   MOE_W2_SCALES,
   MOE_W2_QZEROS,
-  MOE_W13_BIAS,        /* optional (has_bias) [E, 2I], every scheme */
-  MOE_W2_BIAS,         /* optional (has_bias) [E, H] */
-  MOE_A13_SCALE,       /* fp8 static activation scales [E] (has_act_scales) */
+  MOE_W13_BIAS,  /* optional (has_bias) [E, 2I], every scheme */
+  MOE_W2_BIAS,   /* optional (has_bias) [E, H] */
+  MOE_A13_SCALE, /* fp8 static activation scales [E] (has_act_scales) */
   MOE_A2_SCALE,
-  MOE_CORRECTION_BIAS, /* optional F32 [E_global], used when routing here */ /* optional F32 [E_global], used when routing here */
+  MOE_CORRECTION_BIAS,
+  /* optional F32 [E_global], used when routing here */ /* optional F32 [E_global], used when routing here */
   MOE_EXPERT_TENSOR_COUNT
 } moe_expert_tensor;
 
