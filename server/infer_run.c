@@ -165,7 +165,7 @@ static grpc_status_code run_call(run_ctx *c, const moed_model *m, const moe_name
   /* a call the worker's backend has no kernel for (a fused_moe scheme or
    * biases the GPU lacks) runs on its host fallback, as whole ops do
    * (moed_infer_run); without one, moe_call_run answers UNIMPLEMENTED */
-  if (moe_call_check_backend(c->call, c->b, NULL) != MOE_OK)
+  if (c->b && moe_call_check_backend(c->call, c->b, NULL) != MOE_OK)
     c->b = moed_devices_fallback(c->srv->devices, c->b);
   c->num_out = moe_call_num_outputs(c->call);
   if (c->num_out > MOED_MAX_TENSORS)

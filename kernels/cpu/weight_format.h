@@ -33,11 +33,11 @@ typedef struct moe_weight_matrix {
   const moe_weight_format *fmt;
   int64_t rows, cols;
   moe_dtype act;       /* F16 or BF16: what w is rounded to */
-  const uint8_t *data; /* bf16/fp16 values, or int4 (two per byte along cols) / int8 codes */
+  const uint8_t *data; /* bf16/fp16 values, or codes: int4 / e2m1 (two per byte along cols), int8 / e4m3fn */
   size_t row_bytes;    /* bytes of one row of data */
-  /* wna16 only */
-  const void *scales;    /* [E, rows, groups] */
-  moe_dtype scale_dtype; /* F32, F16 or BF16 */
+  /* wna16, mxfp4 (and fp8: its weight scales, applied in the GEMM) */
+  const void *scales;    /* [E, rows, groups]; fp8: see moe_weight_row_scales */
+  moe_dtype scale_dtype; /* F32, F16 or BF16; mxfp4: UINT8 (e8m0) */
   const uint8_t
       *zeros;     /* [E, rows / 2, groups] (int4, packed along rows) or [E, rows, groups]; NULL: default */
   int64_t group;  /* columns per group (cols when one group per row); mxfp4: 32 */
