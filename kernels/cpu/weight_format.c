@@ -136,32 +136,46 @@ static MOE_CPU_HOT void dequant_int8(const moe_weight_matrix *m, int64_t e, int6
 
 /* ---- mxfp4 ---------------------------------------------------------------------- */
 
-/* Per block of 32 columns: the 16 codes' values times the block's power of
- * two (exact in fp32), act-rounded once into a table; the codes index it. */
+/* value(code) * 2^(b - 127) is exact in fp32; one act rounding follows. As
+ * for int4: with bf16 activations the products go straight into the row
+ * and the rounding vectorizes over it; with fp16 a block's 16 possible
+ * weights are rounded once into a table that the codes index. */
 static MOE_CPU_HOT void dequant_mxfp4(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
                                       int64_t k0, int64_t ncols, float *dst, size_t ld) {
-  static const moe_narrow_fmt e2m1 = MOE_FMT_E2M1;
-  float value[16];
-  for (int c = 0; c < 16; c++)
-    value[c] = moe_narrow_to_f32((uint8_t)c, &e2m1);
+  static const float value[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  const bool table = m->act != MOE_BF16;
   const uint8_t *scales = m->scales;
   for (int64_t r = 0; r < nrows; r++) {
     const int64_t n = n0 + r;
     const uint8_t *q = row_ptr(m, e, n);
     const size_t scale_row = ((size_t)e * (size_t)m->rows + (size_t)n) * (size_t)m->groups;
     float *d = dst + (size_t)r * ld - k0; /* d[j] for j in [k0, k0 + ncols) */
+    /* blocks of 32 start at even columns and k0, ncols are even: whole bytes */
     for (int64_t j = k0; j < k0 + ncols;) {
       const int64_t g = j / m->group;
       int64_t end = (g + 1) * m->group;
       if (end > k0 + ncols) end = k0 + ncols;
       const float s = moe_e8m0_to_f32(scales[scale_row + (size_t)g]); /* never 0xFF: refused at load */
-      float lut[16];
-      for (int c = 0; c < 16; c++)
-        lut[c] = moe_round_to(value[c] * s, m->act);
-      for (int64_t jj = j; jj < end; jj++)
-        d[jj] = lut[(q[jj >> 1] >> ((jj & 1) << 2)) & 15];
+      const uint8_t *qb = q + j / 2;
+      float *dd = d + j;
+      if (table) {
+        float lut[16];
+        for (int c = 0; c < 16; c++)
+          lut[c] = moe_round_to(value[c] * s, m->act);
+        for (int64_t i = 0; i < (end - j) / 2; i++) {
+          dd[2 * i] = lut[qb[i] & 15];
+          dd[2 * i + 1] = lut[qb[i] >> 4];
+        }
+      } else {
+        for (int64_t i = 0; i < (end - j) / 2; i++) {
+          dd[2 * i] = value[qb[i] & 15] * s;
+          dd[2 * i + 1] = value[qb[i] >> 4] * s;
+        }
+      }
       j = end;
     }
+    if (!table) round_to_act(d + k0, ncols, m->act);
   }
 }
 
@@ -174,7 +188,7 @@ static MOE_CPU_HOT void dequant_fp8(const moe_weight_matrix *m, int64_t e, int64
     const uint8_t *q = row_ptr(m, e, n0 + r) + k0;
     float *d = dst + (size_t)r * ld;
     for (int64_t j = 0; j < ncols; j++)
-      d[j] = m->code_value[q[j]];
+      d[j] = moe_e4m3fn_to_f32(q[j]); /* branch-free: the loop vectorizes */
   }
 }
 
@@ -232,7 +246,6 @@ void moe_weight_matrix_init(const moe_expert_set *set, moe_expert_tensor which, 
     m->groups = m->cols / 32;
     break;
   case MOE_SCHEME_FP8: {
-    static const moe_narrow_fmt e4m3 = MOE_FMT_E4M3FN;
     m->fmt = &format_fp8;
     m->data = q->data;
     m->row_bytes = (size_t)m->cols;
@@ -245,8 +258,6 @@ void moe_weight_matrix_init(const moe_expert_set *set, moe_expert_tensor which, 
     m->scale_cols = m->blockwise ? m->cols / cfg->block_k : 1; /* BK divides K (validated) */
     m->act_scales = cfg->has_act_scales ? set->t[w13 ? MOE_A13_SCALE : MOE_A2_SCALE].data : NULL;
     m->exact_division = cfg->exact_division;
-    for (int c = 0; c < 256; c++)
-      m->code_value[c] = moe_narrow_to_f32((uint8_t)c, &e4m3);
     break;
   }
   default: break;

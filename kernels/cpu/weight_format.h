@@ -53,7 +53,6 @@ typedef struct moe_weight_matrix {
   int64_t scale_cols;      /* weight scales per row of them: cols / BK, or 1 */
   const float *act_scales; /* static activation scales [E] (a13_scale / a2_scale); NULL: per token */
   bool exact_division;     /* activation quantization: x / s instead of x * (1 / s) */
-  float code_value[256];   /* fp8: e4m3fn code -> value */
 } moe_weight_matrix;
 
 /* fp8: the weight scales of row n of expert e, one per K block. */
