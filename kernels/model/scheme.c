@@ -347,14 +347,30 @@ static void mxfp4_fill(const moe_expert_config *cfg, const moe_gemm_dims *g, moe
 /* ---- the table --------------------------------------------------------------------------------- */
 
 const moe_scheme_desc moe_schemes[MOE_SCHEME_COUNT] = {
-    [MOE_SCHEME_BF16] = {"bf16", MOE_BF16, false, true, NULL, dense_layout, NULL, dense_fill, NULL},
-    [MOE_SCHEME_FP16] = {"fp16", MOE_F16, false, true, NULL, dense_layout, NULL, dense_fill, NULL},
-    [MOE_SCHEME_WNA16] = {"wna16", MOE_DTYPE_INVALID, true, true, wna16_check, wna16_layout, NULL, wna16_fill,
-                          wna16_from_inline},
-    [MOE_SCHEME_FP8] = {"fp8", MOE_DTYPE_INVALID, true, false, fp8_check, fp8_layout, fp8_values, fp8_fill,
-                        fp8_from_inline},
-    [MOE_SCHEME_MXFP4] = {"mxfp4", MOE_DTYPE_INVALID, true, false, mxfp4_check, mxfp4_layout, mxfp4_values,
-                          mxfp4_fill, NULL},
+    [MOE_SCHEME_BF16] = {.act = MOE_BF16, .gpu = true, .layout = dense_layout, .fill = dense_fill},
+    [MOE_SCHEME_FP16] = {.act = MOE_F16, .gpu = true, .layout = dense_layout, .fill = dense_fill},
+    [MOE_SCHEME_WNA16] = {.act = MOE_DTYPE_INVALID,
+                          .quantized = true,
+                          .gpu = true,
+                          .check_config = wna16_check,
+                          .layout = wna16_layout,
+                          .fill = wna16_fill,
+                          .from_inline = wna16_from_inline},
+    [MOE_SCHEME_FP8] = {.act = MOE_DTYPE_INVALID,
+                        .quantized = true,
+                        .gpu = false, /* kernels/gpu has no fp8 GEMM yet */
+                        .check_config = fp8_check,
+                        .layout = fp8_layout,
+                        .check_values = fp8_values,
+                        .fill = fp8_fill,
+                        .from_inline = fp8_from_inline},
+    [MOE_SCHEME_MXFP4] = {.act = MOE_DTYPE_INVALID,
+                          .quantized = true,
+                          .gpu = false, /* nor an mxfp4 tile loader */
+                          .check_config = mxfp4_check,
+                          .layout = mxfp4_layout,
+                          .check_values = mxfp4_values,
+                          .fill = mxfp4_fill},
 };
 
 /* Keys that belong to one scheme: on another they must keep their defaults
@@ -387,7 +403,7 @@ moe_status moe_scheme_check_config(const moe_expert_config *cfg, moe_error *err)
   for (size_t i = 0; i < sizeof scheme_keys / sizeof scheme_keys[0]; i++)
     if (scheme_keys[i].owner != cfg->scheme && scheme_keys[i].is_set(cfg))
       return moe_fail(err, MOE_EINVAL, "%s: only scheme %s takes this key (scheme is %s)", scheme_keys[i].key,
-                      moe_schemes[scheme_keys[i].owner].name, moe_schemes[cfg->scheme].name);
+                      moe_scheme_names[scheme_keys[i].owner], moe_scheme_names[cfg->scheme]);
   const moe_scheme_desc *d = &moe_schemes[cfg->scheme];
   return d->check_config ? d->check_config(cfg, err) : MOE_OK;
 }

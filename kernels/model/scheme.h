@@ -71,8 +71,8 @@ static inline float moe_uniform01(uint64_t *state) {
   return (float)(moe_splitmix64(state) >> 40) * (1.0f / 16777216.0f);
 }
 
+/* Indexed by moe_scheme; the names are moe_scheme_names' (expert_config.c). */
 typedef struct moe_scheme_desc {
-  const char *name;
   moe_dtype act;  /* the one activation dtype it computes in; MOE_DTYPE_INVALID: fp16 or bf16 */
   bool quantized; /* weights in w13_qweight / w2_qweight (+ scales), not w13 / w2 */
   bool gpu;       /* the GPU backend has kernels for it (kernels/gpu/) */

@@ -93,14 +93,14 @@ typedef enum moe_expert_tensor {
   MOE_W2_BIAS,   /* optional (has_bias) [E, H] */
   MOE_A13_SCALE, /* fp8 static activation scales [E] (has_act_scales) */
   MOE_A2_SCALE,
-  MOE_CORRECTION_BIAS,
-  /* optional F32 [E_global], used when routing here */ /* optional F32 [E_global], used when routing here */
+  MOE_CORRECTION_BIAS, /* optional F32 [E_global], used when routing here */
   MOE_EXPERT_TENSOR_COUNT
 } moe_expert_tensor;
 
 extern const char *const moe_expert_tensor_names[];
 /* Whether `name` is one of an expert set's weight tensors (the w13 / w2
- * matrices, scales and zero points; not the routing's correction_bias):
+ * matrices, scales, zero points, biases and static activation scales; not
+ * the routing's correction_bias):
  * what a fused_moe request carries inline and the weight cache keys on. */
 bool moe_expert_tensor_is_weight(const char *name);
 
