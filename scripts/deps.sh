@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything the build and the tests need, idempotently:
 # Debian packages (apt-get update once, then only what is missing) and the
-# PyPI packages of the test oracles into a project-local venv (.venv).
+# PyPI packages of the test oracles and of tools/convert_checkpoint.py into a
+# project-local venv (.venv).
 # Usage: scripts/deps.sh [--no-python] [--no-hip]
 # Debian's HIP toolchain is installed so that the AMD GPU path is compile-
 # checked everywhere (CI has no GPU); --no-hip skips it.
@@ -28,6 +29,7 @@ pkgs=(
   valgrind
   clang-format                              # .ci/run: the tree stays formatted (scripts/check-format.sh)
   cppcheck                                  # .ci/run: static analysis of the C sources (scripts/cppcheck.sh)
+  shellcheck                                # .ci/run: deploy/check.sh lints deploy/*.sh
 )
 # AMD compile check: Debian's HIP toolchain.
 [ "$want_hip" = 1 ] && pkgs+=(hipcc libamdhip64-dev rocm-device-libs)
@@ -52,7 +54,7 @@ if [ "$want_python" = 1 ]; then
   need=$(.venv/bin/python - <<'PY'
 import importlib.util as u
 mods = {"numpy": "numpy", "ml_dtypes": "ml_dtypes", "tritonclient": "tritonclient[grpc]",
-        "grpc": "grpcio"}
+        "grpc": "grpcio", "safetensors": "safetensors"}
 print(" ".join(p for m, p in mods.items() if u.find_spec(m) is None))
 PY
 )

@@ -41,12 +41,18 @@ static const char usage[] =
     "                            request) within SEC is closed (MOED_HANDSHAKE_TIMEOUT, default 10)\n"
     "  --idle-timeout SEC        a gRPC connection without calls for SEC is closed; keepalive pings find\n"
     "                            dead peers (MOED_IDLE_TIMEOUT, default 300)\n"
+    "  --max-connection-age SEC  a gRPC connection older than SEC gets GOAWAY (clients reconnect for new\n"
+    "                            calls; MOED_MAX_CONNECTION_AGE, default 0 = never)\n"
+    "  --max-connection-age-grace SEC  its calls then have SEC to finish before it is closed (default 30)\n"
     "  --stream-buffer-bytes N   responses a stream's client has not read yet; beyond, the stream's next\n"
     "                            request waits (default 64 MiB)\n"
     "  --response-buffer-bytes N the same over every stream: beyond, streams holding some pause too,\n"
     "                            and one holding its stream budget is ended with RESOURCE_EXHAUSTED\n"
     "                            (default 2 GiB)\n"
     "  --http-max-connections N  open HTTP connections; beyond: closed at accept (default 256)\n"
+    "  --fd-reserve N            descriptors kept free of connections: a connection accepted into the\n"
+    "                            last N below the open-file limit is closed at once (MOED_FD_RESERVE,\n"
+    "                            default 64; at most a quarter of the limit)\n"
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
     "  --log-json                JSON log lines (MOED_LOG_JSON=1)\n"
     "  --port-file PATH          write \"GRPC_PORT HTTP_PORT\" once listening (tests)\n"
@@ -99,6 +105,9 @@ enum {
   OPT_HTTP_CONNS,
   OPT_STREAM_BUF,
   OPT_RESPONSE_BUF,
+  OPT_FD_RESERVE,
+  OPT_CONN_AGE,
+  OPT_CONN_AGE_GRACE,
 };
 
 static const struct option options[] = {
@@ -130,6 +139,9 @@ static const struct option options[] = {
     {"http-max-connections", required_argument, NULL, OPT_HTTP_CONNS},
     {"stream-buffer-bytes", required_argument, NULL, OPT_STREAM_BUF},
     {"response-buffer-bytes", required_argument, NULL, OPT_RESPONSE_BUF},
+    {"fd-reserve", required_argument, NULL, OPT_FD_RESERVE},
+    {"max-connection-age", required_argument, NULL, OPT_CONN_AGE},
+    {"max-connection-age-grace", required_argument, NULL, OPT_CONN_AGE_GRACE},
     {"help", no_argument, NULL, OPT_HELP},
     /* Triton's spellings (usage) */
     {"grpc-address", required_argument, NULL, OPT_ADDRESS},
@@ -234,6 +246,13 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_INLINE: ok = parse_i64(v, 0, 1 << 30, &n) && (c->inline_bytes = (size_t)n, true); break;
   case OPT_HANDSHAKE: ok = parse_i64(v, 1, 3600, &n) && (c->handshake_timeout_s = (int)n, true); break;
   case OPT_IDLE: ok = parse_i64(v, 1, 86400 * 7, &n) && (c->idle_timeout_s = (int)n, true); break;
+  case OPT_CONN_AGE:
+    ok = parse_i64(v, 0, INT32_MAX / 1000, &n) && (c->max_connection_age_s = (int)n, true);
+    break;
+  case OPT_CONN_AGE_GRACE:
+    ok = parse_i64(v, 0, 86400 * 7, &n) && (c->connection_age_grace_s = (int)n, true);
+    break;
+  case OPT_FD_RESERVE: ok = parse_i64(v, 0, 1 << 20, &n) && (c->fd_reserve = (int)n, true); break;
   case OPT_HTTP_CONNS: ok = parse_i64(v, 1, 1 << 20, &n) && (c->http_max_connections = (int)n, true); break;
   case OPT_STREAM_BUF:
     ok = parse_i64(v, 1, INT64_MAX, &n) && (c->stream_buffer_bytes = (size_t)n, true);
@@ -269,6 +288,8 @@ static const struct {
     {"MOED_MAX_QUEUE_DELAY_US", OPT_QUEUE_DELAY},
     {"MOED_HANDSHAKE_TIMEOUT", OPT_HANDSHAKE},
     {"MOED_IDLE_TIMEOUT", OPT_IDLE},
+    {"MOED_FD_RESERVE", OPT_FD_RESERVE},
+    {"MOED_MAX_CONNECTION_AGE", OPT_CONN_AGE},
 };
 
 int moed_config_parse(moed_config *c, int argc, char **argv) {
@@ -293,6 +314,8 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .handshake_timeout_s = 10,
       .idle_timeout_s = 300,
       .http_max_connections = 256,
+      .fd_reserve = 64,
+      .connection_age_grace_s = 30,
       .stream_buffer_bytes = (size_t)64 << 20,
       .response_buffer_bytes = (size_t)2 << 30,
   };

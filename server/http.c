@@ -5,10 +5,12 @@
  * --http-max-connections are open (beyond: closed at accept).
  *
  * The probes check the gRPC listener itself: gRPC core stops accepting
- * for good once accept4 fails with EMFILE, and a probe that only read a
- * flag would keep answering 200 for a pod nobody can call. Each probe
- * connects to the gRPC port and expects the server's HTTP/2 SETTINGS frame
- * within PROBE_MS. */
+ * for good once accept4 fails (fd_budget.c keeps EMFILE from it; this
+ * catches what it does not), and a probe that only read a flag would keep
+ * answering 200 for a pod nobody can call. Each probe connects to the gRPC
+ * port and expects the server's HTTP/2 SETTINGS frame within PROBE_MS; a
+ * probe connection refused at accept for want of descriptors means a full
+ * server, not a stuck one: live 200, ready 503. */
 #include <http_parser.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -52,6 +54,8 @@ struct probe {
   int handles;
   conn *c; /* NULL once the requester went away */
   bool done;
+  bool ready;        /* readiness (a full server is not ready) or liveness (it is alive) */
+  uint64_t refused0; /* connections refused at accept when the probe started */
   unsigned char buf[16];
   size_t got;
 };
@@ -157,6 +161,11 @@ static void render_metrics(moed_http *h, wbuf *b) {
             "# TYPE moed_inflight_requests gauge\nmoed_inflight_requests %d\n",
             atomic_load(&s->inflight));
   wb_printf(b,
+            "# HELP moed_stream_buffered_bytes ModelStreamInfer responses queued for clients, not yet "
+            "written (bounded by --stream-buffer-bytes per stream, --response-buffer-bytes in all).\n"
+            "# TYPE moed_stream_buffered_bytes gauge\nmoed_stream_buffered_bytes %zu\n",
+            moed_rpc_buffered_bytes(s->rpc));
+  wb_printf(b,
             "# HELP moed_rejected_total Requests refused (limits, drain).\n"
             "# TYPE moed_rejected_total counter\nmoed_rejected_total %llu\n",
             (unsigned long long)atomic_load(&s->rejected));
@@ -196,6 +205,15 @@ static void render_metrics(moed_http *h, wbuf *b) {
             "# HELP moed_http_connections Open HTTP connections.\n# TYPE moed_http_connections gauge\n"
             "moed_http_connections %d\n",
             (unsigned long long)h->refused, (unsigned long long)h->timeouts, h->open);
+  uint64_t fd_reserve, fd_exhausted;
+  moed_fd_budget_refused(&fd_reserve, &fd_exhausted);
+  wb_printf(b,
+            "# HELP moed_connections_refused_total Connections (gRPC and HTTP) closed at accept: their "
+            "descriptor fell into --fd-reserve (reserve), or none was left (exhausted).\n"
+            "# TYPE moed_connections_refused_total counter\n"
+            "moed_connections_refused_total{reason=\"reserve\"} %llu\n"
+            "moed_connections_refused_total{reason=\"exhausted\"} %llu\n",
+            (unsigned long long)fd_reserve, (unsigned long long)fd_exhausted);
   wb_printf(
       b, "# HELP moed_ready Whether the server accepts inference.\n# TYPE moed_ready gauge\nmoed_ready %d\n",
       atomic_load(&s->ready) ? 1 : 0);
@@ -280,14 +298,25 @@ static void probe_closed(uv_handle_t *hd) {
   if (--pr->handles == 0) free(pr);
 }
 
+static uint64_t refusals(void) {
+  uint64_t reserve, exhausted;
+  moed_fd_budget_refused(&reserve, &exhausted);
+  return reserve + exhausted;
+}
+
 static void probe_finish(probe *pr, bool ok) {
   if (pr->done) return;
   pr->done = true;
   conn *c = pr->c;
+  /* refused at accept (the count moved while the probe waited): the listener
+   * works and descriptors are full up to the reserve; alive, not ready */
+  bool full = !ok && refusals() > pr->refused0;
   if (c) {
     c->pr = NULL;
-    if (ok)
+    if (ok || (full && !pr->ready))
       respond(c, 200, "OK", "text/plain", "", 0);
+    else if (full)
+      respond(c, 503, "Service Unavailable", "text/plain", "at the connection limit\n", 24);
     else
       respond(c, 503, "Service Unavailable", "text/plain", "grpc listener not answering\n", 28);
   }
@@ -335,7 +364,7 @@ static void probe_connected(uv_connect_t *cr, int status) {
 }
 
 /* Answers c once the gRPC port has (200) or has not (503) answered. */
-static void probe_start(conn *c) {
+static void probe_start(conn *c, bool ready) {
   moed_server *s = c->h->srv;
   probe *pr = calloc(1, sizeof *pr);
   if (!pr || !c->h->grpc_ok) {
@@ -348,6 +377,8 @@ static void probe_start(conn *c) {
   pr->handles = 2;
   pr->tcp.data = pr->timer.data = pr->creq.data = pr;
   pr->c = c;
+  pr->ready = ready;
+  pr->refused0 = refusals();
   c->pr = pr;
   uv_timer_start(&pr->timer, probe_timeout, PROBE_MS, 0);
   if (uv_tcp_connect(&pr->creq, &pr->tcp, (const struct sockaddr *)&c->h->grpc, probe_connected) != 0)
@@ -373,10 +404,10 @@ static int on_message_complete(http_parser *p) {
     if (atomic_load(&s->draining)) /* the gRPC port closes on purpose; the exit is bounded by the drain */
       respond(c, 200, "OK", "text/plain", "", 0);
     else
-      probe_start(c);
+      probe_start(c, false);
   } else if (strcmp(c->url, "/v2/health/ready") == 0) {
     if (atomic_load(&s->ready))
-      probe_start(c);
+      probe_start(c, true);
     else
       respond(c, 503, "Service Unavailable", "text/plain", "", 0);
   } else {
@@ -470,6 +501,8 @@ int moed_http_start(moed_server *s, const char *address, int port, moed_http **o
   h->tcp.data = h;
   int rc = uv_tcp_bind(&h->tcp, (const struct sockaddr *)&addr, 0);
   if (rc == 0) rc = uv_listen((uv_stream_t *)&h->tcp, 128, on_connection);
+  uv_os_fd_t lfd;
+  if (rc == 0 && uv_fileno((uv_handle_t *)&h->tcp, &lfd) == 0) moed_fd_budget_side_listener(lfd);
   if (rc != 0) {
     moed_log(MOED_LOG_ERROR, "bind_failed", "http %s:%d: %s", address, port, uv_strerror(rc));
     moed_http_stop(h);

@@ -90,12 +90,12 @@ void moed_request_reject(moed_server *srv, moed_request *req, grpc_status_code c
 
 void moed_infer_finish(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *msg,
                        grpc_byte_buffer *resp, const moed_timing *t, uint64_t bytes_out) {
-  respond(r->req, r->msg ? r->msg->id : NULL, code, msg, resp);
-  if (r->model) {
+  if (r->model) { /* before the answer: a client that reads ModelStatistics next finds its request */
     uint64_t now = moed_now_ns(), start = t && t->start_ns ? t->start_ns : now;
     moed_stats_record(r->model->stats, code == GRPC_STATUS_OK, start - r->req->received_ns, t,
                       now - r->req->received_ns, r->bytes_in, bytes_out);
   }
+  respond(r->req, r->msg ? r->msg->id : NULL, code, msg, resp);
   req_free(r);
   atomic_fetch_sub(&srv->inflight, 1);
 }

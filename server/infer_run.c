@@ -162,6 +162,11 @@ static grpc_status_code run_call(run_ctx *c, const moed_model *m, const moe_name
   moe_error err = {{0}};
   moe_status ms = moe_op_prepare(m->op, in, n_in, &mp, m->set, &c->call, &err);
   if (ms != MOE_OK) return moed_failf(c->err, moed_status_from_moe(ms), "%s", err.msg);
+  /* a call the worker's backend has no kernel for (a fused_moe scheme or
+   * biases the GPU lacks) runs on its host fallback, as whole ops do
+   * (moed_infer_run); without one, moe_call_run answers UNIMPLEMENTED */
+  if (c->b && moe_call_check_backend(c->call, c->b, NULL) != MOE_OK)
+    c->b = moed_devices_fallback(c->srv->devices, c->b);
   c->num_out = moe_call_num_outputs(c->call);
   if (c->num_out > MOED_MAX_TENSORS)
     return moed_failf(c->err, GRPC_STATUS_INTERNAL, "op has too many outputs");

@@ -16,7 +16,7 @@
 #include "moe/ops.h"
 
 /* Tensors of one request (inputs) or of one response (outputs). */
-#define MOED_MAX_TENSORS 16
+#define MOED_MAX_TENSORS 24
 
 /* ---- reading: one field iterator ------------------------------------------------------ */
 

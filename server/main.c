@@ -1,15 +1,18 @@
 /* moed: entry point. Builds the pieces, runs the loop, and drives the
- * graceful drain: SIGTERM/SIGINT -> not ready, new inference refused,
- * in-flight work completes (bounded by --drain-timeout: past it, running
- * ops stop at their next work item and their calls get UNAVAILABLE), gRPC
- * shut down, exit 0. */
+ * graceful drain: SIGTERM/SIGINT -> not ready, new inference and uploads
+ * refused, in-flight work and uploads in progress complete (bounded by
+ * --drain-timeout: past it, running ops stop at their next work item and
+ * their calls get UNAVAILABLE, uploads are cancelled), gRPC shut down,
+ * exit 0; EXIT_MARGIN_S after the timeout the process exits whatever runs. */
 #include <errno.h>
 #include <malloc.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "moed.h"
 
@@ -45,12 +48,15 @@ static void on_tick(uv_timer_t *t) {
   moed_health_changed(s);
   moed_devices_poll(s->devices); /* sets unloaded or replaced leave the devices */
   uint64_t now = moed_now_ns();
-  if (a->stage == 1 && (atomic_load(&s->inflight) == 0 || now >= a->stage_deadline_ns)) {
+  int uploads = moed_upload_count(s);
+  if (a->stage == 1 && ((atomic_load(&s->inflight) == 0 && uploads == 0) || now >= a->stage_deadline_ns)) {
     if (atomic_load(&s->inflight)) {
       moed_log(MOED_LOG_WARN, "drain_timeout", "%d requests still in flight: their work is stopped",
                atomic_load(&s->inflight));
       atomic_store(&s->stop_work, true); /* the exit is bounded by the timeout, not by the longest op */
     }
+    if (uploads) /* cancelled with the open streams below */
+      moed_log(MOED_LOG_WARN, "drain_timeout", "%d uploads still in progress: they are cut off", uploads);
     moed_health_close(s);
     moed_rpc_shutdown(s->rpc);
     a->stage = 2;
@@ -68,11 +74,40 @@ static void on_tick(uv_timer_t *t) {
   }
 }
 
+/* The exit's hard bound: whatever still runs EXIT_MARGIN_S past the drain
+ * timeout (an op without a stop check, a shutdown step that hangs) is
+ * abandoned, so a pod's grace period of --drain-timeout + 5 s always holds. */
+#define EXIT_MARGIN_S 4
+
+static void *exit_watchdog(void *arg) {
+  const uint64_t deadline = *(const uint64_t *)arg;
+  struct timespec t = {(time_t)(deadline / 1000000000u), (long)(deadline % 1000000000u)};
+  while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &t, NULL) == EINTR) {
+  }
+  moed_log(MOED_LOG_ERROR, "exit_forced", "still running %d s after the drain timeout: exiting now",
+           EXIT_MARGIN_S);
+  _exit(1);
+  return NULL;
+}
+
+static void start_exit_watchdog(double drain_timeout_s) {
+  static uint64_t deadline;
+  deadline = moed_now_ns() + (uint64_t)((drain_timeout_s + EXIT_MARGIN_S) * 1e9);
+  pthread_attr_t attr;
+  pthread_t t;
+  pthread_attr_init(&attr);
+  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+  if (pthread_create(&t, &attr, exit_watchdog, &deadline) != 0)
+    moed_log(MOED_LOG_WARN, "draining", "no exit watchdog: the exit waits for running work");
+  pthread_attr_destroy(&attr);
+}
+
 static void on_signal(uv_signal_t *h, int signum) {
   app *a = h->data;
   if (a->stage == 0) {
-    moed_log(MOED_LOG_INFO, "draining", "signal %d: not ready, %d in flight, drain timeout %.1fs", signum,
-             atomic_load(&a->srv.inflight), a->cfg.drain_timeout_s);
+    moed_log(MOED_LOG_INFO, "draining", "signal %d: not ready, %d in flight, %d uploads, drain timeout %.1fs",
+             signum, atomic_load(&a->srv.inflight), moed_upload_count(&a->srv), a->cfg.drain_timeout_s);
+    start_exit_watchdog(a->cfg.drain_timeout_s);
     atomic_store(&a->srv.ready, false);
     atomic_store(&a->srv.draining, true);
     moed_health_changed(&a->srv);
@@ -101,14 +136,10 @@ int main(int argc, char **argv) {
   if (rc) return rc > 0 ? 0 : 2;
   moed_log_init(a.cfg.log_level, a.cfg.log_json);
   signal(SIGPIPE, SIG_IGN);
-  /* every descriptor the hard limit allows: gRPC core never recovers from
-   * an accept that failed with EMFILE (the HTTP probes report it) */
-  struct rlimit fds;
-  if (getrlimit(RLIMIT_NOFILE, &fds) == 0 && fds.rlim_cur < fds.rlim_max) {
-    fds.rlim_cur = fds.rlim_max;
-    if (setrlimit(RLIMIT_NOFILE, &fds) != 0)
-      moed_log(MOED_LOG_WARN, "fd_limit", "could not raise the open-file limit: %s", strerror(errno));
-  }
+  /* every descriptor the hard limit allows, connections kept out of the last
+   * --fd-reserve, and no accept that fails with EMFILE: gRPC core's listener
+   * never recovers from one (fd_budget.c; the HTTP probes would report it) */
+  moed_fd_budget_init(a.cfg.fd_reserve);
   /* Multi-MiB tensors: keep freed memory in the heap instead of mmap/munmap
    * per request (fresh pages fault 2-3x slower). */
   mallopt(M_MMAP_THRESHOLD, 32 << 20);

@@ -53,7 +53,10 @@ typedef struct moed_config {
   size_t inline_bytes;          /* unbatched requests up to this size run on the CQ thread (host backends) */
   int handshake_timeout_s;      /* gRPC handshake / whole HTTP request, else the connection is closed */
   int idle_timeout_s;           /* gRPC connection without calls: closed */
+  int max_connection_age_s;     /* gRPC connection older: GOAWAY (0 = none) */
+  int connection_age_grace_s;   /* ... then closed this much later */
   int http_max_connections;     /* open HTTP connections; beyond: closed at accept */
+  int fd_reserve;               /* descriptors kept from connections (fd_budget.c) */
   size_t stream_buffer_bytes;   /* unsent responses of one stream; beyond: its reads pause */
   size_t response_buffer_bytes; /* of all streams; beyond: a stream holding some is ended */
 } moed_config;
@@ -142,6 +145,8 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
                    moed_inline_fn try_inline, void *arg, moed_rpc_server **out, int *bound_port);
 /* Calls accepted and not yet freed. */
 int moed_rpc_active(moed_rpc_server *s);
+/* Stream responses queued for clients and not yet written (any thread). */
+size_t moed_rpc_buffered_bytes(moed_rpc_server *s);
 /* Shutdown in steps driven by the loop (which keeps serving hand-offs
  * meanwhile): stop accepting; cancel what is left; quiet = the server's
  * shutdown finished and every call is freed; then destroy (joins the CQ
@@ -407,6 +412,20 @@ void moed_weight_cache_stats_get(moed_weight_cache *c, moed_weight_cache_stats *
 
 /* One message of an upload stream (payload NULL: the client closed). */
 void moed_upload_handle(moed_server *s, moed_request *req);
+/* Uploads in progress (the drain waits for them; loop thread). */
+int moed_upload_count(const moed_server *s);
+
+/* ---- fd_budget.c: descriptors for connections, a reserve kept --------------- */
+
+/* Raises the open-file limit to the hard limit; from then on an accepted
+ * connection (gRPC's or HTTP's) whose descriptor would fall into the last
+ * `reserve` ones is closed at once, and accept never fails with EMFILE. */
+void moed_fd_budget_init(int reserve);
+/* Connections on listener fd (the HTTP port) may use the first half of the
+ * reserve: its probes answer while gRPC connections fill the rest. */
+void moed_fd_budget_side_listener(int fd);
+/* Connections closed at accept: into the reserve; with no descriptor left. */
+void moed_fd_budget_refused(uint64_t *reserve, uint64_t *exhausted);
 
 /* ---- http.c: metrics and probes -------------------------------------------- */
 

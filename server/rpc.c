@@ -636,12 +636,14 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
   s->stream_bytes = cfg->stream_buffer_bytes;
   s->total_bytes = cfg->response_buffer_bytes;
   int max_msg = cfg->max_message_bytes > (size_t)INT32_MAX ? INT32_MAX : (int)cfg->max_message_bytes;
-  /* Connections cannot pile up (issue 13): gRPC core stops accepting for
-   * good once accept4 fails with EMFILE, so a connection that never
-   * completes its handshake, or holds no calls, is closed, and keepalive
-   * pings (at most one per idle interval, answers within 20 s) find peers
-   * that went away. */
+  /* Connections cannot pile up (issue 13; fd_budget.c keeps them out of
+   * the descriptor reserve): a connection that never completes its
+   * handshake, or holds no calls, is closed; keepalive pings (at most one
+   * per idle interval, answers within 20 s) find peers that went away; with
+   * --max-connection-age even a busy connection is asked to go (GOAWAY,
+   * then closed after the grace). */
   const int idle_ms = cfg->idle_timeout_s > INT32_MAX / 1000 ? INT32_MAX : cfg->idle_timeout_s * 1000;
+  const int age_ms = cfg->max_connection_age_s ? cfg->max_connection_age_s * 1000 : INT32_MAX;
   const struct {
     const char *key;
     int value;
@@ -650,6 +652,8 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
       {GRPC_ARG_MAX_CONNECTION_IDLE_MS, idle_ms},
       {GRPC_ARG_KEEPALIVE_TIME_MS, idle_ms},
       {GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000},
+      {GRPC_ARG_MAX_CONNECTION_AGE_MS, age_ms},
+      {GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, cfg->connection_age_grace_s * 1000},
   };
   grpc_arg args[3 + sizeof ints / sizeof ints[0]];
   memset(args, 0, sizeof args);
@@ -737,6 +741,8 @@ void moed_rpc_shutdown(moed_rpc_server *s) {
 }
 
 void moed_rpc_cancel_all(moed_rpc_server *s) { grpc_server_cancel_all_calls(s->server); }
+
+size_t moed_rpc_buffered_bytes(moed_rpc_server *s) { return s ? atomic_load(&s->buffered) : 0; }
 
 bool moed_rpc_quiet(moed_rpc_server *s) {
   return atomic_load(&s->shutdown_done) && atomic_load(&s->live_calls) == 0;

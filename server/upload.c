@@ -388,3 +388,10 @@ void moed_upload_handle(moed_server *s, moed_request *req) {
     upload_after(&u->work, 0);
   }
 }
+
+int moed_upload_count(const moed_server *s) {
+  int n = 0;
+  for (const moed_upload *u = s->uploads; u; u = u->next)
+    n++;
+  return n;
+}

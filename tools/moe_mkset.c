@@ -16,7 +16,7 @@ static void usage(FILE *f) {
              "Writes DIR/config.json and DIR/weights.safetensors with seeded random weights.\n"
              "\n"
              "  --out DIR                 directory to write (created, parents too)\n"
-             "  --scheme S                bf16 (default), fp16 or wna16\n"
+             "  --scheme S                bf16 (default), fp16, wna16, fp8 or mxfp4\n"
              "  --experts N               experts held in this set\n"
              "  --hidden H                hidden size\n"
              "  --intermediate I          intermediate size (per expert)\n"
@@ -24,6 +24,12 @@ static void usage(FILE *f) {
              "  --bits B                  wna16: 4 (default) or 8\n"
              "  --group-size G            wna16: divides H and I, or -1 (default) for one group per row\n"
              "  --zero-points             wna16: write zero points (default: implicit 8 / 128)\n"
+             "  --weight-scale L          fp8: per_tensor (default), per_channel or block\n"
+             "  --block-n BN              fp8 block: rows per scale block (default 128)\n"
+             "  --block-k BK              fp8 block: columns per scale block, divides H and I (default 128)\n"
+             "  --activation-scales       fp8 per_tensor: write static a13_scale / a2_scale\n"
+             "  --exact-division          fp8: quantize activations with x / s (default x * (1 / s))\n"
+             "  --bias                    write expert biases w13_bias, w2_bias (any scheme)\n"
              "  --offset N                first global expert id held here (default 0)\n"
              "  --global-experts N        experts of the whole layer (default: --experts)\n"
              "  --top-k K                 routing: experts per token (default 1)\n"
@@ -68,6 +74,12 @@ enum {
   OPT_BITS,
   OPT_GROUP_SIZE,
   OPT_ZERO_POINTS,
+  OPT_WEIGHT_SCALE,
+  OPT_BLOCK_N,
+  OPT_BLOCK_K,
+  OPT_ACT_SCALES,
+  OPT_EXACT_DIVISION,
+  OPT_BIAS,
   OPT_OFFSET,
   OPT_GLOBAL_EXPERTS,
   OPT_TOP_K,
@@ -89,6 +101,12 @@ static const struct option long_options[] = {
     {"bits", required_argument, NULL, OPT_BITS},
     {"group-size", required_argument, NULL, OPT_GROUP_SIZE},
     {"zero-points", no_argument, NULL, OPT_ZERO_POINTS},
+    {"weight-scale", required_argument, NULL, OPT_WEIGHT_SCALE},
+    {"block-n", required_argument, NULL, OPT_BLOCK_N},
+    {"block-k", required_argument, NULL, OPT_BLOCK_K},
+    {"activation-scales", no_argument, NULL, OPT_ACT_SCALES},
+    {"exact-division", no_argument, NULL, OPT_EXACT_DIVISION},
+    {"bias", no_argument, NULL, OPT_BIAS},
     {"offset", required_argument, NULL, OPT_OFFSET},
     {"global-experts", required_argument, NULL, OPT_GLOBAL_EXPERTS},
     {"top-k", required_argument, NULL, OPT_TOP_K},
@@ -130,6 +148,15 @@ int main(int argc, char **argv) {
     case OPT_BITS: rc = parse_int(name, optarg, &bits); break;
     case OPT_GROUP_SIZE: rc = parse_int(name, optarg, &cfg.group_size); break;
     case OPT_ZERO_POINTS: cfg.has_zero_points = true; break;
+    case OPT_WEIGHT_SCALE:
+      if (!(rc = parse_choice(name, optarg, moe_weight_scale_names, &choice)))
+        cfg.weight_scale = (moe_weight_scale)choice;
+      break;
+    case OPT_BLOCK_N: rc = parse_int(name, optarg, &cfg.block_n); break;
+    case OPT_BLOCK_K: rc = parse_int(name, optarg, &cfg.block_k); break;
+    case OPT_ACT_SCALES: cfg.has_act_scales = true; break;
+    case OPT_EXACT_DIVISION: cfg.exact_division = true; break;
+    case OPT_BIAS: cfg.has_bias = true; break;
     case OPT_OFFSET: rc = parse_int(name, optarg, &cfg.expert_offset); break;
     case OPT_GLOBAL_EXPERTS: rc = parse_int(name, optarg, &global); break;
     case OPT_TOP_K: rc = parse_int(name, optarg, &cfg.routing.top_k); break;

@@ -2,6 +2,7 @@
 #ifndef MOE_CPU_CPU_H
 #define MOE_CPU_CPU_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "moe/backend.h"
@@ -26,5 +27,11 @@ int moe_cpu_threads_for(const moe_backend *b, size_t elements);
  * backend and reused across calls, so hot paths never allocate per call.
  * Valid until the next call of this function on `b`. NULL when out of memory. */
 void *moe_cpu_workspace(moe_backend *b, size_t bytes);
+
+/* fused_moe's fp8 activations (docs/numerics.md "Weight scheme fp8"): the
+ * n fp32 values v are quantized to e4m3fn as quant.per_token_group does one
+ * group (static_scale <= 0: the dynamic scale of the group; else quant.per_tensor's
+ * static scale) and replaced by their codes' exact values; returns the scale. */
+float moe_cpu_fp8_quant_group(float *v, size_t n, float static_scale, bool exact_division);
 
 #endif

@@ -15,7 +15,16 @@
  * l + 8, then + 4, + 2, + 1). A token's dot products read only its own row
  * and the weights, and one code path serves 1 token or 1000 per expert: the
  * same bits alone or in any batch. The lanes are plain arrays, so vector
- * width (and the ISA clone picked) never changes a result. */
+ * width (and the ISA clone picked) never changes a result.
+ *
+ * fp8 weights (docs/numerics.md "Weight scheme fp8") take the same path
+ * with two parameters: each GEMM's K axis is cut into its scale blocks
+ * (k_layout: one block of K for every other scheme), the GEMM input is
+ * quantized to e4m3fn first (x in phase 0 or, with static scales, per
+ * expert in phase 1; a between phases 1 and 2), and strip_gemm scales each
+ * block's dot product (gemm_scales) and adds them in ascending order.
+ * Expert biases (every scheme) are added to the GEMM sums before the
+ * rounding of g, u and y. */
 #include <math.h>
 #include <stdatomic.h>
 #include <string.h>
@@ -94,15 +103,65 @@ static MOE_CPU_HOT void dot_rows1(const float *const *x, const float *w, size_t 
     out[r] = lanes_sum(a0[r]);
 }
 
-/* tile[m * STRIP + n] = x[m] . strip[n] for every strip row n. */
-static void strip_gemm(int mr, const float *const *x, const float *strip, size_t ld, int64_t kp,
-                       float *tile) {
+/* A GEMM's K axis as rows are laid out for the dot kernels: `blocks`
+ * blocks of `len` columns, each zero-padded to `pad` (a multiple of LANES),
+ * `stride` = blocks * pad floats a row. One block of K columns except for
+ * fp8 weights with block scales (BK columns each). */
+typedef struct k_layout {
+  int64_t blocks, len, pad, stride;
+} k_layout;
+
+static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
+
+static k_layout k_layout_of(const moe_weight_matrix *w) {
+  k_layout l = {w->cols / w->kblock, w->kblock, round_up(w->kblock, LANES), 0};
+  l.stride = l.blocks * l.pad;
+  return l;
+}
+
+/* Where column j of a row sits. */
+static inline int64_t k_pos(const k_layout *l, int64_t j) {
+  return l->blocks == 1 ? j : (j / l->len) * l->pad + j % l->len;
+}
+
+/* fp8: the scales of one strip GEMM, one per K block of each token row
+ * (activations) and each strip row (weights; one when not blockwise). */
+typedef struct gemm_scales {
+  const float *sx[MR];
+  const float *sw[STRIP];
+  bool blockwise; /* acc = SUM_b p_b * (sx_b * sw_b); else acc = (p * sx) * sw */
+} gemm_scales;
+
+/* tile[m * STRIP + n] = x[m] . strip[n] for every strip row n; with
+ * scales, the scaled block sums of docs/numerics.md "Weight scheme fp8". */
+static void strip_gemm(int mr, const float *const *x, const float *strip, size_t ld, const k_layout *l,
+                       const gemm_scales *sc, float *tile) {
   float out[MR * NR] = {0};
   for (int n0 = 0; n0 < STRIP; n0 += NR) {
-    (mr == MR ? dot_rows4 : dot_rows1)(x, strip + (size_t)n0 * ld, ld, kp, out);
+    const float *w = strip + (size_t)n0 * ld;
+    if (!sc) {
+      (mr == MR ? dot_rows4 : dot_rows1)(x, w, ld, l->stride, out);
+      for (int m = 0; m < mr; m++)
+        for (int r = 0; r < NR; r++)
+          tile[m * STRIP + n0 + r] = out[m * NR + r];
+      continue;
+    }
+    float acc[MR * NR] = {0};
+    for (int64_t b = 0; b < l->blocks; b++) {
+      const size_t off = (size_t)(b * l->pad);
+      const float *xb[MR];
+      for (int m = 0; m < mr; m++)
+        xb[m] = x[m] + off;
+      (mr == MR ? dot_rows4 : dot_rows1)(xb, w + off, ld, l->pad, out);
+      for (int m = 0; m < mr; m++)
+        for (int r = 0; r < NR; r++) {
+          const float p = out[m * NR + r], sx = sc->sx[m][b], sw = sc->sw[n0 + r][b];
+          acc[m * NR + r] = sc->blockwise ? acc[m * NR + r] + p * (sx * sw) : (p * sx) * sw;
+        }
+    }
     for (int m = 0; m < mr; m++)
       for (int r = 0; r < NR; r++)
-        tile[m * STRIP + n0 + r] = out[m * NR + r];
+        tile[m * STRIP + n0 + r] = acc[m * NR + r];
   }
 }
 
@@ -117,7 +176,8 @@ typedef struct fused_ctx {
   moe_weight_matrix w13, w2;
   moe_activation activation;
   moe_dtype act;
-  int64_t hidden, inter, hidden_p, inter_p; /* H, I and both padded to LANES */
+  int64_t hidden, inter;
+  k_layout kx, ka; /* the K axes of the gate_up GEMM (x: H) and the down GEMM (a: I) */
   int64_t top_k, local_experts, expert_offset;
   const moe_tensor *x; /* hidden_states [T, H] */
   moe_tensor *out;     /* output [T, H] */
@@ -125,12 +185,16 @@ typedef struct fused_ctx {
   const float *weights;
   /* the chunk being processed: tokens [t0, t0 + tokens) */
   int64_t t0, tokens;
-  float *xf;          /* [tokens, hidden_p]: hidden_states in fp32, zero-padded */
+  float *xf;          /* [tokens, kx.stride]: hidden_states in fp32 (fp8: their codes' values unless
+                         static scales), zero-padded */
+  float *xs;          /* fp8, dynamic: [tokens, kx.blocks] the scales of xf */
   int32_t *expert_of; /* [tokens * k]: local expert of each slot, -1 when not here */
   int32_t *order;     /* [tokens * k]: slots grouped by expert */
   int64_t *start;     /* [local_experts + 1]: each expert's range in order[] */
   int64_t *cursor;    /* [local_experts] */
-  float *a;           /* [tokens * k, inter_p]: activations, rows in order[] order */
+  float *a;           /* [tokens * k, ka.stride]: activations, rows in order[] order (fp8: quantized
+                         between phases 1 and 2) */
+  float *as;          /* fp8: [tokens * k, ka.blocks] the scales of a */
   float *y;           /* [tokens * k, hidden]: act(routed expert output), rows by slot */
   work_item *items1, *items2;
   int64_t n_items1, n_items2;
@@ -165,52 +229,109 @@ static inline float activate(moe_activation fn, float g, float u, moe_dtype act)
 
 /* Zeroes what the dot kernels read beyond the dequantized values: padding
  * columns of the rows in use and whole rows that are not. */
-static void strip_pad(float *strip, size_t ld, int64_t cols, const bool *used) {
+static void strip_pad(float *strip, const k_layout *l, const bool *used) {
+  const size_t ld = (size_t)l->stride;
   for (int r = 0; r < STRIP; r++) {
     float *row = strip + (size_t)r * ld;
-    if (used[r])
-      memset(row + cols, 0, (ld - (size_t)cols) * sizeof(float));
-    else
+    if (!used[r]) {
       memset(row, 0, ld * sizeof(float));
+      continue;
+    }
+    for (int64_t b = 0; b < l->blocks; b++)
+      memset(row + b * l->pad + l->len, 0, (size_t)(l->pad - l->len) * sizeof(float));
   }
 }
 
-static void gate_up_item(const fused_ctx *f, const work_item *it, float *strip, float *tile) {
+/* Weight rows [n0, n0 + nrows) of expert e into strip rows from dst, block
+ * by block of the K layout. */
+static void dequant_rows(const moe_weight_matrix *w, const k_layout *l, int64_t e, int64_t n0, int64_t nrows,
+                         float *dst) {
+  for (int64_t b = 0; b < l->blocks; b++)
+    w->fmt->dequant(w, e, n0, nrows, b * l->len, l->len, dst + b * l->pad, (size_t)l->stride);
+}
+
+/* The W13 row of strip row r of an item at i0 with ni units (any valid
+ * row for strip rows not in use). */
+static int64_t gate_up_row(const fused_ctx *f, int64_t i0, int64_t ni, int r) {
+  if (f->activation == MOE_ACT_SWIGLU_OAI) return r < 2 * ni ? 2 * i0 + r : 2 * i0;
+  if (r < HALF) return r < ni ? i0 + r : i0;
+  return r - HALF < ni ? f->inter + i0 + (r - HALF) : i0;
+}
+
+static void gate_up_item(const fused_ctx *f, const work_item *it, float *strip, float *tile, float *xq) {
   const moe_weight_matrix *w = &f->w13;
-  const int64_t i0 = it->n0, ni = f->inter - i0 < HALF ? f->inter - i0 : HALF;
+  const int64_t i0 = it->n0, ni = f->inter - i0 < HALF ? f->inter - i0 : HALF, e = it->expert;
   const bool interleaved = f->activation == MOE_ACT_SWIGLU_OAI; /* gate at even rows of W13 */
-  const size_t ld = (size_t)f->hidden_p;
+  const k_layout *l = &f->kx;
+  const size_t ld = (size_t)l->stride;
   bool used[STRIP] = {false};
   if (interleaved) {
-    w->fmt->dequant(w, it->expert, 2 * i0, 2 * ni, 0, f->hidden, strip, ld);
+    dequant_rows(w, l, e, 2 * i0, 2 * ni, strip);
     for (int64_t r = 0; r < 2 * ni; r++)
       used[r] = true;
   } else { /* gate rows to strip rows [0, HALF), up rows to [HALF, STRIP) */
-    w->fmt->dequant(w, it->expert, i0, ni, 0, f->hidden, strip, ld);
-    w->fmt->dequant(w, it->expert, f->inter + i0, ni, 0, f->hidden, strip + HALF * ld, ld);
+    dequant_rows(w, l, e, i0, ni, strip);
+    dequant_rows(w, l, e, f->inter + i0, ni, strip + HALF * ld);
     for (int64_t r = 0; r < ni; r++)
       used[r] = used[HALF + r] = true;
   }
-  strip_pad(strip, ld, f->hidden, used);
-  const int64_t begin = f->start[it->expert], end = f->start[it->expert + 1];
+  strip_pad(strip, l, used);
+  gemm_scales sc = {.blockwise = w->blockwise};
+  if (w->scaled)
+    for (int r = 0; r < STRIP; r++)
+      sc.sw[r] = moe_weight_row_scales(w, e, gate_up_row(f, i0, ni, r));
+  const int64_t begin = f->start[e], end = f->start[e + 1];
   for (int64_t p = begin; p < end;) {
     const int mr = end - p >= MR ? MR : 1;
     const float *x[MR];
-    for (int m = 0; m < mr; m++)
-      x[m] = f->xf + (size_t)(f->order[p + m] / f->top_k) * ld;
-    strip_gemm(mr, x, strip, ld, f->hidden_p, tile);
+    for (int m = 0; m < mr; m++) {
+      const int64_t tl = f->order[p + m] / f->top_k;
+      x[m] = f->xf + (size_t)tl * ld;
+      if (!w->scaled) continue;
+      if (w->act_scales) { /* static: the expert's scale (one block: per_tensor) */
+        float *q = xq + (size_t)m * ld;
+        memcpy(q, x[m], ld * sizeof(float));
+        moe_cpu_fp8_quant_group(q, (size_t)f->hidden, w->act_scales[e], w->exact_division);
+        x[m] = q;
+        sc.sx[m] = &w->act_scales[e];
+      } else {
+        sc.sx[m] = f->xs + (size_t)tl * (size_t)l->blocks;
+      }
+    }
+    strip_gemm(mr, x, strip, ld, l, w->scaled ? &sc : NULL, tile);
     for (int m = 0; m < mr; m++) {
       const float *t = tile + m * STRIP;
-      float *a = f->a + (size_t)(p + m) * (size_t)f->inter_p + i0;
+      float *a = f->a + (size_t)(p + m) * (size_t)f->ka.stride;
       for (int64_t i = 0; i < ni; i++) {
-        const float g = act_round(t[interleaved ? 2 * i : i], f->act);
-        const float u = act_round(t[interleaved ? 2 * i + 1 : HALF + i], f->act);
-        a[i] = activate(f->activation, g, u, f->act);
+        const int cg = interleaved ? (int)(2 * i) : (int)i,
+                  cu = interleaved ? (int)(2 * i + 1) : HALF + (int)i;
+        float sg = t[cg], su = t[cu];
+        if (w->bias) { /* the bias follows its weight row */
+          sg += moe_weight_bias(w, e, gate_up_row(f, i0, ni, cg));
+          su += moe_weight_bias(w, e, gate_up_row(f, i0, ni, cu));
+        }
+        a[k_pos(&f->ka, i0 + i)] =
+            activate(f->activation, act_round(sg, f->act), act_round(su, f->act), f->act);
       }
-      if (i0 + ni == f->inter) /* the down GEMM reads the padding */
-        memset(a + ni, 0, (size_t)(f->inter_p - f->inter) * sizeof(float));
+      if (i0 + ni == f->inter && f->ka.blocks == 1) /* the down GEMM reads the padding */
+        memset(a + f->inter, 0, (size_t)(f->ka.stride - f->inter) * sizeof(float));
     }
     p += mr;
+  }
+}
+
+/* fp8: row p of a to e4m3fn codes' values, one scale per K block (the
+ * expert's static a2_scale, or dynamic per block); block padding zeroed. */
+static void quantize_a(const fused_ctx *f, int64_t p) {
+  const moe_weight_matrix *w = &f->w2;
+  const k_layout *l = &f->ka;
+  float *row = f->a + (size_t)p * (size_t)l->stride, *s = f->as + (size_t)p * (size_t)l->blocks;
+  const int64_t e = f->expert_of[f->order[p]];
+  const float st = w->act_scales ? w->act_scales[e] : 0.0f;
+  for (int64_t b = 0; b < l->blocks; b++) {
+    float *blk = row + b * l->pad;
+    s[b] = moe_cpu_fp8_quant_group(blk, (size_t)l->len, st, w->exact_division);
+    memset(blk + l->len, 0, (size_t)(l->pad - l->len) * sizeof(float));
   }
 }
 
@@ -218,26 +339,36 @@ static void gate_up_item(const fused_ctx *f, const work_item *it, float *strip, 
 
 static void down_item(const fused_ctx *f, const work_item *it, float *strip, float *tile) {
   const moe_weight_matrix *w = &f->w2;
-  const int64_t h0 = it->n0, nh = f->hidden - h0 < STRIP ? f->hidden - h0 : STRIP;
-  const size_t ld = (size_t)f->inter_p;
+  const int64_t h0 = it->n0, nh = f->hidden - h0 < STRIP ? f->hidden - h0 : STRIP, e = it->expert;
+  const k_layout *l = &f->ka;
+  const size_t ld = (size_t)l->stride;
   bool used[STRIP] = {false};
-  w->fmt->dequant(w, it->expert, h0, nh, 0, f->inter, strip, ld);
+  dequant_rows(w, l, e, h0, nh, strip);
   for (int64_t r = 0; r < nh; r++)
     used[r] = true;
-  strip_pad(strip, ld, f->inter, used);
-  const int64_t begin = f->start[it->expert], end = f->start[it->expert + 1];
+  strip_pad(strip, l, used);
+  gemm_scales sc = {.blockwise = w->blockwise};
+  if (w->scaled)
+    for (int r = 0; r < STRIP; r++)
+      sc.sw[r] = moe_weight_row_scales(w, e, h0 + (r < nh ? r : 0));
+  const int64_t begin = f->start[e], end = f->start[e + 1];
   for (int64_t p = begin; p < end;) {
     const int mr = end - p >= MR ? MR : 1;
     const float *x[MR];
-    for (int m = 0; m < mr; m++)
+    for (int m = 0; m < mr; m++) {
       x[m] = f->a + (size_t)(p + m) * ld;
-    strip_gemm(mr, x, strip, ld, f->inter_p, tile);
+      sc.sx[m] = f->as + (size_t)(p + m) * (size_t)l->blocks;
+    }
+    strip_gemm(mr, x, strip, ld, l, w->scaled ? &sc : NULL, tile);
     for (int m = 0; m < mr; m++) {
       const int64_t slot = f->order[p + m];
       const float rw = f->weights[f->t0 * f->top_k + slot];
       float *y = f->y + (size_t)slot * (size_t)f->hidden + h0;
-      for (int64_t r = 0; r < nh; r++)
-        y[r] = act_round(tile[m * STRIP + r] * rw, f->act);
+      for (int64_t r = 0; r < nh; r++) {
+        float v = tile[m * STRIP + r];
+        if (w->bias) v += moe_weight_bias(w, e, h0 + r); /* before the routed weight */
+        y[r] = act_round(v * rw, f->act);
+      }
     }
     p += mr;
   }
@@ -245,12 +376,21 @@ static void down_item(const fused_ctx *f, const work_item *it, float *strip, flo
 
 /* ---- phase 0 and 3: conversion in, the sum over k out ------------------------------ */
 
+/* Row tl of xf: hidden_states in fp32 in the K layout; fp8 with dynamic
+ * scales: quantized per block (quant.per_token_group with G = BK, or
+ * quant.per_token over one block of H). */
 static void convert_token(const fused_ctx *f, int64_t tl) {
-  float *row = f->xf + (size_t)tl * (size_t)f->hidden_p;
+  const k_layout *l = &f->kx;
+  float *row = f->xf + (size_t)tl * (size_t)l->stride;
   const size_t base = (size_t)(f->t0 + tl) * (size_t)f->hidden;
-  for (int64_t j = 0; j < f->hidden; j++)
-    row[j] = moe_load_float(f->x->data, f->act, base + (size_t)j);
-  memset(row + f->hidden, 0, (size_t)(f->hidden_p - f->hidden) * sizeof(float));
+  for (int64_t b = 0; b < l->blocks; b++) {
+    float *blk = row + b * l->pad;
+    for (int64_t j = 0; j < l->len; j++)
+      blk[j] = moe_load_float(f->x->data, f->act, base + (size_t)(b * l->len + j));
+    memset(blk + l->len, 0, (size_t)(l->pad - l->len) * sizeof(float));
+    if (f->w13.scaled && !f->w13.act_scales)
+      f->xs[tl * l->blocks + b] = moe_cpu_fp8_quant_group(blk, (size_t)l->len, 0.0f, f->w13.exact_division);
+  }
 }
 
 /* out = act(sum over k of y_k) in fp32, k in the order given; experts held
@@ -321,8 +461,6 @@ static inline int thread_id(void) {
 #endif
 }
 
-static int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
-
 /* Input slots, in the order of kernels/ops/fused_moe.c's descriptors. */
 
 moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
@@ -333,8 +471,6 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
       .act = args->act,
       .hidden = cfg->hidden_size,
       .inter = cfg->intermediate_size,
-      .hidden_p = round_up(cfg->hidden_size, LANES),
-      .inter_p = round_up(cfg->intermediate_size, LANES),
       .top_k = args->top_k,
       .local_experts = cfg->num_experts,
       .expert_offset = cfg->expert_offset,
@@ -346,20 +482,22 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
   if (tokens == 0) return MOE_OK;
   moe_weight_matrix_init(args->set, MOE_W13, f.act, &f.w13);
   moe_weight_matrix_init(args->set, MOE_W2, f.act, &f.w2);
+  f.kx = k_layout_of(&f.w13);
+  f.ka = k_layout_of(&f.w2);
 
   /* chunk: tokens whose activation buffers fit MOE_FUSED_CHUNK_BYTES (at least one) */
   size_t per_slot, per_token;
-  if (!moe_add_size((size_t)f.inter_p, (size_t)f.hidden, &per_slot) ||
+  if (!moe_add_size((size_t)(f.ka.stride + f.ka.blocks), (size_t)f.hidden, &per_slot) ||
       !moe_mul_size(per_slot, 4, &per_slot) || !moe_add_size(per_slot, 16, &per_slot) ||
       !moe_mul_size(per_slot, (size_t)k, &per_token) ||
-      !moe_add_size(per_token, (size_t)f.hidden_p * 4, &per_token))
+      !moe_add_size(per_token, (size_t)(f.kx.stride + f.kx.blocks) * 4, &per_token))
     return moe_fail(err, MOE_EOVERFLOW, "fused_moe: workspace size overflows");
   int64_t chunk = (int64_t)(MOE_FUSED_CHUNK_BYTES / per_token);
   if (chunk < 1) chunk = 1;
   if (chunk > tokens) chunk = tokens;
 
   int threads = moe_cpu_threads(b);
-  const int64_t kp_max = f.hidden_p > f.inter_p ? f.hidden_p : f.inter_p;
+  const int64_t kp_max = f.kx.stride > f.ka.stride ? f.kx.stride : f.ka.stride;
   const size_t chunk_slots = (size_t)chunk * (size_t)k, ne = (size_t)f.local_experts;
   const size_t route_scratch =
       args->route ? (moe_cpu_route_scratch_bytes(cfg->global_num_experts) + 63) & ~(size_t)63 : 0;
@@ -368,17 +506,21 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
       ws_take(&thread_plan, (size_t)STRIP * (size_t)kp_max, sizeof(float)); /* also phase 3's row */
   const size_t o_tile = ws_take(&thread_plan, MR * STRIP, sizeof(float));
   const size_t o_route = ws_take(&thread_plan, 1, route_scratch);
+  const size_t o_xq = /* fp8 with static scales: the token rows quantized per expert */
+      ws_take(&thread_plan, f.w13.act_scales ? (size_t)MR * (size_t)f.kx.stride : 0, sizeof(float));
   const size_t per_thread = thread_plan.size;
 
   ws_plan p = {0};
   const size_t o_ids = ws_take(&p, args->route ? (size_t)tokens * (size_t)k : 0, sizeof(int32_t));
   const size_t o_w = ws_take(&p, args->route ? (size_t)tokens * (size_t)k : 0, sizeof(float));
-  const size_t o_xf = ws_take(&p, (size_t)chunk * (size_t)f.hidden_p, sizeof(float));
+  const size_t o_xf = ws_take(&p, (size_t)chunk * (size_t)f.kx.stride, sizeof(float));
+  const size_t o_xs = ws_take(&p, f.w13.scaled ? (size_t)chunk * (size_t)f.kx.blocks : 0, sizeof(float));
+  const size_t o_as = ws_take(&p, f.w2.scaled ? chunk_slots * (size_t)f.ka.blocks : 0, sizeof(float));
   const size_t o_expert_of = ws_take(&p, chunk_slots, sizeof(int32_t));
   const size_t o_order = ws_take(&p, chunk_slots, sizeof(int32_t));
   const size_t o_start = ws_take(&p, ne + 1, sizeof(int64_t));
   const size_t o_cursor = ws_take(&p, ne, sizeof(int64_t));
-  const size_t o_a = ws_take(&p, chunk_slots * (size_t)f.inter_p, sizeof(float));
+  const size_t o_a = ws_take(&p, chunk_slots * (size_t)f.ka.stride, sizeof(float));
   const size_t o_y = ws_take(&p, chunk_slots * (size_t)f.hidden, sizeof(float));
   const size_t o_items1 = ws_take(&p, ne * (size_t)((f.inter + HALF - 1) / HALF), sizeof(work_item));
   const size_t o_items2 = ws_take(&p, ne * (size_t)((f.hidden + STRIP - 1) / STRIP), sizeof(work_item));
@@ -388,6 +530,8 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
   unsigned char *ws = moe_cpu_workspace(b, p.size);
   if (!ws) return moe_fail(err, MOE_ENOMEM, "fused_moe: out of memory for %zu bytes of workspace", p.size);
   f.xf = ws_at(ws, o_xf);
+  f.xs = ws_at(ws, o_xs);
+  f.as = ws_at(ws, o_as);
   f.expert_of = ws_at(ws, o_expert_of);
   f.order = ws_at(ws, o_order);
   f.start = ws_at(ws, o_start);
@@ -420,13 +564,18 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
       unsigned char *mine = thread_ws + (size_t)thread_id() * per_thread;
-      float *strip = ws_at(mine, o_strip), *tile = ws_at(mine, o_tile);
+      float *strip = ws_at(mine, o_strip), *tile = ws_at(mine, o_tile), *xq = ws_at(mine, o_xq);
 #pragma omp for schedule(static)
       for (int64_t tl = 0; tl < f.tokens; tl++)
         convert_token(&f, tl);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < f.n_items1; i++)
-        if (!stop_now(&f)) gate_up_item(&f, &f.items1[i], strip, tile);
+        if (!stop_now(&f)) gate_up_item(&f, &f.items1[i], strip, tile, xq);
+      if (f.w2.scaled) {
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < f.start[f.local_experts]; q++)
+          quantize_a(&f, q);
+      }
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < f.n_items2; i++)
         if (!stop_now(&f)) down_item(&f, &f.items2[i], strip, tile);

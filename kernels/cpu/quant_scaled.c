@@ -121,6 +121,22 @@ moe_status moe_cpu_quant_grouped(moe_backend *b, moe_call *c, moe_error *err) {
   return MOE_OK;
 }
 
+float moe_cpu_fp8_quant_group(float *v, size_t n, float static_scale, bool exact_division) {
+  enum { TILE = 512 };
+  const moe_scaled_args a = {
+      .qdtype = MOE_FP8_E4M3FN, .fmt = MOE_FMT_E4M3FN, .dtype_max = 448.0f, .exact_division = exact_division};
+  const float s =
+      static_scale > 0.0f ? static_scale : moe_dynamic_scale(amax_of(v, MOE_F32, 0, n), 448.0f, false);
+  uint8_t q[TILE];
+  for (size_t i0 = 0; i0 < n; i0 += TILE) {
+    const size_t m = n - i0 < TILE ? n - i0 : TILE;
+    encode(v + i0, MOE_F32, 0, m, s, &a, q);
+    for (size_t j = 0; j < m; j++)
+      v[i0 + j] = moe_narrow_to_f32(q[j], &a.fmt);
+  }
+  return s;
+}
+
 /* y depends only on the code (256 of them) for one scale and output dtype:
  * the call builds the table of finished outputs, elements are lookups. */
 typedef struct decode_lut {

@@ -10,13 +10,15 @@
 #include <cjson/cJSON.h>
 
 #include "moe/expert_set.h"
+#include "scheme.h"
 
-const char *const moe_scheme_names[] = {"bf16", "fp16", "wna16", NULL};
+const char *const moe_scheme_names[] = {"bf16", "fp16", "wna16", "fp8", "mxfp4", NULL};
+const char *const moe_weight_scale_names[] = {"per_tensor", "per_channel", "block", NULL};
 const char *const moe_activation_names[] = {"silu", "gelu", "swiglu_oai", NULL};
 const char *const moe_scoring_names[] = {"softmax", "sigmoid", NULL};
 const char *const moe_expert_tensor_names[] = {
-    "w13",        "w2",        "w13_qweight", "w13_scales",      "w13_qzeros",
-    "w2_qweight", "w2_scales", "w2_qzeros",   "correction_bias", NULL};
+    "w13",       "w2",       "w13_qweight", "w13_scales", "w13_qzeros", "w2_qweight",      "w2_scales",
+    "w2_qzeros", "w13_bias", "w2_bias",     "a13_scale",  "a2_scale",   "correction_bias", NULL};
 
 bool moe_expert_tensor_is_weight(const char *name) {
   for (int i = 0; name && moe_expert_tensor_names[i]; i++)
@@ -39,6 +41,8 @@ void moe_expert_config_defaults(moe_expert_config *cfg) {
   cfg->bits = 0; /* no quantized weights: bf16/fp16 */
   cfg->group_size = -1;
   cfg->has_zero_points = false;
+  cfg->weight_scale = MOE_WSCALE_PER_TENSOR;
+  cfg->block_n = cfg->block_k = 128; /* DeepSeek-V3's blocks */
   cfg->expert_offset = 0;
   cfg->routing.top_k = 1;
   cfg->routing.scoring = MOE_SCORING_SOFTMAX;
@@ -52,39 +56,6 @@ static moe_status check_dim(const char *key, int64_t v, moe_error *err) {
   if (v < 1 || v > CFG_MAX_DIM)
     return moe_fail(err, MOE_EINVAL, "%s: must be in [1, %lld], got %lld", key, (long long)CFG_MAX_DIM,
                     (long long)v);
-  return MOE_OK;
-}
-
-static moe_status check_quant(const moe_expert_config *c, moe_error *err) {
-  if (c->scheme != MOE_SCHEME_WNA16) {
-    /* a quantization key on a 16-bit set is a mistake, not a no-op */
-    if (c->bits != 0)
-      return moe_fail(err, MOE_EINVAL, "bits: only scheme wna16 has quantized weights (scheme is %s)",
-                      moe_scheme_names[c->scheme]);
-    if (c->group_size != -1)
-      return moe_fail(err, MOE_EINVAL, "group_size: only scheme wna16 has groups (scheme is %s)",
-                      moe_scheme_names[c->scheme]);
-    if (c->has_zero_points)
-      return moe_fail(err, MOE_EINVAL, "has_zero_points: only scheme wna16 has zero points (scheme is %s)",
-                      moe_scheme_names[c->scheme]);
-    return MOE_OK;
-  }
-  if (c->bits != 4 && c->bits != 8)
-    return moe_fail(err, MOE_EINVAL, "bits: must be 4 or 8 for scheme wna16, got %d", c->bits);
-  int64_t g = c->group_size;
-  if (g != -1 && (g < 1 || c->hidden_size % g != 0 || c->intermediate_size % g != 0))
-    return moe_fail(
-        err, MOE_EINVAL,
-        "group_size: must be -1 or a positive divisor of hidden_size (%lld) and intermediate_size "
-        "(%lld), got %lld",
-        (long long)c->hidden_size, (long long)c->intermediate_size, (long long)g);
-  /* int4 codes are packed two per byte along K, zero points along N */
-  if (c->bits == 4 && c->hidden_size % 2 != 0)
-    return moe_fail(err, MOE_EINVAL, "hidden_size: must be even for 4-bit weights, got %lld",
-                    (long long)c->hidden_size);
-  if (c->bits == 4 && c->intermediate_size % 2 != 0)
-    return moe_fail(err, MOE_EINVAL, "intermediate_size: must be even for 4-bit weights, got %lld",
-                    (long long)c->intermediate_size);
   return MOE_OK;
 }
 
@@ -106,7 +77,7 @@ moe_status moe_expert_config_validate(const moe_expert_config *c, moe_error *err
     return moe_fail(err, MOE_EINVAL,
                     "global_num_experts: %lld is less than expert_offset + num_experts = %lld + %lld",
                     (long long)c->global_num_experts, (long long)c->expert_offset, (long long)c->num_experts);
-  if ((s = check_quant(c, err))) return s;
+  if ((s = moe_scheme_check_config(c, err))) return s;
   if (c->routing.topk_group < 0)
     return moe_fail(err, MOE_EINVAL, "topk_group: must be >= 0, got %lld", (long long)c->routing.topk_group);
   /* the same routing rules as a request's (moe.topk) */
@@ -126,6 +97,12 @@ enum cfg_key {
   K_BITS,
   K_GROUP_SIZE,
   K_HAS_ZERO_POINTS,
+  K_WEIGHT_SCALE,
+  K_BLOCK_N,
+  K_BLOCK_K,
+  K_HAS_ACT_SCALES,
+  K_EXACT_DIVISION,
+  K_HAS_BIAS,
   K_TOP_K,
   K_SCORING,
   K_RENORMALIZE,
@@ -146,6 +123,12 @@ static const char *const cfg_keys[K_COUNT] = {
     [K_BITS] = "bits",
     [K_GROUP_SIZE] = "group_size",
     [K_HAS_ZERO_POINTS] = "has_zero_points",
+    [K_WEIGHT_SCALE] = "weight_scale",
+    [K_BLOCK_N] = "block_n",
+    [K_BLOCK_K] = "block_k",
+    [K_HAS_ACT_SCALES] = "has_activation_scales",
+    [K_EXACT_DIVISION] = "exact_division",
+    [K_HAS_BIAS] = "has_bias",
     [K_TOP_K] = "top_k",
     [K_SCORING] = "scoring",
     [K_RENORMALIZE] = "renormalize",
@@ -223,6 +206,15 @@ static moe_status parse_key(enum cfg_key k, const cJSON *v, moe_expert_config *c
     break;
   case K_GROUP_SIZE: s = json_int(v, key, &cfg->group_size, err); break;
   case K_HAS_ZERO_POINTS: s = json_bool(v, key, &cfg->has_zero_points, err); break;
+  case K_WEIGHT_SCALE:
+    if (!(s = json_choice(v, key, moe_weight_scale_names, &choice, err)))
+      cfg->weight_scale = (moe_weight_scale)choice;
+    break;
+  case K_BLOCK_N: s = json_int(v, key, &cfg->block_n, err); break;
+  case K_BLOCK_K: s = json_int(v, key, &cfg->block_k, err); break;
+  case K_HAS_ACT_SCALES: s = json_bool(v, key, &cfg->has_act_scales, err); break;
+  case K_EXACT_DIVISION: s = json_bool(v, key, &cfg->exact_division, err); break;
+  case K_HAS_BIAS: s = json_bool(v, key, &cfg->has_bias, err); break;
   case K_TOP_K: s = json_int(v, key, &r->top_k, err); break;
   case K_RENORMALIZE: s = json_bool(v, key, &r->renormalize, err); break;
   case K_NUM_EXPERT_GROUP: s = json_int(v, key, &r->num_expert_group, err); break;
@@ -309,6 +301,14 @@ char *moe_expert_config_to_json(const moe_expert_config *cfg) {
     ok = cJSON_AddNumberToObject(o, "bits", cfg->bits) &&
          cJSON_AddNumberToObject(o, "group_size", (double)cfg->group_size) &&
          cJSON_AddBoolToObject(o, "has_zero_points", cfg->has_zero_points);
+  if (ok && cfg->scheme == MOE_SCHEME_FP8)
+    ok = (unsigned)cfg->weight_scale < MOE_WSCALE_COUNT &&
+         cJSON_AddStringToObject(o, "weight_scale", moe_weight_scale_names[cfg->weight_scale]) &&
+         cJSON_AddNumberToObject(o, "block_n", (double)cfg->block_n) &&
+         cJSON_AddNumberToObject(o, "block_k", (double)cfg->block_k) &&
+         cJSON_AddBoolToObject(o, "has_activation_scales", cfg->has_act_scales) &&
+         cJSON_AddBoolToObject(o, "exact_division", cfg->exact_division);
+  ok = ok && cJSON_AddBoolToObject(o, "has_bias", cfg->has_bias);
   ok = ok && cJSON_AddNumberToObject(o, "top_k", (double)r->top_k) &&
        cJSON_AddStringToObject(o, "scoring", moe_scoring_names[r->scoring]) &&
        cJSON_AddBoolToObject(o, "renormalize", r->renormalize) &&

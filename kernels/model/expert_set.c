@@ -15,85 +15,12 @@
 #include "moe/codec.h"
 #include "moe/expert_set.h"
 #include "moe/safetensors.h"
+#include "scheme.h"
 
 /* config.json is a few hundred bytes; anything near this is not a config. */
 #define CONFIG_MAX_BYTES (1u << 20)
 
-/* ---- the expected form of each tensor slot ------------------------------------ */
-
-typedef enum slot_presence { SLOT_ABSENT = 0, SLOT_REQUIRED, SLOT_OPTIONAL } slot_presence;
-
-typedef struct slot_spec {
-  slot_presence presence;
-  moe_dtype dtypes[4]; /* accepted; MOE_DTYPE_INVALID-terminated */
-  int32_t ndim;
-  int64_t shape[3];
-  const char *symbols; /* the shape in config terms, for messages */
-  const char *why;     /* when absent: why the slot does not belong here */
-} slot_spec;
-
-/* The one description of the layouts: validation checks against it and the
- * synthetic writer produces it. cfg must be valid (sizes capped, so no
- * product below overflows). */
-static slot_spec slot_expected(const moe_expert_config *cfg, moe_expert_tensor slot) {
-  slot_spec sp = {0};
-  const int64_t e = cfg->num_experts, h = cfg->hidden_size, i = cfg->intermediate_size;
-  const bool wna16 = cfg->scheme == MOE_SCHEME_WNA16, int4 = cfg->bits == 4;
-  const bool w13 =
-      slot == MOE_W13 || slot == MOE_W13_QWEIGHT || slot == MOE_W13_SCALES || slot == MOE_W13_QZEROS;
-  /* the GEMM this slot belongs to: W13 is [N = 2I, K = H], W2 is [N = H, K = I] */
-  const int64_t n = w13 ? 2 * i : h, k = w13 ? h : i;
-  const int64_t groups = cfg->group_size == -1 ? 1 : k / (cfg->group_size > 0 ? cfg->group_size : 1);
-  sp.ndim = 3;
-  sp.shape[0] = e;
-  sp.shape[1] = n;
-  switch (slot) {
-  case MOE_W13:
-  case MOE_W2:
-    sp.presence = wna16 ? SLOT_ABSENT : SLOT_REQUIRED;
-    sp.dtypes[0] = cfg->scheme == MOE_SCHEME_FP16 ? MOE_F16 : MOE_BF16;
-    sp.shape[2] = k;
-    sp.symbols = w13 ? "[E, 2I, H]" : "[E, H, I]";
-    sp.why = "scheme wna16 holds quantized weights instead";
-    break;
-  case MOE_W13_QWEIGHT:
-  case MOE_W2_QWEIGHT:
-    sp.presence = wna16 ? SLOT_REQUIRED : SLOT_ABSENT;
-    sp.dtypes[0] = MOE_UINT8;
-    sp.shape[2] = int4 ? k / 2 : k;
-    sp.symbols = w13 ? (int4 ? "[E, 2I, H/2]" : "[E, 2I, H]") : (int4 ? "[E, H, I/2]" : "[E, H, I]");
-    sp.why = "only scheme wna16 has quantized weights";
-    break;
-  case MOE_W13_SCALES:
-  case MOE_W2_SCALES:
-    sp.presence = wna16 ? SLOT_REQUIRED : SLOT_ABSENT;
-    sp.dtypes[0] = MOE_F32;
-    sp.dtypes[1] = MOE_F16;
-    sp.dtypes[2] = MOE_BF16;
-    sp.shape[2] = groups;
-    sp.symbols = w13 ? "[E, 2I, H/G]" : "[E, H, I/G]";
-    sp.why = "only scheme wna16 has scales";
-    break;
-  case MOE_W13_QZEROS:
-  case MOE_W2_QZEROS:
-    sp.presence = wna16 && cfg->has_zero_points ? SLOT_REQUIRED : SLOT_ABSENT;
-    sp.dtypes[0] = MOE_UINT8;
-    sp.shape[1] = int4 ? n / 2 : n; /* int4 zero points pack along N */
-    sp.shape[2] = groups;
-    sp.symbols = w13 ? (int4 ? "[E, I, H/G]" : "[E, 2I, H/G]") : (int4 ? "[E, H/2, I/G]" : "[E, H, I/G]");
-    sp.why = wna16 ? "has_zero_points is false" : "only scheme wna16 has zero points";
-    break;
-  case MOE_CORRECTION_BIAS:
-    sp.presence = SLOT_OPTIONAL;
-    sp.dtypes[0] = MOE_F32;
-    sp.ndim = 1;
-    sp.shape[0] = cfg->global_num_experts;
-    sp.symbols = "[global_num_experts]";
-    break;
-  case MOE_EXPERT_TENSOR_COUNT: break;
-  }
-  return sp;
-}
+/* ---- checking each tensor slot against its expected form (scheme.h) ------------- */
 
 static void format_shape(char *buf, size_t cap, int32_t ndim, const int64_t *shape) {
   size_t used = (size_t)snprintf(buf, cap, "[");
@@ -105,23 +32,29 @@ static void format_shape(char *buf, size_t cap, int32_t ndim, const int64_t *sha
 static moe_status check_slot(const moe_expert_config *cfg, moe_expert_tensor slot, const moe_tensor *t,
                              moe_error *err) {
   const char *name = moe_expert_tensor_names[slot];
-  slot_spec sp = slot_expected(cfg, slot);
-  char want[96], got[96];
+  moe_slot_spec sp = moe_slot_expected(cfg, slot);
+  char want[96], got[96], dtypes[64] = "";
   format_shape(want, sizeof want, sp.ndim, sp.shape);
   if (!t->data) {
-    if (sp.presence == SLOT_REQUIRED)
+    if (sp.presence == MOE_SLOT_REQUIRED)
       return moe_fail(err, MOE_EINVAL, "%s: missing (scheme %s needs %s %s of %s)", name,
                       moe_scheme_names[cfg->scheme], sp.symbols, want, moe_dtype_name(sp.dtypes[0]));
     return MOE_OK;
   }
-  if (sp.presence == SLOT_ABSENT)
-    return moe_fail(err, MOE_EINVAL, "%s: does not belong to this set (%s)", name, sp.why);
+  if (sp.presence == MOE_SLOT_ABSENT) {
+    if (sp.why) return moe_fail(err, MOE_EINVAL, "%s: does not belong to this set (%s)", name, sp.why);
+    return moe_fail(err, MOE_EINVAL, "%s: does not belong to this set (scheme %s has no such tensor)", name,
+                    moe_scheme_names[cfg->scheme]);
+  }
   bool dtype_ok = false;
-  for (const moe_dtype *d = sp.dtypes; *d != MOE_DTYPE_INVALID; d++)
+  size_t used = 0;
+  for (const moe_dtype *d = sp.dtypes; *d != MOE_DTYPE_INVALID; d++) {
     dtype_ok |= *d == t->dtype;
+    used += (size_t)snprintf(dtypes + used, used < sizeof dtypes ? sizeof dtypes - used : 0, "%s%s",
+                             d == sp.dtypes ? "" : " or ", moe_dtype_name(*d));
+  }
   if (!dtype_ok)
-    return moe_fail(err, MOE_EINVAL, "%s: dtype %s, expected %s%s", name, moe_dtype_name(t->dtype),
-                    moe_dtype_name(sp.dtypes[0]), sp.dtypes[1] ? " (or fp16/bf16)" : "");
+    return moe_fail(err, MOE_EINVAL, "%s: dtype %s, expected %s", name, moe_dtype_name(t->dtype), dtypes);
   bool shape_ok = t->ndim == sp.ndim;
   for (int32_t d = 0; shape_ok && d < sp.ndim; d++)
     shape_ok = t->shape[d] == sp.shape[d];
@@ -144,7 +77,8 @@ moe_status moe_expert_set_validate(const moe_expert_set *set, moe_error *err) {
     s = check_slot(&set->cfg, (moe_expert_tensor)slot, &set->t[slot], err);
     if (s) return s;
   }
-  return MOE_OK;
+  const moe_scheme_desc *d = &moe_schemes[set->cfg.scheme];
+  return d->check_values ? d->check_values(set, err) : MOE_OK;
 }
 
 /* ---- building sets ----------------------------------------------------------------- */
@@ -421,18 +355,6 @@ fail:
 
 /* ---- synthetic sets ------------------------------------------------------------------ */
 
-/* splitmix64 (Steele, Lea, Flood 2014): tiny, seedable, and good enough for
- * synthetic weights; the same seed gives the same files everywhere. */
-static uint64_t splitmix64(uint64_t *state) {
-  uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-/* uniform in [0, 1), 24 random bits: exact in fp32 */
-static float uniform01(uint64_t *state) { return (float)(splitmix64(state) >> 40) * (1.0f / 16777216.0f); }
-
 /* mkdir -p: creates dir and its missing parents. */
 static moe_status make_dirs(const char *dir, moe_error *err) {
   moe_status s = MOE_OK;
@@ -455,60 +377,6 @@ fail:
   return s;
 }
 
-/* Fills slot `slot` (already sized) with weights whose dequantized values
- * have standard deviation about 1/sqrt(K): a GEMM over K inputs of size O(1)
- * then stays O(1), so outputs neither vanish nor overflow fp16. */
-static void fill_slot(const moe_expert_config *cfg, moe_expert_tensor slot, moe_tensor *t, uint64_t *rng) {
-  const bool w13 =
-      slot == MOE_W13 || slot == MOE_W13_QWEIGHT || slot == MOE_W13_SCALES || slot == MOE_W13_QZEROS;
-  const double k = (double)(w13 ? cfg->hidden_size : cfg->intermediate_size);
-  uint8_t *bytes = t->data;
-  size_t numel = t->nbytes / (moe_dtype_bits(t->dtype) / 8);
-  switch (slot) {
-  case MOE_W13:
-  case MOE_W2: {
-    /* uniform on [-a, a] has variance a^2 / 3 */
-    const float a = (float)sqrt(3.0 / k);
-    for (size_t i = 0; i < numel; i++) {
-      float v = (2.0f * uniform01(rng) - 1.0f) * a;
-      uint16_t code = t->dtype == MOE_F16 ? moe_f32_to_f16(v) : moe_f32_to_bf16(v);
-      memcpy(bytes + 2 * i, &code, 2);
-    }
-    break;
-  }
-  case MOE_W13_QWEIGHT:
-  case MOE_W2_QWEIGHT:
-    /* every byte uniform = every code (int4: both nibbles) uniform */
-    for (size_t i = 0; i < t->nbytes; i++)
-      bytes[i] = (uint8_t)(splitmix64(rng) >> 56);
-    break;
-  case MOE_W13_SCALES:
-  case MOE_W2_SCALES: {
-    /* uniform codes over 2^bits values: (q - z) has std sqrt((4^bits - 1) / 12) */
-    const double code_std = sqrt((double)((1u << (2 * cfg->bits)) - 1u) / 12.0);
-    const float base = (float)(1.0 / (sqrt(k) * code_std));
-    for (size_t i = 0; i < numel; i++) {
-      float v = base * (0.75f + 0.5f * uniform01(rng)); /* mean `base`, some spread */
-      uint16_t code = moe_f32_to_bf16(v);
-      memcpy(bytes + 2 * i, &code, 2);
-    }
-    break;
-  }
-  case MOE_W13_QZEROS:
-  case MOE_W2_QZEROS: {
-    /* near the implicit zero point (8 or 128), so codes stay centred */
-    const int mid = 1 << (cfg->bits - 1);
-    for (size_t i = 0; i < t->nbytes; i++) {
-      uint64_t r = splitmix64(rng);
-      int lo = mid - 2 + (int)(r & 3), hi = mid - 2 + (int)((r >> 2) & 3);
-      bytes[i] = cfg->bits == 4 ? (uint8_t)(lo | (hi << 4)) : (uint8_t)lo;
-    }
-    break;
-  }
-  default: break;
-  }
-}
-
 moe_status moe_expert_set_write_random(const char *dir, const moe_expert_config *cfg, uint64_t seed,
                                        moe_error *err) {
   moe_status s;
@@ -526,12 +394,11 @@ moe_status moe_expert_set_write_random(const char *dir, const moe_expert_config 
   if (s) return s;
 
   for (int slot = 0; slot < MOE_EXPERT_TENSOR_COUNT; slot++) {
-    slot_spec sp = slot_expected(cfg, (moe_expert_tensor)slot);
-    if (sp.presence != SLOT_REQUIRED) continue; /* optional slots (correction_bias) stay out */
+    moe_slot_spec sp = moe_slot_expected(cfg, (moe_expert_tensor)slot);
+    if (sp.presence != MOE_SLOT_REQUIRED) continue; /* optional slots (correction_bias) stay out */
     moe_named_tensor *nt = &tensors[n];
     nt->name = moe_expert_tensor_names[slot];
-    /* scales as bf16: the dtype the 16-bit activations of most checkpoints use */
-    nt->tensor.dtype = (slot == MOE_W13_SCALES || slot == MOE_W2_SCALES) ? MOE_BF16 : sp.dtypes[0];
+    nt->tensor.dtype = sp.dtypes[0];
     nt->tensor.ndim = sp.ndim;
     memcpy(nt->tensor.shape, sp.shape, sizeof sp.shape);
     if (moe_tensor_bytes(&nt->tensor, &nt->tensor.nbytes) != MOE_OK) {
@@ -544,7 +411,7 @@ moe_status moe_expert_set_write_random(const char *dir, const moe_expert_config 
       goto fail;
     }
     n++;
-    fill_slot(cfg, (moe_expert_tensor)slot, &nt->tensor, &rng);
+    moe_slot_fill(cfg, (moe_expert_tensor)slot, &nt->tensor, &rng);
   }
 
   path = path_join(dir, "weights.safetensors");

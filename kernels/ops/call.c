@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../model/scheme.h"
 #include "backend_impl.h"
 #include "op.h"
 
@@ -28,6 +29,22 @@ const moe_op_info *moe_op_describe(const moe_op *op) { return &op->info; }
 
 bool moe_op_supported(const moe_op *op, const moe_backend *b) {
   return b->kind == MOE_BACKEND_CPU ? op->cpu != NULL : op->gpu != NULL;
+}
+
+moe_status moe_call_check_backend(const moe_call *c, const moe_backend *b, moe_error *err) {
+  if (!moe_op_supported(c->op, b))
+    return moe_fail(err, MOE_EUNSUPPORTED, "%s: no kernel on %s in this build", c->op->info.name, b->name);
+  if (c->op != &moe_op_fused_moe || b->kind == MOE_BACKEND_CPU) return MOE_OK;
+  const moe_expert_set *set = c->args.fused.set;
+  if (!moe_schemes[set->cfg.scheme].gpu)
+    return moe_fail(err, MOE_EUNSUPPORTED,
+                    "fused_moe: scheme %s has no GPU kernel yet (the CPU backend serves it)",
+                    moe_scheme_names[set->cfg.scheme]);
+  if (set->cfg.has_bias)
+    return moe_fail(err, MOE_EUNSUPPORTED,
+                    "fused_moe: expert biases (w13_bias, w2_bias) have no GPU kernel yet (the CPU backend "
+                    "serves them)");
+  return MOE_OK;
 }
 
 const moe_op *moe_op_find(const char *name) {
@@ -174,6 +191,8 @@ moe_status moe_call_run(moe_call *c, moe_backend *b, moe_error *err) {
   for (size_t i = 0; i < c->num_out; i++)
     if (c->out[i].tensor.nbytes && !c->out[i].tensor.data)
       return moe_fail(err, MOE_EINVAL, "output '%s' has no buffer", c->out[i].name);
+  moe_status s = moe_call_check_backend(c, b, err);
+  if (s) return s;
   return b->iface->run(b, c, err);
 }
 

@@ -11,6 +11,7 @@
  * [0, E): a backend that copies inputs to its device does so after prepare. */
 #include <string.h>
 
+#include "../model/scheme.h"
 #include "op.h"
 #include "routing.h"
 
@@ -26,11 +27,17 @@ static const moe_op_io_desc fused_inputs[MOE_FUSED_IN_COUNT] = {
     [MOE_FUSED_IN_WEIGHTS + MOE_W13] = {"w13", true, "fp16,bf16", HELD_WEIGHT, "E,N,H"},
     [MOE_FUSED_IN_WEIGHTS + MOE_W2] = {"w2", true, "fp16,bf16", HELD_WEIGHT, "E,H,I"},
     [MOE_FUSED_IN_WEIGHTS + MOE_W13_QWEIGHT] = {"w13_qweight", true, "uint8", HELD_WEIGHT, "E,N,Hq"},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W13_SCALES] = {"w13_scales", true, "fp32,fp16,bf16", HELD_WEIGHT, "E,N,Hg"},
+    [MOE_FUSED_IN_WEIGHTS +
+        MOE_W13_SCALES] = {"w13_scales", true, "fp32,fp16,bf16,uint8", HELD_WEIGHT, "E,N,Hg"},
     [MOE_FUSED_IN_WEIGHTS + MOE_W13_QZEROS] = {"w13_qzeros", true, "uint8", HELD_WEIGHT, "E,Nz,Hg"},
     [MOE_FUSED_IN_WEIGHTS + MOE_W2_QWEIGHT] = {"w2_qweight", true, "uint8", HELD_WEIGHT, "E,H,Iq"},
-    [MOE_FUSED_IN_WEIGHTS + MOE_W2_SCALES] = {"w2_scales", true, "fp32,fp16,bf16", HELD_WEIGHT, "E,H,Ig"},
+    [MOE_FUSED_IN_WEIGHTS +
+        MOE_W2_SCALES] = {"w2_scales", true, "fp32,fp16,bf16,uint8", HELD_WEIGHT, "E,H,Ig"},
     [MOE_FUSED_IN_WEIGHTS + MOE_W2_QZEROS] = {"w2_qzeros", true, "uint8", HELD_WEIGHT, "E,Hz,Ig"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W13_BIAS] = {"w13_bias", true, "fp32,fp16,bf16", HELD_WEIGHT, "E,N"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_W2_BIAS] = {"w2_bias", true, "fp32,fp16,bf16", HELD_WEIGHT, "E,H"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_A13_SCALE] = {"a13_scale", true, "fp32", HELD_WEIGHT, "E"},
+    [MOE_FUSED_IN_WEIGHTS + MOE_A2_SCALE] = {"a2_scale", true, "fp32", HELD_WEIGHT, "E"},
     [MOE_FUSED_IN_BIAS] = {"correction_bias", true, "fp32", MOE_INPUT_SET_HELD, "E"},
 };
 static const moe_op_io_desc fused_outputs[] = {{"output", false, "fp16,bf16", MOE_IO_ACTIVATION, "T,H"}};
@@ -47,27 +54,36 @@ static moe_status weight_rank3(const moe_tensor *t, const char *name, moe_error 
 }
 
 /* Inline weights: the config follows from the tensors' shapes and dtypes,
- * the parameters scheme/bits/group_size/activation may state it (and are
- * then checked against them by the set's validation). */
+ * the parameters scheme/activation and the scheme's own (moe_schemes[]
+ * from_inline) may state it, and are then checked against them by the
+ * set's validation. */
 static moe_status build_inline_set(moe_call *c, const moe_params *p, moe_error *err) {
-  const moe_tensor *w13 = weight_in(c, MOE_W13);
-  const moe_tensor *q13 = weight_in(c, MOE_W13_QWEIGHT), *q2 = weight_in(c, MOE_W2_QWEIGHT);
-  const moe_tensor *s13 = weight_in(c, MOE_W13_SCALES);
+  const moe_tensor *slots[MOE_EXPERT_TENSOR_COUNT];
+  for (int slot = 0; slot < MOE_EXPERT_TENSOR_COUNT; slot++)
+    slots[slot] = weight_in(c, (moe_expert_tensor)slot);
+  const moe_tensor *w13 = slots[MOE_W13], *q13 = slots[MOE_W13_QWEIGHT], *s13 = slots[MOE_W13_SCALES];
   moe_expert_config cfg;
   moe_expert_config_defaults(&cfg);
   moe_status s;
   if (!w13 && !q13)
     return moe_fail(err, MOE_EINVAL,
                     "w13: missing (model fused_moe takes its weights as inputs: w13 + w2, or w13_qweight + "
-                    "w13_scales + w2_qweight + w2_scales for wna16)");
-  int scheme = q13 ? MOE_SCHEME_WNA16 : (w13->dtype == MOE_F16 ? MOE_SCHEME_FP16 : MOE_SCHEME_BF16);
+                    "w13_scales + w2_qweight + w2_scales for wna16, fp8 and mxfp4)");
+  /* without a scheme parameter: codes with UINT8 (e8m0) scales are mxfp4,
+   * with scales of rank 1 or 2 fp8 (per tensor, per channel), else wna16;
+   * fp8 with block scales looks like int8 wna16 and must be named */
+  int scheme = !q13                             ? (w13->dtype == MOE_F16 ? MOE_SCHEME_FP16 : MOE_SCHEME_BF16)
+               : s13 && s13->dtype == MOE_UINT8 ? MOE_SCHEME_MXFP4
+               : s13 && s13->ndim < 3           ? MOE_SCHEME_FP8
+                                                : MOE_SCHEME_WNA16;
   int activation = MOE_ACT_SILU;
   if ((s = moe_params_choice(p, "scheme", moe_scheme_names, &scheme, err))) return s;
   if ((s = moe_params_choice(p, "activation", moe_activation_names, &activation, err))) return s;
   cfg.scheme = (moe_scheme)scheme;
   cfg.activation = (moe_activation)activation;
-  const moe_tensor *first = cfg.scheme == MOE_SCHEME_WNA16 ? q13 : w13;
-  const char *first_name = cfg.scheme == MOE_SCHEME_WNA16 ? "w13_qweight" : "w13";
+  const moe_scheme_desc *d = &moe_schemes[cfg.scheme];
+  const moe_tensor *first = d->quantized ? q13 : w13;
+  const char *first_name = d->quantized ? "w13_qweight" : "w13";
   if (!first)
     return moe_fail(err, MOE_EINVAL, "%s: missing (scheme %s)", first_name, moe_scheme_names[scheme]);
   if ((s = weight_rank3(first, first_name, err))) return s;
@@ -76,31 +92,21 @@ static moe_status build_inline_set(moe_call *c, const moe_params *p, moe_error *
                     (long long)first->shape[1]);
   cfg.num_experts = cfg.global_num_experts = first->shape[0];
   cfg.intermediate_size = first->shape[1] / 2;
-  if (cfg.scheme != MOE_SCHEME_WNA16) {
+  if (!d->quantized) {
     cfg.hidden_size = w13->shape[2];
-  } else {
-    /* H is W2's row count; the last axis of w13_qweight then tells the bits */
-    if (!q2) return moe_fail(err, MOE_EINVAL, "w2_qweight: missing (scheme wna16)");
+  } else { /* H is W2's row count */
+    const moe_tensor *q2 = slots[MOE_W2_QWEIGHT];
+    if (!q2) return moe_fail(err, MOE_EINVAL, "w2_qweight: missing (scheme %s)", moe_scheme_names[scheme]);
     if ((s = weight_rank3(q2, "w2_qweight", err))) return s;
     cfg.hidden_size = q2->shape[1];
-    int64_t bits = q13->shape[2] == cfg.hidden_size ? 8 : 4;
-    if ((s = moe_params_int(p, "bits", &bits, err))) return s;
-    if (bits != 4 && bits != 8)
-      return moe_fail(err, MOE_EINVAL, "bits: must be 4 or 8, got %lld", (long long)bits);
-    cfg.bits = (int)bits;
-    /* group size from the scales' group count unless stated */
-    if (s13 && s13->ndim == 3 && s13->shape[2] > 0 && cfg.hidden_size % s13->shape[2] == 0)
-      cfg.group_size = s13->shape[2] == 1 ? -1 : cfg.hidden_size / s13->shape[2];
-    if ((s = moe_params_int(p, "group_size", &cfg.group_size, err))) return s;
-    cfg.has_zero_points = weight_in(c, MOE_W13_QZEROS) != NULL || weight_in(c, MOE_W2_QZEROS) != NULL;
   }
+  cfg.has_bias = slots[MOE_W13_BIAS] || slots[MOE_W2_BIAS];
+  if (d->from_inline && (s = d->from_inline(&cfg, slots, p, err))) return s;
   /* routing comes from the request's parameters (see fused_prepare) */
   moe_named_tensor tensors[MOE_EXPERT_TENSOR_COUNT];
   size_t n = 0;
-  for (int slot = 0; slot < MOE_EXPERT_TENSOR_COUNT; slot++) {
-    const moe_tensor *t = weight_in(c, (moe_expert_tensor)slot);
-    if (t) tensors[n++] = (moe_named_tensor){moe_expert_tensor_names[slot], *t};
-  }
+  for (int slot = 0; slot < MOE_EXPERT_TENSOR_COUNT; slot++)
+    if (slots[slot]) tensors[n++] = (moe_named_tensor){moe_expert_tensor_names[slot], *slots[slot]};
   return moe_expert_set_from_tensors("fused_moe", &cfg, tensors, n, &c->owned_set, err);
 }
 
@@ -116,46 +122,54 @@ static moe_status check_loaded_set(const moe_call *c, const moe_expert_set *set,
                       "%s: expert set '%s' holds its own weights; inline weights are for model "
                       "fused_moe",
                       c->op->info.inputs[i].name, set->name);
-  int scheme = (int)cfg->scheme, activation = (int)cfg->activation;
-  int64_t bits = cfg->bits, group_size = cfg->group_size;
+  int scheme = (int)cfg->scheme, activation = (int)cfg->activation, ws = (int)cfg->weight_scale;
+  int64_t bits = cfg->bits, group_size = cfg->group_size, block_n = cfg->block_n, block_k = cfg->block_k;
+  bool exact = cfg->exact_division;
   if ((s = moe_params_choice(p, "scheme", moe_scheme_names, &scheme, err))) return s;
   if ((s = moe_params_choice(p, "activation", moe_activation_names, &activation, err))) return s;
   if ((s = moe_params_int(p, "bits", &bits, err))) return s;
   if ((s = moe_params_int(p, "group_size", &group_size, err))) return s;
+  if ((s = moe_params_choice(p, "weight_scale", moe_weight_scale_names, &ws, err))) return s;
+  if ((s = moe_params_int(p, "block_n", &block_n, err))) return s;
+  if ((s = moe_params_int(p, "block_k", &block_k, err))) return s;
+  if ((s = moe_params_bool(p, "exact_division", &exact, err))) return s;
   const char *what = scheme != (int)cfg->scheme           ? "scheme"
                      : activation != (int)cfg->activation ? "activation"
                      : bits != cfg->bits                  ? "bits"
                      : group_size != cfg->group_size      ? "group_size"
+                     : ws != (int)cfg->weight_scale       ? "weight_scale"
+                     : block_n != cfg->block_n            ? "block_n"
+                     : block_k != cfg->block_k            ? "block_k"
+                     : exact != cfg->exact_division       ? "exact_division"
                                                           : NULL;
   if (what) return moe_fail(err, MOE_EINVAL, "%s: differs from expert set '%s'", what, set->name);
   return MOE_OK;
 }
 
-/* The one activation dtype a scheme computes in; MOE_DTYPE_INVALID when it
- * takes either 16-bit one (wna16). */
-static moe_dtype scheme_act(moe_scheme scheme) {
-  switch (scheme) {
-  case MOE_SCHEME_BF16: return MOE_BF16;
-  case MOE_SCHEME_FP16: return MOE_F16;
-  default: return MOE_DTYPE_INVALID;
-  }
-}
-
 const char *moe_expert_set_act_dtypes(const moe_expert_set *set) {
-  moe_dtype act = scheme_act(set->cfg.scheme);
+  moe_dtype act = moe_schemes[set->cfg.scheme].act;
   return act == MOE_DTYPE_INVALID ? fused_inputs[MOE_FUSED_IN_HIDDEN].dtypes : moe_dtype_name(act);
 }
 
-/* hidden_states: 16-bit, the dtype the scheme computes in, [T, H]. */
-static moe_status check_hidden(const moe_tensor *x, const moe_expert_config *cfg, moe_error *err) {
+/* hidden_states: 16-bit, the dtype the scheme computes in, [T, H]; a
+ * 16-bit bias in that dtype too. */
+static moe_status check_hidden(const moe_tensor *x, const moe_expert_set *set, moe_error *err) {
   static const moe_dtype act_types[] = {MOE_BF16, MOE_F16, MOE_DTYPE_INVALID};
+  const moe_expert_config *cfg = &set->cfg;
+  const moe_dtype act = moe_schemes[cfg->scheme].act;
   moe_status s;
-  if (x->dtype == MOE_F32 && cfg->scheme == MOE_SCHEME_WNA16)
+  if (x->dtype == MOE_F32 && act == MOE_DTYPE_INVALID)
     return moe_fail(err, MOE_EINVAL,
-                    "hidden_states: dtype fp32; scheme wna16 takes 16-bit activations only "
-                    "(fp16 or bf16)");
+                    "hidden_states: dtype fp32; scheme %s takes 16-bit activations only (fp16 or bf16)",
+                    moe_scheme_names[cfg->scheme]);
   if ((s = moe_check_dtype(x, "hidden_states", act_types, err))) return s;
-  const moe_dtype act = scheme_act(cfg->scheme);
+  for (int slot = MOE_W13_BIAS; slot <= MOE_W2_BIAS; slot++) {
+    const moe_dtype bt = set->t[slot].dtype;
+    if (set->t[slot].data && bt != MOE_F32 && bt != x->dtype)
+      return moe_fail(err, MOE_EINVAL,
+                      "%s: dtype %s; a bias is fp32 or the activation dtype (hidden_states is %s)",
+                      moe_expert_tensor_names[slot], moe_dtype_name(bt), moe_dtype_name(x->dtype));
+  }
   if (act != MOE_DTYPE_INVALID && x->dtype != act)
     return moe_fail(err, MOE_EINVAL, "hidden_states: dtype %s; scheme %s computes in %s",
                     moe_dtype_name(x->dtype), moe_scheme_names[cfg->scheme], moe_dtype_name(act));
@@ -208,7 +222,7 @@ static moe_status fused_prepare(moe_call *c, const moe_params *p, moe_error *err
     a->set = c->owned_set;
   }
   const moe_expert_config *cfg = &a->set->cfg;
-  if ((s = check_hidden(x, cfg, err))) return s;
+  if ((s = check_hidden(x, a->set, err))) return s;
   a->act = x->dtype;
   a->tokens = x->shape[0];
   if (logits && (ids || w))

@@ -9,7 +9,7 @@
 #include "moe/expert_set.h"
 #include "moe/ops.h"
 
-#define MOE_OP_MAX_IO 16
+#define MOE_OP_MAX_IO 24
 
 typedef moe_status (*moe_op_prepare_fn)(moe_call *c, const moe_params *p, moe_error *err);
 typedef moe_status (*moe_op_run_fn)(moe_backend *b, moe_call *c, moe_error *err);

@@ -2,14 +2,16 @@
 
 - gRPC: a TCP connection that never sends its HTTP/2 preface is closed
   after --handshake-timeout.
+- gRPC: --max-connection-age closes even a connection that is not idle
+  (GOAWAY, then the grace).
 - HTTP: a request not whole within --handshake-timeout (slowloris) is
   closed; past --http-max-connections a connection is closed at accept;
   both counted in /metrics.
-- The HTTP probes check the gRPC listener: under a descriptor limit, a
-  storm of idle connections makes gRPC core's accept fail with EMFILE,
-  after which it never accepts again; /v2/health/live and /ready must then
-  answer 503 (and 200 whenever a gRPC call still gets through), so that
-  Kubernetes restarts the pod instead of routing to it.
+- Descriptors: under a 96-descriptor limit, a storm of idle connections
+  must not make gRPC core's accept fail with EMFILE (after which it never
+  accepts again): connections into --fd-reserve are closed at accept, the
+  probes say alive but not ready while the storm lasts, and a new client
+  is served once the handshake timeout closed the storm's.
 
 env: MOED, MOEC, MOE_LIB."""
 import os
@@ -111,32 +113,114 @@ def test_timeouts_and_cap(tmp):
         ts.stop(p)
 
 
-def test_listener_check(tmp):
+def test_connection_age(tmp):
+    """--max-connection-age: a connection that keeps itself from idling out
+    is still asked to go (GOAWAY) and closed after the grace."""
+    p, g, _ = ts.start(tmp, "--idle-timeout", "120", "--max-connection-age", "1", "--max-connection-age-grace", "1")
+    try:
+        s = socket.create_connection(("127.0.0.1", g))
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0\0\0\4\0\0\0\0\0")  # preface, empty SETTINGS
+        w = closed_within(s, 10)
+        check(w is not None and 0.5 < w < 10, f"a connection past its age closed after the grace ({w})")
+        s.close()
+        check(grpc_ok(g), "new connections still served")
+    finally:
+        ts.stop(p)
+
+
+def fd_count(pid):
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_fd_reserve(tmp):
+    """A storm of idle connections under a 96-descriptor limit: gRPC core's
+    listener dies for good once accept4 fails with EMFILE (the old failure:
+    no client served again while the probes said 200). moed closes
+    connections that would fall into --fd-reserve at accept instead, so the
+    listener lives, and the storm's connections (no HTTP/2 preface) are
+    closed after --handshake-timeout: a new client is served while the
+    storm's sockets are still open on its side."""
     def low_fds():
         resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
 
-    p, g, h = ts.start(tmp, "--handshake-timeout", "60", preexec_fn=low_fds)
+    hs = 4
+    p, g, h = ts.start(tmp, "--handshake-timeout", str(hs), "--fd-reserve", "16", preexec_fn=low_fds)
     try:
+        base = fd_count(p.pid)
         storm = []
-        for _ in range(160):  # more than the descriptors: accept4 fails with EMFILE
+        for _ in range(160):  # more than the descriptors moed has
             try:
                 storm.append(socket.create_connection(("127.0.0.1", g), timeout=2))
             except OSError:
                 break
-        time.sleep(1.0)
+        time.sleep(0.3)
+        held = fd_count(p.pid)
+        print(f"     descriptors: {base} at start, {held} during a storm of {len(storm)} connections")
+        check(len(storm) == 160, "every storm connection reached the listen queue")
+        check(held <= 96 - 16 + 2, "connections stay out of the reserve")
+        refused = sum(1 for s in storm[-40:] if closed_within(s, 0.1) is not None)
+        check(refused == 40, f"connections past the budget closed at once ({refused} of the last 40)")
+        # while the storm holds every descriptor up to the reserve: the HTTP port (half the
+        # reserve is its) says alive but not ready, and /metrics answers
+        live, _ = http_get(h, "/v2/health/live")
+        ready, body = http_get(h, "/v2/health/ready")
+        check(live == 200 and ready == 503 and "connection limit" in body,
+              f"during the storm: live 200, ready 503 at the connection limit ({live}, {ready} {body.strip()!r})")
+        check(metric(h, "moed_http_connections") is not None, "/metrics answers during the storm")
+        t = time.monotonic()
+        ok = grpc_ok(g)  # while the storm's sockets are open on the client side
+        while not ok and time.monotonic() - t < 3 * hs + 5:
+            time.sleep(0.5)
+            ok = grpc_ok(g)
+        print(f"     a new gRPC client {'served' if ok else 'never served'} "
+              f"{time.monotonic() - t:.1f} s after the storm")
+        check(ok, "a new gRPC client is served (the listener survived the storm)")
+        if ok:
+            ch = grpc.insecure_channel(f"127.0.0.1:{g}")
+            live = ch.unary_unary("/inference.GRPCInferenceService/ServerLive")(b"", timeout=5)
+            ch.close()
+            check(live == b"\x08\x01", "ServerLive answers live")
+        check(http_get(h, "/v2/health/live")[0] == 200, "live: 200")
+        check(http_get(h, "/v2/health/ready")[0] == 200, "ready: 200")
+        n = metric(h, 'moed_connections_refused_total{reason="reserve"}')
+        check(n is not None and n >= 40, f"refusals counted ({n})")
         for s in storm:
             s.close()
-        time.sleep(1.0)
+    finally:
+        ts.stop(p)
+
+
+def test_no_reserve(tmp):
+    """--fd-reserve 0: connections take every descriptor, so accept itself
+    fails with EMFILE; moed closes its spare descriptor to take the pending
+    connection and close it, and gRPC's listener is rearmed, not dropped."""
+    def low_fds():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
+
+    p, g, h = ts.start(tmp, "--handshake-timeout", "2", "--fd-reserve", "0", preexec_fn=low_fds)
+    try:
+        storm = []
+        for _ in range(160):
+            try:
+                storm.append(socket.create_connection(("127.0.0.1", g), timeout=2))
+            except OSError:
+                break
+        time.sleep(0.3)
+        refused = sum(1 for s in storm[-40:] if closed_within(s, 0.1) is not None)
+        check(refused == 40, f"connections past the limit closed at once ({refused} of the last 40)")
+        for s in storm:
+            s.close()
+        t = time.monotonic()
         ok = grpc_ok(g)
-        live, body = http_get(h, "/v2/health/live")
-        ready, _ = http_get(h, "/v2/health/ready")
-        print(f"     after the storm: gRPC {'answers' if ok else 'stuck'}, live {live} {body.strip()!r}, "
-              f"ready {ready}")
-        check(live == (200 if ok else 503), "live tells whether the gRPC listener answers")
-        check(ready == (200 if ok else 503), "ready tells it too")
+        while not ok and time.monotonic() - t < 10:
+            time.sleep(0.5)
+            ok = grpc_ok(g)
+        check(ok, "a new gRPC client is served after accept failed with EMFILE")
+        n = metric(h, 'moed_connections_refused_total{reason="exhausted"}')
+        check(n is not None and n >= 40, f"refusals without a descriptor counted ({n})")
     finally:
         ts.stop(p)
 
 
 if __name__ == "__main__":
-    ts.run_tests(test_timeouts_and_cap, test_listener_check)
+    ts.run_tests(test_timeouts_and_cap, test_connection_age, test_fd_reserve, test_no_reserve)

@@ -6,11 +6,16 @@ deadline passes, when its caller cancels it, and when the drain timeout of
 a SIGTERM passes: the caller gets DEADLINE_EXCEEDED / UNAVAILABLE, the
 worker is free at once (a small call right after is answered in far less
 than the rest of the long op), and moed exits within the drain timeout
-instead of after the op.
+instead of after the op. An upload in progress at SIGTERM may finish
+within the drain timeout (moed exits once it is stored), a new one is
+refused, and one that outlasts the timeout is cut off with the exit still
+bounded by it. Work that stops nowhere (a load blocked in a read) ends
+with the process 4 s after the drain timeout (the exit watchdog).
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -20,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_server as ts  # noqa: E402
-from test_fused_moe import mkset  # noqa: E402
+from test_fused_moe import mkset, read_safetensors, upload_msgs  # noqa: E402
 from test_server import check, code_of, make_req  # noqa: E402
 
 SC = grpc.StatusCode
@@ -138,12 +143,110 @@ def test_drain_stops_work(tmp, repo, tokens, full):
             p.kill()
 
 
+def slow_upload(ch, msgs, seconds):
+    """An Upload stream that spreads msgs over `seconds`; its future."""
+    up = ch.stream_unary("/moe.v1.ExpertStore/Upload", request_serializer=lambda b: b,
+                         response_deserializer=lambda b: b)
+
+    def gen():
+        for m in msgs:
+            yield m
+            time.sleep(seconds / len(msgs))
+    return up.future(gen(), timeout=120)
+
+
+def test_drain_uploads(tmp, repo):
+    src = os.path.join(tmp, "upsrc")
+    mkset(src, "bf16", experts=8, hidden=128, inter=64)
+    cfg = open(f"{src}/config.json").read()
+    w = read_safetensors(f"{src}/weights.safetensors")
+    tensors = [(n, "bf16", list(w[n][0].shape), w[n][0].nbytes, w[n][0].tobytes()) for n in ("w13", "w2")]
+
+    def msgs(name):
+        return upload_msgs((name, cfg, False), tensors, chunk=w["w2"][0].nbytes // 8)
+
+    # finishes within the drain timeout: stored, and the exit follows it, not the timeout
+    drain = 8.0
+    p, port, _ = ts.start(tmp, "--model-repository", repo, "--drain-timeout", str(drain))
+    try:
+        ch = channel(port)
+        fut = slow_upload(ch, msgs("up1"), 3.0)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        code, msg = code_of(lambda: slow_upload(ch, msgs("up2"), 0.1).result())
+        check(code == SC.UNAVAILABLE, f"an upload started during the drain: UNAVAILABLE ({code} {msg})")
+        code, msg = code_of(fut.result)
+        done_s = time.monotonic() - t0
+        check(code == SC.OK, f"the upload in progress at SIGTERM finished during the drain ({code} {msg})")
+        check(os.path.exists(f"{repo}/up1/config.json"), "... and was stored")
+        rc = p.wait(timeout=60)
+        exit_s = time.monotonic() - t0
+        check(rc == 0 and done_s > 1.5 and exit_s < done_s + 1.5 and exit_s < drain,
+              f"exit 0 {exit_s:.2f}s after SIGTERM: after the upload ({done_s:.2f}s), before the timeout ({drain}s)")
+    finally:
+        if p.poll() is None:
+            p.kill()
+    # outlasts the drain timeout: cut off, the exit bounded by the timeout
+    p, port, _ = ts.start(tmp, "--model-repository", repo, "--drain-timeout", str(DRAIN_S))
+    try:
+        ch = channel(port)
+        fut = slow_upload(ch, msgs("up3"), 20.0)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=60)
+        exit_s = time.monotonic() - t0
+        code, msg = code_of(fut.result)
+        check(code != SC.OK and not os.path.exists(f"{repo}/up3"), f"an upload past the drain timeout is cut off ({code})")
+        check(rc == 0 and exit_s < DRAIN_S + 3.0,  # + the 1 s grace of open streams
+              f"exit 0 {exit_s:.2f}s after SIGTERM (drain timeout {DRAIN_S}s)")
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_exit_watchdog(tmp):
+    """What stops at no work item still cannot hold the exit: a
+    RepositoryModelLoad blocked in a read that never returns (a config.json
+    that is a FIFO nobody writes: the stand-in for a hung network
+    filesystem) keeps its call open, so the drain never finishes on its own;
+    moed's exit watchdog ends the process 4 s after the drain timeout."""
+    repo = os.path.join(tmp, "hung-repo")
+    os.makedirs(f"{repo}/stuck")
+    os.mkfifo(f"{repo}/stuck/config.json")
+    p, port, _ = ts.start(tmp, "--model-repository", repo, "--model-control-mode", "explicit",
+                          "--drain-timeout", str(DRAIN_S))
+    try:
+        load = channel(port).unary_unary("/inference.GRPCInferenceService/RepositoryModelLoad",
+                                         request_serializer=lambda m: m.SerializeToString())
+        fut = load.future(ts.pb.RepositoryModelLoadRequest(model_name="stuck"), timeout=60)
+        time.sleep(0.5)
+        check(not fut.done(), "the load is blocked in its read (else this test needs another stand-in)")
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        try:
+            rc = p.wait(timeout=DRAIN_S + 15)
+        except subprocess.TimeoutExpired:
+            rc = None  # hung: the old behaviour
+        exit_s = time.monotonic() - t0
+        check(rc == 1 and DRAIN_S + 3.5 < exit_s < DRAIN_S + 6.0,
+              f"exit 1 {exit_s:.2f}s after SIGTERM (the drain timeout {DRAIN_S}s + 4 s)")
+        check("exit_forced" in open(os.path.join(tmp, "moed.log")).read(), "exit_forced logged")
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         repo = os.path.join(tmp, "repo")
         mkset(f"{repo}/bigset", "bf16", experts=EXPERTS, hidden=HIDDEN, inter=4096)
         tokens, full = test_deadline_and_cancel(tmp, repo)
         test_drain_stops_work(tmp, repo, tokens, full)
+        test_drain_uploads(tmp, repo)
+        test_exit_watchdog(tmp)
         if ts.failures:
             print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
     ts.exit_with_summary()

@@ -54,8 +54,17 @@ def open_stream(port):
     return ch, fn
 
 
+def metric(port, name):
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return None
+
+
 def test_paused(tmp):
-    p, g, _ = ts.start(tmp, "--stream-buffer-bytes", str(16 << 20))
+    p, g, h = ts.start(tmp, "--stream-buffer-bytes", str(16 << 20))
     try:
         ch, fn = open_stream(g)
         before = rss_mib(p.pid)
@@ -65,6 +74,9 @@ def test_paused(tmp):
         grown, taken = rss_mib(p.pid) - before, sent[0]
         print(f"     not reading for 4 s: {taken} of {N} requests taken, RSS +{grown:.0f} MiB")
         check(taken < N, "moed stopped reading the stream (the client's sends wait)")
+        queued = metric(h, "moed_stream_buffered_bytes")
+        check(queued is not None and (1 << 20) <= queued <= (16 + 34) << 20,  # the budget + 32 in work + 1
+              f"moed_stream_buffered_bytes shows the unread answers, bounded ({queued})")
         if os.environ.get("MOE_SANITIZED") == "1":  # ASan's quarantine keeps freed memory: RSS says nothing
             print(f"skipped: RSS check under ASan (+{grown:.0f} MiB)")
         else:
@@ -77,6 +89,7 @@ def test_paused(tmp):
         sizes = {len(r.infer_response.raw_output_contents[0]) for r in got if not r.error_message}
         check(sorted(ids, key=int) == [str(k) for k in range(N)] and not errors and sizes == {ROWS * COLS * 4},
               f"then every response arrives ({len(got)}, {len(errors)} errors, sizes {sizes})")
+        check(metric(h, "moed_stream_buffered_bytes") == 0, "... and nothing stays counted as buffered")
         ch.close()
     finally:
         ts.stop(p)

@@ -79,6 +79,21 @@ START_TEST(f32_to_bf16_every_pattern) {
 }
 END_TEST
 
+/* The branch-free e4m3fn decoder (fused_moe's fp8 weights) against the
+ * generic narrow decoder, bit for bit, on all 256 codes (NaN codes: NaN). */
+START_TEST(e4m3fn_fast_decode_every_code) {
+  static const moe_narrow_fmt e4m3 = MOE_FMT_E4M3FN;
+  for (int c = 0; c < 256; c++) {
+    const float want = moe_narrow_to_f32((uint8_t)c, &e4m3), got = moe_e4m3fn_to_f32((uint8_t)c);
+    if (moe_f32_isnan(want))
+      ck_assert_msg(moe_f32_isnan(got), "code %#x: %a, want NaN", c, (double)got);
+    else
+      ck_assert_msg(moe_f32_bits(got) == moe_f32_bits(want), "code %#x: %a, want %a", c, (double)got,
+                    (double)want);
+  }
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("codec");
   TCase *tc = tcase_create("exhaustive");
@@ -86,6 +101,7 @@ int main(void) {
   tcase_add_test(tc, f16_to_f32_every_pattern);
   tcase_add_test(tc, f32_to_f16_every_pattern);
   tcase_add_test(tc, f32_to_bf16_every_pattern);
+  tcase_add_test(tc, e4m3fn_fast_decode_every_code);
   suite_add_tcase(s, tc);
   SRunner *sr = srunner_create(s);
   srunner_run_all(sr, CK_NORMAL);

@@ -64,6 +64,12 @@ static void ck_cfg_eq(const moe_expert_config *a, const moe_expert_config *b) {
   ck_assert_int_eq(a->bits, b->bits);
   ck_assert_int_eq(a->group_size, b->group_size);
   ck_assert_int_eq(a->has_zero_points, b->has_zero_points);
+  ck_assert_int_eq(a->weight_scale, b->weight_scale);
+  ck_assert_int_eq(a->block_n, b->block_n);
+  ck_assert_int_eq(a->block_k, b->block_k);
+  ck_assert_int_eq(a->has_act_scales, b->has_act_scales);
+  ck_assert_int_eq(a->exact_division, b->exact_division);
+  ck_assert_int_eq(a->has_bias, b->has_bias);
   ck_assert_int_eq(a->routing.top_k, b->routing.top_k);
   ck_assert_int_eq(a->routing.scoring, b->routing.scoring);
   ck_assert_int_eq(a->routing.renormalize, b->routing.renormalize);
@@ -210,6 +216,19 @@ static const cfg_case cfg_cases[] = {
     {"{" BASE ",\"routed_scaling_factor\":0}", "routed_scaling_factor"},
     {"{" BASE ",\"routed_scaling_factor\":\"2\"}", "routed_scaling_factor"},
     {"{" BASE ",\"num_experts\":8}", "num_experts"}, /* given twice */
+    {"{" BASE ",\"scheme\":\"fp8\",\"weight_scale\":\"per_row\"}", "weight_scale"},
+    {"{" BASE ",\"scheme\":\"fp8\",\"weight_scale\":\"block\",\"block_k\":96}", "block_k"},
+    {"{" BASE ",\"scheme\":\"fp8\",\"weight_scale\":\"block\",\"block_k\":0}", "block_k"},
+    {"{" BASE ",\"scheme\":\"fp8\",\"weight_scale\":\"block\",\"block_n\":0}", "block_n"},
+    {"{" BASE ",\"scheme\":\"fp8\",\"weight_scale\":\"block\",\"has_activation_scales\":true}",
+     "has_activation_scales"},
+    {"{" BASE ",\"scheme\":\"fp8\",\"bits\":8}", "bits"},
+    {"{" BASE ",\"block_k\":64}", "block_k"},
+    {"{" BASE ",\"scheme\":\"wna16\",\"bits\":4,\"exact_division\":true}", "exact_division"},
+    {"{" BASE ",\"has_bias\":1}", "has_bias"},
+    {"{\"num_experts\":8,\"hidden_size\":48,\"intermediate_size\":128,\"scheme\":\"mxfp4\"}", "hidden_size"},
+    {"{\"num_experts\":8,\"hidden_size\":64,\"intermediate_size\":80,\"scheme\":\"mxfp4\"}",
+     "intermediate_size"},
     {"{" BASE, "config"},
     {"[" BASE "]", "config"},
     {"{" BASE "} {}", "config"},
@@ -839,6 +858,87 @@ START_TEST(load_survives_file_changes) {
 }
 END_TEST
 
+/* ---- the schemes of issue 14: fp8, mxfp4, biases ------------------------------------------ */
+
+/* moe-mkset's sets of the new schemes load back with every tensor in its
+ * layout, and the config round-trips. */
+START_TEST(write_and_load_new_schemes) {
+  moe_expert_config cfgs[3];
+  cfgs[0] = small_config(MOE_SCHEME_FP8, 0, -1, false);
+  cfgs[0].weight_scale = MOE_WSCALE_BLOCK, cfgs[0].block_n = 48, cfgs[0].block_k = 32,
+  cfgs[0].has_bias = true;
+  cfgs[1] = small_config(MOE_SCHEME_FP8, 0, -1, false);
+  cfgs[1].has_act_scales = true, cfgs[1].exact_division = true;
+  cfgs[2] = small_config(MOE_SCHEME_MXFP4, 0, -1, false);
+  cfgs[2].has_bias = true;
+  const int64_t E = 4, H = 128, I = 64;
+  for (int i = 0; i < 3; i++) {
+    char dir[600];
+    char leaf[16];
+    snprintf(leaf, sizeof leaf, "new%d", i);
+    tmp_path(dir, sizeof dir, leaf);
+    moe_error err = {{0}};
+    ck_assert_msg(moe_expert_set_write_random(dir, &cfgs[i], 3, &err) == MOE_OK, "%s", err.msg);
+    moe_expert_set *set = NULL;
+    ck_assert_msg(moe_expert_set_load(dir, "n", &set, &err) == MOE_OK, "%s", err.msg);
+    ck_cfg_eq(&set->cfg, &cfgs[i]);
+    const bool mx = cfgs[i].scheme == MOE_SCHEME_MXFP4;
+    expect_shape(&set->t[MOE_W13_QWEIGHT], E, 2 * I, mx ? H / 2 : H);
+    expect_shape(&set->t[MOE_W2_QWEIGHT], E, H, mx ? I / 2 : I);
+    if (mx) {
+      expect_shape(&set->t[MOE_W13_SCALES], E, 2 * I, H / 32);
+      ck_assert_int_eq(set->t[MOE_W2_SCALES].dtype, MOE_UINT8);
+    } else if (i == 0) {
+      expect_shape(&set->t[MOE_W13_SCALES], E, (2 * I + 47) / 48, H / 32);
+      expect_shape(&set->t[MOE_W2_SCALES], E, (H + 47) / 48, I / 32);
+    } else {
+      ck_assert_int_eq(set->t[MOE_W13_SCALES].ndim, 1);
+      ck_assert_int_eq(set->t[MOE_A13_SCALE].shape[0], E);
+      ck_assert_ptr_nonnull(set->t[MOE_A2_SCALE].data);
+    }
+    ck_assert_int_eq(set->t[MOE_W13_BIAS].data != NULL, cfgs[i].has_bias);
+    if (cfgs[i].has_bias) {
+      ck_assert_int_eq(set->t[MOE_W2_BIAS].ndim, 2);
+      ck_assert_int_eq(set->t[MOE_W2_BIAS].shape[1], H);
+    }
+    moe_expert_set_destroy(set);
+  }
+}
+END_TEST
+
+/* An e8m0 byte 0xFF in an mxfp4 set's scales is refused at load, naming
+ * the tensor and the index. */
+START_TEST(mxfp4_nan_scale_refused_at_load) {
+  moe_expert_config cfg = small_config(MOE_SCHEME_MXFP4, 0, -1, false);
+  char dir[600], path[700];
+  moe_error err = {{0}};
+  tmp_path(dir, sizeof dir, "mxnan");
+  snprintf(path, sizeof path, "%s/weights.safetensors", dir);
+  ck_assert_int_eq(moe_expert_set_write_random(dir, &cfg, 5, &err), MOE_OK);
+  size_t len;
+  unsigned char *bytes = read_all(path, &len);
+  moe_safetensors *st = NULL;
+  ck_assert_int_eq(moe_safetensors_open_buffer(bytes, len, &st, &err), MOE_OK);
+  moe_tensor t;
+  ck_assert_int_eq(moe_safetensors_get(st, "w2_scales", &t, &err), MOE_OK);
+  /* w2_scales [4, 128, 2]: index [2, 5, 1] */
+  const size_t off = (size_t)((const unsigned char *)t.data - bytes) + (2 * 128 + 5) * 2 + 1;
+  moe_safetensors_close(st);
+  bytes[off] = 0xFF;
+  FILE *f = fopen(path, "wb");
+  ck_assert_ptr_nonnull(f);
+  ck_assert_uint_eq(fwrite(bytes, 1, len, f), len);
+  ck_assert_int_eq(fclose(f), 0);
+  moe_expert_set *set = NULL;
+  ck_assert_int_eq(moe_expert_set_load(dir, "x", &set, &err), MOE_EINVAL);
+  ck_assert_msg_has(err, "w2_scales");
+  ck_assert_msg_has(err, "[2, 5, 1]");
+  ck_assert_msg_has(err, "0xFF");
+  ck_assert_ptr_null(set);
+  free(bytes);
+}
+END_TEST
+
 static Suite *suite(void) {
   Suite *s = suite_create("expert_set");
   TCase *tc = tcase_create("core");
@@ -855,6 +955,8 @@ static Suite *suite(void) {
   tcase_add_test(tc, lifetime_refs_and_holds);
   tcase_add_test(tc, load_rejects);
   tcase_add_test(tc, load_survives_file_changes);
+  tcase_add_test(tc, write_and_load_new_schemes);
+  tcase_add_test(tc, mxfp4_nan_scale_refused_at_load);
   suite_add_tcase(s, tc);
   return s;
 }

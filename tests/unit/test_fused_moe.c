@@ -1,8 +1,10 @@
 /* fused_moe on the CPU backend (docs/numerics.md "fused_moe"):
  * - each scheme (bf16, fp16, wna16 int4/int8 with and without zero points,
- *   group sizes 32/64/128/-1, odd sizes) and activation against a plain
- *   float64 reference with the same rounding points, written here from the
- *   definition (tolerances of docs/numerics.md);
+ *   group sizes 32/64/128/-1, odd sizes; mxfp4; fp8 with block, per-channel
+ *   and per-tensor weight scales, dynamic and static activation scales;
+ *   expert biases in F32 and the activation dtype) and activation against a
+ *   plain float64 reference with the same rounding points, written here
+ *   from the definition (tolerances of docs/numerics.md, fp8's looser one);
  * - batch invariance: a token's output bits alone and inside batches of 2, 7
  *   and 64 random tokens are identical;
  * - outputs poisoned with NaN before each call are fully written;
@@ -46,8 +48,15 @@ typedef struct fm_case {
   bool zeros;        /* wna16 */
   moe_dtype scale_t; /* wna16 scales */
   int64_t hidden, inter;
+  moe_weight_scale ws; /* fp8 */
+  int64_t bn, bk;      /* fp8 block */
+  bool static_a;       /* fp8 per_tensor: a13_scale / a2_scale */
+  moe_dtype bias_t;    /* w13_bias / w2_bias; MOE_DTYPE_INVALID (0): none */
 } fm_case;
 
+/* each row names the fields its scheme uses; the others are zero */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
 static const fm_case cases[] = {
     {"bf16", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 256, 128},
     {"fp16", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 256, 128},
@@ -65,7 +74,22 @@ static const fm_case cases[] = {
     {"int8 g32 fp16", MOE_SCHEME_WNA16, MOE_F16, 8, 32, false, MOE_F16, 256, 128},
     {"int8 g-1 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 8, -1, true, MOE_F32, 256, 128},
     {"int8 g5 zp odd sizes", MOE_SCHEME_WNA16, MOE_BF16, 8, 5, true, MOE_BF16, 40, 30},
+    {"bf16 bias bf16", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 72, 20, .bias_t = MOE_BF16},
+    {"int4 g64 bias f32 fp16", MOE_SCHEME_WNA16, MOE_F16, 4, 64, false, MOE_F16, 256, 128, .bias_t = MOE_F32},
+    {"mxfp4 bf16", MOE_SCHEME_MXFP4, MOE_BF16, 0, -1, false, 0, 256, 128},
+    {"mxfp4 fp16", MOE_SCHEME_MXFP4, MOE_F16, 0, -1, false, 0, 256, 96},
+    {"mxfp4 bf16 bias f32", MOE_SCHEME_MXFP4, MOE_BF16, 0, -1, false, 0, 256, 128, .bias_t = MOE_F32},
+    {"mxfp4 fp16 bias fp16", MOE_SCHEME_MXFP4, MOE_F16, 0, -1, false, 0, 64, 160, .bias_t = MOE_F16},
+    {"fp8 block 128 bf16", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, 0, 256, 128, MOE_WSCALE_BLOCK, 128, 128},
+    {"fp8 block 48x64 fp16 bias", MOE_SCHEME_FP8, MOE_F16, 0, -1, false, 0, 256, 128, MOE_WSCALE_BLOCK, 48,
+     64, .bias_t = MOE_F32},
+    {"fp8 block 40x24 odd", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, 0, 72, 48, MOE_WSCALE_BLOCK, 40, 24},
+    {"fp8 per_channel bf16", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, 0, 256, 128, MOE_WSCALE_PER_CHANNEL},
+    {"fp8 per_tensor fp16", MOE_SCHEME_FP8, MOE_F16, 0, -1, false, 0, 72, 20, MOE_WSCALE_PER_TENSOR},
+    {"fp8 per_tensor static bf16 bias", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, 0, 256, 128,
+     MOE_WSCALE_PER_TENSOR, .static_a = true, .bias_t = MOE_BF16},
 };
+#pragma GCC diagnostic pop
 #define N_CASES ((int)(sizeof cases / sizeof cases[0]))
 
 #define N_EXPERTS 6
@@ -96,13 +120,75 @@ static float round_act(float v, moe_dtype t) {
 }
 static size_t dtype_size(moe_dtype t) { return t == MOE_F32 ? 4 : 2; }
 
+/* A tensor of rank 3, or less where trailing dimensions are 0. */
 static void add_tensor(model *m, moe_expert_tensor slot, moe_dtype dt, int64_t d0, int64_t d1, int64_t d2,
                        size_t elem) {
-  size_t n = (size_t)(d0 * d1 * d2);
+  const int32_t ndim = d2 ? 3 : d1 ? 2 : 1;
+  size_t n = (size_t)(d0 * (d1 ? d1 : 1) * (d2 ? d2 : 1));
   m->buf[slot] = malloc(n * elem);
   ck_assert_ptr_nonnull(m->buf[slot]);
   m->t[m->nt++] =
-      (moe_named_tensor){moe_expert_tensor_names[slot], {dt, 3, {d0, d1, d2}, m->buf[slot], n * elem}};
+      (moe_named_tensor){moe_expert_tensor_names[slot], {dt, ndim, {d0, d1, d2}, m->buf[slot], n * elem}};
+}
+
+static size_t numel_of(const moe_tensor *t) {
+  size_t n = 1;
+  for (int d = 0; d < t->ndim; d++)
+    n *= (size_t)t->shape[d];
+  return n;
+}
+
+static const moe_narrow_fmt fmt_e4m3 = MOE_FMT_E4M3FN, fmt_e2m1 = MOE_FMT_E2M1;
+
+/* The new schemes' tensors (and every scheme's biases): mxfp4 codes with
+ * e8m0 scales near 1 / (2.93 sqrt(K)); fp8 codes of U(-224, 224) with
+ * scales to about U(-1, 1) sqrt(3 / K) in the case's layout; static
+ * activation scales for inputs of order one; biases U(-0.25, 0.25). */
+static void add_new_scheme(model *m, const fm_case *c) {
+  const int64_t e = N_EXPERTS, h = c->hidden, i2 = 2 * c->inter, in = c->inter;
+  moe_expert_config *cfg = &m->cfg;
+  for (int g = 0; g < 2; g++) {
+    const int64_t n = g ? h : i2, k = g ? in : h;
+    const moe_expert_tensor q = g ? MOE_W2_QWEIGHT : MOE_W13_QWEIGHT, sc = g ? MOE_W2_SCALES : MOE_W13_SCALES;
+    if (c->scheme == MOE_SCHEME_MXFP4) {
+      add_tensor(m, q, MOE_UINT8, e, n, k / 2, 1);
+      add_tensor(m, sc, MOE_UINT8, e, n, k / 32, 1);
+      for (size_t j = 0; j < (size_t)(e * n * k / 2); j++)
+        ((uint8_t *)m->buf[q])[j] = (uint8_t)rng_u32();
+      const int base = 127 + (int)floor(log2(1.0 / (2.93 * sqrt((double)k))));
+      for (size_t j = 0; j < (size_t)(e * n * k / 32); j++)
+        ((uint8_t *)m->buf[sc])[j] = (uint8_t)(base + (int)(rng_u32() % 2));
+    } else if (c->scheme == MOE_SCHEME_FP8) {
+      add_tensor(m, q, MOE_UINT8, e, n, k, 1);
+      for (size_t j = 0; j < (size_t)(e * n * k); j++)
+        ((uint8_t *)m->buf[q])[j] = moe_f32_to_narrow(rng_uniform(-224, 224), &fmt_e4m3, false);
+      if (c->ws == MOE_WSCALE_BLOCK)
+        add_tensor(m, sc, MOE_F32, e, (n + c->bn - 1) / c->bn, k / c->bk, 4);
+      else if (c->ws == MOE_WSCALE_PER_CHANNEL)
+        add_tensor(m, sc, MOE_F32, e, n, 0, 4);
+      else
+        add_tensor(m, sc, MOE_F32, e, 0, 0, 4);
+      const moe_tensor *st = &m->t[m->nt - 1].tensor;
+      for (size_t j = 0; j < numel_of(st); j++)
+        ((float *)m->buf[sc])[j] = rng_uniform(0.75f, 1.25f) * sqrtf(3.0f / (float)k) / 224.0f;
+      if (c->static_a) {
+        const moe_expert_tensor as = g ? MOE_A2_SCALE : MOE_A13_SCALE;
+        add_tensor(m, as, MOE_F32, e, 0, 0, 4);
+        for (size_t j = 0; j < (size_t)e; j++)
+          ((float *)m->buf[as])[j] = rng_uniform(0.75f, 1.25f) * 4.0f / 448.0f;
+      }
+    }
+    if (c->bias_t) {
+      const moe_expert_tensor b = g ? MOE_W2_BIAS : MOE_W13_BIAS;
+      add_tensor(m, b, c->bias_t, e, n, 0, dtype_size(c->bias_t));
+      for (size_t j = 0; j < (size_t)(e * n); j++)
+        store_act(m->buf[b], c->bias_t, j, rng_uniform(-0.25f, 0.25f));
+    }
+  }
+  cfg->weight_scale = c->ws;
+  if (c->scheme == MOE_SCHEME_FP8 && c->ws == MOE_WSCALE_BLOCK) cfg->block_n = c->bn, cfg->block_k = c->bk;
+  cfg->has_act_scales = c->static_a;
+  cfg->has_bias = c->bias_t != MOE_DTYPE_INVALID;
 }
 
 static void model_make(model *m, const fm_case *c, moe_activation activation, uint64_t seed) {
@@ -119,6 +205,10 @@ static void model_make(model *m, const fm_case *c, moe_activation activation, ui
   cfg->activation = activation;
   cfg->routing.top_k = TOP_K;
   const int64_t e = N_EXPERTS, h = c->hidden, i2 = 2 * c->inter, in = c->inter;
+  if (c->scheme == MOE_SCHEME_MXFP4 || c->scheme == MOE_SCHEME_FP8) {
+    add_new_scheme(m, c);
+    return;
+  }
   if (c->scheme != MOE_SCHEME_WNA16) {
     /* weights ~ U(-1, 1) / sqrt(K): outputs of order one */
     add_tensor(m, MOE_W13, c->act, e, i2, h, 2);
@@ -127,6 +217,7 @@ static void model_make(model *m, const fm_case *c, moe_activation activation, ui
       store_act(m->buf[MOE_W13], c->act, j, rng_uniform(-1, 1) * 2.0f / sqrtf((float)h));
     for (size_t j = 0; j < (size_t)(e * h * in); j++)
       store_act(m->buf[MOE_W2], c->act, j, rng_uniform(-1, 1) * 2.0f / sqrtf((float)in));
+    add_new_scheme(m, c); /* the biases */
     return;
   }
   cfg->bits = c->bits;
@@ -142,7 +233,9 @@ static void model_make(model *m, const fm_case *c, moe_activation activation, ui
     add_tensor(m, MOE_W13_QZEROS, MOE_UINT8, e, c->bits == 4 ? i2 / 2 : i2, g13, 1);
     add_tensor(m, MOE_W2_QZEROS, MOE_UINT8, e, c->bits == 4 ? h / 2 : h, g2, 1);
   }
-  for (size_t i = 0; i < m->nt; i++) {
+  const size_t quantized = m->nt;
+  add_new_scheme(m, c); /* the biases */
+  for (size_t i = 0; i < quantized; i++) {
     const moe_tensor *t = &m->t[i].tensor;
     const char *name = m->t[i].name;
     const size_t n = (size_t)(t->shape[0] * t->shape[1] * t->shape[2]);
@@ -183,8 +276,18 @@ static moe_expert_set *model_set(const model *m, const moe_expert_config *cfg) {
 static float ref_weight(const model *m, bool down, int64_t e, int64_t n, int64_t j) {
   const fm_case *c = &m->c;
   const int64_t nn = down ? c->hidden : 2 * c->inter, k = down ? c->inter : c->hidden;
-  if (c->scheme != MOE_SCHEME_WNA16)
+  if (c->scheme == MOE_SCHEME_BF16 || c->scheme == MOE_SCHEME_FP16)
     return load_act(m->buf[down ? MOE_W2 : MOE_W13], c->act, (size_t)((e * nn + n) * k + j));
+  const uint8_t *qw = m->buf[down ? MOE_W2_QWEIGHT : MOE_W13_QWEIGHT];
+  if (c->scheme == MOE_SCHEME_FP8) /* the code's value: the scales come in the GEMM */
+    return moe_narrow_to_f32(qw[(e * nn + n) * k + j], &fmt_e4m3);
+  if (c->scheme == MOE_SCHEME_MXFP4) {
+    const uint8_t b = qw[(e * nn + n) * (k / 2) + j / 2];
+    const uint8_t sb =
+        ((const uint8_t *)m->buf[down ? MOE_W2_SCALES : MOE_W13_SCALES])[(e * nn + n) * (k / 32) + j / 32];
+    return round_act(moe_narrow_to_f32(j % 2 ? b >> 4 : b & 15, &fmt_e2m1) * (float)ldexp(1.0, sb - 127),
+                     c->act);
+  }
   const int64_t group = c->group == -1 ? k : c->group, groups = k / group, g = j / group;
   const uint8_t *q = m->buf[down ? MOE_W2_QWEIGHT : MOE_W13_QWEIGHT];
   float code, zero;
@@ -208,6 +311,67 @@ static float ref_weight(const model *m, bool down, int64_t e, int64_t n, int64_t
   return round_act((code - zero) * scale, c->act);
 }
 
+/* fp8: v[0..n) quantized to e4m3fn as the contract's quant ops do (s given,
+ * or dynamic from the finite amax), replaced by the codes' values; the scale. */
+static float ref_fp8_quant(float *v, int64_t n, float s, bool exact) {
+  if (s <= 0.0f) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < n; j++)
+      if (isfinite(v[j]) && fabsf(v[j]) > amax) amax = fabsf(v[j]);
+    s = amax / 448.0f;
+    if (s == 0.0f) s = 1.0f;
+  }
+  const float r = 1.0f / s;
+  for (int64_t j = 0; j < n; j++)
+    v[j] = moe_narrow_to_f32(moe_f32_to_narrow(exact ? v[j] / s : v[j] * r, &fmt_e4m3, false), &fmt_e4m3);
+  return s;
+}
+
+/* fp8: the GEMM input v [K] quantized at the case's granularity (in place);
+ * sx[b] its scales per K block (one unless block scales). */
+static void ref_fp8_input(const model *m, bool down, int64_t e, float *v, int64_t k, float *sx) {
+  const fm_case *c = &m->c;
+  const int64_t bk = c->ws == MOE_WSCALE_BLOCK ? c->bk : k;
+  const float st = c->static_a ? ((const float *)m->buf[down ? MOE_A2_SCALE : MOE_A13_SCALE])[e] : 0.0f;
+  for (int64_t b = 0; b < k / bk; b++)
+    sx[b] = ref_fp8_quant(v + b * bk, bk, st, m->cfg.exact_division);
+}
+
+/* The fp32 GEMM result of row n (before bias and rounding) in float64:
+ * SUM_j v[j] * w[n, j], for fp8 with the scales of the contract. */
+static double ref_dot(const model *m, bool down, int64_t e, int64_t n, const float *v, const float *sx) {
+  const fm_case *c = &m->c;
+  const int64_t nn = down ? c->hidden : 2 * c->inter, k = down ? c->inter : c->hidden;
+  if (c->scheme != MOE_SCHEME_FP8) {
+    double s = 0.0;
+    for (int64_t j = 0; j < k; j++)
+      s += (double)v[j] * ref_weight(m, down, e, n, j);
+    return s;
+  }
+  const float *sw = m->buf[down ? MOE_W2_SCALES : MOE_W13_SCALES];
+  const int64_t bk = c->ws == MOE_WSCALE_BLOCK ? c->bk : k, kb = k / bk;
+  double acc = 0.0;
+  for (int64_t b = 0; b < kb; b++) {
+    double p = 0.0;
+    for (int64_t j = b * bk; j < (b + 1) * bk; j++)
+      p += (double)v[j] * ref_weight(m, down, e, n, j);
+    if (c->ws == MOE_WSCALE_BLOCK) {
+      const int64_t nb = (nn + c->bn - 1) / c->bn;
+      acc += p * (double)(sx[b] * sw[(e * nb + n / c->bn) * kb + b]); /* the scales' product in fp32 */
+    } else {
+      acc = p * sx[0] * (c->ws == MOE_WSCALE_PER_CHANNEL ? sw[e * nn + n] : sw[e]);
+    }
+  }
+  return acc;
+}
+
+static double ref_bias(const model *m, bool down, int64_t e, int64_t n) {
+  const fm_case *c = &m->c;
+  if (!c->bias_t) return 0.0;
+  const int64_t nn = down ? c->hidden : 2 * c->inter;
+  return load_act(m->buf[down ? MOE_W2_BIAS : MOE_W13_BIAS], c->bias_t, (size_t)(e * nn + n));
+}
+
 static float ref_activation(moe_activation fn, float g, float u, moe_dtype t) {
   switch (fn) {
   case MOE_ACT_SILU: return round_act(round_act(g / (1.0f + expf(-g)), t) * u, t);
@@ -226,33 +390,33 @@ static void reference(const model *m, const void *x, int64_t tokens, const int32
   const fm_case *c = &m->c;
   const int64_t h = c->hidden, in = c->inter;
   const bool interleaved = m->activation == MOE_ACT_SWIGLU_OAI;
-  float *a = malloc((size_t)in * sizeof(float));
+  float *a = malloc((size_t)in * sizeof(float)), *xv = malloc((size_t)h * sizeof(float));
+  float sx[64], sa[64]; /* scales per K block */
   for (int64_t t = 0; t < tokens; t++) {
     for (int64_t j = 0; j < h; j++)
       out[t * h + j] = 0.0;
     for (int k = 0; k < TOP_K; k++) {
       const int64_t e = ids[t * TOP_K + k]; /* the model holds every expert */
       if (e < offset || e >= offset + local) continue;
+      for (int64_t j = 0; j < h; j++)
+        xv[j] = load_act(x, c->act, (size_t)(t * h + j));
+      if (c->scheme == MOE_SCHEME_FP8) ref_fp8_input(m, false, e, xv, h, sx);
       for (int64_t i = 0; i < in; i++) {
-        double sg = 0.0, su = 0.0;
         const int64_t rg = interleaved ? 2 * i : i, ru = interleaved ? 2 * i + 1 : in + i;
-        for (int64_t j = 0; j < h; j++) {
-          const double xv = load_act(x, c->act, (size_t)(t * h + j));
-          sg += xv * ref_weight(m, false, e, rg, j);
-          su += xv * ref_weight(m, false, e, ru, j);
-        }
+        const double sg = ref_dot(m, false, e, rg, xv, sx) + ref_bias(m, false, e, rg);
+        const double su = ref_dot(m, false, e, ru, xv, sx) + ref_bias(m, false, e, ru);
         a[i] =
             ref_activation(m->activation, round_act((float)sg, c->act), round_act((float)su, c->act), c->act);
       }
+      if (c->scheme == MOE_SCHEME_FP8) ref_fp8_input(m, true, e, a, in, sa);
       for (int64_t j = 0; j < h; j++) {
-        double s = 0.0;
-        for (int64_t i = 0; i < in; i++)
-          s += (double)a[i] * ref_weight(m, true, e, j, i);
+        const double s = ref_dot(m, true, e, j, a, sa) + ref_bias(m, true, e, j);
         out[t * h + j] += round_act((float)s * w[t * TOP_K + k], c->act);
       }
     }
   }
   free(a);
+  free(xv);
 }
 
 /* ---- calling the op ------------------------------------------------------------------ */
@@ -385,9 +549,13 @@ START_TEST(matches_reference) {
   model_make(&m, c, fn, 1000 + (uint64_t)_i);
   batch b;
   batch_make(&b, c, 16, N_EXPERTS);
-  moe_param p = {.name = "activation", .type = MOE_PARAM_STRING, .s = act_names[fn]};
+  moe_param p[4] = {{.name = "activation", .type = MOE_PARAM_STRING, .s = act_names[fn]},
+                    {.name = "scheme", .type = MOE_PARAM_STRING, .s = moe_scheme_names[c->scheme]},
+                    {.name = "block_n", .type = MOE_PARAM_INT, .i = c->bn},
+                    {.name = "block_k", .type = MOE_PARAM_INT, .i = c->bk}};
   request r = {b.x, b.tokens, b.ids, b.w, NULL};
-  void *out = run_fused(&m, NULL, &r, &p, 1); /* inline weights */
+  /* inline weights; fp8 with block scales must be named (it looks like wna16 int8) */
+  void *out = run_fused(&m, NULL, &r, p, c->ws == MOE_WSCALE_BLOCK ? 4 : 1);
   double *ref = malloc((size_t)(b.tokens * c->hidden) * sizeof(double));
   reference(&m, b.x, b.tokens, b.ids, b.w, 0, N_EXPERTS, ref);
   double num = 0.0, den = 0.0;
@@ -396,8 +564,10 @@ START_TEST(matches_reference) {
     num += (got - want) * (got - want);
     den += want * want;
   }
-  const double rel = sqrt(num / den), tol = c->act == MOE_BF16 ? 1e-3 : 2.5e-4;
+  const bool fp8 = c->scheme == MOE_SCHEME_FP8;
+  const double rel = sqrt(num / den), tol = c->act == MOE_BF16 ? (fp8 ? 4e-3 : 1e-3) : (fp8 ? 2e-3 : 2.5e-4);
   ck_assert_msg(den > 0.0, "%s %s: reference is all zero", c->name, act_names[fn]);
+  printf("%-34s %-10s rel L2 %.3g (bound %.3g)\n", c->name, act_names[fn], rel, tol);
   ck_assert_msg(rel <= tol, "%s %s: relative error %.3g > %.3g", c->name, act_names[fn], rel, tol);
   /* the same through a set built over the tensors */
   moe_expert_set *set = model_set(&m, NULL);
@@ -552,7 +722,7 @@ END_TEST
 typedef struct bad_req {
   moe_named_tensor in[16];
   size_t n;
-  moe_param p[4];
+  moe_param p[6];
   size_t np;
   const moe_expert_set *set;
 } bad_req;
@@ -766,6 +936,157 @@ START_TEST(bad_inputs_wna16) {
 }
 END_TEST
 
+static const fm_case *case_named(const char *name) {
+  for (int i = 0; i < N_CASES; i++)
+    if (strcmp(cases[i].name, name) == 0) return &cases[i];
+  ck_abort_msg("no case %s", name);
+  return NULL;
+}
+
+START_TEST(bad_inputs_mxfp4_and_bias) {
+  model m;
+  model_make(&m, case_named("mxfp4 bf16 bias f32"), MOE_ACT_SWIGLU_OAI, 7); /* H 256, I 128 */
+  batch b;
+  batch_make(&b, &m.c, 4, N_EXPERTS);
+  float xf[4 * 256] = {0};
+  uint16_t b16[N_EXPERTS * 256] = {0};
+  bad_req r, base;
+  good_request(&base, &m, &b);
+  { /* sanity: the base request runs */
+    moe_params params = {NULL, 0};
+    moe_named_tensor *out;
+    size_t n;
+    moe_error err;
+    ck_assert_msg(moe_run_host("fused_moe", base.in, base.n, &params, NULL, &out, &n, &err) == MOE_OK, "%s",
+                  err.msg);
+    moe_outputs_free(out, n);
+  }
+  r = base; /* 16-bit activations only */
+  r.in[0].tensor = (moe_tensor){MOE_F32, 2, {4, 256}, xf, sizeof xf};
+  expect_einval(&r, "hidden_states");
+  expect_einval(&r, "16-bit");
+  /* e8m0 0xFF (a NaN scale) in the weights: the tensor and the index */
+  uint8_t *s2 = m.buf[MOE_W2_SCALES];
+  const size_t at = (size_t)((1 * 256 + 2) * 4 + 3); /* w2_scales [6, 256, 4] */
+  const uint8_t keep = s2[at];
+  s2[at] = 0xFF;
+  r = base;
+  expect_einval(&r, "w2_scales: e8m0 scale byte 0xFF (NaN) at [1, 2, 3]");
+  s2[at] = keep;
+  r = base; /* scales of another dtype */
+  r.in[find_input(&r, "w13_scales")].tensor.dtype = MOE_BF16;
+  r.in[find_input(&r, "w13_scales")].tensor.shape[2] = 4;
+  r.p[r.np++] = (moe_param){.name = "scheme", .type = MOE_PARAM_STRING, .s = "mxfp4"};
+  expect_einval(&r, "w13_scales");
+  /* biases: shape, one without the other, dtype other than f32 or the activations' */
+  r = base;
+  r.in[find_input(&r, "w13_bias")].tensor.shape[1] = 128;
+  r.in[find_input(&r, "w13_bias")].tensor.nbytes /= 2;
+  expect_einval(&r, "w13_bias: shape [6, 128], expected [6, 256]");
+  r = base;
+  drop_input(&r, "w2_bias");
+  expect_einval(&r, "w2_bias: missing");
+  r = base;
+  r.in[find_input(&r, "w2_bias")].tensor = (moe_tensor){MOE_F16, 2, {N_EXPERTS, 256}, b16, sizeof b16};
+  expect_einval(&r, "w2_bias: dtype fp16");
+  r = base;
+  r.in[find_input(&r, "w2_bias")].tensor = (moe_tensor){MOE_F16, 1, {N_EXPERTS * 256}, b16, sizeof b16};
+  expect_einval(&r, "w2_bias");
+  /* a loaded set without biases refuses them inline; one with them, a contradicting scheme */
+  moe_expert_set *set = model_set(&m, NULL);
+  r = base;
+  r.set = set;
+  r.n = 3;
+  r.p[r.np++] = (moe_param){.name = "scheme", .type = MOE_PARAM_STRING, .s = "wna16"};
+  expect_einval(&r, "scheme: differs");
+  moe_expert_set_destroy(set);
+  batch_free(&b);
+  model_free(&m);
+}
+END_TEST
+
+START_TEST(bad_inputs_fp8) {
+  model m;
+  model_make(&m, case_named("fp8 block 48x64 fp16 bias"), MOE_ACT_SILU, 8); /* H 256, I 128 */
+  batch b;
+  batch_make(&b, &m.c, 4, N_EXPERTS);
+  float xf[4 * 256] = {0};
+  bad_req r, base;
+  good_request(&base, &m, &b);
+  base.p[base.np++] = (moe_param){.name = "scheme", .type = MOE_PARAM_STRING, .s = "fp8"};
+  base.p[base.np++] = (moe_param){.name = "block_n", .type = MOE_PARAM_INT, .i = 48};
+  base.p[base.np++] = (moe_param){.name = "block_k", .type = MOE_PARAM_INT, .i = 64};
+  { /* sanity: the base request runs */
+    moe_params params = {base.p, base.np};
+    moe_named_tensor *out;
+    size_t n;
+    moe_error err;
+    ck_assert_msg(moe_run_host("fused_moe", base.in, base.n, &params, NULL, &out, &n, &err) == MOE_OK, "%s",
+                  err.msg);
+    moe_outputs_free(out, n);
+  }
+  r = base; /* a block size that does not divide K (H = 256, I = 128) */
+  r.p[2].i = 48;
+  expect_einval(&r, "block_k: must divide");
+  r.p[2].i = 0;
+  expect_einval(&r, "block_k");
+  r = base; /* block_n the scales do not have */
+  r.p[1].i = 64;
+  expect_einval(&r, "w13_scales: shape [6, 6, 4], expected [6, 4, 4]");
+  r = base;
+  r.p[1].i = 0;
+  expect_einval(&r, "block_n");
+  r = base; /* 16-bit activations only */
+  r.in[0].tensor = (moe_tensor){MOE_F32, 2, {4, 256}, xf, sizeof xf};
+  expect_einval(&r, "hidden_states");
+  r = base;
+  r.p[0].s = "fp9";
+  expect_einval(&r, "scheme");
+  r = base;
+  r.p[r.np++] = (moe_param){.name = "weight_scale", .type = MOE_PARAM_STRING, .s = "per_row"};
+  expect_einval(&r, "weight_scale");
+  r = base; /* per_channel scales must be [E, N] */
+  r.p[r.np++] = (moe_param){.name = "weight_scale", .type = MOE_PARAM_STRING, .s = "per_channel"};
+  expect_einval(&r, "w13_scales");
+  r = base; /* codes as another dtype */
+  r.in[find_input(&r, "w2_qweight")].tensor.dtype = MOE_INT8;
+  expect_einval(&r, "w2_qweight");
+  batch_free(&b);
+  model_free(&m);
+
+  /* static activation scales: finite and > 0, both given, per_tensor only */
+  model_make(&m, case_named("fp8 per_tensor static bf16 bias"), MOE_ACT_SILU, 9);
+  batch_make(&b, &m.c, 4, N_EXPERTS);
+  good_request(&base, &m, &b);
+  float *a13 = m.buf[MOE_A13_SCALE];
+  const float keep = a13[4];
+  a13[4] = 0.0f;
+  r = base;
+  expect_einval(&r, "a13_scale: entry 4");
+  a13[4] = NAN;
+  expect_einval(&r, "a13_scale: entry 4");
+  a13[4] = INFINITY;
+  expect_einval(&r, "a13_scale: entry 4");
+  a13[4] = keep;
+  r = base;
+  drop_input(&r, "a2_scale");
+  expect_einval(&r, "a2_scale: missing");
+  r = base;
+  r.p[r.np++] = (moe_param){.name = "weight_scale", .type = MOE_PARAM_STRING, .s = "per_channel"};
+  expect_einval(&r, "has_activation_scales");
+  /* a loaded fp8 set: a contradicting exact_division or block size is refused */
+  moe_expert_set *set = model_set(&m, NULL);
+  r = base;
+  r.set = set;
+  r.n = 3;
+  r.p[r.np++] = (moe_param){.name = "exact_division", .type = MOE_PARAM_BOOL, .b = true};
+  expect_einval(&r, "exact_division: differs");
+  moe_expert_set_destroy(set);
+  batch_free(&b);
+  model_free(&m);
+}
+END_TEST
+
 static void setup(void) {
   moe_error err;
   ck_assert_int_eq(moe_backend_open(MOE_BACKEND_HOST, 0, &cpu, &err), MOE_OK);
@@ -783,6 +1104,8 @@ static Suite *fused_suite(void) {
   tcase_add_test(tc, shards_contribute_their_experts_only);
   tcase_add_test(tc, bad_inputs_dense);
   tcase_add_test(tc, bad_inputs_wna16);
+  tcase_add_test(tc, bad_inputs_mxfp4_and_bias);
+  tcase_add_test(tc, bad_inputs_fp8);
   suite_add_tcase(s, tc);
   return s;
 }

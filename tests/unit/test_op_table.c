@@ -23,7 +23,8 @@ static unsigned input_flags(const moe_op *op, const char *name) {
 
 START_TEST(fused_moe_weights_are_flagged) {
   static const char *const weights[] = {"w13",        "w2",         "w13_qweight", "w13_scales",
-                                        "w13_qzeros", "w2_qweight", "w2_scales",   "w2_qzeros"};
+                                        "w13_qzeros", "w2_qweight", "w2_scales",   "w2_qzeros",
+                                        "w13_bias",   "w2_bias",    "a13_scale",   "a2_scale"};
   static const char *const others[] = {"hidden_states", "router_logits", "topk_ids", "topk_weights",
                                        "correction_bias"};
   const moe_op *op = moe_op_find("fused_moe");

@@ -19,6 +19,8 @@ typedef enum moe_scheme {
   MOE_SCHEME_BF16 = 0, /* weights bf16 (activations bf16) */
   MOE_SCHEME_FP16,     /* weights fp16 (activations fp16) */
   MOE_SCHEME_WNA16,    /* int4/int8 weights, per-group scales, 16-bit activations */
+  MOE_SCHEME_FP8,      /* fp8 e4m3fn weights and activations (W8A8), F32 weight scales */
+  MOE_SCHEME_MXFP4,    /* fp4 e2m1 weights with e8m0 scales per 32 (W4A16) */
   MOE_SCHEME_COUNT
 } moe_scheme;
 
@@ -29,12 +31,21 @@ typedef enum moe_activation {
   MOE_ACT_COUNT
 } moe_activation;
 
+/* fp8: the layout of the weight scales (docs/numerics.md "Weight scheme fp8"). */
+typedef enum moe_weight_scale {
+  MOE_WSCALE_PER_TENSOR = 0, /* [E] */
+  MOE_WSCALE_PER_CHANNEL,    /* [E, N] */
+  MOE_WSCALE_BLOCK,          /* [E, ceil(N / BN), ceil(K / BK)] */
+  MOE_WSCALE_COUNT
+} moe_weight_scale;
+
 typedef enum moe_scoring { MOE_SCORING_SOFTMAX = 0, MOE_SCORING_SIGMOID, MOE_SCORING_COUNT } moe_scoring;
 
 /* Name tables (index = enum value), NULL-terminated, for parsing. */
 extern const char *const moe_scheme_names[];
 extern const char *const moe_activation_names[];
 extern const char *const moe_scoring_names[];
+extern const char *const moe_weight_scale_names[];
 
 /* Routing parameters of moe.topk (also the defaults of an expert set). */
 typedef struct moe_routing {
@@ -57,9 +68,14 @@ typedef struct moe_expert_config {
   int64_t hidden_size;        /* H */
   int64_t intermediate_size;  /* I */
   moe_activation activation;
-  int bits;             /* wna16: 4 or 8 */
-  int64_t group_size;   /* wna16: divides K of each GEMM; -1 = one group per row */
-  bool has_zero_points; /* wna16 */
+  int bits;                      /* wna16: 4 or 8 */
+  int64_t group_size;            /* wna16: divides K of each GEMM; -1 = one group per row */
+  bool has_zero_points;          /* wna16 */
+  moe_weight_scale weight_scale; /* fp8 */
+  int64_t block_n, block_k;      /* fp8 block: BN, BK (default 128, 128) */
+  bool has_act_scales;           /* fp8 per_tensor: static a13_scale / a2_scale given */
+  bool exact_division;           /* fp8: activation quantization divides (x / s) */
+  bool has_bias;                 /* every scheme: w13_bias and w2_bias given */
   moe_routing routing;
 } moe_expert_config;
 
@@ -67,19 +83,24 @@ typedef struct moe_expert_config {
 typedef enum moe_expert_tensor {
   MOE_W13 = 0,     /* [E, 2I, H] bf16/fp16 */
   MOE_W2,          /* [E, H, I] */
-  MOE_W13_QWEIGHT, /* wna16 */
+  MOE_W13_QWEIGHT, /* wna16, fp8, mxfp4: codes */
   MOE_W13_SCALES,
-  MOE_W13_QZEROS,
+  MOE_W13_QZEROS, /* wna16 */
   MOE_W2_QWEIGHT,
   MOE_W2_SCALES,
   MOE_W2_QZEROS,
+  MOE_W13_BIAS,  /* optional (has_bias) [E, 2I], every scheme */
+  MOE_W2_BIAS,   /* optional (has_bias) [E, H] */
+  MOE_A13_SCALE, /* fp8 static activation scales [E] (has_act_scales) */
+  MOE_A2_SCALE,
   MOE_CORRECTION_BIAS, /* optional F32 [E_global], used when routing here */
   MOE_EXPERT_TENSOR_COUNT
 } moe_expert_tensor;
 
 extern const char *const moe_expert_tensor_names[];
 /* Whether `name` is one of an expert set's weight tensors (the w13 / w2
- * matrices, scales and zero points; not the routing's correction_bias):
+ * matrices, scales, zero points, biases and static activation scales; not
+ * the routing's correction_bias):
  * what a fused_moe request carries inline and the weight cache keys on. */
 bool moe_expert_tensor_is_weight(const char *name);
 
@@ -93,7 +114,8 @@ struct moe_expert_set {
 };
 
 /* Defaults: bf16, silu, routing softmax top_k 1 renormalize false,
- * routed_scaling_factor 1, offset 0, group_size -1, no zero points. */
+ * routed_scaling_factor 1, offset 0, group_size -1, no zero points, fp8
+ * per_tensor with 128 x 128 blocks, no biases. */
 void moe_expert_config_defaults(moe_expert_config *cfg);
 /* Parses config.json text into cfg (starting from the defaults). */
 moe_status moe_expert_config_parse(const char *json, moe_expert_config *cfg, moe_error *err);

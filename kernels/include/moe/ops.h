@@ -111,6 +111,12 @@ const char *moe_expert_set_act_dtypes(const moe_expert_set *set);
 /* True when backend b has a kernel for op (the CPU runs every op; a GPU
  * build may lack some): callers route such calls to a host backend. */
 bool moe_op_supported(const moe_op *op, const moe_backend *b);
+/* The same for a prepared call: its op, and for fused_moe on a GPU the
+ * expert set's scheme and biases (the GPU kernels serve bf16, fp16 and
+ * wna16 without biases; docs/design.md "Weight schemes on the GPU").
+ * MOE_EUNSUPPORTED naming what is missing; callers route such calls to a
+ * host backend (moe_call_run refuses them with the same message). */
+moe_status moe_call_check_backend(const moe_call *c, const moe_backend *b, moe_error *err);
 
 /* Validates inputs and params and creates a call whose outputs have their
  * dtype, shape and nbytes set and data NULL. `set` is the expert set for
