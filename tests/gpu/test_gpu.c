@@ -70,10 +70,11 @@ static moe_param pdbl(const char *name, double v) {
  * bytes, results copied back into got[i] (host, nbytes each); the call's
  * tensors are left pointing at the host inputs again. */
 static void run_gpu(moe_call *c, size_t misalign, uint8_t poison, void **got, const char *label) {
+  enum { MAX_OUT = 8, MAX_IN = 32 }; /* above every op's count (fused_moe: 17 inputs) */
   size_t no = moe_call_num_outputs(c), ni = moe_call_num_inputs(c);
-  void *dout[8] = {0}, *din[16] = {0}, *hin[16] = {0}, *hout[8] = {0};
+  void *dout[MAX_OUT] = {0}, *din[MAX_IN] = {0}, *hin[MAX_IN] = {0}, *hout[MAX_OUT] = {0};
   moe_error err = {{0}};
-  ck_assert(no <= 8 && ni <= 16);
+  ck_assert_msg(no <= MAX_OUT && ni <= MAX_IN, "%s: %zu outputs, %zu inputs", label, no, ni);
   for (size_t j = 0; j < ni; j++) {
     moe_tensor *t = &moe_call_input(c, j)->tensor;
     hin[j] = t->data;
