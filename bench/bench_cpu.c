@@ -2,7 +2,7 @@
  * ratio to this machine's memcpy bandwidth measured in the same run with the
  * same thread count. Not a test: prints a markdown table for bench/RESULTS.md.
  *
- *   moe-bench-cpu [--quick] [--threads N]
+ *   moe-bench-cpu [--quick] [--quant-only] [--threads N]
  */
 #include <getopt.h>
 #include <omp.h>
@@ -276,18 +276,21 @@ static void bench_fused(moe_backend *b, double ceiling, const layer *L, bool wna
 }
 
 int main(int argc, char **argv) {
-  int threads = 0, quick = 0;
+  int threads = 0, quick = 0, quant_only = 0;
   static const struct option opts[] = {{"threads", required_argument, 0, 't'},
                                        {"quick", no_argument, 0, 'q'},
+                                       {"quant-only", no_argument, 0, 'Q'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
-  for (int ch; (ch = getopt_long(argc, argv, "t:qh", opts, NULL)) != -1;) {
+  for (int ch; (ch = getopt_long(argc, argv, "t:qQh", opts, NULL)) != -1;) {
     if (ch == 't')
       threads = atoi(optarg);
     else if (ch == 'q')
       quick = 1;
+    else if (ch == 'Q')
+      quant_only = 1;
     else {
-      printf("usage: %s [--threads N] [--quick]\n", argv[0]);
+      printf("usage: %s [--threads N] [--quick] [--quant-only]\n", argv[0]);
       return ch == 'h' ? 0 : 2;
     }
   }
@@ -301,6 +304,10 @@ int main(int argc, char **argv) {
   printf("backend: %s; memcpy ceiling (1 GiB, read+write): %.2f GB/s\n\n", moe_backend_name(b), ceiling);
   printf("| op | input | median | GB/s | %% of memcpy |\n|---|---|---|---|---|\n");
   bench_quant(b, ceiling, 64);
+  if (quant_only) {
+    moe_backend_destroy(b);
+    return 0;
+  }
   printf("\n| layer | scheme | T | median | weight GB/s | %% of memcpy | GFLOP/s "
          "|\n|---|---|---|---|---|---|---|\n");
   static const layer qwen = {"qwen3-30b-a3b", 128, 8, 2048, 768},

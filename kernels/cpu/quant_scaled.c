@@ -32,41 +32,42 @@ MOE_CPU_HOT static float amax_of(const void *x, moe_dtype xt, size_t begin, size
   }
 }
 
-/* buf[j] = x[i0 + j] * r (fast) or x[i0 + j] / s (exact), j < n. */
-ALWAYS_INLINE void scale_tile(const void *x, moe_dtype xt, size_t i0, size_t n, float s, float r, bool exact,
-                              float *buf) {
-  if (exact)
-    for (size_t j = 0; j < n; j++)
-      buf[j] = moe_load_float(x, xt, i0 + j) / s;
+/* q[i] = cvt(x[i] / s) (exact) or cvt(x[i] * r) for i in [begin, end): one
+ * straight loop per (input dtype, division mode, output type), each element
+ * loaded, scaled and encoded in registers, so it vectorizes. */
+ALWAYS_INLINE void encode_range(const void *x, moe_dtype xt, size_t begin, size_t end, float s, float r,
+                                bool exact, bool int8, const moe_narrow_fmt *fmt, void *q) {
+  if (int8)
+    for (size_t i = begin; i < end; i++) {
+      const float v = moe_load_float(x, xt, i);
+      ((int8_t *)q)[i] = moe_f32_to_int8(exact ? v / s : v * r);
+    }
   else
-    for (size_t j = 0; j < n; j++)
-      buf[j] = moe_load_float(x, xt, i0 + j) * r;
+    for (size_t i = begin; i < end; i++) {
+      const float v = moe_load_float(x, xt, i);
+      ((uint8_t *)q)[i] = moe_f32_to_narrow(exact ? v / s : v * r, fmt, false);
+    }
 }
 
-/* q[i] = cvt(scaled x[i]) for i in [begin, end), a tile at a time through an
- * L1-resident buffer so that each loop is straight-line and vectorizes. */
+ALWAYS_INLINE void encode_dtype(const void *x, moe_dtype xt, size_t begin, size_t end, float s, float r,
+                                bool exact, bool int8, const moe_narrow_fmt *fmt, void *q) {
+  if (exact)
+    encode_range(x, xt, begin, end, s, r, true, int8, fmt, q);
+  else
+    encode_range(x, xt, begin, end, s, r, false, int8, fmt, q);
+}
+
 MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t end, float s,
                                const moe_scaled_args *a, void *q) {
-  enum { TILE = 512 };
-  float buf[TILE];
   const float r = 1.0f / s; /* fast mode: one reciprocal, then multiplies */
+  /* a local copy: byte stores to q may alias *a, which would keep the loops
+   * from vectorizing */
   const moe_narrow_fmt fmt = a->fmt;
-  for (size_t i0 = begin; i0 < end; i0 += TILE) {
-    size_t n = end - i0 < TILE ? end - i0 : TILE;
-    switch (xt) {
-    case MOE_F16: scale_tile(x, MOE_F16, i0, n, s, r, a->exact_division, buf); break;
-    case MOE_BF16: scale_tile(x, MOE_BF16, i0, n, s, r, a->exact_division, buf); break;
-    default: scale_tile(x, MOE_F32, i0, n, s, r, a->exact_division, buf); break;
-    }
-    if (a->qdtype == MOE_INT8) {
-      int8_t *qi = (int8_t *)q + i0;
-      for (size_t j = 0; j < n; j++)
-        qi[j] = moe_f32_to_int8(buf[j]);
-    } else {
-      uint8_t *qn = (uint8_t *)q + i0;
-      for (size_t j = 0; j < n; j++)
-        qn[j] = moe_f32_to_narrow(buf[j], &fmt, false);
-    }
+  const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8;
+  switch (xt) {
+  case MOE_F16: encode_dtype(x, MOE_F16, begin, end, s, r, exact, int8, &fmt, q); break;
+  case MOE_BF16: encode_dtype(x, MOE_BF16, begin, end, s, r, exact, int8, &fmt, q); break;
+  default: encode_dtype(x, MOE_F32, begin, end, s, r, exact, int8, &fmt, q); break;
   }
 }
 

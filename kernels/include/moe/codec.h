@@ -161,24 +161,25 @@ MOE_HD uint8_t moe_f32_to_e2m1(float f, bool half_up) {
 }
 
 MOE_HD uint8_t moe_f32_to_narrow(float f, const moe_narrow_fmt *fmt, bool half_up) {
-  const int emin = 1 - fmt->bias;
-  const int s = 23 - fmt->mbits;
+  const uint32_t s = 23u - (uint32_t)fmt->mbits;
+  const uint32_t min_exp = (uint32_t)(128 - fmt->bias) << 23; /* 2^emin, the smallest normal */
+  const uint32_t max_exp = (uint32_t)(127 + fmt->emax) << 23;
   const uint32_t u = moe_f32_bits(f);
   const uint32_t a = u & 0x7FFFFFFFu;
-  /* normal range: round off s bits, then rebias the exponent */
-  const uint32_t half = 1u << (s - 1);
-  const uint32_t rn = a + half - 1u + (((a >> s) & 1u) | (uint32_t)half_up);
-  const uint32_t mag_norm = (rn >> s) - ((uint32_t)(127 - fmt->bias) << fmt->mbits);
-  /* below the smallest normal: t = a / 2^(emin - mbits) exactly, round it */
-  float t = moe_f32_from_bits(a) * moe_f32_from_bits((uint32_t)(127 + fmt->mbits - emin) << 23);
-  t = t < 1024.0f ? t : 1024.0f; /* keeps the conversion in range where unused */
-  const uint32_t n = (uint32_t)(int32_t)t;
-  const float frac = t - (float)n;
-  const uint32_t up = (uint32_t)(frac > 0.5f) | ((uint32_t)(frac == 0.5f) & ((n & 1u) | (uint32_t)half_up));
-  const uint32_t min_normal = (uint32_t)(127 + emin) << 23;
-  uint32_t mag = a < min_normal ? n + up : mag_norm;
-  mag = moe_f32_from_bits(a) > fmt->max_finite ? fmt->max_mag : mag; /* inf too */
-  const uint32_t sign = ((uint32_t)(mag != 0u) | (uint32_t)fmt->neg_zero) * ((u >> 31) << (fmt->bits - 1));
+  /* |f|'s binade clamped to the format's normal range [emin, emax] */
+  uint32_t e = a & 0x7F800000u;
+  e = e > min_exp ? e : min_exp;
+  e = e < max_exp ? e : max_exp;
+  /* m = 2^(e + s): its ulp is the format's step in that binade, so one IEEE
+   * add rounds |f| to the grid (ties to even; half_up: |f|'s lowest bit set
+   * first lifts exact ties, and no other value, over the midpoint) and
+   * bits(|f| + m) - bits(m) counts steps: the code within the binade */
+  const uint32_t m = e + (s << 23);
+  const uint32_t t = moe_f32_bits(moe_f32_from_bits(a | (uint32_t)half_up) + moe_f32_from_bits(m));
+  uint32_t mag = t - m + ((e - min_exp) >> s);
+  mag = mag < fmt->max_mag ? mag : fmt->max_mag; /* satfinite; inf too */
+  const uint32_t sbit = (u >> 31) << (fmt->bits - 1);
+  const uint32_t sign = (mag != 0u || fmt->neg_zero) ? sbit : 0u;
   const uint32_t nan = fmt->nan_code < 0 ? 0u : (uint32_t)fmt->nan_code;
   return (uint8_t)(a > 0x7F800000u ? nan : (sign | mag));
 }
