@@ -203,15 +203,17 @@ MOE_HD float moe_narrow_to_f32(uint8_t code, const moe_narrow_fmt *fmt) {
 
 /* ---- int8 ---------------------------------------------------------------- */
 
-/* RNE, saturate to [-128, 127], NaN -> 0 (vLLM's behaviour). After the
- * clamp |v| <= 128, so adding and removing 1.5 * 2^23 rounds to an integer
- * in one IEEE add (RNE) - branch-free, so loops over it vectorize. */
+/* RNE, saturate to [-128, 127], NaN -> 0 (vLLM's behaviour). On the
+ * magnitude: |f| + 2^23 rounds to an integer in one IEEE add (RNE; larger
+ * magnitudes and inf only need to stay above the clamp), clamped to 127, or
+ * 128 for a negative value, then negated by the sign. Integer selects only,
+ * so loops over it vectorize. */
 MOE_HD int8_t moe_f32_to_int8(float f) {
-  float v = f > 127.0f ? 127.0f : f;
-  v = v < -128.0f ? -128.0f : v;
-  v = moe_f32_isnan(f) ? 0.0f : v;
-  const float magic = 12582912.0f;
-  return (int8_t)(int32_t)((v + magic) - magic);
+  const uint32_t u = moe_f32_bits(f), a = u & 0x7FFFFFFFu, neg = u >> 31;
+  uint32_t t = moe_f32_bits(moe_f32_from_bits(a) + 8388608.0f) - 0x4B000000u;
+  t = t < 127u + neg ? t : 127u + neg;
+  t = (t ^ (0u - neg)) + neg;
+  return (int8_t)(int32_t)(a > 0x7F800000u ? 0u : t);
 }
 
 /* ---- MX block scales (docs/numerics.md "quant.mx") ----------------------------- */
