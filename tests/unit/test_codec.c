@@ -129,8 +129,10 @@ static uint8_t ref_narrow(const narrow_ref *r, float f, bool half_up) {
   } else {
     while (hi - lo > 1) {
       int mid = (lo + hi) / 2;
-      if (r->value[mid] <= x) lo = mid;
-      else hi = mid;
+      if (r->value[mid] <= x)
+        lo = mid;
+      else
+        hi = mid;
     }
   }
   int mag = lo;

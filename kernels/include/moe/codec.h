@@ -3,9 +3,12 @@
  *
  * One definition for every backend: this header compiles as C (CPU backend)
  * and as HIP/CUDA device code (GPU backend), so the bit-exact contract lives
- * in one place. Integer arithmetic wherever rounding is specified, so no
- * compiler flag (FMA contraction, flush-to-zero) can change a result; the few
- * float operations here are single multiplies and divisions, which IEEE fixes. */
+ * in one place. Rounding is integer arithmetic, or one IEEE add of a power
+ * of two to a bit-masked |x| (round to nearest even, the default mode; no
+ * multiply to contract with; its result is normal, and a subnormal operand
+ * rounds to zero either way), so no compiler flag (FMA contraction,
+ * flush-to-zero) can change a result; the other float operations are single
+ * multiplies and divisions, which IEEE fixes. */
 #ifndef MOE_CODEC_H
 #define MOE_CODEC_H
 
@@ -134,19 +137,12 @@ typedef struct moe_narrow_fmt {
 #define MOE_FMT_E2M1                                                                                         \
   { 1, 1, 4, 0x7, -1, true, false, false, false, 6.0f, 2 }
 
-/* fp32 -> narrow code: round to the format's grid (subnormals included;
- * ties to even, or away from zero with half_up), then satfinite; NaN -> the
- * NaN code (0 for fp4, which has none: MX handles NaN blocks before this).
- * Branch-free with shifts by loop-invariant amounts, so a loop over it
- * vectorizes: normal-range values round in the integer domain at bit
- * 23 - mbits; values below the smallest normal are scaled by an exact power
- * of two and rounded from their integer and fractional parts. */
 /* fp32 -> fp4 e2m1 by counting the rounding boundaries |f| passes: with
- * only eight magnitudes this is seven compares instead of the generic
- * integer rounding (which gives the same codes for MOE_FMT_E2M1; callers
- * pick this one where the format is known, keeping their loops branch-free). A boundary that is a tie counts
- * when |f| reaches it if the tie goes up (to the even code, or always with half_up), else only when |f|
- * exceeds it. NaN passes none (code 0); sign kept (-0 -> 0x8). */
+ * only eight magnitudes this is seven compares (the GPU's portable path);
+ * moe_f32_to_narrow gives the same codes for MOE_FMT_E2M1. A boundary that is
+ * a tie counts when |f| reaches it if the tie goes up (to the even code, or
+ * always with half_up), else only when |f| exceeds it. NaN passes none
+ * (code 0); sign kept (-0 -> 0x8). */
 MOE_HD uint8_t moe_f32_to_e2m1(float f, bool half_up) {
   const float a = moe_f32_abs(f);
   const uint32_t h = (uint32_t)half_up;
@@ -160,6 +156,11 @@ MOE_HD uint8_t moe_f32_to_e2m1(float f, bool half_up) {
   return (uint8_t)(((moe_f32_bits(f) >> 31) << 3) | mag);
 }
 
+/* fp32 -> narrow code: round to the format's grid (subnormals included;
+ * ties to even, or away from zero with half_up), then satfinite; NaN -> the
+ * NaN code (0 for fp4, which has none: MX handles NaN blocks before this).
+ * About fifteen integer ops and one float add, no branches, every shift by
+ * a loop-invariant amount, so a loop over it vectorizes. */
 MOE_HD uint8_t moe_f32_to_narrow(float f, const moe_narrow_fmt *fmt, bool half_up) {
   const uint32_t s = 23u - (uint32_t)fmt->mbits;
   const uint32_t min_exp = (uint32_t)(128 - fmt->bias) << 23; /* 2^emin, the smallest normal */
