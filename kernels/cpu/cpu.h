@@ -3,11 +3,6 @@
 #define MOE_CPU_CPU_H
 
 #include <stddef.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__x86_64__) && defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 #include "moe/backend.h"
 
@@ -20,31 +15,6 @@
 #else
 #define MOE_CPU_HOT
 #endif
-
-/* Outputs of at least this many bytes are written with non-temporal stores
- * (moe_cpu_stream): bigger than the caches, they would only evict the input,
- * and a regular store first reads every line it writes. */
-#define MOE_CPU_STREAM_MIN ((size_t)4 << 20)
-
-/* dst[0, n) = src[0, n) around the caches where the CPU has non-temporal
- * stores (x86: 16-byte movntdq, the edges with plain stores), else memcpy.
- * Call moe_cpu_stream_fence() before the data is read by another thread. */
-static inline void moe_cpu_stream(uint8_t *dst, const uint8_t *src, size_t n) {
-  size_t i = 0;
-#if defined(__x86_64__) && defined(__SSE2__)
-  for (; i < n && ((uintptr_t)(dst + i) & 15u); i++)
-    dst[i] = src[i];
-  for (; i + 16 <= n; i += 16)
-    _mm_stream_si128((__m128i *)(void *)(dst + i), _mm_loadu_si128((const __m128i *)(const void *)(src + i)));
-#endif
-  memcpy(dst + i, src + i, n - i);
-}
-
-static inline void moe_cpu_stream_fence(void) {
-#if defined(__x86_64__) && defined(__SSE2__)
-  _mm_sfence();
-#endif
-}
 
 /* Threads the op functions use (OpenMP num_threads). */
 int moe_cpu_threads(const moe_backend *b);

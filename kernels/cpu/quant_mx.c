@@ -18,7 +18,7 @@
  * flags NaN/inf as >= 0x7F800000), the scales (scalar, one per block), the
  * scaled elements, then one encode loop over the whole tile. */
 ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb, const moe_mx_args *a,
-                              const moe_narrow_fmt *fmt, bool stream, uint8_t *q, uint8_t *scales) {
+                              const moe_narrow_fmt *fmt, uint8_t *q, uint8_t *scales) {
   float v[TILE * BLOCK];
   uint32_t amax[TILE];
   float mult[TILE];
@@ -47,39 +47,38 @@ ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb,
     for (int i = 0; i < BLOCK; i++)
       v[b * BLOCK + (size_t)i] *= mult[b];
   const bool half_up = a->half_up;
-  const bool fp4 = a->qdtype == MOE_FP4_E2M1;
-  const size_t qbytes = fp4 ? BLOCK / 2 : BLOCK; /* per block */
-  /* codes in place, or with `stream` into an L1 tile first (moe_cpu_stream) */
-  _Alignas(64) uint8_t tile[TILE * BLOCK];
-  uint8_t *qb = stream ? tile : q + b0 * qbytes;
-  if (fp4)
+  if (a->qdtype == MOE_FP4_E2M1) {
+    uint8_t *qb = q + b0 * (BLOCK / 2);
     for (size_t j = 0; j < n / 2; j++)
       qb[j] = (uint8_t)(moe_f32_to_narrow(v[2 * j], fmt, half_up) |
                         (moe_f32_to_narrow(v[2 * j + 1], fmt, half_up) << 4));
-  else
+    if (non_finite)
+      for (size_t b = 0; b < nb; b++)
+        if (scales[b0 + b] == 0xFF) memset(qb + b * (BLOCK / 2), 0, BLOCK / 2);
+  } else {
+    uint8_t *qb = q + b0 * BLOCK;
     for (size_t j = 0; j < n; j++)
       qb[j] = moe_f32_to_narrow(v[j], fmt, half_up);
-  if (non_finite)
-    for (size_t b = 0; b < nb; b++)
-      if (scales[b0 + b] == 0xFF) memset(qb + b * qbytes, 0, qbytes);
-  if (stream) moe_cpu_stream(q + b0 * qbytes, tile, nb * qbytes);
+    if (non_finite)
+      for (size_t b = 0; b < nb; b++)
+        if (scales[b0 + b] == 0xFF) memset(qb + b * BLOCK, 0, BLOCK);
+  }
 }
 
 /* Blocks [b0, b1). */
 MOE_CPU_HOT static void quant_blocks(const moe_tensor *x, const moe_mx_args *a, size_t b0, size_t b1,
-                                     bool stream, uint8_t *q, uint8_t *scales) {
+                                     uint8_t *q, uint8_t *scales) {
   /* a local copy: byte stores to q may alias *a, which would keep the
    * loops from vectorizing */
   const moe_narrow_fmt fmt = a->fmt;
   for (size_t t = b0; t < b1; t += TILE) {
     const size_t nb = b1 - t < TILE ? b1 - t : TILE;
     switch (x->dtype) {
-    case MOE_F16: quant_tile(x->data, MOE_F16, t, nb, a, &fmt, stream, q, scales); break;
-    case MOE_BF16: quant_tile(x->data, MOE_BF16, t, nb, a, &fmt, stream, q, scales); break;
-    default: quant_tile(x->data, MOE_F32, t, nb, a, &fmt, stream, q, scales); break;
+    case MOE_F16: quant_tile(x->data, MOE_F16, t, nb, a, &fmt, q, scales); break;
+    case MOE_BF16: quant_tile(x->data, MOE_BF16, t, nb, a, &fmt, q, scales); break;
+    default: quant_tile(x->data, MOE_F32, t, nb, a, &fmt, q, scales); break;
     }
   }
-  if (stream) moe_cpu_stream_fence();
 }
 
 moe_status moe_cpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err) {
@@ -90,11 +89,10 @@ moe_status moe_cpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err) {
   size_t blocks = n / BLOCK;
   long groups = (long)((blocks + GROUP - 1) / GROUP);
   uint8_t *q = c->out[0].tensor.data, *scales = c->out[1].tensor.data;
-  const bool stream = c->out[0].tensor.nbytes >= MOE_CPU_STREAM_MIN;
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long g = 0; g < groups; g++) {
     size_t b0 = (size_t)g * GROUP, b1 = b0 + GROUP < blocks ? b0 + GROUP : blocks;
-    quant_blocks(x, a, b0, b1, stream, q, scales);
+    quant_blocks(x, a, b0, b1, q, scales);
   }
   return MOE_OK;
 }

@@ -47,57 +47,43 @@ MOE_CPU_HOT static float amax_of(const void *x, moe_dtype xt, size_t begin, size
   }
 }
 
-/* out[i - begin] = cvt(x[i] / s) (exact) or cvt(x[i] * r) for i in [begin, end):
- * one straight loop per (input dtype, division mode, output type), each
- * element loaded, scaled and encoded in registers, so it vectorizes. */
+/* q[i] = cvt(x[i] / s) (exact) or cvt(x[i] * r) for i in [begin, end): one
+ * straight loop per (input dtype, division mode, output type), each element
+ * loaded, scaled and encoded in registers, so it vectorizes. */
 ALWAYS_INLINE void encode_range(const void *x, moe_dtype xt, size_t begin, size_t end, float s, float r,
-                                bool exact, bool int8, const moe_narrow_fmt *fmt, uint8_t *out) {
+                                bool exact, bool int8, const moe_narrow_fmt *fmt, void *q) {
   if (int8)
     for (size_t i = begin; i < end; i++) {
       const float v = moe_load_float(x, xt, i);
-      out[i - begin] = (uint8_t)moe_f32_to_int8(exact ? v / s : v * r);
+      ((int8_t *)q)[i] = moe_f32_to_int8(exact ? v / s : v * r);
     }
   else
     for (size_t i = begin; i < end; i++) {
       const float v = moe_load_float(x, xt, i);
-      out[i - begin] = moe_f32_to_narrow(exact ? v / s : v * r, fmt, false);
+      ((uint8_t *)q)[i] = moe_f32_to_narrow(exact ? v / s : v * r, fmt, false);
     }
 }
 
 ALWAYS_INLINE void encode_dtype(const void *x, moe_dtype xt, size_t begin, size_t end, float s, float r,
-                                bool exact, bool int8, const moe_narrow_fmt *fmt, uint8_t *out) {
+                                bool exact, bool int8, const moe_narrow_fmt *fmt, void *q) {
   if (exact)
-    encode_range(x, xt, begin, end, s, r, true, int8, fmt, out);
+    encode_range(x, xt, begin, end, s, r, true, int8, fmt, q);
   else
-    encode_range(x, xt, begin, end, s, r, false, int8, fmt, out);
-}
-
-/* q[i0, i1), TILE codes at a time: written in place, or with `stream` into
- * an L1 tile and from there to q with non-temporal stores (moe_cpu_stream). */
-enum { TILE = 4096 };
-ALWAYS_INLINE void encode_out(const void *x, moe_dtype xt, size_t i0, size_t i1, float s, float r, bool exact,
-                              bool int8, const moe_narrow_fmt *fmt, bool stream, uint8_t *buf, uint8_t *q) {
-  for (size_t t = i0; t < i1; t += TILE) {
-    const size_t t1 = i1 - t > TILE ? t + TILE : i1;
-    encode_dtype(x, xt, t, t1, s, r, exact, int8, fmt, stream ? buf : q + t);
-    if (stream) moe_cpu_stream(q + t, buf, t1 - t);
-  }
+    encode_range(x, xt, begin, end, s, r, false, int8, fmt, q);
 }
 
 MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t end, float s,
-                               const moe_scaled_args *a, bool stream, void *q) {
+                               const moe_scaled_args *a, void *q) {
   const float r = 1.0f / s; /* fast mode: one reciprocal, then multiplies */
   /* a local copy: byte stores to q may alias *a, which would keep the loops
    * from vectorizing */
   const moe_narrow_fmt fmt = a->fmt;
   const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8;
-  _Alignas(64) uint8_t buf[TILE];
   switch (xt) {
-  case MOE_F16: encode_out(x, MOE_F16, begin, end, s, r, exact, int8, &fmt, stream, buf, q); break;
-  case MOE_BF16: encode_out(x, MOE_BF16, begin, end, s, r, exact, int8, &fmt, stream, buf, q); break;
-  default: encode_out(x, MOE_F32, begin, end, s, r, exact, int8, &fmt, stream, buf, q); break;
+  case MOE_F16: encode_dtype(x, MOE_F16, begin, end, s, r, exact, int8, &fmt, q); break;
+  case MOE_BF16: encode_dtype(x, MOE_BF16, begin, end, s, r, exact, int8, &fmt, q); break;
+  default: encode_dtype(x, MOE_F32, begin, end, s, r, exact, int8, &fmt, q); break;
   }
-  if (stream) moe_cpu_stream_fence();
 }
 
 /* Units [u0, u1) of g elements, one scale each, in batches of about 4096
@@ -106,7 +92,7 @@ MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t
  * unit's reduction), then its codes. All inlined: a unit of 128 costs no
  * calls. */
 ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
-                                     const moe_scaled_args *a, bool stream, float *scales, void *q) {
+                                     const moe_scaled_args *a, float *scales, void *q) {
   enum { BATCH_ELEMS = 4096, MAX_BATCH = 64 };
   const moe_narrow_fmt fmt = a->fmt; /* locals: stores to q and scales may alias *a */
   const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8, pow2 = a->pow2_scale;
@@ -115,7 +101,6 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
   size_t batch = g >= BATCH_ELEMS ? 1 : BATCH_ELEMS / g;
   batch = batch < MAX_BATCH ? batch : MAX_BATCH;
   float s[MAX_BATCH], r[MAX_BATCH];
-  _Alignas(64) uint8_t buf[TILE];
   for (size_t b0 = u0; b0 < u1; b0 += batch) {
     const size_t nb = u1 - b0 < batch ? u1 - b0 : batch;
     for (size_t k = 0; k < nb; k++)
@@ -127,17 +112,16 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
       scales[b0 + k] = s[k];
     }
     for (size_t k = 0; k < nb; k++)
-      encode_out(x, xt, (b0 + k) * g, (b0 + k + 1) * g, s[k], r[k], exact, int8, &fmt, stream, buf, q);
+      encode_dtype(x, xt, (b0 + k) * g, (b0 + k + 1) * g, s[k], r[k], exact, int8, &fmt, q);
   }
-  if (stream) moe_cpu_stream_fence();
 }
 
 MOE_CPU_HOT static void quant_units(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
-                                    const moe_scaled_args *a, bool stream, float *scales, void *q) {
+                                    const moe_scaled_args *a, float *scales, void *q) {
   switch (xt) {
-  case MOE_F16: quant_units_dtype(x, MOE_F16, u0, u1, g, a, stream, scales, q); break;
-  case MOE_BF16: quant_units_dtype(x, MOE_BF16, u0, u1, g, a, stream, scales, q); break;
-  default: quant_units_dtype(x, MOE_F32, u0, u1, g, a, stream, scales, q); break;
+  case MOE_F16: quant_units_dtype(x, MOE_F16, u0, u1, g, a, scales, q); break;
+  case MOE_BF16: quant_units_dtype(x, MOE_BF16, u0, u1, g, a, scales, q); break;
+  default: quant_units_dtype(x, MOE_F32, u0, u1, g, a, scales, q); break;
   }
 }
 
@@ -151,12 +135,11 @@ moe_status moe_cpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_error *err)
   moe_tensor_numel(x, &n);
   const long chunks = (long)((n + CHUNK - 1) / CHUNK);
   const int threads = moe_cpu_threads_for(b, n);
-  const bool stream = n >= MOE_CPU_STREAM_MIN; /* one output byte per element */
   if (a->has_static_scale) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long ch = 0; ch < chunks; ch++) {
       size_t end = (size_t)(ch + 1) * CHUNK < n ? (size_t)(ch + 1) * CHUNK : n;
-      encode(x->data, x->dtype, (size_t)ch * CHUNK, end, a->static_scale, a, stream, q);
+      encode(x->data, x->dtype, (size_t)ch * CHUNK, end, a->static_scale, a, q);
     }
     *(float *)c->out[1].tensor.data = a->static_scale;
     return MOE_OK;
@@ -181,7 +164,7 @@ moe_status moe_cpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_error *err)
     for (long k = 0; k < nt; k++)
       for (long ch = chunks * (k + 1) / nt - 1; ch >= chunks * k / nt; ch--) {
         size_t end = (size_t)(ch + 1) * CHUNK < n ? (size_t)(ch + 1) * CHUNK : n;
-        encode(x->data, x->dtype, (size_t)ch * CHUNK, end, s, a, stream, q);
+        encode(x->data, x->dtype, (size_t)ch * CHUNK, end, s, a, q);
       }
 #pragma omp single nowait
     *(float *)c->out[1].tensor.data = s;
@@ -205,7 +188,7 @@ moe_status moe_cpu_quant_grouped(moe_backend *b, moe_call *c, moe_error *err) {
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long it = 0; it < items; it++) {
     const size_t u0 = (size_t)it * per, u1 = u0 + per < units ? u0 + per : units;
-    quant_units(x->data, x->dtype, u0, u1, g, a, n >= MOE_CPU_STREAM_MIN, scales, c->out[0].tensor.data);
+    quant_units(x->data, x->dtype, u0, u1, g, a, scales, c->out[0].tensor.data);
   }
   return MOE_OK;
 }

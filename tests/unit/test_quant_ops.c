@@ -357,11 +357,11 @@ END_TEST
 
 /* ---- large calls ----------------------------------------------------------------- */
 
-/* Outputs of 4 MiB and more take the CPU backend's non-temporal store path
- * (kernels/cpu/cpu.h MOE_CPU_STREAM_MIN): the whole tensor in one call must
- * give the same bytes as its row slices, each small enough for plain stores.
- * bf16 values over a few octaves, with NaN, inf, zeros and subnormals mixed
- * in; K = 1000 puts per-token rows at unaligned output offsets. */
+/* A large call (several work items per thread, the dynamic per_tensor's
+ * two passes over per-thread ranges) must give the same bytes as its row
+ * slices, each a small call. bf16 values over a few octaves, with NaN, inf,
+ * zeros and subnormals mixed in; K = 1000 puts per-token rows at unaligned
+ * output offsets. */
 static uint16_t *big_bf16(size_t n) {
   uint16_t *x = malloc(n * 2);
   ck_assert_ptr_nonnull(x);
@@ -390,7 +390,6 @@ static void check_slices(const char *op, uint16_t *x, int64_t m, int64_t k, moe_
   size_t nw;
   moe_error err;
   ck_assert_int_eq(run(op, in, nin, p, np, &whole, &nw, &err), MOE_OK);
-  ck_assert_uint_ge(whole[0].tensor.nbytes, (size_t)4 << 20);
   size_t off[2] = {0, 0};
   for (int64_t r0 = 0; r0 < m; r0 += SLICE) {
     int64_t rows = m - r0 < SLICE ? m - r0 : SLICE;
@@ -399,7 +398,6 @@ static void check_slices(const char *op, uint16_t *x, int64_t m, int64_t k, moe_
     moe_named_tensor *part;
     size_t np2;
     ck_assert_int_eq(run(op, in, nin, p, np, &part, &np2, &err), MOE_OK);
-    ck_assert_uint_lt(part[0].tensor.nbytes, (size_t)4 << 20);
     for (size_t o = 0; o < 2; o++) {
       if (static_scale && o == 1) continue; /* the echoed scale */
       ck_assert_msg(memcmp((const uint8_t *)whole[o].tensor.data + off[o], part[o].tensor.data,
