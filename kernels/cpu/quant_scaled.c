@@ -1,8 +1,6 @@
 /* CPU: the scaled quant ops (docs/numerics.md quant.per_tensor, quant.per_token,
  * quant.per_token_group, dequant.per_tensor). Element-wise, so any split across threads gives the
  * same bits. */
-#include <omp.h>
-
 #include "../ops/op.h"
 #include "cpu.h"
 
@@ -130,45 +128,27 @@ MOE_CPU_HOT static void quant_units(const void *x, moe_dtype xt, size_t u0, size
 moe_status moe_cpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_error *err) {
   const moe_scaled_args *a = &c->args.scaled;
   const moe_tensor *x = &c->in[0].tensor;
-  void *q = c->out[0].tensor.data;
   size_t n = 0;
   moe_tensor_numel(x, &n);
-  const long chunks = (long)((n + CHUNK - 1) / CHUNK);
-  const int threads = moe_cpu_threads_for(b, n);
-  if (a->has_static_scale) {
-#pragma omp parallel for num_threads(threads) schedule(static)
+  long chunks = (long)((n + CHUNK - 1) / CHUNK);
+  int threads = moe_cpu_threads_for(b, n);
+  float s = a->static_scale;
+  if (!a->has_static_scale) {
+    float amax = 0.0f; /* max is exact, so the reduction order cannot matter */
+#pragma omp parallel for num_threads(threads) reduction(max : amax) schedule(static)
     for (long ch = 0; ch < chunks; ch++) {
       size_t end = (size_t)(ch + 1) * CHUNK < n ? (size_t)(ch + 1) * CHUNK : n;
-      encode(x->data, x->dtype, (size_t)ch * CHUNK, end, a->static_scale, a, q);
+      float m = amax_of(x->data, x->dtype, (size_t)ch * CHUNK, end);
+      if (m > amax) amax = m;
     }
-    *(float *)c->out[1].tensor.data = a->static_scale;
-    return MOE_OK;
+    s = moe_dynamic_scale(amax, a->dtype_max, false);
   }
-  /* Dynamic: the amax pass, then the encode pass over the same chunks
-   * backwards, so that each thread starts where its first pass ended, on
-   * data still in its caches. Each thread takes one contiguous range in both
-   * passes (static schedule over one item per thread). */
-  float amax = 0.0f; /* max is exact, so the reduction order cannot matter */
-#pragma omp parallel num_threads(threads)
-  {
-    const long nt = omp_get_num_threads();
-#pragma omp for reduction(max : amax) schedule(static)
-    for (long k = 0; k < nt; k++)
-      for (long ch = chunks * k / nt; ch < chunks * (k + 1) / nt; ch++) {
-        size_t end = (size_t)(ch + 1) * CHUNK < n ? (size_t)(ch + 1) * CHUNK : n;
-        float m = amax_of(x->data, x->dtype, (size_t)ch * CHUNK, end);
-        amax = m > amax ? m : amax;
-      }
-    const float s = moe_dynamic_scale(amax, a->dtype_max, false);
-#pragma omp for schedule(static)
-    for (long k = 0; k < nt; k++)
-      for (long ch = chunks * (k + 1) / nt - 1; ch >= chunks * k / nt; ch--) {
-        size_t end = (size_t)(ch + 1) * CHUNK < n ? (size_t)(ch + 1) * CHUNK : n;
-        encode(x->data, x->dtype, (size_t)ch * CHUNK, end, s, a, q);
-      }
-#pragma omp single nowait
-    *(float *)c->out[1].tensor.data = s;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (long ch = 0; ch < chunks; ch++) {
+    size_t end = (size_t)(ch + 1) * CHUNK < n ? (size_t)(ch + 1) * CHUNK : n;
+    encode(x->data, x->dtype, (size_t)ch * CHUNK, end, s, a, c->out[0].tensor.data);
   }
+  *(float *)c->out[1].tensor.data = s;
   return MOE_OK;
 }
 
