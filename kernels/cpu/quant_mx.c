@@ -49,9 +49,13 @@ ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb,
   const bool half_up = a->half_up;
   if (a->qdtype == MOE_FP4_E2M1) {
     uint8_t *qb = q + b0 * (BLOCK / 2);
+    /* the codes a byte each (the fp8 loop's shape), then packed in pairs:
+     * the even/odd split on bytes, not on fp32 lanes */
+    uint8_t codes[TILE * BLOCK];
+    for (size_t j = 0; j < n; j++)
+      codes[j] = moe_f32_to_narrow(v[j], fmt, half_up);
     for (size_t j = 0; j < n / 2; j++)
-      qb[j] = (uint8_t)(moe_f32_to_narrow(v[2 * j], fmt, half_up) |
-                        (moe_f32_to_narrow(v[2 * j + 1], fmt, half_up) << 4));
+      qb[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
     if (non_finite)
       for (size_t b = 0; b < nb; b++)
         if (scales[b0 + b] == 0xFF) memset(qb + b * (BLOCK / 2), 0, BLOCK / 2);
