@@ -1,6 +1,6 @@
-/* CPU: quant.mx and dequant.mx (docs/numerics.md "quant.mx"), one 32-element
- * block at a time; blocks are independent, so any thread split gives the
- * same bits. */
+/* CPU: quant.mx and dequant.mx (docs/numerics.md "quant.mx"): quant in
+ * tiles of 16 blocks of 32 elements, dequant a block at a time; blocks are
+ * independent, so any thread split gives the same bits. */
 #include <string.h>
 
 #include "../ops/op.h"
