@@ -13,15 +13,28 @@
 
 /* max |x| over the finite elements of x[begin, end). In the integer domain:
  * for non-negative floats the bit patterns order like the values, and an
- * integer max reduction vectorizes where a NaN-aware float one does not. */
+ * integer max reduction vectorizes where a NaN-aware float one does not.
+ * fp16/bf16 in their own 16-bit lanes: twice the elements per vector, no
+ * widening. */
 ALWAYS_INLINE float amax_range(const void *x, moe_dtype xt, size_t begin, size_t end) {
-  int32_t m = 0; /* signed: SSE2 has a signed 32-bit compare, no unsigned one */
+  if (xt == MOE_F32) {
+    int32_t m = 0; /* signed: SSE2 has a signed 32-bit compare, no unsigned one */
+    for (size_t i = begin; i < end; i++) {
+      int32_t a = (int32_t)(moe_f32_bits(((const float *)x)[i]) & 0x7FFFFFFFu);
+      a = a < 0x7F800000 ? a : 0;
+      m = a > m ? a : m;
+    }
+    return moe_f32_from_bits((uint32_t)m);
+  }
+  const uint16_t *h = x;
+  const int16_t inf = xt == MOE_BF16 ? 0x7F80 : 0x7C00; /* the exponent field all ones */
+  int16_t m = 0;                                        /* |h| < 0x8000, so signed 16-bit compares order it */
   for (size_t i = begin; i < end; i++) {
-    int32_t a = (int32_t)(moe_f32_bits(moe_load_float(x, xt, i)) & 0x7FFFFFFFu);
-    a = a < 0x7F800000 ? a : 0;
+    int16_t a = (int16_t)(h[i] & 0x7FFF);
+    a = a < inf ? a : 0;
     m = a > m ? a : m;
   }
-  return moe_f32_from_bits((uint32_t)m);
+  return moe_load_float(&m, xt, 0);
 }
 
 MOE_CPU_HOT static float amax_of(const void *x, moe_dtype xt, size_t begin, size_t end) {
@@ -32,41 +45,81 @@ MOE_CPU_HOT static float amax_of(const void *x, moe_dtype xt, size_t begin, size
   }
 }
 
-/* buf[j] = x[i0 + j] * r (fast) or x[i0 + j] / s (exact), j < n. */
-ALWAYS_INLINE void scale_tile(const void *x, moe_dtype xt, size_t i0, size_t n, float s, float r, bool exact,
-                              float *buf) {
-  if (exact)
-    for (size_t j = 0; j < n; j++)
-      buf[j] = moe_load_float(x, xt, i0 + j) / s;
+/* q[i] = cvt(x[i] / s) (exact) or cvt(x[i] * r) for i in [begin, end): one
+ * straight loop per (input dtype, division mode, output type), each element
+ * loaded, scaled and encoded in registers, so it vectorizes. */
+ALWAYS_INLINE void encode_range(const void *x, moe_dtype xt, size_t begin, size_t end, float s, float r,
+                                bool exact, bool int8, const moe_narrow_fmt *fmt, void *q) {
+  if (int8)
+    for (size_t i = begin; i < end; i++) {
+      const float v = moe_load_float(x, xt, i);
+      ((int8_t *)q)[i] = moe_f32_to_int8(exact ? v / s : v * r);
+    }
   else
-    for (size_t j = 0; j < n; j++)
-      buf[j] = moe_load_float(x, xt, i0 + j) * r;
+    for (size_t i = begin; i < end; i++) {
+      const float v = moe_load_float(x, xt, i);
+      ((uint8_t *)q)[i] = moe_f32_to_narrow(exact ? v / s : v * r, fmt, false);
+    }
 }
 
-/* q[i] = cvt(scaled x[i]) for i in [begin, end), a tile at a time through an
- * L1-resident buffer so that each loop is straight-line and vectorizes. */
+ALWAYS_INLINE void encode_dtype(const void *x, moe_dtype xt, size_t begin, size_t end, float s, float r,
+                                bool exact, bool int8, const moe_narrow_fmt *fmt, void *q) {
+  if (exact)
+    encode_range(x, xt, begin, end, s, r, true, int8, fmt, q);
+  else
+    encode_range(x, xt, begin, end, s, r, false, int8, fmt, q);
+}
+
 MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t end, float s,
                                const moe_scaled_args *a, void *q) {
-  enum { TILE = 512 };
-  float buf[TILE];
   const float r = 1.0f / s; /* fast mode: one reciprocal, then multiplies */
+  /* a local copy: byte stores to q may alias *a, which would keep the loops
+   * from vectorizing */
   const moe_narrow_fmt fmt = a->fmt;
-  for (size_t i0 = begin; i0 < end; i0 += TILE) {
-    size_t n = end - i0 < TILE ? end - i0 : TILE;
-    switch (xt) {
-    case MOE_F16: scale_tile(x, MOE_F16, i0, n, s, r, a->exact_division, buf); break;
-    case MOE_BF16: scale_tile(x, MOE_BF16, i0, n, s, r, a->exact_division, buf); break;
-    default: scale_tile(x, MOE_F32, i0, n, s, r, a->exact_division, buf); break;
+  const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8;
+  switch (xt) {
+  case MOE_F16: encode_dtype(x, MOE_F16, begin, end, s, r, exact, int8, &fmt, q); break;
+  case MOE_BF16: encode_dtype(x, MOE_BF16, begin, end, s, r, exact, int8, &fmt, q); break;
+  default: encode_dtype(x, MOE_F32, begin, end, s, r, exact, int8, &fmt, q); break;
+  }
+}
+
+/* Units [u0, u1) of g elements, one scale each, in batches of about 4096
+ * elements that stay in L1: the batch's amaxes, then its scales (so the
+ * divisions of different units overlap instead of each waiting for its
+ * unit's reduction), then its codes. All inlined: a unit of 128 costs no
+ * calls. */
+ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
+                                     const moe_scaled_args *a, float *scales, void *q) {
+  enum { BATCH_ELEMS = 4096, MAX_BATCH = 64 };
+  const moe_narrow_fmt fmt = a->fmt; /* locals: stores to q and scales may alias *a */
+  const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8, pow2 = a->pow2_scale;
+  const bool has_ub = a->has_scale_ub;
+  const float ub = a->scale_ub, dtype_max = a->dtype_max;
+  size_t batch = g >= BATCH_ELEMS ? 1 : BATCH_ELEMS / g;
+  batch = batch < MAX_BATCH ? batch : MAX_BATCH;
+  float s[MAX_BATCH], r[MAX_BATCH];
+  for (size_t b0 = u0; b0 < u1; b0 += batch) {
+    const size_t nb = u1 - b0 < batch ? u1 - b0 : batch;
+    for (size_t k = 0; k < nb; k++)
+      s[k] = amax_range(x, xt, (b0 + k) * g, (b0 + k + 1) * g);
+    for (size_t k = 0; k < nb; k++) {
+      const float amax = has_ub && ub < s[k] ? ub : s[k];
+      s[k] = moe_dynamic_scale(amax, dtype_max, pow2);
+      r[k] = 1.0f / s[k];
+      scales[b0 + k] = s[k];
     }
-    if (a->qdtype == MOE_INT8) {
-      int8_t *qi = (int8_t *)q + i0;
-      for (size_t j = 0; j < n; j++)
-        qi[j] = moe_f32_to_int8(buf[j]);
-    } else {
-      uint8_t *qn = (uint8_t *)q + i0;
-      for (size_t j = 0; j < n; j++)
-        qn[j] = moe_f32_to_narrow(buf[j], &fmt, false);
-    }
+    for (size_t k = 0; k < nb; k++)
+      encode_dtype(x, xt, (b0 + k) * g, (b0 + k + 1) * g, s[k], r[k], exact, int8, &fmt, q);
+  }
+}
+
+MOE_CPU_HOT static void quant_units(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
+                                    const moe_scaled_args *a, float *scales, void *q) {
+  switch (xt) {
+  case MOE_F16: quant_units_dtype(x, MOE_F16, u0, u1, g, a, scales, q); break;
+  case MOE_BF16: quant_units_dtype(x, MOE_BF16, u0, u1, g, a, scales, q); break;
+  default: quant_units_dtype(x, MOE_F32, u0, u1, g, a, scales, q); break;
   }
 }
 
@@ -107,16 +160,15 @@ moe_status moe_cpu_quant_grouped(moe_backend *b, moe_call *c, moe_error *err) {
   moe_tensor_numel(x, &n);
   if (n == 0) return MOE_OK;
   const size_t g = (size_t)a->group;
-  const long units = (long)(n / g);
+  const size_t units = n / g;
+  /* work items of whole units, about CHUNK elements each */
+  const size_t per = g >= CHUNK ? 1 : CHUNK / g;
+  const long items = (long)((units + per - 1) / per);
   float *scales = c->out[1].tensor.data;
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
-  for (long u = 0; u < units; u++) {
-    size_t begin = (size_t)u * g;
-    float amax = amax_of(x->data, x->dtype, begin, begin + g);
-    if (a->has_scale_ub && a->scale_ub < amax) amax = a->scale_ub;
-    const float s = moe_dynamic_scale(amax, a->dtype_max, a->pow2_scale);
-    scales[u] = s;
-    encode(x->data, x->dtype, begin, begin + g, s, a, c->out[0].tensor.data);
+  for (long it = 0; it < items; it++) {
+    const size_t u0 = (size_t)it * per, u1 = u0 + per < units ? u0 + per : units;
+    quant_units(x->data, x->dtype, u0, u1, g, a, scales, c->out[0].tensor.data);
   }
   return MOE_OK;
 }

@@ -355,9 +355,109 @@ START_TEST(unknown_op_is_not_found) {
 }
 END_TEST
 
+/* ---- large calls ----------------------------------------------------------------- */
+
+/* A large call (several work items per thread, the dynamic per_tensor's
+ * two passes over per-thread ranges) must give the same bytes as its row
+ * slices, each a small call. bf16 values over a few octaves, with NaN, inf,
+ * zeros and subnormals mixed in; K = 1000 puts per-token rows at unaligned
+ * output offsets. */
+static uint16_t *big_bf16(size_t n) {
+  uint16_t *x = malloc(n * 2);
+  ck_assert_ptr_nonnull(x);
+  uint64_t z = 0x9E3779B97F4A7C15ull;
+  for (size_t i = 0; i < n; i++) {
+    z ^= z << 13, z ^= z >> 7, z ^= z << 17;
+    uint16_t h = (uint16_t)(((z >> 20) & 0x8000u) | ((120u + (z >> 40) % 14u) << 7) | (z & 0x7Fu));
+    if ((z >> 50) % 4096 == 0) {
+      static const uint16_t special[6] = {0x7FC0, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0005};
+      h = special[(z >> 8) % 6];
+    }
+    x[i] = h;
+  }
+  return x;
+}
+
+static void check_slices(const char *op, uint16_t *x, int64_t m, int64_t k, moe_param *p, size_t np,
+                         const float *static_scale) {
+  enum { SLICE = 256 }; /* rows per small call */
+  int64_t shape[2] = {m, k}, one[1] = {1};
+  float sc = static_scale ? *static_scale : 0.0f;
+  moe_named_tensor in[2] = {tensor("x", MOE_BF16, x, (size_t)(m * k) * 2, 2, shape),
+                            tensor("scale", MOE_F32, &sc, 4, 1, one)};
+  size_t nin = static_scale ? 2 : 1;
+  moe_named_tensor *whole;
+  size_t nw;
+  moe_error err;
+  ck_assert_int_eq(run(op, in, nin, p, np, &whole, &nw, &err), MOE_OK);
+  size_t off[2] = {0, 0};
+  for (int64_t r0 = 0; r0 < m; r0 += SLICE) {
+    int64_t rows = m - r0 < SLICE ? m - r0 : SLICE;
+    int64_t sshape[2] = {rows, k};
+    in[0] = tensor("x", MOE_BF16, x + r0 * k, (size_t)(rows * k) * 2, 2, sshape);
+    moe_named_tensor *part;
+    size_t np2;
+    ck_assert_int_eq(run(op, in, nin, p, np, &part, &np2, &err), MOE_OK);
+    for (size_t o = 0; o < 2; o++) {
+      if (static_scale && o == 1) continue; /* the echoed scale */
+      ck_assert_msg(memcmp((const uint8_t *)whole[o].tensor.data + off[o], part[o].tensor.data,
+                           part[o].tensor.nbytes) == 0,
+                    "%s: output %zu of rows [%lld, %lld) differs from the whole call", op, o, (long long)r0,
+                    (long long)(r0 + rows));
+      off[o] += part[o].tensor.nbytes;
+    }
+    moe_outputs_free(part, np2);
+  }
+  moe_outputs_free(whole, nw);
+}
+
+START_TEST(large_calls_match_their_slices) {
+  const int64_t m = 4400, k = 1000; /* 4.4 M elements */
+  uint16_t *x = big_bf16((size_t)(m * k));
+  float s = 0.05f;
+  moe_param fp8[1] = {pstr("out_dtype", "fp8_e4m3fn")}, i8[1] = {pstr("out_dtype", "int8")};
+  moe_param fnuz_exact[2] = {pstr("out_dtype", "fp8_e4m3fnuz"), pbool("exact_division", true)};
+  check_slices("quant.per_tensor", x, m, k, fp8, 1, &s);
+  check_slices("quant.per_tensor", x, m, k, i8, 1, &s);
+  check_slices("quant.per_tensor", x, m, k, fnuz_exact, 2, &s);
+  check_slices("quant.per_token", x, m, k, fp8, 1, NULL);
+  check_slices("quant.per_token", x, m, k, i8, 1, NULL);
+  moe_param group[2] = {pstr("out_dtype", "fp8_e4m3fn"), pint("group_size", 40)};
+  check_slices("quant.per_token_group", x, m, k, group, 2, NULL);
+  /* dynamic per_tensor: its scale from the whole call, then the slices with it as a static scale */
+  int64_t shape[2] = {m, k};
+  moe_named_tensor in[1] = {tensor("x", MOE_BF16, x, (size_t)(m * k) * 2, 2, shape)};
+  moe_named_tensor *dyn;
+  size_t nd;
+  moe_error err;
+  ck_assert_int_eq(run("quant.per_tensor", in, 1, fp8, 1, &dyn, &nd, &err), MOE_OK);
+  float ds = *(const float *)dyn[1].tensor.data;
+  moe_named_tensor st_in[2] = {in[0], tensor("scale", MOE_F32, &ds, 4, 1, (int64_t[1]){1})};
+  moe_named_tensor *st;
+  size_t ns;
+  ck_assert_int_eq(run("quant.per_tensor", st_in, 2, fp8, 1, &st, &ns, &err), MOE_OK);
+  ck_assert(memcmp(dyn[0].tensor.data, st[0].tensor.data, dyn[0].tensor.nbytes) == 0);
+  moe_outputs_free(st, ns);
+  moe_outputs_free(dyn, nd);
+  check_slices("quant.per_tensor", x, m, k, fp8, 1, &ds);
+  free(x);
+  /* quant.mx: K a multiple of 32 */
+  const int64_t mm = 1100, kk = 4096;
+  x = big_bf16((size_t)(2 * mm * kk));
+  moe_param mx8[1] = {pstr("format", "mxfp8_e4m3fn")}, mx4[1] = {pstr("format", "mxfp4")};
+  moe_param mx4h[3] = {pstr("format", "mxfp4"), pstr("scale_rule", "amax_up"),
+                       pstr("element_rounding", "half_up")};
+  check_slices("quant.mx", x, mm, kk, mx8, 1, NULL);
+  check_slices("quant.mx", x, mm * 2, kk, mx4, 1, NULL);
+  check_slices("quant.mx", x, mm * 2, kk, mx4h, 3, NULL);
+  free(x);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("quant_ops");
   TCase *tc = tcase_create("core");
+  tcase_set_timeout(tc, 300);
   tcase_add_test(tc, fp4_ties_follow_rne);
   tcase_add_test(tc, half_up_rounds_ties_away);
   tcase_add_test(tc, nan_block_gets_nan_scale);
@@ -369,6 +469,7 @@ int main(void) {
   tcase_add_test(tc, dequant_per_tensor_rounds_to_out_dtype);
   tcase_add_test(tc, bad_inputs_are_named);
   tcase_add_test(tc, unknown_op_is_not_found);
+  tcase_add_test(tc, large_calls_match_their_slices);
   suite_add_tcase(s, tc);
   SRunner *sr = srunner_create(s);
   srunner_run_all(sr, CK_NORMAL);

@@ -3,9 +3,12 @@
  *
  * One definition for every backend: this header compiles as C (CPU backend)
  * and as HIP/CUDA device code (GPU backend), so the bit-exact contract lives
- * in one place. Integer arithmetic wherever rounding is specified, so no
- * compiler flag (FMA contraction, flush-to-zero) can change a result; the few
- * float operations here are single multiplies and divisions, which IEEE fixes. */
+ * in one place. Rounding is integer arithmetic, or one IEEE add of a power
+ * of two to a bit-masked |x| (round to nearest even, the default mode; no
+ * multiply to contract with; its result is normal, and a subnormal operand
+ * rounds to zero either way), so no compiler flag (FMA contraction,
+ * flush-to-zero) can change a result; the other float operations are single
+ * multiplies and divisions, which IEEE fixes. */
 #ifndef MOE_CODEC_H
 #define MOE_CODEC_H
 
@@ -134,19 +137,12 @@ typedef struct moe_narrow_fmt {
 #define MOE_FMT_E2M1                                                                                         \
   { 1, 1, 4, 0x7, -1, true, false, false, false, 6.0f, 2 }
 
-/* fp32 -> narrow code: round to the format's grid (subnormals included;
- * ties to even, or away from zero with half_up), then satfinite; NaN -> the
- * NaN code (0 for fp4, which has none: MX handles NaN blocks before this).
- * Branch-free with shifts by loop-invariant amounts, so a loop over it
- * vectorizes: normal-range values round in the integer domain at bit
- * 23 - mbits; values below the smallest normal are scaled by an exact power
- * of two and rounded from their integer and fractional parts. */
 /* fp32 -> fp4 e2m1 by counting the rounding boundaries |f| passes: with
- * only eight magnitudes this is seven compares instead of the generic
- * integer rounding (which gives the same codes for MOE_FMT_E2M1; callers
- * pick this one where the format is known, keeping their loops branch-free). A boundary that is a tie counts
- * when |f| reaches it if the tie goes up (to the even code, or always with half_up), else only when |f|
- * exceeds it. NaN passes none (code 0); sign kept (-0 -> 0x8). */
+ * only eight magnitudes this is seven compares (the GPU's portable path);
+ * moe_f32_to_narrow gives the same codes for MOE_FMT_E2M1. A boundary that is
+ * a tie counts when |f| reaches it if the tie goes up (to the even code, or
+ * always with half_up), else only when |f| exceeds it. NaN passes none
+ * (code 0); sign kept (-0 -> 0x8). */
 MOE_HD uint8_t moe_f32_to_e2m1(float f, bool half_up) {
   const float a = moe_f32_abs(f);
   const uint32_t h = (uint32_t)half_up;
@@ -160,25 +156,31 @@ MOE_HD uint8_t moe_f32_to_e2m1(float f, bool half_up) {
   return (uint8_t)(((moe_f32_bits(f) >> 31) << 3) | mag);
 }
 
+/* fp32 -> narrow code: round to the format's grid (subnormals included;
+ * ties to even, or away from zero with half_up), then satfinite; NaN -> the
+ * NaN code (0 for fp4, which has none: MX handles NaN blocks before this).
+ * About fifteen integer ops and one float add, no branches, every shift by
+ * a loop-invariant amount, so a loop over it vectorizes. */
 MOE_HD uint8_t moe_f32_to_narrow(float f, const moe_narrow_fmt *fmt, bool half_up) {
-  const int emin = 1 - fmt->bias;
-  const int s = 23 - fmt->mbits;
+  const uint32_t s = 23u - (uint32_t)fmt->mbits;
+  const uint32_t min_exp = (uint32_t)(128 - fmt->bias) << 23; /* 2^emin, the smallest normal */
+  const uint32_t max_exp = (uint32_t)(127 + fmt->emax) << 23;
   const uint32_t u = moe_f32_bits(f);
   const uint32_t a = u & 0x7FFFFFFFu;
-  /* normal range: round off s bits, then rebias the exponent */
-  const uint32_t half = 1u << (s - 1);
-  const uint32_t rn = a + half - 1u + (((a >> s) & 1u) | (uint32_t)half_up);
-  const uint32_t mag_norm = (rn >> s) - ((uint32_t)(127 - fmt->bias) << fmt->mbits);
-  /* below the smallest normal: t = a / 2^(emin - mbits) exactly, round it */
-  float t = moe_f32_from_bits(a) * moe_f32_from_bits((uint32_t)(127 + fmt->mbits - emin) << 23);
-  t = t < 1024.0f ? t : 1024.0f; /* keeps the conversion in range where unused */
-  const uint32_t n = (uint32_t)(int32_t)t;
-  const float frac = t - (float)n;
-  const uint32_t up = (uint32_t)(frac > 0.5f) | ((uint32_t)(frac == 0.5f) & ((n & 1u) | (uint32_t)half_up));
-  const uint32_t min_normal = (uint32_t)(127 + emin) << 23;
-  uint32_t mag = a < min_normal ? n + up : mag_norm;
-  mag = moe_f32_from_bits(a) > fmt->max_finite ? fmt->max_mag : mag; /* inf too */
-  const uint32_t sign = ((uint32_t)(mag != 0u) | (uint32_t)fmt->neg_zero) * ((u >> 31) << (fmt->bits - 1));
+  /* |f|'s binade clamped to the format's normal range [emin, emax] */
+  uint32_t e = a & 0x7F800000u;
+  e = e > min_exp ? e : min_exp;
+  e = e < max_exp ? e : max_exp;
+  /* m = 2^(e + s): its ulp is the format's step in that binade, so one IEEE
+   * add rounds |f| to the grid (ties to even; half_up: |f|'s lowest bit set
+   * first lifts exact ties, and no other value, over the midpoint) and
+   * bits(|f| + m) - bits(m) counts steps: the code within the binade */
+  const uint32_t m = e + (s << 23);
+  const uint32_t t = moe_f32_bits(moe_f32_from_bits(a | (uint32_t)half_up) + moe_f32_from_bits(m));
+  uint32_t mag = t - m + ((e - min_exp) >> s);
+  mag = mag < fmt->max_mag ? mag : fmt->max_mag; /* satfinite; inf too */
+  const uint32_t sbit = (u >> 31) << (fmt->bits - 1);
+  const uint32_t sign = (mag != 0u || fmt->neg_zero) ? sbit : 0u;
   const uint32_t nan = fmt->nan_code < 0 ? 0u : (uint32_t)fmt->nan_code;
   return (uint8_t)(a > 0x7F800000u ? nan : (sign | mag));
 }
@@ -215,15 +217,17 @@ MOE_HD float moe_e4m3fn_to_f32(uint8_t c) {
 
 /* ---- int8 ---------------------------------------------------------------- */
 
-/* RNE, saturate to [-128, 127], NaN -> 0 (vLLM's behaviour). After the
- * clamp |v| <= 128, so adding and removing 1.5 * 2^23 rounds to an integer
- * in one IEEE add (RNE) - branch-free, so loops over it vectorize. */
+/* RNE, saturate to [-128, 127], NaN -> 0 (vLLM's behaviour). On the
+ * magnitude: |f| + 2^23 rounds to an integer in one IEEE add (RNE; larger
+ * magnitudes and inf only need to stay above the clamp), clamped to 127, or
+ * 128 for a negative value, then negated by the sign. Integer selects only,
+ * so loops over it vectorize. */
 MOE_HD int8_t moe_f32_to_int8(float f) {
-  float v = f > 127.0f ? 127.0f : f;
-  v = v < -128.0f ? -128.0f : v;
-  v = moe_f32_isnan(f) ? 0.0f : v;
-  const float magic = 12582912.0f;
-  return (int8_t)(int32_t)((v + magic) - magic);
+  const uint32_t u = moe_f32_bits(f), a = u & 0x7FFFFFFFu, neg = u >> 31;
+  uint32_t t = moe_f32_bits(moe_f32_from_bits(a) + 8388608.0f) - 0x4B000000u;
+  t = t < 127u + neg ? t : 127u + neg;
+  t = (t ^ (0u - neg)) + neg;
+  return (int8_t)(int32_t)(a > 0x7F800000u ? 0u : t);
 }
 
 /* ---- MX block scales (docs/numerics.md "quant.mx") ----------------------------- */
