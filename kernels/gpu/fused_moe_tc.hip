@@ -569,7 +569,9 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
 
   /* stage st (KB blocks st KS.., the last stage may hold fewer) into sb */
   auto issue_as = [&](int st, uint8_t *sb, auto vec) {
-    constexpr bool x_vec = decltype(vec)::value; /* one branch per stage, not one per piece */
+    /* 0/1: x's rows (un)aligned, one branch per stage; 2: checked per piece */
+    constexpr int XV = decltype(vec)::value;
+    const bool x_vec = XV == 2 ? a.x_vec != 0 : XV == 1;
 #pragma unroll
     for (int u = 0; u < KS; u++) {
       const int kb = st * KS + u; /* in the segment */
@@ -624,11 +626,15 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
       }
     }
   };
+  /* the decode tiles branch once per stage; the large tile checks per piece
+   * (two copies of its copy code cost it registers: spills) */
   auto issue = [&](int st, uint8_t *sb) {
-    if (a.x_vec)
-      issue_as(st, sb, std::true_type{});
+    if constexpr (KS == 1)
+      issue_as(st, sb, std::integral_constant<int, 2>{});
+    else if (a.x_vec)
+      issue_as(st, sb, std::integral_constant<int, 1>{});
     else
-      issue_as(st, sb, std::false_type{});
+      issue_as(st, sb, std::integral_constant<int, 0>{});
   };
 
   struct Acc {
