@@ -56,16 +56,7 @@ if [ "$want_deps" = 1 ]; then
   pkgs=(build-essential cmake pkg-config check libsubunit-dev
         libgrpc-dev protobuf-c-compiler libprotobuf-c-dev grpc-proto
         libuv1-dev libhttp-parser-dev libcjson-dev libxxhash-dev)
-  missing=()
-  for p in "${pkgs[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-  done
-  if [ "${#missing[@]}" -gt 0 ]; then
-    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-    export DEBIAN_FRONTEND=noninteractive
-    $SUDO apt-get update -qq
-    $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
-  fi
+  bash scripts/apt-install.sh "${pkgs[@]}"
 fi
 
 cmake_args=(-DCMAKE_BUILD_TYPE=Release -DMOE_BUILD_SERVER=ON)
