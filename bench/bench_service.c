@@ -133,8 +133,8 @@ int main(int argc, char **argv) {
   } else if (rc == 0) {
     printf("mode=small concurrency=%d calls=%zu errors=%zu p50_us=%.1f p90_us=%.1f p99_us=%.1f max_us=%.1f "
            "calls_per_s=%.0f\n",
-           concurrency, r.n_ok, r.n_calls - r.n_ok, load_percentile(&r, 0.5) * 1e6, load_percentile(&r, 0.9) * 1e6,
-           load_percentile(&r, 0.99) * 1e6, load_percentile(&r, 1.0) * 1e6,
+           concurrency, r.n_ok, r.n_calls - r.n_ok, load_percentile(&r, 0.5) * 1e6,
+           load_percentile(&r, 0.9) * 1e6, load_percentile(&r, 0.99) * 1e6, load_percentile(&r, 1.0) * 1e6,
            r.elapsed_s > 0 ? (double)r.n_ok / r.elapsed_s : 0);
   }
   if (rc == 0 && r.n_calls != r.n_ok) {

@@ -64,10 +64,10 @@ static void call_start(load_run_state *s, grpc_channel *ch, grpc_completion_queu
   grpc_metadata_array_init(&c->md);
   grpc_metadata_array_init(&c->trailing);
   c->details = grpc_empty_slice();
-  gpr_timespec deadline = s->cfg->timeout_ms > 0
-                              ? gpr_time_add(gpr_now(GPR_CLOCK_REALTIME),
-                                             gpr_time_from_millis(s->cfg->timeout_ms, GPR_TIMESPAN))
-                              : gpr_inf_future(GPR_CLOCK_REALTIME);
+  gpr_timespec deadline =
+      s->cfg->timeout_ms > 0
+          ? gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(s->cfg->timeout_ms, GPR_TIMESPAN))
+          : gpr_inf_future(GPR_CLOCK_REALTIME);
   grpc_slice method = grpc_slice_from_static_string(s->cfg->method);
   c->call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, method, NULL, deadline, NULL);
   grpc_op ops[6];
@@ -196,9 +196,10 @@ static void *load_thread(void *arg) {
     grpc_event ev = grpc_completion_queue_next(cq, dl, NULL);
     if (ev.type != GRPC_OP_COMPLETE) continue;
     call_slot *c = ev.tag;
-    if (c->measured && tally(&t, c, now_s()) != 0) goto fail;
+    bool oom = c->measured && tally(&t, c, now_s()) != 0;
     call_end(c);
     live--;
+    if (oom) goto fail;
   }
   pthread_mutex_lock(&s->mu);
   load_result *r = s->out;
@@ -240,7 +241,8 @@ done:
   free(t.lat);
   free(slots);
   grpc_completion_queue_shutdown(cq);
-  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type != GRPC_QUEUE_SHUTDOWN) {
+  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type !=
+         GRPC_QUEUE_SHUTDOWN) {
   }
   grpc_completion_queue_destroy(cq);
   return NULL;
@@ -286,8 +288,12 @@ int load_run(const load_config *cfg, load_result *out) {
   s.measure_from = s.t0 + cfg->warmup_s;
   s.measure_to = s.measure_from + cfg->duration_s;
   for (int i = 0; i < n; i++) {
-    ta[i] = (thread_arg){&s, ch[i], cfg->concurrency / n + (i < cfg->concurrency % n), cfg->rate / n,
-                         (unsigned)i * 2654435761u + 1u, 0};
+    ta[i] = (thread_arg){&s,
+                         ch[i],
+                         cfg->concurrency / n + (i < cfg->concurrency % n),
+                         cfg->rate / n,
+                         (unsigned)i * 2654435761u + 1u,
+                         0};
     if (pthread_create(&th[i], NULL, load_thread, &ta[i]) != 0) {
       fprintf(stderr, "load: cannot start a client thread\n");
       atomic_store(&s.stop, true);
@@ -319,7 +325,8 @@ void load_result_free(load_result *r) {
 
 double load_percentile(const load_result *r, double p) {
   if (!r->n_ok) return 0;
-  double rank = ceil(p * (double)r->n_ok); /* nearest rank: the smallest value with >= p of them at or below */
+  double rank =
+      ceil(p * (double)r->n_ok); /* nearest rank: the smallest value with >= p of them at or below */
   size_t i = rank < 1 ? 0 : (size_t)rank - 1;
   return r->latency_s[i < r->n_ok ? i : r->n_ok - 1];
 }

@@ -11,10 +11,10 @@
  * :DATATYPE suffix (BF16 data are stored in .npy files as <u2). Outputs are
  * written as DIR/NAME.npy (BF16 as <u2; narrow formats as |u1 bytes, their
  * real format printed). */
+#include <cjson/cJSON.h>
 #include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
-#include <cjson/cJSON.h>
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
@@ -217,8 +217,8 @@ static int input_random(const char *input, const char *spec, npy_array *a, const
   char *dt = strrchr(buf, ':');
   const moed_kserve_type *k = dt ? moed_kserve_by_name(dt + 1) : NULL;
   if (!k || !k->npy) {
-    fprintf(stderr, "moec: --input %s=random:%s: expected random:SHAPE:DATATYPE (e.g. random:4x1024:FP32)\n", input,
-            spec);
+    fprintf(stderr, "moec: --input %s=random:%s: expected random:SHAPE:DATATYPE (e.g. random:4x1024:FP32)\n",
+            input, spec);
     return -1;
   }
   *dt = 0;
@@ -228,8 +228,8 @@ static int input_random(const char *input, const char *spec, npy_array *a, const
     long long d = strtoll(tok, &end, 10);
     if (end == tok || (*end && *end != 'x') || errno || d < 0 || a->ndim == NPY_MAX_DIMS ||
         (d && count > ((size_t)1 << 30) / (size_t)d)) {
-      fprintf(stderr, "moec: --input %s=random:%s: bad shape (dims >= 0 joined by x, at most %d, 1 GiB)\n", input,
-              spec, NPY_MAX_DIMS);
+      fprintf(stderr, "moec: --input %s=random:%s: bad shape (dims >= 0 joined by x, at most %d, 1 GiB)\n",
+              input, spec, NPY_MAX_DIMS);
       return -1;
     }
     a->shape[a->ndim++] = d;
@@ -290,7 +290,8 @@ static int infer_request_init(infer_request *r, const char *model, char **inputs
     char *spec = inputs[i];
     char *eq = strchr(spec, '=');
     if (!eq) {
-      fprintf(stderr, "moec: --input %s: expected NAME=FILE.npy[:DATATYPE] or NAME=random:SHAPE:DATATYPE\n", spec);
+      fprintf(stderr, "moec: --input %s: expected NAME=FILE.npy[:DATATYPE] or NAME=random:SHAPE:DATATYPE\n",
+              spec);
       goto fail;
     }
     *eq = 0;
@@ -609,7 +610,6 @@ done:
   return rc;
 }
 
-
 /* ---- bench: load on one model (client/load.c) -------------------------------------- */
 
 typedef struct bench_opts {
@@ -631,7 +631,8 @@ static cJSON *bench_json(const char *model, const bench_opts *o, const load_resu
   cJSON_AddNumberToObject(j, "ok", (double)r->n_ok);
   cJSON_AddNumberToObject(j, "errors", (double)(r->n_calls - r->n_ok));
   for (int i = 1; i < LOAD_STATUS_CODES; i++)
-    if (r->by_status[i]) cJSON_AddNumberToObject(err, load_status_name((grpc_status_code)i), (double)r->by_status[i]);
+    if (r->by_status[i])
+      cJSON_AddNumberToObject(err, load_status_name((grpc_status_code)i), (double)r->by_status[i]);
   cJSON_AddItemToObject(j, "errors_by_status", err);
   if (r->first_error[0]) cJSON_AddStringToObject(j, "first_error", r->first_error);
   cJSON_AddNumberToObject(j, "late", (double)r->late);
@@ -656,18 +657,20 @@ static void bench_table(const cJSON *j) {
   const cJSON *err = cJSON_GetObjectItemCaseSensitive(j, "errors_by_status"), *e;
   printf("model            %s at %s\n", cJSON_GetObjectItemCaseSensitive(j, "model")->valuestring,
          cJSON_GetObjectItemCaseSensitive(j, "target")->valuestring);
-  printf("load             %s, concurrency %.0f over %.0f channel(s)", cJSON_GetObjectItemCaseSensitive(j, "mode")->valuestring,
-         NUM(j, "concurrency"), NUM(j, "channels"));
-  if (NUM(j, "rate") > 0) printf(", %.1f requests/s offered, %.0f started > 1 ms late", NUM(j, "rate"), NUM(j, "late"));
-  printf("\nrequests         %.0f in %.3f s (ok %.0f, errors %.0f)\n", NUM(j, "requests"), NUM(j, "elapsed_s"),
-         NUM(j, "ok"), NUM(j, "errors"));
+  printf("load             %s, concurrency %.0f over %.0f channel(s)",
+         cJSON_GetObjectItemCaseSensitive(j, "mode")->valuestring, NUM(j, "concurrency"), NUM(j, "channels"));
+  if (NUM(j, "rate") > 0)
+    printf(", %.1f requests/s offered, %.0f started > 1 ms late", NUM(j, "rate"), NUM(j, "late"));
+  printf("\nrequests         %.0f in %.3f s (ok %.0f, errors %.0f)\n", NUM(j, "requests"),
+         NUM(j, "elapsed_s"), NUM(j, "ok"), NUM(j, "errors"));
   printf("requests/s       %.1f\n", NUM(j, "requests_per_s"));
   printf("sent             %.3f MB/s (%.0f bytes per request)\n", NUM(j, "sent_bytes_per_s") / 1e6,
          NUM(j, "request_bytes"));
   printf("received         %.3f MB/s\n", NUM(j, "received_bytes_per_s") / 1e6);
   printf("latency ms       p50 %.3f  p90 %.3f  p99 %.3f  max %.3f\n", NUM(lat, "p50"), NUM(lat, "p90"),
          NUM(lat, "p99"), NUM(lat, "max"));
-  cJSON_ArrayForEach(e, err) printf("error            %-20s %.0f\n", e->string, e->valuedouble);
+  for (e = err->child; e; e = e->next) /* cJSON_ArrayForEach, spelled out for cppcheck */
+    printf("error            %-20s %.0f\n", e->string, e->valuedouble);
   const cJSON *first = cJSON_GetObjectItemCaseSensitive(j, "first_error");
   if (first) printf("first error      %s\n", first->valuestring);
 #undef NUM
@@ -698,9 +701,11 @@ static int cmd_bench(const char *model, char **inputs, int n_in, char **params, 
     }
     cJSON_Delete(j);
     if (r.n_ok == 0 || r.n_ok != r.n_calls) rc = 1;
-    if (r.n_calls != r.n_ok) fprintf(stderr, "moec: bench: %zu of %zu requests failed (first: %s)\n",
-                                     r.n_calls - r.n_ok, r.n_calls, r.first_error);
-    else if (r.n_ok == 0) fprintf(stderr, "moec: bench: no request completed in the measured window\n");
+    if (r.n_calls != r.n_ok)
+      fprintf(stderr, "moec: bench: %zu of %zu requests failed (first: %s)\n", r.n_calls - r.n_ok, r.n_calls,
+              r.first_error);
+    else if (r.n_ok == 0)
+      fprintf(stderr, "moec: bench: no request completed in the measured window\n");
   }
   load_result_free(&r);
   return rc;
@@ -732,33 +737,43 @@ static bool flag_double(const char *flag, const char *v, double lo, double hi, d
 }
 
 static void usage(FILE *f) {
-  fputs("usage: moec [-a HOST:PORT] [--timeout-ms N] COMMAND\n"
-        "  health                      liveness, readiness, server metadata\n"
-        "  models                      the repository index\n"
-        "  infer -m MODEL --input NAME=FILE.npy[:DATATYPE]... [--param K=V]... [--output-dir DIR]\n"
-        "  upload DIR [--name NAME] [--replace] [--chunk-bytes N]\n"
-        "                              stream an expert set (config.json + *.safetensors) to ExpertStore\n"
-        "  bench -m MODEL --input ... [--param K=V]... [load flags]\n"
-        "                              send one request over and over (ModelInfer); report requests/s,\n"
-        "                              bytes/s, latency p50/p90/p99/max and errors by gRPC status\n"
-        "inputs (infer, bench): NAME=FILE.npy[:DATATYPE] or NAME=random:SHAPE:DATATYPE\n"
-        "  (e.g. x=random:4x1024:FP32; floats uniform in [-1, 1), integers in [0, 8))\n"
-        "bench load flags:\n"
-        "  --concurrency N   requests in flight (closed loop; default 1); with --rate, the cap (default 256)\n"
-        "  --channels M      gRPC channels (connections), each with one client thread (default 1, <= N)\n"
-        "  --rate R          open loop: start R requests/s whatever the replies (latency from the\n"
-        "                    scheduled start); --poisson: exponential gaps instead of even ones\n"
-        "  --duration S      measure S seconds (default 10) ...\n"
-        "  --requests K      ... or exactly K requests\n"
-        "  --warmup S        seconds sent before measuring (default 1)\n"
-        "  --json            the report as JSON instead of a table\n"
-        "  exit status: 0 when every measured request succeeded, 1 when any failed, 2 for bad flags\n"
-        "--timeout-ms N: each call's deadline (bench: each request's)\n"
-        "env: MOEC_ADDRESS (default localhost:8001)\n",
-        f);
+  fputs(
+      "usage: moec [-a HOST:PORT] [--timeout-ms N] COMMAND\n"
+      "  health                      liveness, readiness, server metadata\n"
+      "  models                      the repository index\n"
+      "  infer -m MODEL --input NAME=FILE.npy[:DATATYPE]... [--param K=V]... [--output-dir DIR]\n"
+      "  upload DIR [--name NAME] [--replace] [--chunk-bytes N]\n"
+      "                              stream an expert set (config.json + *.safetensors) to ExpertStore\n"
+      "  bench -m MODEL --input ... [--param K=V]... [load flags]\n"
+      "                              send one request over and over (ModelInfer); report requests/s,\n"
+      "                              bytes/s, latency p50/p90/p99/max and errors by gRPC status\n"
+      "inputs (infer, bench): NAME=FILE.npy[:DATATYPE] or NAME=random:SHAPE:DATATYPE\n"
+      "  (e.g. x=random:4x1024:FP32; floats uniform in [-1, 1), integers in [0, 8))\n"
+      "bench load flags:\n"
+      "  --concurrency N   requests in flight (closed loop; default 1); with --rate, the cap (default 256)\n"
+      "  --channels M      gRPC channels (connections), each with one client thread (default 1, <= N)\n"
+      "  --rate R          open loop: start R requests/s whatever the replies (latency from the\n"
+      "                    scheduled start); --poisson: exponential gaps instead of even ones\n"
+      "  --duration S      measure S seconds (default 10) ...\n"
+      "  --requests K      ... or exactly K requests\n"
+      "  --warmup S        seconds sent before measuring (default 1)\n"
+      "  --json            the report as JSON instead of a table\n"
+      "  exit status: 0 when every measured request succeeded, 1 when any failed, 2 for bad flags\n"
+      "--timeout-ms N: each call's deadline (bench: each request's)\n"
+      "env: MOEC_ADDRESS (default localhost:8001)\n",
+      f);
 }
 
-enum { OPT_CONCURRENCY = 1000, OPT_CHANNELS, OPT_RATE, OPT_POISSON, OPT_DURATION, OPT_REQUESTS, OPT_WARMUP, OPT_JSON };
+enum {
+  OPT_CONCURRENCY = 1000,
+  OPT_CHANNELS,
+  OPT_RATE,
+  OPT_POISSON,
+  OPT_DURATION,
+  OPT_REQUESTS,
+  OPT_WARMUP,
+  OPT_JSON
+};
 
 int main(int argc, char **argv) {
   const char *addr = getenv("MOEC_ADDRESS") ? getenv("MOEC_ADDRESS") : "localhost:8001";
