@@ -3,6 +3,7 @@
  * measured) and the merge of each thread's samples at its end. */
 #include "load.h"
 
+#include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/time.h>
 #include <math.h>
@@ -32,6 +33,17 @@ const char *load_status_name(grpc_status_code c) {
 
 /* ---- one call ------------------------------------------------------------------ */
 
+/* What a slot's pending batch is. A unary call lives for one request; a
+ * stream (cfg->stream) carries its slot's requests in turn and is closed at
+ * the end of the run, or when one of them fails at the call level. */
+typedef enum slot_phase {
+  SLOT_IDLE,        /* free (a stream may be open on it) */
+  SLOT_UNARY,       /* one unary call */
+  SLOT_STREAM_MSG,  /* one request and its response on the open stream */
+  SLOT_STREAM_DIED, /* the stream ended under a request: its status is fetched for it */
+  SLOT_STREAM_CLOSE /* the end of the run: half-close, then the status */
+} slot_phase;
+
 typedef struct call_slot {
   grpc_call *call;
   grpc_byte_buffer *send, *recv;
@@ -39,7 +51,8 @@ typedef struct call_slot {
   grpc_status_code status;
   grpc_slice details;
   double start; /* open loop: the scheduled time, so that a server falling behind shows */
-  bool measured, busy;
+  bool measured;
+  slot_phase phase;
 } call_slot;
 
 typedef struct load_run_state {
@@ -54,13 +67,11 @@ typedef struct load_run_state {
   double first_start, last_end;
 } load_run_state;
 
-static void call_start(load_run_state *s, grpc_channel *ch, grpc_completion_queue *cq, call_slot *c,
-                       double start, bool measured) {
-  memset(c, 0, sizeof *c);
-  c->busy = true;
-  c->measured = measured;
-  c->start = start;
-  c->send = grpc_byte_buffer_copy(s->cfg->request);
+static void batch(call_slot *c, const grpc_op *ops, size_t n) {
+  if (grpc_call_start_batch(c->call, ops, n, c, NULL) != GRPC_CALL_OK) abort(); /* ops are well-formed */
+}
+
+static void call_open(load_run_state *s, grpc_channel *ch, grpc_completion_queue *cq, call_slot *c) {
   grpc_metadata_array_init(&c->md);
   grpc_metadata_array_init(&c->trailing);
   c->details = grpc_empty_slice();
@@ -70,31 +81,121 @@ static void call_start(load_run_state *s, grpc_channel *ch, grpc_completion_queu
           : gpr_inf_future(GPR_CLOCK_REALTIME);
   grpc_slice method = grpc_slice_from_static_string(s->cfg->method);
   c->call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, method, NULL, deadline, NULL);
-  grpc_op ops[6];
-  memset(ops, 0, sizeof ops);
-  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-  ops[1].op = GRPC_OP_SEND_MESSAGE;
-  ops[1].data.send_message.send_message = c->send;
-  ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-  ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-  ops[3].data.recv_initial_metadata.recv_initial_metadata = &c->md;
-  ops[4].op = GRPC_OP_RECV_MESSAGE;
-  ops[4].data.recv_message.recv_message = &c->recv;
-  ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-  ops[5].data.recv_status_on_client.trailing_metadata = &c->trailing;
-  ops[5].data.recv_status_on_client.status = &c->status;
-  ops[5].data.recv_status_on_client.status_details = &c->details;
-  if (grpc_call_start_batch(c->call, ops, 6, c, NULL) != GRPC_CALL_OK) abort(); /* ops are well-formed */
 }
 
-static void call_end(call_slot *c) {
-  grpc_byte_buffer_destroy(c->send);
-  if (c->recv) grpc_byte_buffer_destroy(c->recv);
+static void call_release(call_slot *c) {
   grpc_metadata_array_destroy(&c->md);
   grpc_metadata_array_destroy(&c->trailing);
   grpc_slice_unref(c->details);
   grpc_call_unref(c->call);
-  c->busy = false;
+  c->call = NULL;
+}
+
+/* One request on slot c: a new unary call, or the next message on its stream
+ * (opened with the first). */
+static void request_start(load_run_state *s, grpc_channel *ch, grpc_completion_queue *cq, call_slot *c,
+                          double start, bool measured) {
+  bool first = !c->call;
+  if (first) call_open(s, ch, cq, c);
+  c->measured = measured;
+  c->start = start;
+  c->send = grpc_byte_buffer_copy(s->cfg->request);
+  c->recv = NULL;
+  c->status = GRPC_STATUS_OK;
+  grpc_op ops[6];
+  size_t n = 0;
+  memset(ops, 0, sizeof ops);
+  if (first) ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[n].op = GRPC_OP_SEND_MESSAGE;
+  ops[n++].data.send_message.send_message = c->send;
+  if (!s->cfg->stream) ops[n++].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  if (first) {
+    ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[n++].data.recv_initial_metadata.recv_initial_metadata = &c->md;
+  }
+  ops[n].op = GRPC_OP_RECV_MESSAGE;
+  ops[n++].data.recv_message.recv_message = &c->recv;
+  if (!s->cfg->stream) {
+    ops[n].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[n].data.recv_status_on_client.trailing_metadata = &c->trailing;
+    ops[n].data.recv_status_on_client.status = &c->status;
+    ops[n++].data.recv_status_on_client.status_details = &c->details;
+  }
+  c->phase = s->cfg->stream ? SLOT_STREAM_MSG : SLOT_UNARY;
+  batch(c, ops, n);
+}
+
+static void request_end(call_slot *c) {
+  grpc_byte_buffer_destroy(c->send);
+  if (c->recv) grpc_byte_buffer_destroy(c->recv);
+  c->send = c->recv = NULL;
+  c->phase = SLOT_IDLE;
+}
+
+/* Fetches the stream's status: after it died under a request (DIED), or to
+ * end it (CLOSE: half-close first). */
+static void stream_status(call_slot *c, slot_phase phase) {
+  grpc_op ops[2];
+  size_t n = 0;
+  memset(ops, 0, sizeof ops);
+  if (phase == SLOT_STREAM_CLOSE) ops[n++].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  grpc_slice_unref(c->details);
+  c->details = grpc_empty_slice();
+  ops[n].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  ops[n].data.recv_status_on_client.trailing_metadata = &c->trailing;
+  ops[n].data.recv_status_on_client.status = &c->status;
+  ops[n++].data.recv_status_on_client.status_details = &c->details;
+  c->phase = phase;
+  batch(c, ops, n);
+}
+
+static bool varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
+  *v = 0;
+  for (int shift = 0; *p < end && shift < 64; shift += 7) {
+    uint8_t b = *(*p)++;
+    *v |= (uint64_t)(b & 0x7F) << shift;
+    if (!(b & 0x80)) return true;
+  }
+  return false;
+}
+
+/* A stream response answers a request with an error when its field 1
+ * (ModelStreamInferResponse.error_message) is set: the status goes into the
+ * message only, as "CODE: why" or bare (UNKNOWN). Top-level wire scan, no
+ * unpacking of the outputs. */
+static void stream_response_status(call_slot *c) {
+  grpc_byte_buffer_reader rd;
+  if (!c->recv || !grpc_byte_buffer_reader_init(&rd, c->recv)) return;
+  grpc_slice all = grpc_byte_buffer_reader_readall(&rd);
+  grpc_byte_buffer_reader_destroy(&rd);
+  const uint8_t *p = GRPC_SLICE_START_PTR(all), *end = p + GRPC_SLICE_LENGTH(all);
+  uint64_t key, len;
+  while (p < end && varint(&p, end, &key)) {
+    unsigned wire = (unsigned)(key & 7);
+    if (wire == 0 && varint(&p, end, &len)) continue;
+    if (wire == 1 && end - p >= 8) {
+      p += 8;
+      continue;
+    }
+    if (wire == 5 && end - p >= 4) {
+      p += 4;
+      continue;
+    }
+    if (wire != 2 || !varint(&p, end, &len) || len > (uint64_t)(end - p)) break; /* malformed */
+    if (key >> 3 == 1 && len > 0) {
+      c->status = GRPC_STATUS_UNKNOWN;
+      for (int code = 1; code < LOAD_STATUS_CODES; code++) {
+        size_t k = strlen(load_status_name((grpc_status_code)code));
+        if (len > k + 1 && memcmp(p, load_status_name((grpc_status_code)code), k) == 0 && p[k] == ':')
+          c->status = (grpc_status_code)code;
+      }
+      grpc_slice_unref(c->details);
+      c->details = grpc_slice_from_copied_buffer((const char *)p, (size_t)len);
+      break;
+    }
+    p += len;
+  }
+  grpc_slice_unref(all);
 }
 
 /* Whether one more call may start at `now`; *measured says if it counts. */
@@ -176,17 +277,22 @@ static void *load_thread(void *arg) {
     double now = now_s();
     /* start what may start: every free slot (closed loop) or every call due (open loop) */
     for (int i = 0; !stopping && i < a->slots && (!open || next <= now); i++) {
-      if (slots[i].busy) continue;
+      if (slots[i].phase != SLOT_IDLE) continue;
       bool measured;
       if (!may_start(s, open ? next : now, &measured)) {
         stopping = true;
         break;
       }
-      call_start(s, a->ch, cq, &slots[i], open ? next : now, measured);
+      request_start(s, a->ch, cq, &slots[i], open ? next : now, measured);
       live++;
       if (open && measured && now - next > 1e-3) t.r.late++;
       if (open) next += next_gap(a, &a->seed);
     }
+    for (int i = 0; stopping && i < a->slots; i++) /* streams idle at the end: closed */
+      if (slots[i].phase == SLOT_IDLE && slots[i].call) {
+        stream_status(&slots[i], SLOT_STREAM_CLOSE);
+        live++;
+      }
     if (stopping && live == 0) break;
     /* sleep until a call ends, the next start is due, or 50 ms (to see the end of the run) */
     double wake = now + 0.05;
@@ -196,8 +302,24 @@ static void *load_thread(void *arg) {
     grpc_event ev = grpc_completion_queue_next(cq, dl, NULL);
     if (ev.type != GRPC_OP_COMPLETE) continue;
     call_slot *c = ev.tag;
-    bool oom = c->measured && tally(&t, c, now_s()) != 0;
-    call_end(c);
+    double end = now_s();
+    if (c->phase == SLOT_STREAM_CLOSE) {
+      call_release(c);
+      c->phase = SLOT_IDLE;
+      live--;
+      continue;
+    }
+    if (c->phase == SLOT_STREAM_MSG) {
+      if (!ev.success || !c->recv) { /* the stream ended: its status answers the request */
+        stream_status(c, SLOT_STREAM_DIED);
+        continue;
+      }
+      stream_response_status(c);
+    }
+    bool oom = c->measured && tally(&t, c, end) != 0;
+    bool release = c->phase != SLOT_STREAM_MSG; /* unary, or a stream that died */
+    request_end(c);
+    if (release) call_release(c);
     live--;
     if (oom) goto fail;
   }
@@ -229,14 +351,18 @@ fail:
   fprintf(stderr, "load: out of memory\n");
   a->rc = -1;
   atomic_store(&s->stop, true);
-  for (int i = 0; slots && i < a->slots; i++) /* cancel and reap what is still in flight */
-    if (slots[i].busy) grpc_call_cancel(slots[i].call, NULL);
+  for (int i = 0; slots && i < a->slots; i++) /* cancel, reap what is in flight, release */
+    if (slots[i].call) grpc_call_cancel(slots[i].call, NULL);
   while (live > 0) {
     grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
     if (ev.type != GRPC_OP_COMPLETE) continue;
-    call_end(ev.tag);
+    call_slot *c = ev.tag;
+    if (c->phase != SLOT_STREAM_CLOSE) request_end(c);
+    c->phase = SLOT_IDLE;
     live--;
   }
+  for (int i = 0; slots && i < a->slots; i++)
+    if (slots[i].call) call_release(&slots[i]);
 done:
   free(t.lat);
   free(slots);

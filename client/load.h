@@ -18,6 +18,8 @@
 typedef struct load_config {
   const char *target;        /* HOST:PORT */
   const char *method;        /* "/inference.GRPCInferenceService/ModelInfer" */
+  bool stream;               /* method is ModelStreamInfer: one stream per in-flight slot carries
+                                its requests in turn (errors come as error_message) */
   grpc_byte_buffer *request; /* sent by every call; not owned */
   int channels;              /* >= 1; one client thread each */
   int concurrency;           /* calls in flight at most, all channels together (>= channels) */
@@ -27,7 +29,7 @@ typedef struct load_config {
   long warmup_requests;      /* ... nor the first this many calls */
   double duration_s;         /* measure this long (when requests == 0) */
   long requests;             /* > 0: measure exactly this many calls instead */
-  int timeout_ms;            /* each call's deadline; 0 = none */
+  int timeout_ms;            /* each call's deadline (stream: the whole stream's); 0 = none */
 } load_config;
 
 typedef struct load_result {

@@ -624,6 +624,7 @@ static cJSON *bench_json(const char *model, const bench_opts *o, const load_resu
   cJSON_AddStringToObject(j, "model", model);
   cJSON_AddStringToObject(j, "target", l->target);
   cJSON_AddStringToObject(j, "mode", l->rate > 0 ? (l->poisson ? "open-poisson" : "open") : "closed");
+  cJSON_AddBoolToObject(j, "stream", l->stream);
   cJSON_AddNumberToObject(j, "concurrency", l->concurrency);
   cJSON_AddNumberToObject(j, "channels", l->channels);
   cJSON_AddNumberToObject(j, "rate", l->rate);
@@ -657,8 +658,10 @@ static void bench_table(const cJSON *j) {
   const cJSON *err = cJSON_GetObjectItemCaseSensitive(j, "errors_by_status"), *e;
   printf("model            %s at %s\n", cJSON_GetObjectItemCaseSensitive(j, "model")->valuestring,
          cJSON_GetObjectItemCaseSensitive(j, "target")->valuestring);
-  printf("load             %s, concurrency %.0f over %.0f channel(s)",
-         cJSON_GetObjectItemCaseSensitive(j, "mode")->valuestring, NUM(j, "concurrency"), NUM(j, "channels"));
+  printf("load             %s%s, concurrency %.0f over %.0f channel(s)",
+         cJSON_GetObjectItemCaseSensitive(j, "mode")->valuestring,
+         cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j, "stream")) ? " (streams)" : "",
+         NUM(j, "concurrency"), NUM(j, "channels"));
   if (NUM(j, "rate") > 0)
     printf(", %.1f requests/s offered, %.0f started > 1 ms late", NUM(j, "rate"), NUM(j, "late"));
   printf("\nrequests         %.0f in %.3f s (ok %.0f, errors %.0f)\n", NUM(j, "requests"),
@@ -686,7 +689,8 @@ static int cmd_bench(const char *model, char **inputs, int n_in, char **params, 
   infer_request_free(&ir);
   o->load.request = grpc_raw_byte_buffer_create(&s, 1);
   grpc_slice_unref(s);
-  o->load.method = "/inference.GRPCInferenceService/ModelInfer";
+  o->load.method = o->load.stream ? "/inference.GRPCInferenceService/ModelStreamInfer"
+                                  : "/inference.GRPCInferenceService/ModelInfer";
   load_result r;
   int rc = load_run(&o->load, &r) == 0 ? 0 : 1;
   grpc_byte_buffer_destroy(o->load.request);
@@ -772,7 +776,8 @@ enum {
   OPT_DURATION,
   OPT_REQUESTS,
   OPT_WARMUP,
-  OPT_JSON
+  OPT_JSON,
+  OPT_STREAM
 };
 
 int main(int argc, char **argv) {
@@ -803,6 +808,7 @@ int main(int argc, char **argv) {
       {"requests", required_argument, NULL, OPT_REQUESTS},
       {"warmup", required_argument, NULL, OPT_WARMUP},
       {"json", no_argument, NULL, OPT_JSON},
+      {"stream", no_argument, NULL, OPT_STREAM},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
@@ -853,6 +859,7 @@ int main(int argc, char **argv) {
       if (!flag_double("--warmup", optarg, 0, 86400, &bo.load.warmup_s)) return 2;
       break;
     case OPT_JSON: bo.json = true; break;
+    case OPT_STREAM: bo.load.stream = true; break;
     case 'h': usage(stdout); return 0;
     default: usage(stderr); return 2;
     }
@@ -891,6 +898,9 @@ int main(int argc, char **argv) {
   } else if (strcmp(cmd, "bench") == 0) {
     if (!model) {
       fprintf(stderr, "moec: bench needs -m MODEL\n");
+      rc = 2;
+    } else if (bo.load.stream && timeout_ms > 0) {
+      fprintf(stderr, "moec: --timeout-ms: a deadline per request does not apply to --stream\n");
       rc = 2;
     } else if (bo.load.poisson && bo.load.rate <= 0) {
       fprintf(stderr, "moec: --poisson needs --rate\n");

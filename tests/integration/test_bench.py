@@ -3,7 +3,7 @@
 Short runs (about a second each) on a quant op and on fused_moe over a small
 moe-mkset expert set; the JSON report must be self-consistent (requests > 0,
 no errors, ok == requests, p50 <= p90 <= p99 <= max); a wrong model name is
-counted by status with exit 1; bad flags exit 2 naming the flag. Nothing
+counted by status with exit 1; --stream (ModelStreamInfer) likewise; bad flags exit 2 naming the flag. Nothing
 here depends on the machine's speed beyond "some requests complete".
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
@@ -84,6 +84,26 @@ def test_fused_moe(port):
     consistent(rep, "fused_moe expert set")
 
 
+def test_stream(port):
+    """--stream: ModelStreamInfer, one stream per request in flight."""
+    r, rep = bench(port, "-m", "set", "--input", "hidden_states=random:2x128:BF16", "--input",
+                   "router_logits=random:2x8:FP32", "--stream", "--concurrency", "3", "--channels", "2",
+                   "--duration", "1", "--warmup", "0.2")
+    check(r.returncode == 0 and rep is not None and rep["stream"] is True,
+          f"--stream on an expert set exits 0 ({r.returncode}: {r.stderr.strip()})")
+    consistent(rep, "--stream expert set")
+    r, rep = bench(port, "-m", "quant.per_tensor", "--input", "x=random:1x64:FP32", "--stream", "--requests", "30",
+                   "--concurrency", "2", "--warmup", "0")
+    check(r.returncode == 0 and rep is not None and rep["requests"] == 30, "--stream --requests 30: exactly 30")
+    # a stream's error reaches the client as a message only: counted UNKNOWN, the stream goes on
+    r, rep = bench(port, "-m", "no-such-model", "--input", "x=random:1x64:FP32", "--stream", "--requests", "20",
+                   "--warmup", "0")
+    check(r.returncode == 1 and rep is not None and rep["errors_by_status"] == {"UNKNOWN": 20} and
+          "not found" in rep.get("first_error", ""), f"--stream, a wrong model: 20 errors, exit 1 ({rep})")
+    r, _ = bench(port, "-m", "quant.per_tensor", "--input", "x=random:1x64:FP32", "--stream", "--timeout-ms", "100")
+    check(r.returncode == 2 and "--timeout-ms" in r.stderr, f"--stream with --timeout-ms: exit 2 ({r.stderr.strip()})")
+
+
 def test_errors(port):
     r, rep = bench(port, "-m", "no-such-model", "--input", "x=random:1x64:FP32", "--duration", "0.5",
                    "--warmup", "0")
@@ -114,6 +134,7 @@ def main():
         try:
             test_quant(port, tmp)
             test_fused_moe(port)
+            test_stream(port)
             test_errors(port)
             p.send_signal(signal.SIGTERM)
             check(p.wait(timeout=30) == 0, "clean exit")
