@@ -434,7 +434,7 @@ int load_run(const load_config *cfg, load_result *out) {
   }
   for (int i = 0; i < n; i++)
     grpc_channel_destroy(ch[i]);
-  qsort(out->latency_s, out->n_ok, sizeof *out->latency_s, cmp_double);
+  if (out->n_ok) qsort(out->latency_s, out->n_ok, sizeof *out->latency_s, cmp_double);
   out->elapsed_s = out->n_calls ? s.last_end - s.first_start : 0;
 fail:
   free(ta);
