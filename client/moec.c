@@ -11,6 +11,7 @@
  * :DATATYPE suffix (BF16 data are stored in .npy files as <u2). Outputs are
  * written as DIR/NAME.npy (BF16 as <u2; narrow formats as |u1 bytes, their
  * real format printed). */
+#include <cjson/cJSON.h>
 #include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
@@ -29,6 +30,8 @@
 #include "grpc_args.h"
 #include "grpc_service.pb-c.h"
 #include "kserve_types.h"
+#include "load.h"
+#include "moe/codec.h"
 #include "moe/ops.h"
 #include "moe/safetensors.h"
 #include "npy.h"
@@ -114,17 +117,8 @@ static grpc_status_code unary(client *c, const char *method, const ProtobufCMess
   return status;
 }
 
-static const char *code_name(grpc_status_code c) {
-  static const char *const names[] = {
-      "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
-      "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-      "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
-      "DATA_LOSS", "UNAUTHENTICATED"};
-  return (unsigned)c < sizeof names / sizeof names[0] ? names[c] : "?";
-}
-
 static int report(const char *what, grpc_status_code st, const char *msg) {
-  fprintf(stderr, "moec: %s: %s: %s\n", what, code_name(st), msg);
+  fprintf(stderr, "moec: %s: %s: %s\n", what, load_status_name(st), msg);
   return 1;
 }
 
@@ -213,65 +207,154 @@ static int parse_param(char *kv, Inference__ModelInferRequest__ParametersEntry *
   return 0;
 }
 
-static int cmd_infer(client *c, const char *model, char **inputs, int n_in, char **params, int n_params,
-                     const char *out_dir) {
+/* "random:SHAPE:DATATYPE" (SHAPE as 4x1024): deterministic values, finite
+ * and small for float types (uniform in [-1, 1)), [0, 8) for integers,
+ * random bytes for narrow formats. 0, or -1 said on stderr. */
+static int input_random(const char *input, const char *spec, npy_array *a, const char **kserve) {
+  memset(a, 0, sizeof *a);
+  char buf[256];
+  snprintf(buf, sizeof buf, "%s", spec);
+  char *dt = strrchr(buf, ':');
+  const moed_kserve_type *k = dt ? moed_kserve_by_name(dt + 1) : NULL;
+  if (!k || !k->npy) {
+    fprintf(stderr, "moec: --input %s=random:%s: expected random:SHAPE:DATATYPE (e.g. random:4x1024:FP32)\n",
+            input, spec);
+    return -1;
+  }
+  *dt = 0;
+  size_t count = 1;
+  for (char *tok = buf, *end; *tok; tok = *end ? end + 1 : end) {
+    errno = 0;
+    long long d = strtoll(tok, &end, 10);
+    if (end == tok || (*end && *end != 'x') || errno || d < 0 || a->ndim == NPY_MAX_DIMS ||
+        (d && count > ((size_t)1 << 30) / (size_t)d)) {
+      fprintf(stderr, "moec: --input %s=random:%s: bad shape (dims >= 0 joined by x, at most %d, 1 GiB)\n",
+              input, spec, NPY_MAX_DIMS);
+      return -1;
+    }
+    a->shape[a->ndim++] = d;
+    count *= (size_t)d;
+  }
+  if (count > ((size_t)1 << 30) / k->size) {
+    fprintf(stderr, "moec: --input %s=random:%s: more than 1 GiB\n", input, spec);
+    return -1;
+  }
+  snprintf(a->descr, sizeof a->descr, "%s", k->npy);
+  a->nbytes = count * k->size;
+  if (!(a->data = malloc(a->nbytes ? a->nbytes : 1))) {
+    fprintf(stderr, "moec: --input %s: out of memory\n", input);
+    return -1;
+  }
+  unsigned seed = 12345;
+  uint8_t *p = a->data;
+  for (size_t i = 0; i < count; i++) {
+    float f = (float)rand_r(&seed) / ((float)RAND_MAX + 1.0f) * 2.0f - 1.0f;
+    int v = rand_r(&seed);
+    switch (k->dtype) {
+    case MOE_F32: memcpy(p + 4 * i, &f, 4); break;
+    case MOE_F16: ((uint16_t *)a->data)[i] = moe_f32_to_f16(f); break;
+    case MOE_BF16: ((uint16_t *)a->data)[i] = moe_f32_to_bf16(f); break;
+    case MOE_INT32: ((int32_t *)a->data)[i] = v & 7; break;
+    case MOE_INT8: ((int8_t *)a->data)[i] = (int8_t)(v & 7); break;
+    default: memset(p + k->size * i, v & 0xFF, k->size); break; /* UINT8: narrow formats' codes */
+    }
+  }
+  *kserve = k->name;
+  return 0;
+}
+
+/* A ModelInferRequest from --input and --param specs (parsed in place);
+ * infer_request_free releases the arrays. */
+typedef struct infer_request {
   npy_array arr[MAX_TENSORS];
+  int loaded;
   Inference__ModelInferRequest__InferInputTensor it[MAX_TENSORS], *pit[MAX_TENSORS];
   ProtobufCBinaryData raw[MAX_TENSORS];
   Inference__ModelInferRequest__ParametersEntry pe[MAX_TENSORS * 2], *ppe[MAX_TENSORS * 2];
   Inference__InferParameter pv[MAX_TENSORS * 2];
+  Inference__ModelInferRequest req;
+} infer_request;
+
+static void infer_request_free(infer_request *r) {
+  for (int i = 0; i < r->loaded; i++)
+    npy_free(&r->arr[i]);
+  r->loaded = 0;
+}
+
+/* 0, or -1 said on stderr (r freed). */
+static int infer_request_init(infer_request *r, const char *model, char **inputs, int n_in, char **params,
+                              int n_params) {
   char err[512];
-  int rc = 1, loaded = 0;
+  r->loaded = 0;
   for (int i = 0; i < n_in; i++) {
     char *spec = inputs[i];
     char *eq = strchr(spec, '=');
     if (!eq) {
-      fprintf(stderr, "moec: --input %s: expected NAME=FILE.npy[:DATATYPE]\n", spec);
-      goto done;
+      fprintf(stderr, "moec: --input %s: expected NAME=FILE.npy[:DATATYPE] or NAME=random:SHAPE:DATATYPE\n",
+              spec);
+      goto fail;
     }
     *eq = 0;
     char *file = eq + 1;
-    char *dt = strrchr(file, ':');
-    if (dt) *dt++ = 0;
-    if (npy_read(file, &arr[i], err, sizeof err) != 0) {
-      fprintf(stderr, "moec: %s\n", err);
-      goto done;
-    }
-    loaded++;
-    const char *kserve = dt;
-    const moed_kserve_type *by_descr = moed_kserve_by_npy(arr[i].descr);
-    if (!kserve && by_descr) kserve = by_descr->name;
-    if (!kserve) {
-      fprintf(stderr, "moec: %s: npy dtype %s has no KServe datatype\n", file, arr[i].descr);
-      goto done;
-    }
-    inference__model_infer_request__infer_input_tensor__init(&it[i]);
-    it[i].name = spec;
-    it[i].datatype = (char *)kserve;
-    it[i].n_shape = (size_t)arr[i].ndim;
-    it[i].shape = arr[i].shape;
-    pit[i] = &it[i];
-    raw[i].data = arr[i].data;
-    raw[i].len = arr[i].nbytes;
-  }
-  for (int i = 0; i < n_params; i++)
-    if (parse_param(params[i], &pe[i], &pv[i]) != 0) {
-      fprintf(stderr, "moec: --param %s: expected KEY=VALUE\n", params[i]);
-      goto done;
+    const char *kserve = NULL;
+    if (strncmp(file, "random:", 7) == 0) {
+      if (input_random(spec, file + 7, &r->arr[i], &kserve) != 0) goto fail;
+      r->loaded++;
     } else {
-      ppe[i] = &pe[i];
+      char *dt = strrchr(file, ':');
+      if (dt) *dt++ = 0;
+      if (npy_read(file, &r->arr[i], err, sizeof err) != 0) {
+        fprintf(stderr, "moec: %s\n", err);
+        goto fail;
+      }
+      r->loaded++;
+      kserve = dt;
+      const moed_kserve_type *by_descr = moed_kserve_by_npy(r->arr[i].descr);
+      if (!kserve && by_descr) kserve = by_descr->name;
+      if (!kserve) {
+        fprintf(stderr, "moec: %s: npy dtype %s has no KServe datatype\n", file, r->arr[i].descr);
+        goto fail;
+      }
     }
-  Inference__ModelInferRequest req = INFERENCE__MODEL_INFER_REQUEST__INIT;
-  req.model_name = (char *)model;
-  req.n_inputs = (size_t)n_in;
-  req.inputs = pit;
-  req.n_raw_input_contents = (size_t)n_in;
-  req.raw_input_contents = raw;
-  req.n_parameters = (size_t)n_params;
-  req.parameters = ppe;
+    inference__model_infer_request__infer_input_tensor__init(&r->it[i]);
+    r->it[i].name = spec;
+    r->it[i].datatype = (char *)kserve;
+    r->it[i].n_shape = (size_t)r->arr[i].ndim;
+    r->it[i].shape = r->arr[i].shape;
+    r->pit[i] = &r->it[i];
+    r->raw[i].data = r->arr[i].data;
+    r->raw[i].len = r->arr[i].nbytes;
+  }
+  for (int i = 0; i < n_params; i++) {
+    if (parse_param(params[i], &r->pe[i], &r->pv[i]) != 0) {
+      fprintf(stderr, "moec: --param %s: expected KEY=VALUE\n", params[i]);
+      goto fail;
+    }
+    r->ppe[i] = &r->pe[i];
+  }
+  inference__model_infer_request__init(&r->req);
+  r->req.model_name = (char *)model;
+  r->req.n_inputs = (size_t)n_in;
+  r->req.inputs = r->pit;
+  r->req.n_raw_input_contents = (size_t)n_in;
+  r->req.raw_input_contents = r->raw;
+  r->req.n_parameters = (size_t)n_params;
+  r->req.parameters = r->ppe;
+  return 0;
+fail:
+  infer_request_free(r);
+  return -1;
+}
+
+static int cmd_infer(client *c, const char *model, char **inputs, int n_in, char **params, int n_params,
+                     const char *out_dir) {
+  infer_request ir;
+  char err[512];
+  int rc = 1;
+  if (infer_request_init(&ir, model, inputs, n_in, params, n_params) != 0) return 1;
   ProtobufCMessage *r;
   char msg[1024];
-  grpc_status_code st = unary(c, "/inference.GRPCInferenceService/ModelInfer", &req.base,
+  grpc_status_code st = unary(c, "/inference.GRPCInferenceService/ModelInfer", &ir.req.base,
                               &inference__model_infer_response__descriptor, &r, msg, sizeof msg);
   if (st) {
     report("ModelInfer", st, msg);
@@ -308,8 +391,7 @@ static int cmd_infer(client *c, const char *model, char **inputs, int n_in, char
   }
   protobuf_c_message_free_unpacked(r, NULL);
 done:
-  for (int i = 0; i < loaded; i++)
-    npy_free(&arr[i]);
+  infer_request_free(&ir);
   return rc;
 }
 
@@ -528,25 +610,186 @@ done:
   return rc;
 }
 
-static void usage(FILE *f) {
-  fputs("usage: moec [-a HOST:PORT] [--timeout-ms N] COMMAND\n"
-        "  health                      liveness, readiness, server metadata\n"
-        "  models                      the repository index\n"
-        "  infer -m MODEL --input NAME=FILE.npy[:DATATYPE]... [--param K=V]... [--output-dir DIR]\n"
-        "  upload DIR [--name NAME] [--replace] [--chunk-bytes N]\n"
-        "                              stream an expert set (config.json + *.safetensors) to ExpertStore\n"
-        "env: MOEC_ADDRESS (default localhost:8001)\n",
-        f);
+/* ---- bench: load on one model (client/load.c) -------------------------------------- */
+
+typedef struct bench_opts {
+  load_config load;
+  bool json;
+} bench_opts;
+
+static cJSON *bench_json(const char *model, const bench_opts *o, const load_result *r) {
+  const load_config *l = &o->load;
+  double el = r->elapsed_s > 0 ? r->elapsed_s : 1;
+  cJSON *j = cJSON_CreateObject(), *lat = cJSON_CreateObject(), *err = cJSON_CreateObject();
+  cJSON_AddStringToObject(j, "model", model);
+  cJSON_AddStringToObject(j, "target", l->target);
+  cJSON_AddStringToObject(j, "mode", l->rate > 0 ? (l->poisson ? "open-poisson" : "open") : "closed");
+  cJSON_AddBoolToObject(j, "stream", l->stream);
+  cJSON_AddNumberToObject(j, "concurrency", l->concurrency);
+  cJSON_AddNumberToObject(j, "channels", l->channels);
+  cJSON_AddNumberToObject(j, "rate", l->rate);
+  cJSON_AddNumberToObject(j, "requests", (double)r->n_calls);
+  cJSON_AddNumberToObject(j, "ok", (double)r->n_ok);
+  cJSON_AddNumberToObject(j, "errors", (double)(r->n_calls - r->n_ok));
+  for (int i = 1; i < LOAD_STATUS_CODES; i++)
+    if (r->by_status[i])
+      cJSON_AddNumberToObject(err, load_status_name((grpc_status_code)i), (double)r->by_status[i]);
+  cJSON_AddItemToObject(j, "errors_by_status", err);
+  if (r->first_error[0]) cJSON_AddStringToObject(j, "first_error", r->first_error);
+  cJSON_AddNumberToObject(j, "late", (double)r->late);
+  cJSON_AddNumberToObject(j, "elapsed_s", r->elapsed_s);
+  cJSON_AddNumberToObject(j, "requests_per_s", (double)r->n_ok / el);
+  cJSON_AddNumberToObject(j, "sent_bytes_per_s", (double)r->bytes_sent / el);
+  cJSON_AddNumberToObject(j, "received_bytes_per_s", (double)r->bytes_received / el);
+  cJSON_AddNumberToObject(j, "request_bytes", r->n_calls ? (double)r->bytes_sent / (double)r->n_calls : 0);
+  static const struct {
+    const char *name;
+    double p;
+  } pcts[] = {{"p50", 0.5}, {"p90", 0.9}, {"p99", 0.99}, {"max", 1.0}};
+  for (size_t i = 0; i < sizeof pcts / sizeof pcts[0]; i++)
+    cJSON_AddNumberToObject(lat, pcts[i].name, load_percentile(r, pcts[i].p) * 1e3);
+  cJSON_AddItemToObject(j, "latency_ms", lat);
+  return j;
 }
+
+static void bench_table(const cJSON *j) {
+#define NUM(obj, key) cJSON_GetObjectItemCaseSensitive(obj, key)->valuedouble
+  const cJSON *lat = cJSON_GetObjectItemCaseSensitive(j, "latency_ms");
+  const cJSON *err = cJSON_GetObjectItemCaseSensitive(j, "errors_by_status"), *e;
+  printf("model            %s at %s\n", cJSON_GetObjectItemCaseSensitive(j, "model")->valuestring,
+         cJSON_GetObjectItemCaseSensitive(j, "target")->valuestring);
+  printf("load             %s%s, concurrency %.0f over %.0f channel(s)",
+         cJSON_GetObjectItemCaseSensitive(j, "mode")->valuestring,
+         cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j, "stream")) ? " (streams)" : "",
+         NUM(j, "concurrency"), NUM(j, "channels"));
+  if (NUM(j, "rate") > 0)
+    printf(", %.1f requests/s offered, %.0f started > 1 ms late", NUM(j, "rate"), NUM(j, "late"));
+  printf("\nrequests         %.0f in %.3f s (ok %.0f, errors %.0f)\n", NUM(j, "requests"),
+         NUM(j, "elapsed_s"), NUM(j, "ok"), NUM(j, "errors"));
+  printf("requests/s       %.1f\n", NUM(j, "requests_per_s"));
+  printf("sent             %.3f MB/s (%.0f bytes per request)\n", NUM(j, "sent_bytes_per_s") / 1e6,
+         NUM(j, "request_bytes"));
+  printf("received         %.3f MB/s\n", NUM(j, "received_bytes_per_s") / 1e6);
+  printf("latency ms       p50 %.3f  p90 %.3f  p99 %.3f  max %.3f\n", NUM(lat, "p50"), NUM(lat, "p90"),
+         NUM(lat, "p99"), NUM(lat, "max"));
+  for (e = err->child; e; e = e->next) /* cJSON_ArrayForEach, spelled out for cppcheck */
+    printf("error            %-20s %.0f\n", e->string, e->valuedouble);
+  const cJSON *first = cJSON_GetObjectItemCaseSensitive(j, "first_error");
+  if (first) printf("first error      %s\n", first->valuestring);
+#undef NUM
+}
+
+/* 0 when every measured call succeeded (and there was one), 1 otherwise. */
+static int cmd_bench(const char *model, char **inputs, int n_in, char **params, int n_params, bench_opts *o) {
+  infer_request ir;
+  if (infer_request_init(&ir, model, inputs, n_in, params, n_params) != 0) return 2;
+  size_t n = inference__model_infer_request__get_packed_size(&ir.req);
+  grpc_slice s = grpc_slice_malloc(n);
+  inference__model_infer_request__pack(&ir.req, GRPC_SLICE_START_PTR(s));
+  infer_request_free(&ir);
+  o->load.request = grpc_raw_byte_buffer_create(&s, 1);
+  grpc_slice_unref(s);
+  o->load.method = o->load.stream ? "/inference.GRPCInferenceService/ModelStreamInfer"
+                                  : "/inference.GRPCInferenceService/ModelInfer";
+  load_result r;
+  int rc = load_run(&o->load, &r) == 0 ? 0 : 1;
+  grpc_byte_buffer_destroy(o->load.request);
+  if (rc == 0) {
+    cJSON *j = bench_json(model, o, &r);
+    if (o->json) {
+      char *text = cJSON_Print(j);
+      if (text) puts(text);
+      free(text);
+    } else {
+      bench_table(j);
+    }
+    cJSON_Delete(j);
+    if (r.n_ok == 0 || r.n_ok != r.n_calls) rc = 1;
+    if (r.n_calls != r.n_ok)
+      fprintf(stderr, "moec: bench: %zu of %zu requests failed (first: %s)\n", r.n_calls - r.n_ok, r.n_calls,
+              r.first_error);
+    else if (r.n_ok == 0)
+      fprintf(stderr, "moec: bench: no request completed in the measured window\n");
+  }
+  load_result_free(&r);
+  return rc;
+}
+
+/* A whole number in [lo, hi] or a message naming the flag. */
+static bool flag_long(const char *flag, const char *v, long lo, long hi, long *out) {
+  char *end;
+  errno = 0;
+  long x = strtol(v, &end, 10);
+  if (!*v || *end || errno || x < lo || x > hi) {
+    fprintf(stderr, "moec: %s: expected a whole number in %ld..%ld, got '%s'\n", flag, lo, hi, v);
+    return false;
+  }
+  *out = x;
+  return true;
+}
+
+static bool flag_double(const char *flag, const char *v, double lo, double hi, double *out) {
+  char *end;
+  errno = 0;
+  double x = strtod(v, &end);
+  if (!*v || *end || errno || !(x >= lo && x <= hi)) {
+    fprintf(stderr, "moec: %s: expected a number in %g..%g, got '%s'\n", flag, lo, hi, v);
+    return false;
+  }
+  *out = x;
+  return true;
+}
+
+static void usage(FILE *f) {
+  fputs(
+      "usage: moec [-a HOST:PORT] [--timeout-ms N] COMMAND\n"
+      "  health                      liveness, readiness, server metadata\n"
+      "  models                      the repository index\n"
+      "  infer -m MODEL --input NAME=FILE.npy[:DATATYPE]... [--param K=V]... [--output-dir DIR]\n"
+      "  upload DIR [--name NAME] [--replace] [--chunk-bytes N]\n"
+      "                              stream an expert set (config.json + *.safetensors) to ExpertStore\n"
+      "  bench -m MODEL --input ... [--param K=V]... [load flags]\n"
+      "                              send one request over and over (ModelInfer); report requests/s,\n"
+      "                              bytes/s, latency p50/p90/p99/max and errors by gRPC status\n"
+      "inputs (infer, bench): NAME=FILE.npy[:DATATYPE] or NAME=random:SHAPE:DATATYPE\n"
+      "  (e.g. x=random:4x1024:FP32; floats uniform in [-1, 1), integers in [0, 8))\n"
+      "bench load flags:\n"
+      "  --concurrency N   requests in flight (closed loop; default 1); with --rate, the cap (default 256)\n"
+      "  --channels M      gRPC channels (connections), each with one client thread (default 1, <= N)\n"
+      "  --rate R          open loop: start R requests/s whatever the replies (latency from the\n"
+      "                    scheduled start); --poisson: exponential gaps instead of even ones\n"
+      "  --duration S      measure S seconds (default 10) ...\n"
+      "  --requests K      ... or exactly K requests\n"
+      "  --warmup S        seconds sent before measuring (default 1)\n"
+      "  --json            the report as JSON instead of a table\n"
+      "  exit status: 0 when every measured request succeeded, 1 when any failed, 2 for bad flags\n"
+      "--timeout-ms N: each call's deadline (bench: each request's)\n"
+      "env: MOEC_ADDRESS (default localhost:8001)\n",
+      f);
+}
+
+enum {
+  OPT_CONCURRENCY = 1000,
+  OPT_CHANNELS,
+  OPT_RATE,
+  OPT_POISSON,
+  OPT_DURATION,
+  OPT_REQUESTS,
+  OPT_WARMUP,
+  OPT_JSON,
+  OPT_STREAM
+};
 
 int main(int argc, char **argv) {
   const char *addr = getenv("MOEC_ADDRESS") ? getenv("MOEC_ADDRESS") : "localhost:8001";
   const char *model = NULL, *out_dir = ".";
   char *inputs[MAX_TENSORS], *params[MAX_TENSORS * 2];
-  int n_in = 0, n_params = 0, timeout_ms = 0;
+  int n_in = 0, n_params = 0;
+  long timeout_ms = 0, v;
   const char *name = NULL;
-  bool replace = false;
+  bool replace = false, concurrency_set = false;
   size_t chunk = (size_t)4 << 20;
+  bench_opts bo = {.load = {.channels = 1, .concurrency = 1, .warmup_s = 1, .duration_s = 10}};
   static const struct option opts[] = {
       {"address", required_argument, NULL, 'a'},
       {"model", required_argument, NULL, 'm'},
@@ -557,6 +800,15 @@ int main(int argc, char **argv) {
       {"name", required_argument, NULL, 'n'},
       {"replace", no_argument, NULL, 'r'},
       {"chunk-bytes", required_argument, NULL, 'c'},
+      {"concurrency", required_argument, NULL, OPT_CONCURRENCY},
+      {"channels", required_argument, NULL, OPT_CHANNELS},
+      {"rate", required_argument, NULL, OPT_RATE},
+      {"poisson", no_argument, NULL, OPT_POISSON},
+      {"duration", required_argument, NULL, OPT_DURATION},
+      {"requests", required_argument, NULL, OPT_REQUESTS},
+      {"warmup", required_argument, NULL, OPT_WARMUP},
+      {"json", no_argument, NULL, OPT_JSON},
+      {"stream", no_argument, NULL, OPT_STREAM},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
@@ -575,16 +827,39 @@ int main(int argc, char **argv) {
       params[n_params++] = optarg;
       break;
     case 'o': out_dir = optarg; break;
-    case 't': timeout_ms = atoi(optarg); break;
+    case 't':
+      if (!flag_long("--timeout-ms", optarg, 0, 86400000, &timeout_ms)) return 2;
+      break;
     case 'n': name = optarg; break;
     case 'r': replace = true; break;
-    case 'c': {
-      char *end;
-      unsigned long long v = strtoull(optarg, &end, 10);
-      if (*end || v < 1 || v > (1u << 30)) return fprintf(stderr, "moec: --chunk-bytes 1..1073741824\n"), 2;
+    case 'c':
+      if (!flag_long("--chunk-bytes", optarg, 1, 1L << 30, &v)) return 2;
       chunk = (size_t)v;
       break;
-    }
+    case OPT_CONCURRENCY:
+      if (!flag_long("--concurrency", optarg, 1, 65536, &v)) return 2;
+      bo.load.concurrency = (int)v;
+      concurrency_set = true;
+      break;
+    case OPT_CHANNELS:
+      if (!flag_long("--channels", optarg, 1, 1024, &v)) return 2;
+      bo.load.channels = (int)v;
+      break;
+    case OPT_RATE:
+      if (!flag_double("--rate", optarg, 1e-3, 1e7, &bo.load.rate)) return 2;
+      break;
+    case OPT_POISSON: bo.load.poisson = true; break;
+    case OPT_DURATION:
+      if (!flag_double("--duration", optarg, 1e-3, 86400, &bo.load.duration_s)) return 2;
+      break;
+    case OPT_REQUESTS:
+      if (!flag_long("--requests", optarg, 1, 1000000000L, &bo.load.requests)) return 2;
+      break;
+    case OPT_WARMUP:
+      if (!flag_double("--warmup", optarg, 0, 86400, &bo.load.warmup_s)) return 2;
+      break;
+    case OPT_JSON: bo.json = true; break;
+    case OPT_STREAM: bo.load.stream = true; break;
     case 'h': usage(stdout); return 0;
     default: usage(stderr); return 2;
     }
@@ -599,7 +874,7 @@ int main(int argc, char **argv) {
   grpc_channel_args chargs = moec_size_args(args, 1 << 30);
   grpc_channel_credentials *creds = grpc_insecure_credentials_create();
   client c = {grpc_channel_create(addr, creds, &chargs), grpc_completion_queue_create_for_pluck(NULL),
-              timeout_ms};
+              (int)timeout_ms};
   grpc_channel_credentials_release(creds);
   int rc;
   if (strcmp(cmd, "health") == 0)
@@ -619,6 +894,28 @@ int main(int argc, char **argv) {
       rc = 2;
     } else {
       rc = cmd_upload(&c, argv[optind + 1], name, replace, chunk);
+    }
+  } else if (strcmp(cmd, "bench") == 0) {
+    if (!model) {
+      fprintf(stderr, "moec: bench needs -m MODEL\n");
+      rc = 2;
+    } else if (bo.load.stream && timeout_ms > 0) {
+      fprintf(stderr, "moec: --timeout-ms: a deadline per request does not apply to --stream\n");
+      rc = 2;
+    } else if (bo.load.poisson && bo.load.rate <= 0) {
+      fprintf(stderr, "moec: --poisson needs --rate\n");
+      rc = 2;
+    } else {
+      if (bo.load.rate > 0 && !concurrency_set) bo.load.concurrency = 256;
+      if (bo.load.channels > bo.load.concurrency) {
+        fprintf(stderr, "moec: --channels %d: more channels than --concurrency %d\n", bo.load.channels,
+                bo.load.concurrency);
+        rc = 2;
+      } else {
+        bo.load.target = addr;
+        bo.load.timeout_ms = (int)timeout_ms;
+        rc = cmd_bench(model, inputs, n_in, params, n_params, &bo);
+      }
     }
   } else {
     fprintf(stderr, "moec: unknown command '%s'\n", cmd);
