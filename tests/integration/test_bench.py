@@ -9,7 +9,6 @@ here depends on the machine's speed beyond "some requests complete".
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -136,15 +135,12 @@ def main():
             test_fused_moe(port)
             test_stream(port)
             test_errors(port)
-            p.send_signal(signal.SIGTERM)
-            check(p.wait(timeout=30) == 0, "clean exit")
+            ts.stop(p)
         finally:
             if p.poll() is None:
                 p.kill()
-        if ts.failures:
-            print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
-    print(f"{len(ts.failures)} failures")
-    sys.exit(1 if ts.failures else 0)
+        ts.print_log_tail(tmp)
+    ts.exit_with_summary()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ import concurrent.futures as cf
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -371,16 +370,13 @@ def main():
             test_file_changed(cli, ch, repo)
             test_upload(cli, ch, repo, tmp)
             check(ts.raw_unary(ch, "/inference.GRPCInferenceService/ServerLive")(b"") == b"\x08\x01", "server still up")
-            p.send_signal(signal.SIGTERM)
-            check(p.wait(timeout=30) == 0, "clean exit")
+            ts.stop(p)
         finally:
             if p.poll() is None:
                 p.kill()
         test_control_modes(tmp, repo)
-        if ts.failures:
-            print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
-    print(f"{len(ts.failures)} failures")
-    sys.exit(1 if ts.failures else 0)
+        ts.print_log_tail(tmp)
+    ts.exit_with_summary()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ called directly (tests/oracle/moelib.py).
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import concurrent.futures as cf
 import os
-import signal
 import sys
 import tempfile
 
@@ -118,15 +117,12 @@ def main():
                                                            ("grpc.max_receive_message_length", 1 << 30)])
             test_sets(cli, ch, repo)
             test_inline(ch, repo)
-            p.send_signal(signal.SIGTERM)
-            check(p.wait(timeout=30) == 0, "clean exit")
+            ts.stop(p)
         finally:
             if p.poll() is None:
                 p.kill()
-        if ts.failures:
-            print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
-    print(f"{len(ts.failures)} failures")
-    sys.exit(1 if ts.failures else 0)
+        ts.print_log_tail(tmp)
+    ts.exit_with_summary()
 
 
 if __name__ == "__main__":

@@ -61,6 +61,11 @@ def serve(tmp, extra, body):
     finally:
         if p.poll() is None:
             p.kill()
+    print_log_tail(tmp)
+
+
+def print_log_tail(tmp):
+    """After failures: the end of moed's log in tmp (what the server said about them)."""
     if failures:
         print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
 
@@ -80,8 +85,7 @@ def run_tests(*tests):
     with tempfile.TemporaryDirectory() as tmp:
         for t in tests:
             t(tmp)
-        if failures:
-            print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
+        print_log_tail(tmp)
     exit_with_summary()
 
 

@@ -247,8 +247,7 @@ def main():
         test_drain_stops_work(tmp, repo, tokens, full)
         test_drain_uploads(tmp, repo)
         test_exit_watchdog(tmp)
-        if ts.failures:
-            print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
+        ts.print_log_tail(tmp)
     ts.exit_with_summary()
 
 
