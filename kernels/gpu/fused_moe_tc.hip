@@ -266,6 +266,9 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[
                                       uint64_t desc) {
   if constexpr (N == 8)
     MOE_WGMMA("m64n8k16", "{%0, %1, %2, %3}", "{%4, %5, %6, %7}, %8", "%9, %8", MOE_D4(0));
+  else if constexpr (N == 16)
+    MOE_WGMMA("m64n16k16", "{%0, %1, %2, %3, %4, %5, %6, %7}", "{%8, %9, %10, %11}, %12", "%13, %12", MOE_D4(0),
+              MOE_D4(1));
   else if constexpr (N == 32)
     MOE_WGMMA("m64n32k16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}",
               "{%16, %17, %18, %19}, %20", "%21, %20", MOE_D16(0));
@@ -912,10 +915,56 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t b
 }
 #endif
 
+/* The token columns a block multiplies: its tile's rows rounded up to a
+ * wgmma width (16, 32, 64 or 128), so an expert's last, mostly empty tile
+ * costs what its rows need (bench/RESULTS.md, tenth pass: DeepSeek-V3 bf16
+ * T = 4096 -9%). The width changes N of the instruction only:
+ * every output element is still one accumulator taking the same k16
+ * products in the same order (the tile test compares the widths). */
+__device__ __forceinline__ int bulk_cols(int rows) { return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : 128; }
+
+#if defined(MOE_TC_WGMMA)
+/* The block's products and epilogue on consumer warp `warp` with N token
+ * columns (the copying warp copied N rows of each stage's token tile). */
+template <int N, int ACT>
+__device__ __forceinline__ void bulk_item(const TcArgs &a, uint8_t *smem, uint64_t *full, uint64_t *empty,
+                                          int nkb, int n0, int ti, int rows, const int *slot_of,
+                                          const float *tw_of) {
+  using namespace bulk;
+  const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
+  float acc[N / 8][4];
+#pragma unroll
+  for (int j = 0; j < N / 8; j++)
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+      acc[j][q] = 0.0f;
+  const uint32_t none[4] = {0, 0, 0, 0};
+  /* descriptors of stage 0; a stage and 16 columns further are plain adds
+   * to the address field (in 16-byte units) */
+  const uint64_t db = wgmma_desc(smem_addr(smem)), da = wgmma_desc(smem_addr(smem) + B + (warp >> 2) * 64 * 128);
+  for (int kb = 0; kb < nkb; kb++) {
+    const int s = kb % STAGES;
+    mbar_wait(&full[s], (kb / STAGES) & 1);
+    const uint32_t so = (uint32_t)(s * STAGE) >> 4;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KB / 16; ks++)
+      wgmma<N, ACT, true>(acc, none, da + so + ks * 2, db + so + ks * 2);
+    wgmma_commit();
+    wgmma_wait<1>(); /* the previous stage's products are done: hand it back */
+    if (kb > 0 && lane == 0) mbar_arrive(&empty[(kb - 1) % STAGES]);
+  }
+  wgmma_wait<0>();
+  fence_acc(acc);
+  pdl_next();
+  const int mt = n0 / 16 + warp;
+  if (mt < a.n / 16) store_tile<ACT, true>(a, acc, mt, lane, rows, ti * BT, slot_of, tw_of, -1);
+}
+#endif
+
 template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_bulk(TcArgs a) {
 #if defined(MOE_TC_WGMMA)
   using namespace bulk;
-  constexpr int NT = BT / 8;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   __shared__ uint64_t full[STAGES], empty[STAGES];
   __shared__ int slot_of[BT];
@@ -928,7 +977,7 @@ template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_b
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int4 tile = a.tiles[ti];
   const int e = tile.x, row0 = tile.y, rows = tile.z;
-  const int N = a.n, nkb = a.k / KB, n0 = strip * BN;
+  const int N = a.n, nkb = a.k / KB, n0 = strip * BN, cols = bulk_cols(rows);
   if (tid < STAGES) {
     mbar_init(&full[tid], 1);
     mbar_init(&empty[tid], 4 * CONSUMERS);
@@ -940,50 +989,26 @@ template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_b
 
   if (warp == 4 * CONSUMERS) { /* the copying warp: one thread issues every stage */
     if (lane == 0) {
-      const uint32_t a_bytes = (uint32_t)((N - n0 < BN ? N - n0 : BN) * KB * 2);
+      const uint32_t a_bytes = (uint32_t)((N - n0 < BN ? N - n0 : BN) * KB * 2), b_bytes = (uint32_t)(cols * KB * 2);
       const uint8_t *wa = a.w + ((size_t)e * nkb * N + n0) * KB * 2,
                     *xb = (const uint8_t *)a.x + (size_t)ti * B;
       for (int kb = 0; kb < nkb; kb++) {
         const int s = kb % STAGES;
         if (kb >= STAGES) mbar_wait(&empty[s], (kb / STAGES - 1) & 1);
         uint8_t *sb = smem + s * STAGE;
-        mbar_expect(&full[s], a_bytes + B);
-        bulk_copy(sb, xb + (size_t)kb * a.cap * KB * 2, B, &full[s]);
+        mbar_expect(&full[s], a_bytes + b_bytes);
+        bulk_copy(sb, xb + (size_t)kb * a.cap * KB * 2, b_bytes, &full[s]);
         bulk_copy(sb + B, wa + (size_t)kb * N * KB * 2, a_bytes, &full[s]);
       }
     }
     return;
   }
-
-  float acc[NT][4];
-#pragma unroll
-  for (int j = 0; j < NT; j++)
-#pragma unroll
-    for (int q = 0; q < 4; q++)
-      acc[j][q] = 0.0f;
-  const uint32_t none[4] = {0, 0, 0, 0};
-  /* descriptors of stage 0; a stage and 16 columns further are plain adds
-   * to the address field (in 16-byte units) */
-  const uint64_t db = wgmma_desc(smem_addr(smem)),
-                 da = wgmma_desc(smem_addr(smem) + B + (warp >> 2) * 64 * 128);
-  for (int kb = 0; kb < nkb; kb++) {
-    const int s = kb % STAGES;
-    mbar_wait(&full[s], (kb / STAGES) & 1);
-    const uint32_t so = (uint32_t)(s * STAGE) >> 4;
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < KB / 16; ks++)
-      wgmma<BT, ACT, true>(acc, none, da + so + ks * 2, db + so + ks * 2);
-    wgmma_commit();
-    wgmma_wait<1>(); /* the previous stage's products are done: hand it back */
-    if (kb > 0 && lane == 0) mbar_arrive(&empty[(kb - 1) % STAGES]);
+  switch (cols) {
+  case 16: bulk_item<16, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of); break;
+  case 32: bulk_item<32, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of); break;
+  case 64: bulk_item<64, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of); break;
+  default: bulk_item<128, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of); break;
   }
-  wgmma_wait<0>();
-  fence_acc(acc);
-  pdl_next();
-
-  const int mt = n0 / 16 + warp;
-  if (mt < N / 16) store_tile<ACT, true>(a, acc, mt, lane, rows, ti * BT, slot_of, tw_of, -1);
 #else
   (void)a; /* moe_tc_bulk is false off sm_90a */
 #endif
