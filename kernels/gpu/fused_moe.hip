@@ -372,40 +372,44 @@ __device__ __forceinline__ int align_key(const int32_t *ids, int s, int n, int o
   return le >= 0 && le < el ? le : -1;
 }
 
-/* One block: count the slots per expert, scan the counts (-> start) and
- * the tile counts (-> tstart), place each slot at its expert's cursor
- * (shared-memory atomics), write the tile list. Every pass is parallel over slots (ALIGN_UNROLL
- * loads in flight per thread); the counters live in shared memory up to
- * ALIGN_SMEM_EXPERTS local experts (SMEM), beyond in global scratch.
- * The order of an expert's slots among its rows is the order the atomics
- * happened to run in: nothing computed depends on it (each output element
- * is its own token row times the weights, docs/design.md). */
-template <bool SMEM>
-__global__ void __launch_bounds__(ALIGN_THREADS)
-    align_kernel(const int32_t *ids, int n, int el, int offset, int bm, int *scratch, int4 *tiles,
-                 int *ntiles, int *sorted) {
-  pdl_wait();
-  const int tid = (int)threadIdx.x, nt = (int)blockDim.x; /* a power of two, <= ALIGN_THREADS */
-  __shared__ int s_ctr[SMEM ? ALIGN_SMEM_EXPERTS : 1], s_start[SMEM ? ALIGN_SMEM_EXPERTS + 1 : 1],
-      s_tstart[SMEM ? ALIGN_SMEM_EXPERTS + 1 : 1];
-  int *ctr = SMEM ? s_ctr : scratch, *start = SMEM ? s_start : scratch + el,
-      *tstart = SMEM ? s_tstart : scratch + 2 * el + 1;
-  for (int e = tid; e < el; e += nt)
-    ctr[e] = 0;
-  __syncthreads();
-  for (int base = 0; base < n; base += nt * ALIGN_UNROLL) { /* count */
+/* The align passes, each run by one block's threads (blockDim.x, a power
+ * of two <= ALIGN_THREADS) over slots lo..hi (ALIGN_UNROLL loads in flight
+ * per thread). The order of an expert's slots among its rows is the order
+ * the atomics happened to run in: nothing computed depends on it (each
+ * output element is its own token row times the weights, docs/design.md). */
+__device__ __forceinline__ void align_count(const int32_t *ids, int lo, int hi, int offset, int el,
+                                            int *ctr) {
+  const int tid = (int)threadIdx.x, nt = (int)blockDim.x;
+  for (int base = lo; base < hi; base += nt * ALIGN_UNROLL) {
     int key[ALIGN_UNROLL];
 #pragma unroll
     for (int u = 0; u < ALIGN_UNROLL; u++)
-      key[u] = align_key(ids, base + u * nt + tid, n, offset, el);
+      key[u] = align_key(ids, base + u * nt + tid, hi, offset, el);
 #pragma unroll
     for (int u = 0; u < ALIGN_UNROLL; u++)
       if (key[u] >= 0) atomicAdd(&ctr[key[u]], 1);
   }
-  __syncthreads();
-  /* exclusive scans over experts of the counts and of the tile counts,
-   * nt experts at a time (integer sums: exact in any order);
-   * each counter becomes its expert's placement cursor */
+}
+/* each slot at its expert's cursor cur[e] (advanced) */
+__device__ __forceinline__ void align_place(const int32_t *ids, int lo, int hi, int offset, int el, int *cur,
+                                            int *sorted) {
+  const int tid = (int)threadIdx.x, nt = (int)blockDim.x;
+  for (int base = lo; base < hi; base += nt * ALIGN_UNROLL) {
+    int key[ALIGN_UNROLL];
+#pragma unroll
+    for (int u = 0; u < ALIGN_UNROLL; u++)
+      key[u] = align_key(ids, base + u * nt + tid, hi, offset, el);
+#pragma unroll
+    for (int u = 0; u < ALIGN_UNROLL; u++)
+      if (key[u] >= 0) sorted[atomicAdd(&cur[key[u]], 1)] = base + u * nt + tid;
+  }
+}
+/* Exclusive scans over experts of the counts ctr[e] (-> start) and of their
+ * tile counts (-> tstart; start[el], tstart[el]: the totals, *ntiles),
+ * blockDim.x experts at a time (integer sums: exact in any order); each
+ * counter becomes its expert's first row. Ends with a block barrier. */
+__device__ __forceinline__ void align_scan(int *ctr, int el, int bm, int *start, int *tstart, int *ntiles) {
+  const int tid = (int)threadIdx.x, nt = (int)blockDim.x;
   __shared__ int s_pos[ALIGN_THREADS], s_til[ALIGN_THREADS];
   __shared__ int carry_pos, carry_til;
   if (tid == 0) carry_pos = carry_til = 0;
@@ -440,18 +444,11 @@ __global__ void __launch_bounds__(ALIGN_THREADS)
     *ntiles = carry_til;
   }
   __syncthreads();
-  for (int base = 0; base < n; base += nt * ALIGN_UNROLL) { /* place */
-    int key[ALIGN_UNROLL];
-#pragma unroll
-    for (int u = 0; u < ALIGN_UNROLL; u++)
-      key[u] = align_key(ids, base + u * nt + tid, n, offset, el);
-#pragma unroll
-    for (int u = 0; u < ALIGN_UNROLL; u++) {
-      if (key[u] >= 0) sorted[atomicAdd(&ctr[key[u]], 1)] = base + u * nt + tid;
-    }
-  }
-  /* tile i belongs to the last expert whose first tile is <= i */
-  for (int i = tid; i < tstart[el]; i += nt) {
+}
+/* the tile list: tile i belongs to the last expert whose first tile is <= i */
+__device__ __forceinline__ void align_tiles(const int *start, const int *tstart, int el, int bm,
+                                            int4 *tiles) {
+  for (int i = (int)threadIdx.x; i < tstart[el]; i += (int)blockDim.x) {
     int lo = 0, hi = el - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
@@ -463,6 +460,91 @@ __global__ void __launch_bounds__(ALIGN_THREADS)
     const int t = i - tstart[lo], cnt = start[lo + 1] - start[lo];
     tiles[i] = make_int4(lo, start[lo] + t * bm, min(bm, cnt - t * bm), 0);
   }
+}
+
+/* One block: count, scan, place, tiles. The counters live in shared memory
+ * up to ALIGN_SMEM_EXPERTS local experts (SMEM), beyond in global scratch. */
+template <bool SMEM>
+__global__ void __launch_bounds__(ALIGN_THREADS)
+    align_kernel(const int32_t *ids, int n, int el, int offset, int bm, int *scratch, int4 *tiles,
+                 int *ntiles, int *sorted) {
+  pdl_wait();
+  __shared__ int s_ctr[SMEM ? ALIGN_SMEM_EXPERTS : 1], s_start[SMEM ? ALIGN_SMEM_EXPERTS + 1 : 1],
+      s_tstart[SMEM ? ALIGN_SMEM_EXPERTS + 1 : 1];
+  int *ctr = SMEM ? s_ctr : scratch, *start = SMEM ? s_start : scratch + el,
+      *tstart = SMEM ? s_tstart : scratch + 2 * el + 1;
+  for (int e = (int)threadIdx.x; e < el; e += (int)blockDim.x)
+    ctr[e] = 0;
+  __syncthreads();
+  align_count(ids, 0, n, offset, el, ctr);
+  __syncthreads();
+  align_scan(ctr, el, bm, start, tstart, ntiles);
+  align_place(ids, 0, n, offset, el, ctr, sorted);
+  align_tiles(start, tstart, el, bm, tiles);
+  pdl_next();
+}
+
+/* Large batches (one block's passes took 40 us at 32768 slots, the
+ * three kernels below 8-10: Qwen3-30B-A3B bf16 T = 4096 -3%; at 8192 slots
+ * they were 1% slower than the one block: ALIGN_MULTI_MIN). ALIGN_MULTI
+ * blocks take a chunk each. 1: each block's counts per expert, hist[b][e];
+ * 2 (one block): the totals' scans and the tile list, and each hist[b][e]
+ * turned into block b's first row for expert e; 3: each block places its
+ * chunk from there. Needs el <= ALIGN_SMEM_EXPERTS. */
+constexpr int ALIGN_MULTI = 32, ALIGN_MULTI_MIN = 16384, ALIGN_MULTI_THREADS = 512;
+__device__ __forceinline__ void align_chunk(int n, int &lo, int &hi) {
+  const int per = (n + (int)gridDim.x - 1) / (int)gridDim.x;
+  lo = (int)blockIdx.x * per;
+  hi = min(n, lo + per);
+}
+__global__ void __launch_bounds__(ALIGN_MULTI_THREADS)
+    align_multi_count(const int32_t *ids, int n, int el, int offset, int *hist) {
+  pdl_wait();
+  __shared__ int ctr[ALIGN_SMEM_EXPERTS];
+  for (int e = (int)threadIdx.x; e < el; e += (int)blockDim.x)
+    ctr[e] = 0;
+  __syncthreads();
+  int lo, hi;
+  align_chunk(n, lo, hi);
+  align_count(ids, lo, hi, offset, el, ctr);
+  __syncthreads();
+  pdl_next();
+  for (int e = (int)threadIdx.x; e < el; e += (int)blockDim.x)
+    hist[(size_t)blockIdx.x * el + e] = ctr[e];
+}
+__global__ void __launch_bounds__(ALIGN_THREADS)
+    align_multi_scan(int *hist, int blocks, int el, int bm, int4 *tiles, int *ntiles) {
+  pdl_wait();
+  __shared__ int ctr[ALIGN_SMEM_EXPERTS], start[ALIGN_SMEM_EXPERTS + 1], tstart[ALIGN_SMEM_EXPERTS + 1];
+  for (int e = (int)threadIdx.x; e < el; e += (int)blockDim.x) {
+    int sum = 0;
+    for (int b = 0; b < blocks; b++)
+      sum += hist[(size_t)b * el + e];
+    ctr[e] = sum;
+  }
+  __syncthreads();
+  align_scan(ctr, el, bm, start, tstart, ntiles);
+  for (int e = (int)threadIdx.x; e < el; e += (int)blockDim.x) {
+    int row = start[e];
+    for (int b = 0; b < blocks; b++) {
+      const int c = hist[(size_t)b * el + e];
+      hist[(size_t)b * el + e] = row;
+      row += c;
+    }
+  }
+  align_tiles(start, tstart, el, bm, tiles);
+  pdl_next();
+}
+__global__ void __launch_bounds__(ALIGN_MULTI_THREADS)
+    align_multi_place(const int32_t *ids, int n, int el, int offset, const int *hist, int *sorted) {
+  pdl_wait();
+  __shared__ int cur[ALIGN_SMEM_EXPERTS];
+  for (int e = (int)threadIdx.x; e < el; e += (int)blockDim.x)
+    cur[e] = hist[(size_t)blockIdx.x * el + e];
+  __syncthreads();
+  int lo, hi;
+  align_chunk(n, lo, hi);
+  align_place(ids, lo, hi, offset, el, cur, sorted);
   pdl_next();
 }
 
@@ -684,7 +766,11 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   const int64_t max_tiles = (n64 + bm - 1) / bm + (el < n64 ? el : n64);
   Plan p;
   const size_t o_ids = p.take(args->route ? (size_t)n : 0, 4), o_w = p.take(args->route ? (size_t)n : 0, 4);
-  const size_t o_scratch = p.take(el > ALIGN_SMEM_EXPERTS ? 3 * (size_t)el + 2 : 0, 4);
+  const bool multi = n >= ALIGN_MULTI_MIN && el <= ALIGN_SMEM_EXPERTS;
+  const size_t o_scratch = p.take(multi                     ? (size_t)ALIGN_MULTI * (size_t)el
+                                  : el > ALIGN_SMEM_EXPERTS ? 3 * (size_t)el + 2
+                                                            : 0,
+                                  4);
   const size_t o_tiles = p.take((size_t)max_tiles, sizeof(int4));
   const size_t o_ntiles = p.take(1, 4), o_sorted = p.take((size_t)n, 4);
   /* the bulk path's K-major buffers have a row per tile row (128 per tile) */
@@ -721,11 +807,25 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   const unsigned at = n <= 2048 ? 256 : ALIGN_THREADS;
   int *scratch = (int *)(ws + o_scratch);
   const bool pdl = moe_gpu_pdl(b);
-  moe_status s =
-      moe_gpu_check(pdl_launch(pdl, el <= ALIGN_SMEM_EXPERTS ? align_kernel<true> : align_kernel<false>,
-                               dim3(1), dim3(at), 0, st, ids, (int)n, (int)el, (int)cfg->expert_offset, bm,
-                               scratch, (int4 *)(ws + o_tiles), ntiles, sorted),
-                    "fused_moe align", err);
+  const int off = (int)cfg->expert_offset;
+  moe_status s = MOE_OK;
+  if (multi) {
+    s = moe_gpu_check(pdl_launch(pdl, align_multi_count, dim3(ALIGN_MULTI), dim3(ALIGN_MULTI_THREADS), 0, st,
+                                 ids, (int)n, (int)el, off, scratch),
+                      "fused_moe align count", err);
+    if (!s)
+      s = moe_gpu_check(pdl_launch(pdl, align_multi_scan, dim3(1), dim3(ALIGN_THREADS), 0, st, scratch,
+                                   ALIGN_MULTI, (int)el, bm, (int4 *)(ws + o_tiles), ntiles),
+                        "fused_moe align scan", err);
+    if (!s)
+      s = moe_gpu_check(pdl_launch(pdl, align_multi_place, dim3(ALIGN_MULTI), dim3(ALIGN_MULTI_THREADS), 0,
+                                   st, ids, (int)n, (int)el, off, (const int *)scratch, sorted),
+                        "fused_moe align place", err);
+  } else
+    s = moe_gpu_check(pdl_launch(pdl, el <= ALIGN_SMEM_EXPERTS ? align_kernel<true> : align_kernel<false>,
+                                 dim3(1), dim3(at), 0, st, ids, (int)n, (int)el, off, bm, scratch,
+                                 (int4 *)(ws + o_tiles), ntiles, sorted),
+                      "fused_moe align", err);
   if (s) return s;
 
   const void *x = c->in[MOE_FUSED_IN_HIDDEN].tensor.data;

@@ -267,8 +267,8 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[
   if constexpr (N == 8)
     MOE_WGMMA("m64n8k16", "{%0, %1, %2, %3}", "{%4, %5, %6, %7}, %8", "%9, %8", MOE_D4(0));
   else if constexpr (N == 16)
-    MOE_WGMMA("m64n16k16", "{%0, %1, %2, %3, %4, %5, %6, %7}", "{%8, %9, %10, %11}, %12", "%13, %12", MOE_D4(0),
-              MOE_D4(1));
+    MOE_WGMMA("m64n16k16", "{%0, %1, %2, %3, %4, %5, %6, %7}", "{%8, %9, %10, %11}, %12", "%13, %12",
+              MOE_D4(0), MOE_D4(1));
   else if constexpr (N == 32)
     MOE_WGMMA("m64n32k16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}",
               "{%16, %17, %18, %19}, %20", "%21, %20", MOE_D16(0));
@@ -921,7 +921,9 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t b
  * T = 4096 -9%). The width changes N of the instruction only:
  * every output element is still one accumulator taking the same k16
  * products in the same order (the tile test compares the widths). */
-__device__ __forceinline__ int bulk_cols(int rows) { return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : 128; }
+__device__ __forceinline__ int bulk_cols(int rows) {
+  return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : 128;
+}
 
 #if defined(MOE_TC_WGMMA)
 /* The block's products and epilogue on consumer warp `warp` with N token
@@ -941,7 +943,8 @@ __device__ __forceinline__ void bulk_item(const TcArgs &a, uint8_t *smem, uint64
   const uint32_t none[4] = {0, 0, 0, 0};
   /* descriptors of stage 0; a stage and 16 columns further are plain adds
    * to the address field (in 16-byte units) */
-  const uint64_t db = wgmma_desc(smem_addr(smem)), da = wgmma_desc(smem_addr(smem) + B + (warp >> 2) * 64 * 128);
+  const uint64_t db = wgmma_desc(smem_addr(smem)),
+                 da = wgmma_desc(smem_addr(smem) + B + (warp >> 2) * 64 * 128);
   for (int kb = 0; kb < nkb; kb++) {
     const int s = kb % STAGES;
     mbar_wait(&full[s], (kb / STAGES) & 1);
@@ -989,7 +992,8 @@ template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_b
 
   if (warp == 4 * CONSUMERS) { /* the copying warp: one thread issues every stage */
     if (lane == 0) {
-      const uint32_t a_bytes = (uint32_t)((N - n0 < BN ? N - n0 : BN) * KB * 2), b_bytes = (uint32_t)(cols * KB * 2);
+      const uint32_t a_bytes = (uint32_t)((N - n0 < BN ? N - n0 : BN) * KB * 2),
+                     b_bytes = (uint32_t)(cols * KB * 2);
       const uint8_t *wa = a.w + ((size_t)e * nkb * N + n0) * KB * 2,
                     *xb = (const uint8_t *)a.x + (size_t)ti * B;
       for (int kb = 0; kb < nkb; kb++) {

@@ -852,7 +852,9 @@ START_TEST(fused_batch_invariance) {
     const fm_case *c = &fm_cases[picks[pi]];
     fm_model m;
     fm_make(&m, c, (moe_activation)(pi % MOE_ACT_COUNT), FM_EXPERTS);
-    const int64_t T = quick ? 40 : 200, H = c->hidden;
+    /* 2 T x FM_TOPK slots >= 16384: `other` takes the multi-block align
+     * (fused_moe.hip's ALIGN_MULTI_MIN), `big` the one-block one */
+    const int64_t T = 2050, H = c->hidden;
     fm_tokens big, other;
     fm_tokens_make(&big, c, T, FM_EXPERTS);
     fm_tokens_make(&other, c, 2 * T, FM_EXPERTS);
