@@ -206,7 +206,8 @@ def test_errors(port):
     check(status == 400 and "inputs" in msg, f"no inputs: 400 naming inputs ({status} {msg})")
     # binary data that the body does not hold
     head = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [10, 10],
-                                   "parameters": {"binary_data_size": 400}}]}).encode()
+                                   "parameters": {"binary_data_size": 400}}],
+                       "parameters": {"binary_data_output": True}}).encode()
     hdr = {"Inference-Header-Content-Length": str(len(head))}
     status, msg = error_of(port, "POST", path, head + bytes(100), hdr)
     check(status == 400 and "binary_data_size" in msg and "'x'" in msg,
