@@ -208,7 +208,8 @@ static void feed(moed_http_conn *c, const char *data, size_t n) {
   if (!c->busy) {
     if (c->parser.http_errno != HPE_OK) {
       char why[160];
-      snprintf(why, sizeof why, "malformed HTTP request: %s", http_errno_description(HTTP_PARSER_ERRNO(&c->parser)));
+      snprintf(why, sizeof why, "malformed HTTP request: %s",
+               http_errno_description(HTTP_PARSER_ERRNO(&c->parser)));
       fail_request(c, 400, why);
     } else if (c->in_body) {
       arm(c, c->l->o.cfg->handshake_timeout_s); /* the body is coming: the next read has as long */
@@ -291,8 +292,8 @@ static void on_written(uv_write_t *w, int status) {
     next_request(c);
 }
 
-void moed_http_respond(moed_http_conn *c, int code, const char *ctype, const char *extra, const uv_buf_t *body,
-                       size_t nbody, void (*release)(void *), void *arg) {
+void moed_http_respond(moed_http_conn *c, int code, const char *ctype, const char *extra,
+                       const uv_buf_t *body, size_t nbody, void (*release)(void *), void *arg) {
   c->gone = NULL;
   if (c->closing) {
     if (release) release(arg);
@@ -302,9 +303,10 @@ void moed_http_respond(moed_http_conn *c, int code, const char *ctype, const cha
   for (size_t i = 0; i < nbody; i++)
     len += body[i].len;
   char head[512];
-  int hn = snprintf(head, sizeof head, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%s%s\r\n",
-                    code, http_status_str((enum http_status)code), ctype, len, extra ? extra : "",
-                    c->keep_alive ? "" : "Connection: close\r\n");
+  int hn =
+      snprintf(head, sizeof head, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%s%s\r\n",
+               code, http_status_str((enum http_status)code), ctype, len, extra ? extra : "",
+               c->keep_alive ? "" : "Connection: close\r\n");
   write_req *wr = calloc(1, sizeof *wr);
   uv_buf_t bufs[4];
   if (!wr || hn < 0 || (size_t)hn >= sizeof head || nbody > 3 || !(wr->head = strdup(head))) {

@@ -175,7 +175,8 @@ void moed_rpc_stream_done(moed_rpc *r);
  * references: the request's (moed_rpc_finish consumes it) and the caller's
  * (released with moed_rpc_release once it needs the call no more). No
  * deadline; moed_rpc_local_cancel marks it cancelled (its client left). */
-typedef void (*moed_rpc_done_fn)(void *arg, grpc_status_code code, const char *msg, grpc_byte_buffer *response);
+typedef void (*moed_rpc_done_fn)(void *arg, grpc_status_code code, const char *msg,
+                                 grpc_byte_buffer *response);
 moed_rpc *moed_rpc_local(moed_method method, moed_rpc_done_fn done, void *arg);
 void moed_rpc_local_cancel(moed_rpc *r);
 void moed_rpc_ref(moed_rpc *r);
@@ -447,10 +448,10 @@ typedef struct moed_http_conn moed_http_conn;
 
 /* One whole request, owned by its connection until answered. */
 typedef struct moed_http_request {
-  int method;                      /* http_parser's enum http_method */
-  char path[1024];                 /* the URL without its query */
-  char *body; /* body_len bytes and a NUL (NULL: no body); the handler may take it (free, set NULL) */
-  size_t body_len;                 /* at most max_body */
+  int method;      /* http_parser's enum http_method */
+  char path[1024]; /* the URL without its query */
+  char *body;      /* body_len bytes and a NUL (NULL: no body); the handler may take it (free, set NULL) */
+  size_t body_len; /* at most max_body */
   int64_t inference_header_length; /* Inference-Header-Content-Length; -1 absent, -2 not a number */
 } moed_http_request;
 
@@ -459,11 +460,11 @@ typedef struct moed_http_request {
 typedef void (*moed_http_handler)(moed_http_conn *c, moed_http_request *rq, void *arg);
 
 typedef struct moed_http_options {
-  const char *name;          /* for logs: "http", "rest" */
-  const moed_config *cfg;    /* deadlines, connection cap */
-  size_t max_body;           /* larger: 413 */
-  bool keep_alive;           /* false: one request per connection */
-  bool side;                 /* a side port (moed_fd_budget_side_listener) */
+  const char *name;       /* for logs: "http", "rest" */
+  const moed_config *cfg; /* deadlines, connection cap */
+  size_t max_body;        /* larger: 413 */
+  bool keep_alive;        /* false: one request per connection */
+  bool side;              /* a side port (moed_fd_budget_side_listener) */
 } moed_http_options;
 
 int moed_http_listen(uv_loop_t *loop, const char *address, int port, const moed_http_options *o,
@@ -476,8 +477,8 @@ void moed_http_counts(const moed_http_listener *l, int *open, uint64_t *refused,
 /* The answer: status, Content-Type, `extra` header lines ("Name: v\r\n...",
  * or NULL), body[0..nbody) (nbody <= 3) written in place, then release(arg)
  * (also when the connection is gone). */
-void moed_http_respond(moed_http_conn *c, int code, const char *ctype, const char *extra, const uv_buf_t *body,
-                       size_t nbody, void (*release)(void *), void *arg);
+void moed_http_respond(moed_http_conn *c, int code, const char *ctype, const char *extra,
+                       const uv_buf_t *body, size_t nbody, void (*release)(void *), void *arg);
 /* The same with a copied body. */
 void moed_http_respond_copy(moed_http_conn *c, int code, const char *ctype, const char *body, size_t len);
 /* {"error": msg} (application/json), as Triton answers errors. */

@@ -218,7 +218,8 @@ static cJSON *pb_json(const ProtobufCMessage *m) {
           const ProtobufCMessage *e = ((ProtobufCMessage *const *)arr)[k];
           const ProtobufCMessageDescriptor *ed = e->descriptor;
           const char *key = *(char *const *)((const char *)e + ed->fields[0].offset);
-          cJSON_AddItemToObject(v, key ? key : "", pb_value(&ed->fields[1], (const char *)e + ed->fields[1].offset));
+          cJSON_AddItemToObject(v, key ? key : "",
+                                pb_value(&ed->fields[1], (const char *)e + ed->fields[1].offset));
         } else {
           cJSON_AddItemToArray(v, pb_value(f, arr + k * pb_size(f)));
         }
@@ -327,7 +328,7 @@ typedef struct infer_build {
   char err[MOED_ERR_LEN];
 } infer_build;
 
-#define bad(b, ...) (snprintf((b)->err, sizeof (b)->err, __VA_ARGS__), false)
+#define bad(b, ...) (snprintf((b)->err, sizeof(b)->err, __VA_ARGS__), false)
 
 /* Request parameters (Triton's JSON: bool, number or string values), less
  * the binary extension's own `binary_data_output`. */
@@ -350,7 +351,8 @@ static bool build_params(infer_build *b, const cJSON *params, rest_call *k) {
     } else if (cJSON_IsString(e)) {
       v->parameter_choice_case = INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_STRING_PARAM;
       v->string_param = e->valuestring;
-    } else if (cJSON_IsNumber(e) && e->valuedouble == floor(e->valuedouble) && fabs(e->valuedouble) < 9.0e18) {
+    } else if (cJSON_IsNumber(e) && e->valuedouble == floor(e->valuedouble) &&
+               fabs(e->valuedouble) < 9.0e18) {
       v->parameter_choice_case = INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_INT64_PARAM;
       v->int64_param = (int64_t)e->valuedouble;
     } else if (cJSON_IsNumber(e)) {
@@ -404,7 +406,8 @@ static bool build_input(infer_build *b, const moed_config *cfg, size_t i, const 
   if (params && !cJSON_IsObject(params)) return bad(b, "inputs[%zu] '%s': parameters: not an object", i, nm);
   for (const cJSON *e = params ? params->child : NULL; e; e = e->next)
     if (strcmp(e->string, "binary_data_size") != 0)
-      return bad(b, "inputs[%zu] '%s': parameters.%s is not supported (binary_data_size is)", i, nm, e->string);
+      return bad(b, "inputs[%zu] '%s': parameters.%s is not supported (binary_data_size is)", i, nm,
+                 e->string);
   if (bsize) {
     if (data) return bad(b, "inputs[%zu] '%s': both data and parameters.binary_data_size", i, nm);
     if (!cJSON_IsNumber(bsize) || bsize->valuedouble < 0 || bsize->valuedouble != floor(bsize->valuedouble))
@@ -436,8 +439,7 @@ static bool build_input(infer_build *b, const moed_config *cfg, size_t i, const 
   if (!f.p) return bad(b, "server out of memory");
   b->owned[i] = f.p;
   fill(&f, data);
-  if (f.bad)
-    return bad(b, "inputs[%zu] '%s': data[%zu] is not a %s value", i, nm, f.n, dt->valuestring);
+  if (f.bad) return bad(b, "inputs[%zu] '%s': data[%zu] is not a %s value", i, nm, f.n, dt->valuestring);
   if (f.n != numel)
     return bad(b, "inputs[%zu] '%s': data has %zu elements, shape needs %zu", i, nm, f.n, numel);
   b->raw[i].data = f.p;
@@ -450,8 +452,8 @@ static bool build_output(infer_build *b, size_t i, const cJSON *t, rest_call *k)
   const cJSON *name = cJSON_GetObjectItemCaseSensitive(t, "name");
   const cJSON *params = cJSON_GetObjectItemCaseSensitive(t, "parameters");
   if (!cJSON_IsString(name)) return bad(b, "outputs[%zu].name: missing or not a string", i);
-  if (params && !cJSON_IsObject(params)) return bad(b, "outputs[%zu] '%s': parameters: not an object", i,
-                                                    name->valuestring);
+  if (params && !cJSON_IsObject(params))
+    return bad(b, "outputs[%zu] '%s': parameters: not an object", i, name->valuestring);
   bool binary = k->binary_default;
   for (const cJSON *e = params ? params->child : NULL; e; e = e->next) {
     if (strcmp(e->string, "binary_data") != 0 || !cJSON_IsBool(e))
@@ -529,7 +531,8 @@ static void infer(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const 
   grpc_byte_buffer *payload = NULL;
   if (!b || !k) {
     moed_http_respond_error(c, 500, "server out of memory");
-  } else if (!build_infer(b, r->srv->cfg, j, model, version, rq->body + json_len, rq->body_len - json_len, k)) {
+  } else if (!build_infer(b, r->srv->cfg, j, model, version, rq->body + json_len, rq->body_len - json_len,
+                          k)) {
     moed_http_respond_error(c, 400, b->err);
   } else if (!(payload = pack(&b->m.base))) {
     moed_http_respond_error(c, 500, "server out of memory");
@@ -610,8 +613,8 @@ static void answer_infer(rest_call *k, const Inference__ModelInferResponse *m) {
   char extra[96];
   snprintf(extra, sizeof extra, "Inference-Header-Content-Length: %zu\r\n", tl);
   uv_buf_t ub = uv_buf_init(body, (unsigned)at);
-  moed_http_respond(k->c, 200, bin_len ? "application/octet-stream" : "application/json", bin_len ? extra : NULL,
-                    &ub, 1, free, body);
+  moed_http_respond(k->c, 200, bin_len ? "application/octet-stream" : "application/json",
+                    bin_len ? extra : NULL, &ub, 1, free, body);
 }
 
 /* ---- answers ------------------------------------------------------------------------------ */
@@ -660,7 +663,8 @@ static void answer(rest_call *k) {
     if (yes)
       moed_http_respond_copy(c, 200, "text/plain", "", 0);
     else
-      moed_http_respond_error(c, 400, k->method == MOED_M_MODEL_READY ? "model not ready" : "server not ready");
+      moed_http_respond_error(c, 400,
+                              k->method == MOED_M_MODEL_READY ? "model not ready" : "server not ready");
     break;
   }
   case MOED_M_MODEL_CONFIG: /* Triton answers the config itself */
@@ -768,8 +772,10 @@ static void model(moed_rest *r, moed_http_conn *c, moed_http_request *rq, char *
     version = seg[at + 1];
     at += 2;
   }
-  if (n == at + 1) action = seg[at];
-  else if (n != at) return moed_http_respond_error(c, 404, "no such endpoint");
+  if (n == at + 1)
+    action = seg[at];
+  else if (n != at)
+    return moed_http_respond_error(c, 404, "no such endpoint");
   bool post = !strcmp(action, "infer");
   if (rq->method != (post ? HTTP_POST : HTTP_GET))
     return moed_http_respond_error(c, 405, post ? "infer takes POST" : "this endpoint takes GET");
@@ -803,7 +809,8 @@ static void on_request(moed_http_conn *c, moed_http_request *rq, void *arg) {
   moed_rest *r = arg;
   char *seg[8];
   size_t n = split_path(rq->path, seg, 8);
-  if (n == 0 || n > 8 || strcmp(seg[0], "v2") != 0) return moed_http_respond_error(c, 404, "no such endpoint");
+  if (n == 0 || n > 8 || strcmp(seg[0], "v2") != 0)
+    return moed_http_respond_error(c, 404, "no such endpoint");
   bool get = rq->method == HTTP_GET;
   if (n >= 2 && !strcmp(seg[1], "repository")) {
     if (rq->method != HTTP_POST) return moed_http_respond_error(c, 405, "the repository endpoints take POST");
