@@ -45,6 +45,7 @@ typedef struct rest_call {
   size_t n_out;
   char out_name[MOED_MAX_TENSORS][128];
   bool out_binary[MOED_MAX_TENSORS];
+  char model[160]; /* ModelReady: the model and version its "not ready" names */
   /* the answer */
   grpc_status_code code;
   char *msg;
@@ -139,6 +140,11 @@ static grpc_byte_buffer *pack(const ProtobufCMessage *m) {
 static void call(moed_rest *r, moed_http_conn *c, moed_method method, const ProtobufCMessage *m) {
   rest_call *k = calloc(1, sizeof *k);
   if (!k) return moed_http_respond_error(c, 500, "server out of memory");
+  if (method == MOED_M_MODEL_READY) {
+    const Inference__ModelReadyRequest *q = (const Inference__ModelReadyRequest *)m;
+    snprintf(k->model, sizeof k->model, "'%.120s'%s%.16s", q->name, *q->version ? " version " : "",
+             q->version);
+  }
   submit(r, c, method, pack(m), k);
 }
 
@@ -699,6 +705,12 @@ static void on_async(uv_async_t *h) {
   }
 }
 
+static void no_endpoint(moed_http_conn *c, const char *path) {
+  char why[sizeof((moed_http_request *)0)->path + 32];
+  snprintf(why, sizeof why, "no such endpoint: %s", path);
+  moed_http_respond_error(c, 404, why);
+}
+
 /* ---- routes ---------------------------------------------------------------------------------- */
 
 /* Path segments of p after its leading '/': seg[0..*n), modified in place. */
@@ -723,7 +735,8 @@ static bool body_object(moed_http_conn *c, const moed_http_request *rq, cJSON **
   return true;
 }
 
-static void repository(moed_rest *r, moed_http_conn *c, moed_http_request *rq, char **seg, size_t n) {
+static void repository(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const char *path, char **seg,
+                       size_t n) {
   cJSON *j;
   if (!body_object(c, rq, &j)) return;
   const cJSON *params = cJSON_GetObjectItemCaseSensitive(j, "parameters");
@@ -759,13 +772,14 @@ static void repository(moed_rest *r, moed_http_conn *c, moed_http_request *rq, c
       call(r, c, MOED_M_REPOSITORY_UNLOAD, &m.base);
     }
   } else {
-    moed_http_respond_error(c, 404, "no such endpoint");
+    no_endpoint(c, path);
   }
   cJSON_Delete(j);
 }
 
 /* /v2/models/NAME[/versions/V][/ACTION] */
-static void model(moed_rest *r, moed_http_conn *c, moed_http_request *rq, char **seg, size_t n) {
+static void model(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const char *path, char **seg,
+                  size_t n) {
   const char *name = seg[2], *version = "", *action = "";
   size_t at = 3;
   if (n > at + 1 && !strcmp(seg[at], "versions")) {
@@ -775,7 +789,7 @@ static void model(moed_rest *r, moed_http_conn *c, moed_http_request *rq, char *
   if (n == at + 1)
     action = seg[at];
   else if (n != at)
-    return moed_http_respond_error(c, 404, "no such endpoint");
+    return no_endpoint(c, path);
   bool post = !strcmp(action, "infer");
   if (rq->method != (post ? HTTP_POST : HTTP_GET))
     return moed_http_respond_error(c, 405, post ? "infer takes POST" : "this endpoint takes GET");
@@ -801,7 +815,7 @@ static void model(moed_rest *r, moed_http_conn *c, moed_http_request *rq, char *
     m.version = (char *)version;
     call(r, c, MOED_M_MODEL_STATISTICS, &m.base);
   } else {
-    moed_http_respond_error(c, 404, "no such endpoint");
+    no_endpoint(c, path);
   }
 }
 
@@ -809,15 +823,14 @@ static void on_request(moed_http_conn *c, moed_http_request *rq, void *arg) {
   moed_rest *r = arg;
   char *seg[8];
   size_t n = split_path(rq->path, seg, 8);
-  if (n == 0 || n > 8 || strcmp(seg[0], "v2") != 0)
-    return moed_http_respond_error(c, 404, "no such endpoint");
+  if (n == 0 || n > 8 || strcmp(seg[0], "v2") != 0) return no_endpoint(c, path);
   bool get = rq->method == HTTP_GET;
   if (n >= 2 && !strcmp(seg[1], "repository")) {
     if (rq->method != HTTP_POST) return moed_http_respond_error(c, 405, "the repository endpoints take POST");
-    return repository(r, c, rq, seg, n);
+    return repository(r, c, rq, path, seg, n);
   }
   if (n >= 3 && !strcmp(seg[1], "models") && !(n == 3 && !strcmp(seg[2], "stats")))
-    return model(r, c, rq, seg, n);
+    return model(r, c, rq, path, seg, n);
   if (!get) return moed_http_respond_error(c, 405, "this endpoint takes GET");
   if (n == 1) {
     Inference__ServerMetadataRequest m = INFERENCE__SERVER_METADATA_REQUEST__INIT;
@@ -832,7 +845,7 @@ static void on_request(moed_http_conn *c, moed_http_request *rq, void *arg) {
     Inference__ModelStatisticsRequest m = INFERENCE__MODEL_STATISTICS_REQUEST__INIT;
     call(r, c, MOED_M_MODEL_STATISTICS, &m.base);
   } else {
-    moed_http_respond_error(c, 404, "no such endpoint");
+    no_endpoint(c, path);
   }
 }
 

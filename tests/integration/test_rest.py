@@ -77,7 +77,7 @@ def test_server(h, g):
           and hm["extensions"] == gm["extensions"], f"server metadata as over gRPC ({hm})")
 
 
-def test_models(h, g):
+def test_models(h, g, port):
     for model in ("quant.per_tensor", "bf16set"):
         hm, gm = h.get_model_metadata(model), g.get_model_metadata(model, as_json=True)
         same = (hm["name"] == gm["name"] and hm["versions"] == gm["versions"] and hm["platform"] == gm["platform"]
@@ -93,6 +93,8 @@ def test_models(h, g):
     check(h.is_model_ready("quant.per_tensor") and h.is_model_ready("bf16set", "1"), "models ready")
     check(not h.is_model_ready("nope") and not h.is_model_ready("quant.per_tensor", "2"),
           "unknown model / version: not ready")
+    status, msg = error_of(port, "GET", "/v2/models/nope/ready")
+    check(status == 400 and "'nope'" in msg, f"readiness of an unknown model: 400 naming it ({status} {msg})")
     status, msg = http_error(lambda: h.get_model_metadata("nope"))
     check(status == "404" and "'nope'" in msg, f"metadata of an unknown model: 404 naming it ({status} {msg})")
     status, msg = http_error(lambda: h.get_model_config("quant.per_tensor", "7"))
@@ -227,7 +229,7 @@ def test_errors(port):
     status, msg = error_of(port, "GET", path)
     check(status == 405 and "POST" in msg, f"GET on infer: 405 ({status} {msg})")
     status, msg = error_of(port, "GET", "/v2/nothing/here")
-    check(status == 404, f"an unknown endpoint: 404 ({status} {msg})")
+    check(status == 404 and "/v2/nothing/here" in msg, f"an unknown endpoint: 404 naming it ({status} {msg})")
     status, msg = error_of(port, "POST", "/v2/repository/models/quant.per_tensor/unload",
                            json.dumps({"parameters": {"force": True}}).encode())
     check(status == 400 and "force" in msg, f"unload with an unknown parameter: 400 naming it ({status} {msg})")
@@ -270,7 +272,7 @@ def main():
             h = th.InferenceServerClient(f"127.0.0.1:{p.rest_port}")
             g = tc.InferenceServerClient(f"127.0.0.1:{gport}")
             test_server(h, g)
-            test_models(h, g)
+            test_models(h, g, p.rest_port)
             test_repository(h, g)
             test_infer(h, g)
             test_errors(p.rest_port)
