@@ -666,11 +666,13 @@ static void answer(rest_call *k) {
     bool yes = k->method == MOED_M_SERVER_LIVE    ? ((Inference__ServerLiveResponse *)m)->live
                : k->method == MOED_M_SERVER_READY ? ((Inference__ServerReadyResponse *)m)->ready
                                                   : ((Inference__ModelReadyResponse *)m)->ready;
+    char why[240];
+    snprintf(why, sizeof why, "model %s is not ready (not loaded, no such model or version, or draining)",
+             k->model);
     if (yes)
       moed_http_respond_copy(c, 200, "text/plain", "", 0);
     else
-      moed_http_respond_error(c, 400,
-                              k->method == MOED_M_MODEL_READY ? "model not ready" : "server not ready");
+      moed_http_respond_error(c, 400, k->method == MOED_M_MODEL_READY ? why : "server not ready");
     break;
   }
   case MOED_M_MODEL_CONFIG: /* Triton answers the config itself */
@@ -821,7 +823,8 @@ static void model(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const 
 
 static void on_request(moed_http_conn *c, moed_http_request *rq, void *arg) {
   moed_rest *r = arg;
-  char *seg[8];
+  char *seg[8], path[sizeof rq->path];
+  snprintf(path, sizeof path, "%s", rq->path); /* split_path cuts rq->path */
   size_t n = split_path(rq->path, seg, 8);
   if (n == 0 || n > 8 || strcmp(seg[0], "v2") != 0) return no_endpoint(c, path);
   bool get = rq->method == HTTP_GET;
