@@ -242,6 +242,14 @@ def test_limits(port):
     got = s.recv(4096)
     s.close()
     check(got.startswith(b"HTTP/1.1 413") and b"max-message-bytes" in got, f"body too large: 413 ({got[:60]})")
+    # Expect: 100-continue (curl's, for bodies over 1 KiB): answered before the body is sent
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n")
+    got = s.recv(4096)
+    s.sendall(b"{}")
+    rest = s.recv(65536)
+    s.close()
+    check(got.startswith(b"HTTP/1.1 100 Continue") and b"200 OK" in got + rest, f"Expect: 100-continue ({got[:30]})")
     # keep-alive: two requests on one connection
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     c.request("GET", "/v2/health/live")
