@@ -322,6 +322,12 @@ static void fill(json_fill *f, const cJSON *a) {
 
 /* ---- inference ------------------------------------------------------------------------------ */
 
+/* cJSON holds a parsed number in a ~64-byte node: a JSON document costs up to
+ * ~30x its text in memory. The JSON part of a request and the JSON data of
+ * an answer are bounded so; large tensors travel binary. */
+#define MAX_JSON_BYTES ((size_t)16 << 20)
+#define MAX_JSON_ELEMENTS ((size_t)1 << 22)
+
 typedef struct infer_build {
   Inference__ModelInferRequest m;
   Inference__ModelInferRequest__InferInputTensor in[MOED_MAX_TENSORS], *pin[MOED_MAX_TENSORS];
@@ -524,6 +530,13 @@ static void infer(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const 
     json_len = (size_t)rq->inference_header_length;
   }
   if (!rq->body || json_len == 0) return moed_http_respond_error(c, 400, "request: no JSON body");
+  if (json_len > MAX_JSON_BYTES) {
+    char why[200];
+    snprintf(why, sizeof why,
+             "request: its JSON is %zu bytes, over %zu: send large tensors as binary data (binary_data_size)",
+             json_len, MAX_JSON_BYTES);
+    return moed_http_respond_error(c, 413, why);
+  }
   cJSON *j = cJSON_ParseWithLength(rq->body, json_len);
   if (!j) {
     char why[200];
@@ -566,6 +579,18 @@ static bool output_binary(const rest_call *k, const char *name) {
 /* The ModelInferResponse as JSON, each output's data in it or (binary)
  * after it, in output order. */
 static void answer_infer(rest_call *k, const Inference__ModelInferResponse *m) {
+  size_t json_elements = 0;
+  for (size_t i = 0; i < m->n_outputs && i < m->n_raw_output_contents; i++) {
+    const moed_kserve_type *kt = moed_kserve_by_name(m->outputs[i]->datatype);
+    if (kt && !output_binary(k, m->outputs[i]->name))
+      json_elements += m->raw_output_contents[i].len / kt->size;
+  }
+  if (json_elements > MAX_JSON_ELEMENTS) {
+    char why[240];
+    snprintf(why, sizeof why, "outputs: %zu elements as JSON, over %zu: ask for them binary (binary_data)",
+             json_elements, MAX_JSON_ELEMENTS);
+    return moed_http_respond_error(k->c, 413, why);
+  }
   cJSON *j = cJSON_CreateObject(), *outs = cJSON_CreateArray();
   size_t bin_len = 0;
   bool ok = j && outs;
@@ -605,7 +630,8 @@ static void answer_infer(rest_call *k, const Inference__ModelInferResponse *m) {
   char *text = ok ? cJSON_PrintUnformatted(j) : NULL;
   cJSON_Delete(j);
   size_t tl = text ? strlen(text) : 0;
-  char *body = text && tl <= SIZE_MAX - bin_len ? realloc(text, tl + bin_len + 1) : NULL;
+  /* uv_buf_t lengths are 32-bit; outputs are bounded by --max-message-bytes (< 2 GiB) */
+  char *body = text && tl < UINT32_MAX - bin_len ? realloc(text, tl + bin_len + 1) : NULL;
   if (!body) {
     free(text);
     return moed_http_respond_error(k->c, 500, "server out of memory");
