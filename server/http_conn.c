@@ -21,7 +21,7 @@
 
 #define IHCL "inference-header-content-length"
 
-enum { H_OTHER, H_IHCL, H_EXPECT };
+enum { H_OTHER, H_IHCL, H_EXPECT, H_ENCODING };
 
 struct moed_http_listener {
   uv_tcp_t tcp;
@@ -50,6 +50,7 @@ struct moed_http_conn {
   char hval[32]; /* the Inference-Header-Content-Length value */
   size_t hval_len;
   bool expect_continue; /* Expect: 100-continue (curl sends it before a body over 1 KiB) */
+  bool encoded;         /* Content-Encoding other than identity: 415 */
   bool busy;            /* a whole request is with the handler or its answer being written */
   bool keep_alive;      /* of the current request */
   bool closing;
@@ -98,7 +99,7 @@ static int on_message_begin(http_parser *p) {
   c->rq.path[0] = 0;
   c->rq.body_len = 0;
   c->rq.inference_header_length = -1;
-  c->url_long = c->too_large = c->in_body = c->expect_continue = false;
+  c->url_long = c->too_large = c->in_body = c->expect_continue = c->encoded = false;
   c->header = H_OTHER;
   c->in_request = true;
   c->hval_len = 0;
@@ -121,14 +122,17 @@ static int on_url(http_parser *p, const char *at, size_t len) {
 static int on_header_field(http_parser *p, const char *at, size_t len) {
   moed_http_conn *c = p->data;
   /* a name may arrive in pieces: only a whole one that matches counts */
-  c->header = len == strlen(IHCL) && strncasecmp(at, IHCL, len) == 0 ? H_IHCL
-              : len == 6 && strncasecmp(at, "expect", 6) == 0        ? H_EXPECT
-                                                                     : H_OTHER;
+  c->header = len == strlen(IHCL) && strncasecmp(at, IHCL, len) == 0      ? H_IHCL
+              : len == 6 && strncasecmp(at, "expect", 6) == 0             ? H_EXPECT
+              : len == 16 && strncasecmp(at, "content-encoding", 16) == 0 ? H_ENCODING
+                                                                          : H_OTHER;
   return 0;
 }
 
 static int on_header_value(http_parser *p, const char *at, size_t len) {
   moed_http_conn *c = p->data;
+  /* no decompression here: a compressed body would read as malformed JSON */
+  if (c->header == H_ENCODING && !(len == 8 && strncasecmp(at, "identity", 8) == 0)) c->encoded = true;
   if (c->header == H_EXPECT) c->expect_continue = len == 12 && strncasecmp(at, "100-continue", 12) == 0;
   if (c->header != H_IHCL) return 0;
   if (len >= sizeof c->hval - c->hval_len) len = sizeof c->hval - 1 - c->hval_len;
@@ -150,6 +154,7 @@ static int on_headers_complete(http_parser *p) {
     c->too_large = true;
     return -1; /* an error: the parse stops here (1 would mean "no body") */
   }
+  if (c->encoded) return -1;
   c->in_body = true;
   if (c->expect_continue && p->content_length > 0) { /* the client waits for this before its body */
     static char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
@@ -219,6 +224,7 @@ static void feed(moed_http_conn *c, const char *data, size_t n) {
     return fail_request(c, 413, why);
   }
   if (c->url_long) return fail_request(c, 414, "request URL too long");
+  if (c->encoded) return fail_request(c, 415, "Content-Encoding: moed takes uncompressed bodies only");
   if (!c->busy) {
     if (c->parser.http_errno != HPE_OK) {
       char why[160];

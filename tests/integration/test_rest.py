@@ -29,6 +29,7 @@ from test_server import check  # noqa: E402
 
 MKSET = os.environ["MOE_MKSET"]
 HIDDEN, EXPERTS = 128, 8
+URL = [""]  # the REST port's host:port, once moed runs
 
 
 def mkset(path, scheme):
@@ -121,12 +122,16 @@ def test_repository(h, g):
 
 
 def grpc_infer(g, model, arrays, outputs):
+    return grpc_infer_params(g, model, arrays, outputs, None)
+
+
+def grpc_infer_params(g, model, arrays, outputs, params):
     ins = []
     for name, (a, dt) in arrays.items():
         i = tc.InferInput(name, list(a.shape), dt)
         i.set_data_from_numpy(a)
         ins.append(i)
-    r = g.infer(model, ins, outputs=[tc.InferRequestedOutput(o) for o in outputs])
+    r = g.infer(model, ins, outputs=[tc.InferRequestedOutput(o) for o in outputs], parameters=params)
     return {o: r.as_numpy(o) for o in outputs}
 
 
@@ -184,6 +189,21 @@ def test_infer(h, g):
           f"statistics over REST as over gRPC ({hs['success']['count']} successes)")
     every = {m["name"] for m in h.get_inference_statistics()["model_stats"]}
     check({"quant.per_tensor", "bf16set", "fp16set"} <= every, "statistics of every model")
+    # concurrent requests on a batched op (quant.mx merges rows): through the batcher, each its own answer
+    h4 = th.InferenceServerClient(URL[0], concurrency=4)
+    xs = [rng.standard_normal((2 + k % 3, 64)).astype(np.float32) for k in range(16)]
+    reqs = []
+    for a in xs:
+        ii = th.InferInput("x", list(a.shape), "FP32")
+        ii.set_data_from_numpy(a)
+        reqs.append(h4.async_infer("quant.mx", [ii], parameters={"format": "mxfp4"}))
+    ok = True
+    for a, fut in zip(xs, reqs):
+        want = grpc_infer_params(g, "quant.mx", {"x": (a, "FP32")}, ["q", "scales"], {"format": "mxfp4"})
+        r = fut.get_result()
+        ok = ok and all(r.as_numpy(k).tobytes() == want[k].tobytes() for k in want)
+    h4.close()
+    check(ok, "16 concurrent quant.mx requests over 4 connections: each bit-identical to gRPC")
     status, msg = http_error(lambda: h.infer("nope", [i]))
     check(status == "404" and "'nope'" in msg, f"infer on an unknown model: 404 naming it ({status} {msg})")
 
@@ -260,6 +280,27 @@ def test_limits(port):
     check(r1.status == 200 and r2.status == 200 and json.loads(r2.read())["name"] == "moed",
           "keep-alive: two requests on one connection")
     c.close()
+    # two requests in one write (pipelined): both answered, in order
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"GET /v2/models/quant.mx/ready HTTP/1.1\r\nHost: x\r\n\r\n"
+              b"GET /v2/models/nope/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+    got = b""
+    while got.count(b"HTTP/1.1 ") < 2:
+        more = s.recv(65536)
+        if not more:
+            break
+        got += more
+    s.close()
+    check(got.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 400" in got[12:], f"pipelined requests ({got[:40]})")
+    # a chunked body
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    c.request("POST", "/v2/repository/index", body=iter([b'{"ready"', b': true}']),
+              headers={"Transfer-Encoding": "chunked"}, encode_chunked=True)
+    r = c.getresponse()
+    check(r.status == 200 and all(m["state"] == "READY" for m in json.loads(r.read())), "a chunked request body")
+    c.close()
+    status, msg = error_of(port, "POST", "/v2/repository/index", b"x", {"Content-Encoding": "gzip"})
+    check(status == 415 and "Content-Encoding" in msg, f"a compressed body: 415 ({status} {msg})")
     # a request that stops halfway: closed after --handshake-timeout (1 s here)
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
     s.sendall(b"GET /v2 HTTP/1.1\r\nHost: x\r\n")
@@ -277,7 +318,8 @@ def main():
         p, gport, side = ts.start(tmp, "--model-repository", repo, "--max-message-bytes", str(16 << 20),
                                   "--handshake-timeout", "1")
         try:
-            h = th.InferenceServerClient(f"127.0.0.1:{p.rest_port}")
+            URL[0] = f"127.0.0.1:{p.rest_port}"
+            h = th.InferenceServerClient(URL[0])
             g = tc.InferenceServerClient(f"127.0.0.1:{gport}")
             test_server(h, g)
             test_models(h, g, p.rest_port)
