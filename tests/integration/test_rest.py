@@ -11,6 +11,7 @@ env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -310,6 +311,32 @@ def test_limits(port):
     check(got == b"" and 0.5 < time.monotonic() - t0 < 5, "a half-sent request: closed after the timeout")
 
 
+def test_drain(tmp):
+    """SIGTERM with a REST request in flight (held by the batcher's 1 s delay):
+    it is answered, new inference is refused 503, readiness is false, exit 0."""
+    p, _, _ = ts.start(tmp, "--max-queue-delay-us", "1000000")
+    try:
+        h = th.InferenceServerClient(f"127.0.0.1:{p.rest_port}")
+        a = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
+        ii = th.InferInput("x", [4, 64], "FP32")
+        ii.set_data_from_numpy(a)
+        fut = h.async_infer("quant.mx", [ii], parameters={"format": "mxfp4"})
+        time.sleep(0.3)
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        ready, _, _ = raw(p.rest_port, "GET", "/v2/health/ready")
+        body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]})
+        status, msg = error_of(p.rest_port, "POST", "/v2/models/quant.per_tensor/infer", body.encode())
+        r = fut.get_result()
+        check(ready == 400 and status == 503 and "shutting down" in msg,
+              f"draining: not ready, new inference 503 ({ready}, {status} {msg})")
+        check(r.as_numpy("q").shape == (4, 32), "draining: the request in flight is answered")
+        check(p.wait(timeout=30) == 0, "draining: exit 0")
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         repo = os.path.join(tmp, "repo")
@@ -331,6 +358,7 @@ def main():
             check(status == 200, "the side port's probes still answer")
         finally:
             ts.stop(p)
+        test_drain(tmp)
         ts.print_log_tail(tmp)
     ts.exit_with_summary()
 
