@@ -741,12 +741,15 @@ static void no_endpoint(moed_http_conn *c, const char *path) {
 
 /* ---- routes ---------------------------------------------------------------------------------- */
 
-/* Path segments of p after its leading '/': seg[0..*n), modified in place. */
+/* The path's segments into seg[0..n), cut in place; n, or max + 1 when there are more. */
 static size_t split_path(char *p, char **seg, size_t max) {
   size_t n = 0;
-  for (char *s = strtok(p, "/"); s && n < max; s = strtok(NULL, "/"))
+  char *save = NULL;
+  for (char *s = strtok_r(p, "/", &save); s; s = strtok_r(NULL, "/", &save)) {
+    if (n == max) return max + 1; /* deeper than any endpoint */
     seg[n++] = s;
-  return strtok(NULL, "/") ? max + 1 : n;
+  }
+  return n;
 }
 
 /* The optional JSON body of a repository call, as an object (NULL: none).
