@@ -47,7 +47,7 @@ wait_file() {
 "$BUILD/bench/moe-echo-server" --port 0 --port-file "$TMP/echo.port" &
 ECHO_PID=$!
 # shellcheck disable=SC2086  # MOED_ARGS is a list of flags
-"$BUILD/server/moed" --address 127.0.0.1 --grpc-port 0 --http-port -1 --log-level warn \
+"$BUILD/server/moed" --address 127.0.0.1 --grpc-port 0 --http-port -1 --rest-port -1 --log-level warn \
   --port-file "$TMP/moed.port" $MOED_ARGS &
 MOED_PID=$!
 wait_file "$TMP/echo.port" echo_server

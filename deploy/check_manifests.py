@@ -244,8 +244,8 @@ def check_dockerfiles():
         users = re.findall(r"^USER (\S+)", text, re.M)
         if not users or not re.fullmatch(r"[1-9][0-9]*(:[0-9]+)?", users[-1]):
             fail(where, "the last USER must be numeric and not root")
-        if not re.search(r"^EXPOSE 8001 8002$", text, re.M):
-            fail(where, "want EXPOSE 8001 8002")
+        if not re.search(r"^EXPOSE 8000 8001 8002$", text, re.M):
+            fail(where, "want EXPOSE 8000 8001 8002")
         if not re.search(r"^HEALTHCHECK ", text, re.M):
             fail(where, "no HEALTHCHECK")
         if '"/models"' not in text or "MOED_MODEL_REPOSITORY=/models" not in text:

@@ -44,7 +44,7 @@ if [ "$want_python" = 1 ]; then
   fi
   need=$(.venv/bin/python - <<'PY'
 import importlib.util as u
-mods = {"numpy": "numpy", "ml_dtypes": "ml_dtypes", "tritonclient": "tritonclient[grpc]",
+mods = {"numpy": "numpy", "ml_dtypes": "ml_dtypes", "tritonclient": "tritonclient[grpc,http]", "geventhttpclient": "tritonclient[http]",
         "grpc": "grpcio", "safetensors": "safetensors"}
 print(" ".join(p for m, p in mods.items() if u.find_spec(m) is None))
 PY

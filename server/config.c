@@ -15,6 +15,8 @@ static const char usage[] =
     "  --address ADDR            bind address (MOED_ADDRESS, default 0.0.0.0)\n"
     "  --grpc-port N             gRPC port (MOED_GRPC_PORT, default 8001; 0 = any free)\n"
     "  --http-port N             metrics/health HTTP port (MOED_HTTP_PORT, default 8002; -1 = off)\n"
+    "  --rest-port N             KServe v2 REST API port (MOED_REST_PORT, default 8000; 0 = any free,\n"
+    "                            -1 = off)\n"
     "  --model-repository DIR    expert sets, one per subdirectory (MOED_MODEL_REPOSITORY)\n"
     "  --device auto|cpu|gpu     backends: gpu = one worker per GPU (ops without a GPU kernel run on the\n"
     "                            CPU), cpu = CPU only, auto = gpu when one is present (MOED_DEVICE)\n"
@@ -55,12 +57,12 @@ static const char usage[] =
     "                            default 64; at most a quarter of the limit)\n"
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
     "  --log-json                JSON log lines (MOED_LOG_JSON=1)\n"
-    "  --port-file PATH          write \"GRPC_PORT HTTP_PORT\" once listening (tests)\n"
+    "  --port-file PATH          write \"GRPC_PORT HTTP_PORT REST_PORT\" once listening (tests; -1: off)\n"
     "  --help                    this text\n"
     "Triton's spellings, for deployments written for tritonserver:\n"
     "  --grpc-address ADDR       = --address (the gRPC port's; the HTTP port's too unless --http-address)\n"
-    "  --http-address ADDR       the HTTP port's bind address\n"
-    "  --allow-http true|false   false: no HTTP port (= --http-port -1)\n"
+    "  --http-address ADDR       the HTTP ports' (REST and metrics) bind address\n"
+    "  --allow-http true|false   false: no HTTP port (= --http-port -1 --rest-port -1)\n"
     "  --exit-timeout-secs N     = --drain-timeout\n"
     "  --log-verbose N           N > 0: --log-level debug, 0: info\n"
     "  --strict-model-config B   accepted; moed derives every model's configuration itself\n"
@@ -108,12 +110,14 @@ enum {
   OPT_FD_RESERVE,
   OPT_CONN_AGE,
   OPT_CONN_AGE_GRACE,
+  OPT_REST_PORT,
 };
 
 static const struct option options[] = {
     {"address", required_argument, NULL, OPT_ADDRESS},
     {"grpc-port", required_argument, NULL, OPT_GRPC_PORT},
     {"http-port", required_argument, NULL, OPT_HTTP_PORT},
+    {"rest-port", required_argument, NULL, OPT_REST_PORT},
     {"model-repository", required_argument, NULL, OPT_REPO},
     {"workers", required_argument, NULL, OPT_WORKERS},
     {"threads-per-worker", required_argument, NULL, OPT_TPW},
@@ -220,6 +224,7 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
     break;
   case OPT_GRPC_PORT: ok = parse_i64(v, 0, 65535, &n) && (c->grpc_port = (int)n, true); break;
   case OPT_HTTP_PORT: ok = parse_i64(v, -1, 65535, &n) && (c->http_port = (int)n, true); break;
+  case OPT_REST_PORT: ok = parse_i64(v, -1, 65535, &n) && (c->rest_port = (int)n, true); break;
   case OPT_REPO: c->model_repository = v; break;
   case OPT_WORKERS: ok = parse_i64(v, 1, 1024, &n) && (c->workers = (int)n, true); break;
   case OPT_TPW: ok = parse_i64(v, 0, 4096, &n) && (c->threads_per_worker = (int)n, true); break;
@@ -273,6 +278,7 @@ static const struct {
     {"MOED_ADDRESS", OPT_ADDRESS},
     {"MOED_GRPC_PORT", OPT_GRPC_PORT},
     {"MOED_HTTP_PORT", OPT_HTTP_PORT},
+    {"MOED_REST_PORT", OPT_REST_PORT},
     {"MOED_MODEL_REPOSITORY", OPT_REPO},
     {"MOED_WORKERS", OPT_WORKERS},
     {"MOED_THREADS_PER_WORKER", OPT_TPW},
@@ -298,6 +304,7 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .device = "auto",
       .grpc_port = 8001,
       .http_port = 8002,
+      .rest_port = 8000,
       .workers = 2,
       .max_message_bytes = (size_t)1 << 30,
       .max_tensor_bytes = (size_t)1 << 30,
@@ -344,7 +351,7 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
     fprintf(stderr, "moed: unexpected argument '%s'\n", argv[optind]);
     return -1;
   }
-  if (c->http_off) c->http_port = -1;
+  if (c->http_off) c->http_port = c->rest_port = -1;
   if (c->n_load_models && c->model_control != MOED_CONTROL_EXPLICIT) {
     fprintf(stderr, "moed: --load-model needs --model-control-mode explicit\n");
     return -1;

@@ -1,8 +1,7 @@
 /* http: the side port on the loop: Prometheus /metrics and the Kubernetes
  * probes /v2/health/live and /v2/health/ready. One request per connection
- * (Connection: close), parsed by http-parser; a connection has
- * --handshake-timeout to send its whole request (slowloris), and at most
- * --http-max-connections are open (beyond: closed at accept).
+ * (Connection: close), on http_conn.c's connections (deadlines, the
+ * --http-max-connections cap).
  *
  * The probes check the gRPC listener itself: gRPC core stops accepting
  * for good once accept4 fails (fd_budget.c keeps EMFILE from it; this
@@ -23,42 +22,25 @@
 
 struct moed_http {
   moed_server *srv;
-  uv_tcp_t tcp;
-  int open;                     /* connections open (loop thread) */
-  uint64_t refused;             /* closed at accept: over --http-max-connections */
-  uint64_t timeouts;            /* closed: no whole request within --handshake-timeout */
+  moed_http_listener *l;
   struct sockaddr_storage grpc; /* what the probes connect to */
   bool grpc_ok;                 /* parsed (a host name is not: probes answer 503, not checked) */
 };
 
-typedef struct probe probe;
-
-typedef struct conn {
-  uv_tcp_t tcp;
-  uv_timer_t timer; /* the request deadline */
-  int handles;      /* open handles of tcp and timer: freed at 0 */
-  moed_http *h;
-  http_parser parser;
-  char url[256];
-  size_t url_len;
-  bool complete; /* the request was whole (its answer may wait for a probe) */
-  bool responded;
-  probe *pr; /* the gRPC listener check this request waits for */
-} conn;
-
-struct probe {
+/* A check of the gRPC listener that a probe request waits for. */
+typedef struct probe {
   uv_tcp_t tcp;
   uv_timer_t timer;
   uv_connect_t creq;
   uv_write_t wreq;
   int handles;
-  conn *c; /* NULL once the requester went away */
+  moed_http_conn *c; /* NULL once the requester went away */
   bool done;
   bool ready;        /* readiness (a full server is not ready) or liveness (it is alive) */
   uint64_t refused0; /* connections refused at accept when the probe started */
   unsigned char buf[16];
   size_t got;
-};
+} probe;
 
 typedef struct wbuf {
   char *p;
@@ -195,6 +177,9 @@ static void render_metrics(moed_http *h, wbuf *b) {
     wb_printf(b, "moed_device_memory_bytes{worker=\"%d\",backend=\"%s\",kind=\"held\"} %zu\n", i, name,
               mem.held);
   }
+  int open;
+  uint64_t refused, timeouts;
+  moed_http_counts(h->l, &open, &refused, &timeouts);
   wb_printf(b,
             "# HELP moed_http_connections_closed_total HTTP connections closed by moed: over "
             "--http-max-connections at accept (refused), or without a whole request within "
@@ -204,7 +189,7 @@ static void render_metrics(moed_http *h, wbuf *b) {
             "moed_http_connections_closed_total{reason=\"timeout\"} %llu\n"
             "# HELP moed_http_connections Open HTTP connections.\n# TYPE moed_http_connections gauge\n"
             "moed_http_connections %d\n",
-            (unsigned long long)h->refused, (unsigned long long)h->timeouts, h->open);
+            (unsigned long long)refused, (unsigned long long)timeouts, open);
   uint64_t fd_reserve, fd_exhausted;
   moed_fd_budget_refused(&fd_reserve, &fd_exhausted);
   wb_printf(b,
@@ -219,76 +204,8 @@ static void render_metrics(moed_http *h, wbuf *b) {
       atomic_load(&s->ready) ? 1 : 0);
 }
 
-/* ---- connections -------------------------------------------------------------- */
-
-static void on_closed(uv_handle_t *hd) {
-  conn *c = hd->data;
-  if (--c->handles == 0) {
-    c->h->open--;
-    free(c);
-  }
-}
-
-static void close_conn(conn *c) {
-  if (c->pr) c->pr->c = NULL; /* the probe finishes on its own, answering no one */
-  c->pr = NULL;
-  if (!uv_is_closing((uv_handle_t *)&c->tcp)) uv_close((uv_handle_t *)&c->tcp, on_closed);
-  if (!uv_is_closing((uv_handle_t *)&c->timer)) uv_close((uv_handle_t *)&c->timer, on_closed);
-}
-
-typedef struct write_req {
-  uv_write_t w;
-  char *buf;
-  conn *c;
-} write_req;
-
-static void on_written(uv_write_t *w, int status) {
-  (void)status;
-  write_req *wr = (write_req *)w;
-  close_conn(wr->c);
-  free(wr->buf);
-  free(wr);
-}
-
-static void respond(conn *c, int code, const char *reason, const char *ctype, const char *body, size_t len) {
-  wbuf b = {0};
-  c->responded = true;
-  wb_printf(&b, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n",
-            code, reason, ctype, len);
-  if (!b.oom && len) {
-    char *g = realloc(b.p, b.len + len);
-    if (!g) {
-      b.oom = true;
-    } else {
-      b.p = g;
-      memcpy(b.p + b.len, body, len);
-      b.len += len;
-    }
-  }
-  write_req *wr = b.oom ? NULL : malloc(sizeof *wr);
-  if (!wr) {
-    free(b.p);
-    close_conn(c);
-    return;
-  }
-  wr->buf = b.p;
-  wr->c = c;
-  uv_buf_t ub = uv_buf_init(b.p, (unsigned)b.len);
-  if (uv_write(&wr->w, (uv_stream_t *)&c->tcp, &ub, 1, on_written) != 0) {
-    free(wr->buf);
-    free(wr);
-    close_conn(c);
-  }
-}
-
-static int on_url(http_parser *p, const char *at, size_t len) {
-  conn *c = p->data;
-  size_t room = sizeof c->url - 1 - c->url_len;
-  if (len > room) len = room;
-  memcpy(c->url + c->url_len, at, len);
-  c->url_len += len;
-  c->url[c->url_len] = 0;
-  return 0;
+static void respond(moed_http_conn *c, int code, const char *ctype, const char *body, size_t len) {
+  moed_http_respond_copy(c, code, ctype, body, len);
 }
 
 /* ---- the gRPC listener check ------------------------------------------------- */
@@ -307,18 +224,17 @@ static uint64_t refusals(void) {
 static void probe_finish(probe *pr, bool ok) {
   if (pr->done) return;
   pr->done = true;
-  conn *c = pr->c;
+  moed_http_conn *c = pr->c;
   /* refused at accept (the count moved while the probe waited): the listener
    * works and descriptors are full up to the reserve; alive, not ready */
   bool full = !ok && refusals() > pr->refused0;
   if (c) {
-    c->pr = NULL;
     if (ok || (full && !pr->ready))
-      respond(c, 200, "OK", "text/plain", "", 0);
+      respond(c, 200, "text/plain", "", 0);
     else if (full)
-      respond(c, 503, "Service Unavailable", "text/plain", "at the connection limit\n", 24);
+      respond(c, 503, "text/plain", "at the connection limit\n", 24);
     else
-      respond(c, 503, "Service Unavailable", "text/plain", "grpc listener not answering\n", 28);
+      respond(c, 503, "text/plain", "grpc listener not answering\n", 28);
   }
   uv_close((uv_handle_t *)&pr->tcp, probe_closed);
   uv_close((uv_handle_t *)&pr->timer, probe_closed);
@@ -363,13 +279,15 @@ static void probe_connected(uv_connect_t *cr, int status) {
     probe_finish(pr, false);
 }
 
+static void probe_gone(void *arg) { ((probe *)arg)->c = NULL; } /* it finishes on its own, answering no one */
+
 /* Answers c once the gRPC port has (200) or has not (503) answered. */
-static void probe_start(conn *c, bool ready) {
-  moed_server *s = c->h->srv;
+static void probe_start(moed_http *h, moed_http_conn *c, bool ready) {
+  moed_server *s = h->srv;
   probe *pr = calloc(1, sizeof *pr);
-  if (!pr || !c->h->grpc_ok) {
+  if (!pr || !h->grpc_ok) {
     free(pr);
-    respond(c, 503, "Service Unavailable", "text/plain", "grpc listener not checked\n", 26);
+    respond(c, 503, "text/plain", "grpc listener not checked\n", 26);
     return;
   }
   uv_tcp_init(s->loop, &pr->tcp);
@@ -379,102 +297,38 @@ static void probe_start(conn *c, bool ready) {
   pr->c = c;
   pr->ready = ready;
   pr->refused0 = refusals();
-  c->pr = pr;
+  moed_http_defer(c, probe_gone, pr);
   uv_timer_start(&pr->timer, probe_timeout, PROBE_MS, 0);
-  if (uv_tcp_connect(&pr->creq, &pr->tcp, (const struct sockaddr *)&c->h->grpc, probe_connected) != 0)
+  if (uv_tcp_connect(&pr->creq, &pr->tcp, (const struct sockaddr *)&h->grpc, probe_connected) != 0)
     probe_finish(pr, false);
 }
 
-static int on_message_complete(http_parser *p) {
-  conn *c = p->data;
-  moed_server *s = c->h->srv;
-  char *q = strchr(c->url, '?');
-  if (q) *q = 0;
-  if (p->method != HTTP_GET) {
-    respond(c, 405, "Method Not Allowed", "text/plain", "GET only\n", 9);
-  } else if (strcmp(c->url, "/metrics") == 0) {
+static void on_request(moed_http_conn *c, moed_http_request *rq, void *arg) {
+  moed_http *h = arg;
+  moed_server *s = h->srv;
+  if (rq->method != HTTP_GET) {
+    respond(c, 405, "text/plain", "GET only\n", 9);
+  } else if (strcmp(rq->path, "/metrics") == 0) {
     wbuf b = {0};
-    render_metrics(c->h, &b);
+    render_metrics(h, &b);
     if (b.oom)
-      respond(c, 500, "Internal Server Error", "text/plain", "out of memory\n", 14);
+      respond(c, 500, "text/plain", "out of memory\n", 14);
     else
-      respond(c, 200, "OK", "text/plain; version=0.0.4", b.p, b.len);
+      respond(c, 200, "text/plain; version=0.0.4", b.p, b.len);
     free(b.p);
-  } else if (strcmp(c->url, "/v2/health/live") == 0) {
+  } else if (strcmp(rq->path, "/v2/health/live") == 0) {
     if (atomic_load(&s->draining)) /* the gRPC port closes on purpose; the exit is bounded by the drain */
-      respond(c, 200, "OK", "text/plain", "", 0);
+      respond(c, 200, "text/plain", "", 0);
     else
-      probe_start(c, false);
-  } else if (strcmp(c->url, "/v2/health/ready") == 0) {
+      probe_start(h, c, false);
+  } else if (strcmp(rq->path, "/v2/health/ready") == 0) {
     if (atomic_load(&s->ready))
-      probe_start(c, true);
+      probe_start(h, c, true);
     else
-      respond(c, 503, "Service Unavailable", "text/plain", "", 0);
+      respond(c, 503, "text/plain", "", 0);
   } else {
-    respond(c, 404, "Not Found", "text/plain", "not found\n", 10);
+    respond(c, 404, "text/plain", "not found\n", 10);
   }
-  c->complete = true;
-  uv_timer_stop(&c->timer); /* the request is whole: the answer (or its probe) has its own bound */
-  return 1;                 /* one request per connection: stop parsing */
-}
-
-static const http_parser_settings settings = {
-    .on_url = on_url,
-    .on_message_complete = on_message_complete,
-};
-
-static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
-  (void)h;
-  buf->base = malloc(suggested);
-  buf->len = buf->base ? suggested : 0;
-}
-
-static void on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
-  conn *c = st->data;
-  if (n > 0 && !c->complete) {
-    size_t used = http_parser_execute(&c->parser, &settings, buf->base, (size_t)n);
-    if (!c->complete && (c->parser.http_errno != HPE_OK || used != (size_t)n)) {
-      uv_read_stop(st);
-      respond(c, 400, "Bad Request", "text/plain", "bad request\n", 12);
-    } else if (c->complete) {
-      uv_read_stop(st);
-    }
-  } else if (n < 0) {
-    if (!c->responded) close_conn(c);
-  }
-  free(buf->base);
-}
-
-static void on_deadline(uv_timer_t *t) {
-  conn *c = t->data;
-  c->h->timeouts++;
-  close_conn(c);
-}
-
-static void on_connection(uv_stream_t *server, int status) {
-  moed_http *h = server->data;
-  if (status < 0) return;
-  conn *c = calloc(1, sizeof *c);
-  if (!c) return;
-  c->h = h;
-  h->open++;
-  uv_tcp_init(server->loop, &c->tcp);
-  uv_timer_init(server->loop, &c->timer);
-  c->handles = 2;
-  c->tcp.data = c->timer.data = c;
-  if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0) {
-    close_conn(c);
-    return;
-  }
-  if (h->open > h->srv->cfg->http_max_connections) { /* accepted only to leave the backlog */
-    h->refused++;
-    close_conn(c);
-    return;
-  }
-  uv_timer_start(&c->timer, on_deadline, (uint64_t)h->srv->cfg->handshake_timeout_s * 1000, 0);
-  http_parser_init(&c->parser, HTTP_REQUEST);
-  c->parser.data = c;
-  uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
 }
 
 static bool parse_addr(const char *host, int port, struct sockaddr_storage *out) {
@@ -491,33 +345,19 @@ int moed_http_start(moed_server *s, const char *address, int port, moed_http **o
   const char *ghost = !strcmp(g, "0.0.0.0")                      ? "127.0.0.1"
                       : (!strcmp(g, "::") || !strcmp(g, "[::]")) ? "::1"
                                                                  : g;
-  struct sockaddr_storage addr;
   h->grpc_ok = parse_addr(ghost, s->grpc_port, &h->grpc);
-  if (!parse_addr(address, port, &addr)) {
+  /* requests here are GETs: a body is not needed, 4 KiB bounds one */
+  const moed_http_options o = {.name = "http", .cfg = s->cfg, .max_body = 4096, .side = true};
+  if (moed_http_listen(s->loop, address, port, &o, on_request, h, &h->l, bound_port) != 0) {
     free(h);
     return -1;
   }
-  uv_tcp_init(s->loop, &h->tcp);
-  h->tcp.data = h;
-  int rc = uv_tcp_bind(&h->tcp, (const struct sockaddr *)&addr, 0);
-  if (rc == 0) rc = uv_listen((uv_stream_t *)&h->tcp, 128, on_connection);
-  uv_os_fd_t lfd;
-  if (rc == 0 && uv_fileno((uv_handle_t *)&h->tcp, &lfd) == 0) moed_fd_budget_side_listener(lfd);
-  if (rc != 0) {
-    moed_log(MOED_LOG_ERROR, "bind_failed", "http %s:%d: %s", address, port, uv_strerror(rc));
-    moed_http_stop(h);
-    return -1;
-  }
-  struct sockaddr_storage name;
-  int len = sizeof name;
-  uv_tcp_getsockname(&h->tcp, (struct sockaddr *)&name, &len);
-  *bound_port = ntohs(((struct sockaddr_in *)&name)->sin_port);
   *out = h;
   return 0;
 }
 
-static void on_listener_closed(uv_handle_t *hd) { free(hd->data); }
-
 void moed_http_stop(moed_http *h) {
-  if (h) uv_close((uv_handle_t *)&h->tcp, on_listener_closed);
+  if (!h) return;
+  moed_http_listener_close(h->l);
+  free(h);
 }

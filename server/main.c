@@ -23,6 +23,7 @@ typedef struct app {
   uv_signal_t sigterm, sigint;
   uv_timer_t tick; /* watch reaping; drain progress */
   moed_http *http;
+  moed_rest *rest;
   int stage; /* 0 serving, 1 draining, 2 rpc shutting down, 3 done */
   uint64_t stage_deadline_ns;
   bool cancelled_all;
@@ -36,6 +37,8 @@ static void finish_loop(app *a) {
   a->srv.rpc = NULL;
   moed_http_stop(a->http);
   a->http = NULL;
+  moed_rest_stop(a->rest);
+  a->rest = NULL;
   uv_timer_stop(&a->tick);
   uv_close((uv_handle_t *)&a->tick, NULL);
   uv_close((uv_handle_t *)&a->sigterm, NULL);
@@ -120,12 +123,12 @@ static void on_signal(uv_signal_t *h, int signum) {
   }
 }
 
-static void write_port_file(const char *path, int grpc_port, int http_port) {
+static void write_port_file(const char *path, int grpc_port, int http_port, int rest_port) {
   char tmp[4096];
   snprintf(tmp, sizeof tmp, "%s.tmp", path);
   FILE *f = fopen(tmp, "w");
   if (!f) return;
-  fprintf(f, "%d %d\n", grpc_port, http_port);
+  fprintf(f, "%d %d %d\n", grpc_port, http_port, rest_port);
   fclose(f);
   rename(tmp, path); /* readers never see a half-written file */
 }
@@ -152,7 +155,7 @@ int main(int argc, char **argv) {
   uv_loop_init(&a.loop);
   grpc_init();
   int exit_code = 1;
-  int grpc_port = 0, http_port = -1;
+  int grpc_port = 0, http_port = -1, rest_port = -1;
 
   if (moed_repository_create(a.cfg.model_repository, &s->repo) != 0) goto out;
   if (a.cfg.model_control != MOED_CONTROL_EXPLICIT) {
@@ -174,8 +177,11 @@ int main(int argc, char **argv) {
   if (moed_rpc_start(&a.cfg, &a.loop, moed_handle_request, moed_handle_inline, s, &s->rpc, &grpc_port) != 0)
     goto out;
   s->grpc_port = grpc_port;
-  if (a.cfg.http_port >= 0 && moed_http_start(s, a.cfg.http_address ? a.cfg.http_address : a.cfg.address,
-                                              a.cfg.http_port, &a.http, &http_port) != 0) {
+  const char *http_address = a.cfg.http_address ? a.cfg.http_address : a.cfg.address;
+  if ((a.cfg.http_port >= 0 && moed_http_start(s, http_address, a.cfg.http_port, &a.http, &http_port) != 0) ||
+      (a.cfg.rest_port >= 0 && moed_rest_start(s, http_address, a.cfg.rest_port, &a.rest, &rest_port) != 0)) {
+    moed_http_stop(a.http);
+    a.http = NULL;
     moed_rpc_shutdown(s->rpc);
     moed_rpc_cancel_all(s->rpc);
     while (!moed_rpc_quiet(s->rpc))
@@ -195,9 +201,9 @@ int main(int argc, char **argv) {
   uv_timer_start(&a.tick, on_tick, 1000, 1000);
 
   atomic_store(&s->ready, true);
-  moed_log(MOED_LOG_INFO, "listening", "grpc %s:%d http %d, backend %s, moed %s", a.cfg.address, grpc_port,
-           http_port, moed_devices_backend_name(s->devices), MOED_VERSION);
-  if (a.cfg.port_file) write_port_file(a.cfg.port_file, grpc_port, http_port);
+  moed_log(MOED_LOG_INFO, "listening", "grpc %s:%d http %d rest %d, backend %s, moed %s", a.cfg.address,
+           grpc_port, http_port, rest_port, moed_devices_backend_name(s->devices), MOED_VERSION);
+  if (a.cfg.port_file) write_port_file(a.cfg.port_file, grpc_port, http_port, rest_port);
   uv_run(&a.loop, UV_RUN_DEFAULT);
   exit_code = 0;
 out:

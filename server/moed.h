@@ -31,6 +31,7 @@ typedef struct moed_config {
   int n_load_models;
   int grpc_port;                /* 8001; 0 = pick a free one */
   int http_port;                /* 8002; 0 = pick, -1 = off */
+  int rest_port;                /* the KServe REST API: 8000; 0 = pick, -1 = off */
   const char *model_repository; /* NULL: built-ins only */
   const char *device;           /* auto | cpu | gpu: which backends the workers own */
   int workers;                  /* CPU device workers (GPU: one per device) */
@@ -90,6 +91,8 @@ void moed_hostmem_trim(void);
 /* ---- status_map.c ---------------------------------------------------------- */
 
 grpc_status_code moed_status_from_moe(moe_status s);
+/* The HTTP status the REST port answers a gRPC status with. */
+int moed_http_status_from_grpc(grpc_status_code code);
 
 /* Room for a failure's message (it names the offending field). */
 #define MOED_ERR_LEN 600
@@ -165,6 +168,17 @@ void moed_rpc_stream_write(moed_rpc *r, grpc_byte_buffer *message);
 /* Streams: one request's work is done (pairs with each hand-off); when the
  * client has closed and nothing is pending the stream ends with OK. */
 void moed_rpc_stream_done(moed_rpc *r);
+/* A call that came in over another protocol (the REST port, rest.c) for
+ * the same handlers: a unary moed_rpc without a gRPC call, whose answer
+ * moed_rpc_finish hands to done(arg, ...) on the thread that finishes it
+ * (response: taken by done; msg: valid during the call). It starts with two
+ * references: the request's (moed_rpc_finish consumes it) and the caller's
+ * (released with moed_rpc_release once it needs the call no more). No
+ * deadline; moed_rpc_local_cancel marks it cancelled (its client left). */
+typedef void (*moed_rpc_done_fn)(void *arg, grpc_status_code code, const char *msg,
+                                 grpc_byte_buffer *response);
+moed_rpc *moed_rpc_local(moed_method method, moed_rpc_done_fn done, void *arg);
+void moed_rpc_local_cancel(moed_rpc *r);
 void moed_rpc_ref(moed_rpc *r);
 void moed_rpc_release(moed_rpc *r);
 bool moed_rpc_cancelled(const moed_rpc *r);
@@ -427,10 +441,64 @@ void moed_fd_budget_side_listener(int fd);
 /* Connections closed at accept: into the reserve; with no descriptor left. */
 void moed_fd_budget_refused(uint64_t *reserve, uint64_t *exhausted);
 
-/* ---- http.c: metrics and probes -------------------------------------------- */
+/* ---- http_conn.c: HTTP/1.1 connections (the side port's and the REST port's) */
+
+typedef struct moed_http_listener moed_http_listener;
+typedef struct moed_http_conn moed_http_conn;
+
+/* One whole request, owned by its connection until answered. */
+typedef struct moed_http_request {
+  int method;      /* http_parser's enum http_method */
+  char path[1024]; /* the URL without its query */
+  char *body;      /* body_len bytes and a NUL (NULL: no body); the handler may take it (free, set NULL) */
+  size_t body_len; /* at most max_body */
+  int64_t inference_header_length; /* Inference-Header-Content-Length; -1 absent, -2 not a number */
+} moed_http_request;
+
+/* Called on the loop with each request; it answers with moed_http_respond*
+ * now, or calls moed_http_defer and answers later (on the loop). */
+typedef void (*moed_http_handler)(moed_http_conn *c, moed_http_request *rq, void *arg);
+
+typedef struct moed_http_options {
+  const char *name;       /* for logs: "http", "rest" */
+  const moed_config *cfg; /* deadlines, connection cap */
+  size_t max_body;        /* larger: 413 */
+  bool keep_alive;        /* false: one request per connection */
+  bool side;              /* a side port (moed_fd_budget_side_listener) */
+} moed_http_options;
+
+int moed_http_listen(uv_loop_t *loop, const char *address, int port, const moed_http_options *o,
+                     moed_http_handler fn, void *arg, moed_http_listener **out, int *bound_port);
+/* Closes the listener and every connection (deferred ones: gone is called). */
+void moed_http_listener_close(moed_http_listener *l);
+/* Open connections; closed at accept (over --http-max-connections); closed
+ * for want of a whole request within the deadlines. */
+void moed_http_counts(const moed_http_listener *l, int *open, uint64_t *refused, uint64_t *timeouts);
+/* The answer: status, Content-Type, `extra` header lines ("Name: v\r\n...",
+ * or NULL), body[0..nbody) (nbody <= 3) written in place, then release(arg)
+ * (also when the connection is gone). */
+void moed_http_respond(moed_http_conn *c, int code, const char *ctype, const char *extra,
+                       const uv_buf_t *body, size_t nbody, void (*release)(void *), void *arg);
+/* The same with a copied body. */
+void moed_http_respond_copy(moed_http_conn *c, int code, const char *ctype, const char *body, size_t len);
+/* {"error": msg} (application/json), as Triton answers errors. */
+void moed_http_respond_error(moed_http_conn *c, int code, const char *msg);
+/* The answer comes later: if the connection closes first, gone(arg) is
+ * called (on the loop) and the answer must not be sent. */
+void moed_http_defer(moed_http_conn *c, void (*gone)(void *), void *arg);
+
+/* ---- http.c: metrics and probes on the side port ----------------------------- */
 
 typedef struct moed_http moed_http;
 int moed_http_start(moed_server *s, const char *address, int port, moed_http **out, int *bound_port);
 void moed_http_stop(moed_http *h);
+
+/* ---- rest.c: the KServe v2 REST API ------------------------------------------- */
+
+typedef struct moed_rest moed_rest;
+int moed_rest_start(moed_server *s, const char *address, int port, moed_rest **out, int *bound_port);
+/* Closes the port and its connections; calls still in work are freed when
+ * they finish (any thread). */
+void moed_rest_stop(moed_rest *r);
 
 #endif

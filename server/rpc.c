@@ -118,6 +118,9 @@ struct moed_rpc {
   size_t wq_bytes, writing_len;
   int wq_count;
   bool recv_paused; /* the next read waits until the stream has room */
+  /* a local call (moed_rpc_local): no gRPC call, the answer goes here */
+  moed_rpc_done_fn done;
+  void *done_arg;
 };
 
 struct moed_rpc_server {
@@ -226,15 +229,30 @@ void moed_rpc_release(moed_rpc *r) {
     m = next;
   }
   if (r->writing_bb) grpc_byte_buffer_destroy(r->writing_bb);
-  atomic_fetch_sub(&s->buffered, r->wq_bytes);
+  if (s) atomic_fetch_sub(&s->buffered, r->wq_bytes);
   if (r->fin_msg) grpc_byte_buffer_destroy(r->fin_msg);
   if (r->recv_bb) grpc_byte_buffer_destroy(r->recv_bb);
   grpc_slice_unref(r->fin_details);
-  grpc_call_unref(r->call);
+  if (r->call) grpc_call_unref(r->call);
   pthread_mutex_destroy(&r->mu);
   free(r);
-  atomic_fetch_sub(&s->live_calls, 1);
+  if (s) atomic_fetch_sub(&s->live_calls, 1);
 }
+
+moed_rpc *moed_rpc_local(moed_method method, moed_rpc_done_fn done, void *arg) {
+  moed_rpc *r = calloc(1, sizeof *r);
+  if (!r) return NULL;
+  r->method = method;
+  r->deadline_ns = UINT64_MAX;
+  atomic_init(&r->refs, 2);
+  pthread_mutex_init(&r->mu, NULL);
+  r->fin_details = grpc_empty_slice();
+  r->done = done;
+  r->done_arg = arg;
+  return r;
+}
+
+void moed_rpc_local_cancel(moed_rpc *r) { atomic_store(&r->cancelled, true); }
 
 bool moed_rpc_cancelled(const moed_rpc *r) { return atomic_load(&r->cancelled); }
 uint64_t moed_rpc_deadline_ns(const moed_rpc *r) { return r->deadline_ns; }
@@ -337,6 +355,11 @@ static void start_write_locked(moed_rpc *r) {
 }
 
 void moed_rpc_finish(moed_rpc *r, grpc_status_code code, const char *msg, grpc_byte_buffer *response) {
+  if (r->done) { /* a local call is unary: answered once */
+    r->done(r->done_arg, code, msg, response);
+    moed_rpc_release(r);
+    return;
+  }
   pthread_mutex_lock(&r->mu);
   if (r->method < MOED_M_COUNT && methods[r->method].read_stream) r->pending--;
   if (r->finishing) { /* a stream already ended (error or cancel): drop */

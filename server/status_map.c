@@ -1,6 +1,6 @@
 /* The status a failure is answered with: the one map from the op library's
  * status codes to gRPC's (see kernels/include/moe/status.h; keep the two in
- * step), and the message beside it. */
+ * step), gRPC's to HTTP's (the REST port), and the message beside it. */
 #include <stdarg.h>
 #include <stdio.h>
 
@@ -20,6 +20,26 @@ grpc_status_code moed_status_from_moe(moe_status s) {
   case MOE_EDEVICE: return GRPC_STATUS_INTERNAL;
   }
   return GRPC_STATUS_INTERNAL;
+}
+
+int moed_http_status_from_grpc(grpc_status_code code) {
+  switch (code) {
+  case GRPC_STATUS_OK: return 200;
+  case GRPC_STATUS_INVALID_ARGUMENT:
+  case GRPC_STATUS_OUT_OF_RANGE:
+  case GRPC_STATUS_FAILED_PRECONDITION: return 400;
+  case GRPC_STATUS_UNAUTHENTICATED: return 401;
+  case GRPC_STATUS_PERMISSION_DENIED: return 403;
+  case GRPC_STATUS_NOT_FOUND: return 404;
+  case GRPC_STATUS_ALREADY_EXISTS:
+  case GRPC_STATUS_ABORTED: return 409;
+  case GRPC_STATUS_RESOURCE_EXHAUSTED: return 429;
+  case GRPC_STATUS_CANCELLED: return 499; /* the client left (nginx's code; nobody reads it) */
+  case GRPC_STATUS_UNIMPLEMENTED: return 501;
+  case GRPC_STATUS_UNAVAILABLE: return 503;
+  case GRPC_STATUS_DEADLINE_EXCEEDED: return 504;
+  default: return 500;
+  }
 }
 
 grpc_status_code moed_failf(char *buf, grpc_status_code code, const char *fmt, ...) {

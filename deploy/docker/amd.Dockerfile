@@ -4,7 +4,7 @@
 # From the repository root:
 #   docker build -f deploy/docker/amd.Dockerfile -t moed-amd:dev .
 #   docker run --rm --device /dev/kfd --device /dev/dri --group-add video --group-add render \
-#     --read-only --tmpfs /tmp -v "$PWD/demo-models:/models" -p 8001:8001 -p 8002:8002 moed-amd:dev
+#     --read-only --tmpfs /tmp -v "$PWD/demo-models:/models" -p 8000:8000 -p 8001:8001 -p 8002:8002 moed-amd:dev
 # (--group-add render needs a group of that name in the image; otherwise give
 # the host's render group id: --group-add "$(getent group render | cut -d: -f3)".)
 # The HIP runtime (libamdhip64 and what it loads) is the ROCm base image's;
@@ -28,7 +28,7 @@ ENV PATH=/opt/moed/bin:$PATH \
     HOME=/tmp
 VOLUME ["/models"]
 USER 10001:10001
-EXPOSE 8001 8002
+EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
   CMD ["moec", "-a", "127.0.0.1:8001", "--timeout-ms", "3000", "health"]
 ENTRYPOINT ["moed"]

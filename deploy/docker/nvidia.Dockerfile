@@ -4,7 +4,7 @@
 # repository root:
 #   docker build -f deploy/docker/nvidia.Dockerfile -t moed-nvidia:dev .
 #   docker run --rm --gpus all --read-only --tmpfs /tmp -v "$PWD/demo-models:/models" \
-#     -p 8001:8001 -p 8002:8002 moed-nvidia:dev
+#     -p 8000:8000 -p 8001:8001 -p 8002:8002 moed-nvidia:dev
 # CUDA 13.0 is what the kernels are built and tested with (bench/RESULTS.md):
 # the node's driver must be 580 or newer. The CUDA runtime is linked
 # statically and libcuda comes from the driver (mounted by the NVIDIA
@@ -34,7 +34,7 @@ ENV PATH=/opt/moed/bin:$PATH \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 VOLUME ["/models"]
 USER 10001:10001
-EXPOSE 8001 8002
+EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
   CMD ["moec", "-a", "127.0.0.1:8001", "--timeout-ms", "3000", "health"]
 ENTRYPOINT ["moed"]

@@ -16,7 +16,7 @@ trap 'kill $gpu_pid $cpu_pid 2>/dev/null || true; rm -rf "$work"' EXIT
   --top-k 2 --seed 4 >/dev/null
 
 start() { # $1 device, $2 port file
-  "$bin/moed" --device "$1" --model-repository "$work/models" --grpc-port 0 --http-port -1 \
+  "$bin/moed" --device "$1" --model-repository "$work/models" --grpc-port 0 --http-port -1 --rest-port -1 \
     --port-file "$2" >"$log/moed-$1.log" 2>&1 &
   echo $!
 }

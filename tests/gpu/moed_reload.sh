@@ -14,7 +14,7 @@ trap 'kill $pid 2>/dev/null || true; rm -rf "$work"' EXIT
 
 "$bin/moe-mkset" --out "$work/models/big" --scheme bf16 --experts 8 --hidden 2048 --intermediate 4096 \
   --top-k 2 --seed 5 >/dev/null
-"$bin/moed" --device gpu --model-repository "$work/models" --grpc-port 0 --http-port 0 \
+"$bin/moed" --device gpu --model-repository "$work/models" --grpc-port 0 --http-port 0 --rest-port -1 \
   --port-file "$work/port" >"$log/moed-reload.log" 2>&1 &
 pid=$!
 for _ in $(seq 100); do [ -s "$work/port" ] && break; sleep 0.1; done
@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 
 work, moec, pid, cycles = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-gport, hport = open(f"{work}/port").read().split()
+gport, hport = open(f"{work}/port").read().split()[:2]
 rng = np.random.default_rng(1)
 np.save(f"{work}/h.npy", (rng.standard_normal((8, 2048)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16))
 np.save(f"{work}/logits.npy", rng.standard_normal((8, 8)).astype(np.float32))

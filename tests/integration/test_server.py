@@ -37,11 +37,12 @@ def start(tmp, *extra, preexec_fn=None):
         os.unlink(port_file)
     log = open(os.path.join(tmp, "moed.log"), "ab")
     p = subprocess.Popen([MOED, "--address", "127.0.0.1", "--grpc-port", "0", "--http-port", "0",
-                          "--port-file", port_file, "--workers", "2", *extra], stdout=log, stderr=log,
-                         preexec_fn=preexec_fn)
+                          "--rest-port", "0", "--port-file", port_file, "--workers", "2", *extra],
+                         stdout=log, stderr=log, preexec_fn=preexec_fn)
     for _ in range(200):
         if os.path.exists(port_file):
-            g, h = open(port_file).read().split()
+            g, h, r = open(port_file).read().split()
+            p.rest_port = int(r)  # the KServe REST port (test_rest.py)
             return p, int(g), int(h)
         if p.poll() is not None:
             raise SystemExit("moed exited early: see " + log.name)

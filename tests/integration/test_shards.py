@@ -43,7 +43,7 @@ def start(tmp, repo):
     os.makedirs(tmp, exist_ok=True)
     port_file = os.path.join(tmp, "ports")
     log = open(os.path.join(tmp, "moed.log"), "ab")
-    p = subprocess.Popen([MOED, "--address", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", "--port-file",
+    p = subprocess.Popen([MOED, "--address", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", "--rest-port", "-1", "--port-file",
                           port_file, "--device", "cpu", "--workers", "1", "--model-repository", repo],
                          stdout=log, stderr=log)
     for _ in range(400):

@@ -1,0 +1,448 @@
+/* http_conn: HTTP/1.1 connections on the loop, for both HTTP listeners
+ * (http.c's side port, rest.c's KServe REST port): accept with a cap on
+ * open connections, parse with http-parser, buffer a bounded body, hand
+ * each whole request to the listener's handler, write its answer, and keep
+ * the connection for the next request or close it.
+ *
+ * Deadlines (slowloris): a request's line and headers must arrive within
+ * --handshake-timeout of its first byte, and its body may pause at most as
+ * long between two reads; a keep-alive connection waits --idle-timeout for
+ * its next request. While the handler works (the answer may come from a
+ * worker), no deadline runs: the answer has its own bounds. One request at
+ * a time per connection: reading stops until the answer is written, and
+ * bytes of a pipelined next request are kept for then. */
+#include <cjson/cJSON.h>
+#include <http_parser.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moed.h"
+
+#define IHCL "inference-header-content-length"
+
+enum { H_OTHER, H_IHCL, H_EXPECT, H_ENCODING };
+
+struct moed_http_listener {
+  uv_tcp_t tcp;
+  uv_loop_t *loop;
+  moed_http_options o;
+  moed_http_handler fn;
+  void *arg;
+  moed_http_conn *conns; /* open connections (loop thread) */
+  int open;
+  uint64_t refused, timeouts;
+  bool closing;
+};
+
+struct moed_http_conn {
+  moed_http_conn *next, **prev;
+  uv_tcp_t tcp;
+  uv_timer_t timer;
+  int handles; /* open handles of tcp and timer: freed at 0 */
+  moed_http_listener *l;
+  http_parser parser;
+  moed_http_request rq;
+  size_t body_cap;
+  bool in_request; /* its first byte came: the deadline is the request's, not the idle one */
+  bool url_long, too_large, in_body;
+  int header;    /* the header whose value comes: H_* */
+  char hval[32]; /* the Inference-Header-Content-Length value */
+  size_t hval_len;
+  bool expect_continue; /* Expect: 100-continue (curl sends it before a body over 1 KiB) */
+  bool encoded;         /* Content-Encoding other than identity: 415 */
+  bool busy;            /* a whole request is with the handler or its answer being written */
+  bool keep_alive;      /* of the current request */
+  bool closing;
+  void (*gone)(void *); /* the deferred handler's: the connection closed first */
+  void *gone_arg;
+  char *pending; /* bytes read past the current request (pipelined) */
+  size_t pending_len;
+};
+
+/* ---- connections ---------------------------------------------------------------- */
+
+static void on_closed(uv_handle_t *hd) {
+  moed_http_conn *c = hd->data;
+  if (--c->handles) return;
+  free(c->rq.body);
+  free(c->pending);
+  free(c);
+}
+
+static void close_conn(moed_http_conn *c) {
+  if (c->closing) return;
+  c->closing = true;
+  if (c->gone) c->gone(c->gone_arg);
+  c->gone = NULL;
+  *c->prev = c->next;
+  if (c->next) c->next->prev = c->prev;
+  c->l->open--;
+  uv_close((uv_handle_t *)&c->tcp, on_closed);
+  uv_close((uv_handle_t *)&c->timer, on_closed);
+}
+
+static void on_deadline(uv_timer_t *t) {
+  moed_http_conn *c = t->data;
+  if (c->in_request) c->l->timeouts++; /* an idle keep-alive connection's end is no timeout */
+  close_conn(c);
+}
+
+static void arm(moed_http_conn *c, int seconds) {
+  uv_timer_start(&c->timer, on_deadline, (uint64_t)seconds * 1000, 0);
+}
+
+/* ---- parsing ----------------------------------------------------------------------- */
+
+static int on_message_begin(http_parser *p) {
+  moed_http_conn *c = p->data;
+  c->rq.path[0] = 0;
+  c->rq.body_len = 0;
+  c->rq.inference_header_length = -1;
+  c->url_long = c->too_large = c->in_body = c->expect_continue = c->encoded = false;
+  c->header = H_OTHER;
+  c->in_request = true;
+  c->hval_len = 0;
+  arm(c, c->l->o.cfg->handshake_timeout_s);
+  return 0;
+}
+
+static int on_url(http_parser *p, const char *at, size_t len) {
+  moed_http_conn *c = p->data;
+  size_t have = strlen(c->rq.path);
+  if (len > sizeof c->rq.path - 1 - have) {
+    c->url_long = true;
+    return 1;
+  }
+  memcpy(c->rq.path + have, at, len);
+  c->rq.path[have + len] = 0;
+  return 0;
+}
+
+static int on_header_field(http_parser *p, const char *at, size_t len) {
+  moed_http_conn *c = p->data;
+  /* a name may arrive in pieces: only a whole one that matches counts */
+  c->header = len == strlen(IHCL) && strncasecmp(at, IHCL, len) == 0      ? H_IHCL
+              : len == 6 && strncasecmp(at, "expect", 6) == 0             ? H_EXPECT
+              : len == 16 && strncasecmp(at, "content-encoding", 16) == 0 ? H_ENCODING
+                                                                          : H_OTHER;
+  return 0;
+}
+
+static int on_header_value(http_parser *p, const char *at, size_t len) {
+  moed_http_conn *c = p->data;
+  /* no decompression here: a compressed body would read as malformed JSON */
+  if (c->header == H_ENCODING && !(len == 8 && strncasecmp(at, "identity", 8) == 0)) c->encoded = true;
+  if (c->header == H_EXPECT) c->expect_continue = len == 12 && strncasecmp(at, "100-continue", 12) == 0;
+  if (c->header != H_IHCL) return 0;
+  if (len >= sizeof c->hval - c->hval_len) len = sizeof c->hval - 1 - c->hval_len;
+  memcpy(c->hval + c->hval_len, at, len);
+  c->hval_len += len;
+  c->hval[c->hval_len] = 0;
+  return 0;
+}
+
+static int on_headers_complete(http_parser *p) {
+  moed_http_conn *c = p->data;
+  if (c->hval_len) {
+    char *end;
+    long long v = strtoll(c->hval, &end, 10);
+    c->rq.inference_header_length = (end == c->hval || *end || v < 0) ? -2 : v;
+  }
+  /* chunked bodies have no length: they are checked as they arrive */
+  if (!(p->flags & F_CHUNKED) && p->content_length != ULLONG_MAX && p->content_length > c->l->o.max_body) {
+    c->too_large = true;
+    return -1; /* an error: the parse stops here (1 would mean "no body") */
+  }
+  if (c->encoded) return -1;
+  c->in_body = true;
+  if (c->expect_continue && p->content_length > 0) { /* the client waits for this before its body */
+    static char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
+    uv_buf_t b = uv_buf_init(cont, sizeof cont - 1);
+    uv_try_write((uv_stream_t *)&c->tcp, &b, 1); /* a fresh connection's socket takes 25 bytes; if not, the
+                                                   client sends the body after its own wait (curl: 1 s) */
+  }
+  return 0;
+}
+
+static int on_body(http_parser *p, const char *at, size_t len) {
+  moed_http_conn *c = p->data;
+  if (len > c->l->o.max_body - c->rq.body_len) {
+    c->too_large = true;
+    return 1;
+  }
+  if (c->rq.body_len + len + 1 > c->body_cap) { /* + 1: the handler gets a NUL after the body */
+    size_t cap = c->body_cap ? c->body_cap : 4096;
+    while (cap < c->rq.body_len + len + 1)
+      cap = cap > SIZE_MAX / 2 ? SIZE_MAX : cap * 2;
+    char *g = realloc(c->rq.body, cap);
+    if (!g) {
+      c->too_large = true;
+      return 1;
+    }
+    c->rq.body = g;
+    c->body_cap = cap;
+  }
+  memcpy(c->rq.body + c->rq.body_len, at, len);
+  c->rq.body_len += len;
+  return 0;
+}
+
+static int on_message_complete(http_parser *p) {
+  moed_http_conn *c = p->data;
+  c->busy = true;
+  c->in_request = false;
+  c->keep_alive = c->l->o.keep_alive && http_should_keep_alive(p);
+  http_parser_pause(p, 1); /* one request at a time: the rest waits in c->pending */
+  return 0;
+}
+
+static const http_parser_settings settings = {
+    .on_message_begin = on_message_begin,
+    .on_url = on_url,
+    .on_header_field = on_header_field,
+    .on_header_value = on_header_value,
+    .on_headers_complete = on_headers_complete,
+    .on_body = on_body,
+    .on_message_complete = on_message_complete,
+};
+
+static void fail_request(moed_http_conn *c, int code, const char *why) {
+  c->busy = true;
+  c->keep_alive = false;
+  uv_read_stop((uv_stream_t *)&c->tcp);
+  moed_http_respond_error(c, code, why);
+}
+
+/* Feeds data[0..n) to the parser; a whole request goes to the handler. */
+static void feed(moed_http_conn *c, const char *data, size_t n) {
+  size_t used = http_parser_execute(&c->parser, &settings, data, n);
+  if (c->too_large) {
+    char why[160];
+    snprintf(why, sizeof why, "request body exceeds the limit of %zu bytes (--max-message-bytes)",
+             c->l->o.max_body);
+    return fail_request(c, 413, why);
+  }
+  if (c->url_long) return fail_request(c, 414, "request URL too long");
+  if (c->encoded) return fail_request(c, 415, "Content-Encoding: moed takes uncompressed bodies only");
+  if (!c->busy) {
+    if (c->parser.http_errno != HPE_OK) {
+      char why[160];
+      snprintf(why, sizeof why, "malformed HTTP request: %s",
+               http_errno_description(HTTP_PARSER_ERRNO(&c->parser)));
+      fail_request(c, 400, why);
+    } else if (c->in_body) {
+      arm(c, c->l->o.cfg->handshake_timeout_s); /* the body is coming: the next read has as long */
+    }
+    return;
+  }
+  uv_read_stop((uv_stream_t *)&c->tcp);
+  uv_timer_stop(&c->timer);
+  if (used < n) { /* a pipelined request: kept for after this answer */
+    char *keep = malloc(n - used);
+    if (!keep) return close_conn(c);
+    memcpy(keep, data + used, n - used);
+    free(c->pending);
+    c->pending = keep;
+    c->pending_len = n - used;
+  }
+  char *q = strchr(c->rq.path, '?');
+  if (q) *q = 0;
+  if (c->rq.body) c->rq.body[c->rq.body_len] = 0;
+  c->rq.method = (int)c->parser.method;
+  c->l->fn(c, &c->rq, c->l->arg);
+}
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+  (void)h;
+  buf->base = malloc(suggested);
+  buf->len = buf->base ? suggested : 0;
+}
+
+static void on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
+  moed_http_conn *c = st->data;
+  if (n > 0 && !c->busy && !c->closing)
+    feed(c, buf->base, (size_t)n);
+  else if (n < 0)
+    close_conn(c);
+  free(buf->base);
+}
+
+/* The answer is written: the next request, or the end. */
+static void next_request(moed_http_conn *c) {
+  if (c->closing) return;
+  if (!c->keep_alive) return close_conn(c);
+  c->busy = false;
+  free(c->rq.body); /* a large body's buffer is not kept for an idle connection */
+  c->rq.body = NULL;
+  c->rq.body_len = c->body_cap = 0;
+  c->in_body = false;
+  http_parser_pause(&c->parser, 0);
+  arm(c, c->l->o.cfg->idle_timeout_s);
+  if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) != 0) return close_conn(c);
+  if (c->pending) {
+    char *p = c->pending;
+    size_t len = c->pending_len;
+    c->pending = NULL;
+    c->pending_len = 0;
+    feed(c, p, len);
+    free(p);
+  }
+}
+
+/* ---- answers ---------------------------------------------------------------------- */
+
+typedef struct write_req {
+  uv_write_t w;
+  moed_http_conn *c;
+  char *head;
+  void (*release)(void *);
+  void *release_arg;
+} write_req;
+
+static void on_written(uv_write_t *w, int status) {
+  write_req *wr = (write_req *)w;
+  moed_http_conn *c = wr->c;
+  if (wr->release) wr->release(wr->release_arg);
+  free(wr->head);
+  free(wr);
+  if (status < 0)
+    close_conn(c);
+  else
+    next_request(c);
+}
+
+void moed_http_respond(moed_http_conn *c, int code, const char *ctype, const char *extra,
+                       const uv_buf_t *body, size_t nbody, void (*release)(void *), void *arg) {
+  c->gone = NULL;
+  if (c->closing) {
+    if (release) release(arg);
+    return;
+  }
+  size_t len = 0;
+  for (size_t i = 0; i < nbody; i++)
+    len += body[i].len;
+  char head[512];
+  int hn =
+      snprintf(head, sizeof head, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n%s%s\r\n",
+               code, http_status_str((enum http_status)code), ctype, len, extra ? extra : "",
+               c->keep_alive ? "" : "Connection: close\r\n");
+  write_req *wr = calloc(1, sizeof *wr);
+  uv_buf_t bufs[4];
+  if (!wr || hn < 0 || (size_t)hn >= sizeof head || nbody > 3 || !(wr->head = strdup(head))) {
+    free(wr);
+    if (release) release(arg);
+    return close_conn(c);
+  }
+  wr->c = c;
+  wr->release = release;
+  wr->release_arg = arg;
+  bufs[0] = uv_buf_init(wr->head, (unsigned)hn);
+  for (size_t i = 0; i < nbody; i++)
+    bufs[i + 1] = body[i];
+  if (uv_write(&wr->w, (uv_stream_t *)&c->tcp, bufs, (unsigned)nbody + 1, on_written) != 0) {
+    if (release) release(arg);
+    free(wr->head);
+    free(wr);
+    close_conn(c);
+  }
+}
+
+void moed_http_respond_copy(moed_http_conn *c, int code, const char *ctype, const char *body, size_t len) {
+  char *copy = malloc(len ? len : 1);
+  if (!copy) return close_conn(c);
+  memcpy(copy, body, len);
+  uv_buf_t b = uv_buf_init(copy, (unsigned)len);
+  moed_http_respond(c, code, ctype, NULL, &b, 1, free, copy);
+}
+
+void moed_http_respond_error(moed_http_conn *c, int code, const char *msg) {
+  /* cJSON writes the message as a JSON string (quotes, control characters) */
+  cJSON *o = cJSON_CreateObject();
+  char *s = o && cJSON_AddStringToObject(o, "error", msg) ? cJSON_PrintUnformatted(o) : NULL;
+  cJSON_Delete(o);
+  if (!s) return close_conn(c);
+  uv_buf_t b = uv_buf_init(s, (unsigned)strlen(s));
+  moed_http_respond(c, code, "application/json", NULL, &b, 1, free, s);
+}
+
+void moed_http_defer(moed_http_conn *c, void (*gone)(void *), void *arg) {
+  c->gone = gone;
+  c->gone_arg = arg;
+}
+
+/* ---- the listener ---------------------------------------------------------------- */
+
+static void on_connection(uv_stream_t *server, int status) {
+  moed_http_listener *l = server->data;
+  if (status < 0) return;
+  moed_http_conn *c = calloc(1, sizeof *c);
+  if (!c) return;
+  c->l = l;
+  l->open++;
+  c->next = l->conns;
+  if (c->next) c->next->prev = &c->next;
+  c->prev = &l->conns;
+  l->conns = c;
+  uv_tcp_init(l->loop, &c->tcp);
+  uv_timer_init(l->loop, &c->timer);
+  c->handles = 2;
+  c->tcp.data = c->timer.data = c;
+  if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0) return close_conn(c);
+  if (l->open > l->o.cfg->http_max_connections) { /* accepted only to leave the backlog */
+    l->refused++;
+    return close_conn(c);
+  }
+  http_parser_init(&c->parser, HTTP_REQUEST);
+  c->parser.data = c;
+  arm(c, l->o.cfg->handshake_timeout_s);
+  if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) != 0) close_conn(c);
+}
+
+int moed_http_listen(uv_loop_t *loop, const char *address, int port, const moed_http_options *o,
+                     moed_http_handler fn, void *arg, moed_http_listener **out, int *bound_port) {
+  struct sockaddr_storage addr;
+  if (uv_ip4_addr(address, port, (struct sockaddr_in *)&addr) != 0 &&
+      uv_ip6_addr(address, port, (struct sockaddr_in6 *)&addr) != 0) {
+    moed_log(MOED_LOG_ERROR, "bind_failed", "%s %s:%d: not an IP address", o->name, address, port);
+    return -1;
+  }
+  moed_http_listener *l = calloc(1, sizeof *l);
+  if (!l) return -1;
+  l->loop = loop;
+  l->o = *o;
+  l->fn = fn;
+  l->arg = arg;
+  uv_tcp_init(loop, &l->tcp);
+  l->tcp.data = l;
+  int rc = uv_tcp_bind(&l->tcp, (const struct sockaddr *)&addr, 0);
+  if (rc == 0) rc = uv_listen((uv_stream_t *)&l->tcp, 128, on_connection);
+  uv_os_fd_t lfd;
+  if (rc == 0 && o->side && uv_fileno((uv_handle_t *)&l->tcp, &lfd) == 0) moed_fd_budget_side_listener(lfd);
+  if (rc != 0) {
+    moed_log(MOED_LOG_ERROR, "bind_failed", "%s %s:%d: %s", o->name, address, port, uv_strerror(rc));
+    moed_http_listener_close(l);
+    return -1;
+  }
+  struct sockaddr_storage name;
+  int len = sizeof name;
+  uv_tcp_getsockname(&l->tcp, (struct sockaddr *)&name, &len);
+  *bound_port = ntohs(((struct sockaddr_in *)&name)->sin_port);
+  *out = l;
+  return 0;
+}
+
+void moed_http_counts(const moed_http_listener *l, int *open, uint64_t *refused, uint64_t *timeouts) {
+  *open = l->open;
+  *refused = l->refused;
+  *timeouts = l->timeouts;
+}
+
+static void on_listener_closed(uv_handle_t *hd) { free(hd->data); }
+
+void moed_http_listener_close(moed_http_listener *l) {
+  if (!l) return;
+  while (l->conns)
+    close_conn(l->conns);
+  uv_close((uv_handle_t *)&l->tcp, on_listener_closed);
+}
