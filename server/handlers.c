@@ -231,6 +231,13 @@ static int32_t max_batch_size(const moed_server *s, const moed_model *m, const i
   return (int32_t)s->cfg->max_batch_tokens; /* the flag's range is at most INT32_MAX */
 }
 
+int32_t moed_model_max_batch_size(const moed_server *s, const moed_model *m) {
+  io_list ins, outs;
+  model_io(m, true, &ins);
+  model_io(m, false, &outs);
+  return max_batch_size(s, m, &ins, &outs);
+}
+
 static moed_model *model_or_reply(moed_server *s, moed_request *req, const char *name, const char *version) {
   moed_model *m = moed_repository_acquire(s->repo, name);
   if (!m) {
@@ -374,8 +381,9 @@ typedef struct stats_out {
   Inference__ModelStatistics *v;
   Inference__StatisticDuration *d;
   Inference__InferStatistics *is;
-  Inference__InferBatchStatistics *bs, **pbs; /* MOED_BATCH_STATS per model */
+  Inference__InferBatchStatistics *bs, **pbs; /* MOED_BATCH_SIZES per model */
   Inference__StatisticDuration *bd;           /* 3 per batch statistic */
+  moed_batch_snapshot *snap;                  /* MOED_BATCH_SIZES, reused per model */
   size_t n, cap;
 } stats_out;
 
@@ -388,7 +396,7 @@ static void dur(Inference__StatisticDuration *d, uint64_t count, uint64_t ns) {
 static void collect_stats(moed_model *m, void *arg) {
   stats_out *o = arg;
   if ((o->only && strcmp(o->only, m->name) != 0) || o->n == o->cap) return;
-  const moed_model_stats *st = m->stats;
+  moed_model_stats *st = m->stats;
   Inference__ModelStatistics *ms = &o->v[o->n];
   Inference__InferStatistics *is = &o->is[o->n];
   Inference__StatisticDuration *d = &o->d[o->n * 6];
@@ -396,15 +404,17 @@ static void collect_stats(moed_model *m, void *arg) {
   inference__infer_statistics__init(is);
   ms->name = m->name;
   ms->version = "1";
+  /* the count first: every time read after it includes at least its requests */
+  const uint64_t ok = atomic_load(&st->success_count);
   ms->last_inference = atomic_load(&st->last_inference_ms);
   ms->inference_count = atomic_load(&st->inference_count);
   ms->execution_count = atomic_load(&st->execution_count);
-  dur(&d[0], atomic_load(&st->success_count), atomic_load(&st->success_ns));
+  dur(&d[0], ok, atomic_load(&st->success_ns));
   dur(&d[1], atomic_load(&st->fail_count), atomic_load(&st->fail_ns));
-  dur(&d[2], atomic_load(&st->queue_count), atomic_load(&st->queue_ns));
-  dur(&d[3], atomic_load(&st->compute_input_count), atomic_load(&st->compute_input_ns));
-  dur(&d[4], atomic_load(&st->compute_count), atomic_load(&st->compute_ns));
-  dur(&d[5], atomic_load(&st->compute_output_count), atomic_load(&st->compute_output_ns));
+  dur(&d[2], ok, atomic_load(&st->queue_ns));
+  dur(&d[3], ok, atomic_load(&st->compute_input_ns));
+  dur(&d[4], ok, atomic_load(&st->compute_ns));
+  dur(&d[5], ok, atomic_load(&st->compute_output_ns));
   is->success = &d[0];
   is->fail = &d[1];
   is->queue = &d[2];
@@ -412,24 +422,22 @@ static void collect_stats(moed_model *m, void *arg) {
   is->compute_infer = &d[4];
   is->compute_output = &d[5];
   ms->inference_stats = is;
-  /* executions per batch size (requests merged into one call) */
-  Inference__InferBatchStatistics *bs = &o->bs[o->n * MOED_BATCH_STATS];
-  Inference__InferBatchStatistics **pbs = &o->pbs[o->n * MOED_BATCH_STATS];
-  Inference__StatisticDuration *bd = &o->bd[o->n * MOED_BATCH_STATS * 3];
-  size_t nb = 0;
-  for (size_t i = 0; i < MOED_BATCH_STATS; i++) {
-    uint64_t count = atomic_load(&st->batch_count[i]);
-    if (!count) continue;
-    inference__infer_batch_statistics__init(&bs[nb]);
-    bs[nb].batch_size = i + 1;
-    dur(&bd[nb * 3], count, atomic_load(&st->batch_input_ns[i]));
-    dur(&bd[nb * 3 + 1], count, atomic_load(&st->batch_ns[i]));
-    dur(&bd[nb * 3 + 2], count, atomic_load(&st->batch_output_ns[i]));
-    bs[nb].compute_input = &bd[nb * 3];
-    bs[nb].compute_infer = &bd[nb * 3 + 1];
-    bs[nb].compute_output = &bd[nb * 3 + 2];
-    pbs[nb] = &bs[nb];
-    nb++;
+  /* executions per batch size */
+  Inference__InferBatchStatistics *bs = &o->bs[o->n * MOED_BATCH_SIZES];
+  Inference__InferBatchStatistics **pbs = &o->pbs[o->n * MOED_BATCH_SIZES];
+  Inference__StatisticDuration *bd = &o->bd[o->n * MOED_BATCH_SIZES * 3];
+  size_t nb = moed_stats_batches(st, o->snap);
+  for (size_t i = 0; i < nb; i++) {
+    const moed_batch_snapshot *b = &o->snap[i];
+    inference__infer_batch_statistics__init(&bs[i]);
+    bs[i].batch_size = b->size;
+    dur(&bd[i * 3], b->count, b->input_ns);
+    dur(&bd[i * 3 + 1], b->count, b->infer_ns);
+    dur(&bd[i * 3 + 2], b->count, b->output_ns);
+    bs[i].compute_input = &bd[i * 3];
+    bs[i].compute_infer = &bd[i * 3 + 1];
+    bs[i].compute_output = &bd[i * 3 + 2];
+    pbs[i] = &bs[i];
   }
   ms->n_batch_stats = nb;
   ms->batch_stats = pbs;
@@ -451,11 +459,12 @@ static void model_statistics(moed_server *s, moed_request *req) {
   o.v = calloc(o.cap, sizeof *o.v);
   o.is = calloc(o.cap, sizeof *o.is);
   o.d = calloc(o.cap * 6, sizeof *o.d);
-  o.bs = calloc(o.cap * MOED_BATCH_STATS, sizeof *o.bs);
-  o.pbs = calloc(o.cap * MOED_BATCH_STATS, sizeof *o.pbs);
-  o.bd = calloc(o.cap * MOED_BATCH_STATS * 3, sizeof *o.bd);
+  o.bs = calloc(o.cap * MOED_BATCH_SIZES, sizeof *o.bs);
+  o.pbs = calloc(o.cap * MOED_BATCH_SIZES, sizeof *o.pbs);
+  o.bd = calloc(o.cap * MOED_BATCH_SIZES * 3, sizeof *o.bd);
+  o.snap = calloc(MOED_BATCH_SIZES, sizeof *o.snap);
   Inference__ModelStatistics **pv = calloc(o.cap, sizeof *pv);
-  if (!o.v || !o.is || !o.d || !o.bs || !o.pbs || !o.bd || !pv) {
+  if (!o.v || !o.is || !o.d || !o.bs || !o.pbs || !o.bd || !o.snap || !pv) {
     reply_error(req, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory");
     goto done;
   }
@@ -478,6 +487,7 @@ done:
   free(o.bs);
   free(o.pbs);
   free(o.bd);
+  free(o.snap);
   protobuf_c_message_free_unpacked(&in->base, NULL);
 }
 

@@ -46,6 +46,10 @@ void moed_batch_key(moed_infer_req *r, const moed_server *srv);
 
 /* ---- infer_answer.c ------------------------------------------------------------------- */
 
+/* r's batch size as Triton counts it: its rows along the batch axis for a
+ * model that has one (moed_model_max_batch_size > 0), else 1. */
+uint64_t moed_infer_batch_size(const moed_server *srv, const moed_infer_req *r);
+
 /* Answers r (resp: the encoded response, taken; NULL on failure), records
  * its statistics (t: its time on the worker; NULL or start_ns 0: it never
  * started) and frees it. */

@@ -190,16 +190,25 @@ typedef struct moed_hist {
   _Atomic uint64_t count, sum_ns;
 } moed_hist;
 
-#define MOED_BATCH_STATS 64 /* batch sizes 1..64 (larger ones counted as 64) */
+/* Distinct batch sizes tracked per model (Triton's batch_stats); executions
+ * of sizes beyond the first this many are counted in batch_untracked. */
+#define MOED_BATCH_SIZES 256
 
+/* One batch size's executions; `size` 0: a free slot (claimed once). */
+typedef struct moed_batch_stat {
+  _Atomic uint64_t size, count, input_ns, infer_ns, output_ns;
+} moed_batch_stat;
+
+/* Every success counts once in queue, compute_input, compute_infer and
+ * compute_output, so one counter (success_count) is their count: a reader
+ * never sees them differ (perf_analyzer aborts when they do). */
 typedef struct moed_model_stats {
   _Atomic uint64_t success_count, success_ns, fail_count, fail_ns;
-  _Atomic uint64_t batch_count[MOED_BATCH_STATS], batch_ns[MOED_BATCH_STATS];
-  _Atomic uint64_t batch_input_ns[MOED_BATCH_STATS], batch_output_ns[MOED_BATCH_STATS];
-  _Atomic uint64_t queue_count, queue_ns, compute_count, compute_ns;
-  _Atomic uint64_t compute_input_count, compute_input_ns, compute_output_count, compute_output_ns;
+  _Atomic uint64_t queue_ns, compute_input_ns, compute_ns, compute_output_ns;
   _Atomic uint64_t inference_count, execution_count, last_inference_ms;
   _Atomic uint64_t bytes_in, bytes_out;
+  moed_batch_stat batch[MOED_BATCH_SIZES]; /* open addressing by size */
+  _Atomic uint64_t batch_untracked;
   moed_hist queue_hist, compute_hist, total_hist;
 } moed_model_stats;
 
@@ -216,13 +225,22 @@ typedef struct moed_timing {
 } moed_timing;
 
 /* One request answered (ok or not): its time queued (arrival to t's start),
- * on the worker (t; NULL: it never started), in all, and its tensor bytes
- * in and out. */
+ * on the worker (t; NULL: it never started), in all, its batch size
+ * (inferences: the rows along the batch axis for a model with one, else 1)
+ * and its tensor bytes in and out. */
 void moed_stats_record(moed_model_stats *st, bool ok, uint64_t queue_ns, const moed_timing *t,
-                       uint64_t total_ns, uint64_t in, uint64_t out);
-/* One execution of `size` merged requests (Triton's batch statistics); t's
- * output is the copy to the host (encoding is per request). */
-void moed_stats_record_execution(moed_model_stats *st, size_t size, const moed_timing *t);
+                       uint64_t total_ns, uint64_t inferences, uint64_t in, uint64_t out);
+/* One execution of batch size `size` (Triton's batch statistics: the rows
+ * of every request merged, along the batch axis; requests merged for a
+ * model without one); t's output is the copy to the host (encoding is per
+ * request). */
+void moed_stats_record_execution(moed_model_stats *st, uint64_t size, const moed_timing *t);
+typedef struct moed_batch_snapshot {
+  uint64_t size, count, input_ns, infer_ns, output_ns;
+} moed_batch_snapshot;
+/* The batch sizes executed so far into out[0..MOED_BATCH_SIZES), in
+ * increasing size; returns how many. */
+size_t moed_stats_batches(moed_model_stats *st, moed_batch_snapshot *out);
 
 /* ---- repository.c: models and their reference counts ----------------------- */
 
@@ -329,6 +347,9 @@ void moed_handle_request(moed_request *req, void *server);
  * a hand-off (each one costs a thread wake-up: about as much as the whole
  * call on this stack). */
 bool moed_handle_inline(moed_request *req, void *server);
+/* Triton's max_batch_size of model m (ModelConfig): > 0 when every tensor
+ * leads with the token axis the batcher merges along (its batch axis). */
+int32_t moed_model_max_batch_size(const moed_server *s, const moed_model *m);
 /* Health status changed (drain): answers every Watch stream. */
 void moed_health_changed(moed_server *s);
 /* Ends every Watch stream (shutdown). */
