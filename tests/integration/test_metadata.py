@@ -147,8 +147,13 @@ def test_statistics(cli, ch):
     with cf.ThreadPoolExecutor(len(reqs)) as pool:
         list(pool.map(lambda r: infer_pb(ch, r), reqs))
     s, _ = check_counts(cli, "bf16set", 2 * n, "bf16 set, concurrent")
-    check(s.execution_count <= s.inference_count == 2 * n,
-          f"bf16 set executions {s.execution_count} <= inferences {s.inference_count}")
+    # Triton counts inferences and batch sizes along the batch axis: 3 rows each
+    check(s.inference_count == 3 * 2 * n, f"bf16 set inference_count = rows ({s.inference_count} != {6 * n})")
+    sizes = {b.batch_size: b.compute_infer.count for b in s.batch_stats}
+    check(sum(k * v for k, v in sizes.items()) == 3 * 2 * n and all(k % 3 == 0 for k in sizes),
+          f"bf16 set batch_stats by rows executed, multiples of 3 summing to {6 * n} ({sizes})")
+    check(s.execution_count == sum(sizes.values()) < 2 * n,
+          f"bf16 set executions {s.execution_count}: merged, one per batch_stats count")
 
 
 def main():
