@@ -682,9 +682,14 @@ void moed_handle_request(moed_request *req, void *arg) {
   case MOED_M_REPOSITORY_LOAD:
   case MOED_M_REPOSITORY_UNLOAD:
   case MOED_M_EXPERT_UPLOAD:
-    if (s->cfg->model_control == MOED_CONTROL_NONE) { /* an upload stream: refused at its first message */
-      moed_rpc_finish(req->rpc, GRPC_STATUS_UNAVAILABLE,
-                      "the model repository is not changed by RPC (--model-control-mode none)", NULL);
+    /* refused for good (not UNAVAILABLE: a retry cannot succeed); an upload
+     * stream at its first message */
+    if (s->cfg->model_control == MOED_CONTROL_NONE || s->cfg->model_control == MOED_CONTROL_POLL) {
+      moed_rpc_finish(req->rpc, GRPC_STATUS_FAILED_PRECONDITION,
+                      s->cfg->model_control == MOED_CONTROL_NONE
+                          ? "the model repository is not changed by RPC (--model-control-mode none)"
+                          : "the model repository follows its directory (--model-control-mode poll)",
+                      NULL);
       break;
     }
     if (req->method == MOED_M_EXPERT_UPLOAD)

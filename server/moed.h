@@ -27,6 +27,7 @@ typedef struct moed_config {
   const char *http_address;    /* the HTTP port's, when it differs (NULL: address) */
   bool http_off;               /* --allow-http false: no HTTP port whatever --http-port says */
   int model_control;           /* MOED_CONTROL_*: what is loaded at start, whether RPCs may change it */
+  int repository_poll_secs;    /* poll: seconds between scans of the repository directory */
   const char *load_models[64]; /* --load-model names (explicit control; "*": every set) */
   int n_load_models;
   int grpc_port;                /* 8001; 0 = pick a free one */
@@ -69,8 +70,9 @@ int moed_config_parse(moed_config *cfg, int argc, char **argv);
 enum { MOED_LOG_ERROR = 0, MOED_LOG_WARN, MOED_LOG_INFO, MOED_LOG_DEBUG };
 /* --model-control-mode: moed's own (every set loaded at start, the repository
  * RPCs and uploads allowed), Triton's none (every set loaded, no changes by
- * RPC) and explicit (only --load-model sets loaded, changes allowed) */
-enum { MOED_CONTROL_MOED = 0, MOED_CONTROL_NONE, MOED_CONTROL_EXPLICIT };
+ * RPC), explicit (only --load-model sets loaded, changes allowed) and poll
+ * (every set loaded, then the directory followed; no changes by RPC) */
+enum { MOED_CONTROL_MOED = 0, MOED_CONTROL_NONE, MOED_CONTROL_EXPLICIT, MOED_CONTROL_POLL };
 void moed_log_init(int level, bool json);
 /* One line per event: `event` is a short key ("listening", "model_loaded"),
  * the rest a printf message. */
@@ -271,6 +273,15 @@ moe_status moed_repository_load(moed_repository *r, const char *name, moe_error 
 moe_status moed_repository_unload(moed_repository *r, const char *name, moe_error *err);
 /* Adds a set built elsewhere (ExpertStore upload); takes ownership. */
 moe_status moed_repository_add(moed_repository *r, moe_expert_set *set, bool replace, moe_error *err);
+
+/* ---- repository_poll.c: --model-control-mode poll ----------------------------- */
+
+typedef struct moed_poller moed_poller;
+/* Records the directory's sets as loaded now, then rescans every `secs`
+ * on a thread of its own (loads new and changed sets, unloads removed ones). */
+int moed_poller_start(moed_repository *r, const char *dir, int secs, moed_poller **out);
+/* Joins the thread (after a load in progress); NULL is a no-op. */
+void moed_poller_stop(moed_poller *p);
 
 typedef struct moed_index_entry {
   char name[128];
