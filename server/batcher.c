@@ -197,6 +197,9 @@ void moed_infer_dispatch(moed_server *s, moed_infer_req **reqs, size_t n) {
   infer_job *j = job_new(s, n);
   if (j) {
     memcpy(j->reqs, reqs, n * sizeof *reqs);
+    j->job.priority = MOED_PRIORITY_LEVELS; /* a merged call runs at its highest request's level */
+    for (size_t k = 0; k < n; k++)
+      if (reqs[k]->priority < j->job.priority) j->job.priority = reqs[k]->priority;
     if (moed_devices_submit(s->devices, &j->job)) return;
     free(j);
   }

@@ -50,10 +50,13 @@ static grpc_status_code unwanted(const moed_server *srv, const moed_infer_req *r
     return moed_failf(err, GRPC_STATUS_UNAVAILABLE,
                       "server shutting down: work stopped at the drain timeout");
   if (moed_rpc_cancelled(r->req->rpc)) return moed_failf(err, GRPC_STATUS_CANCELLED, "call cancelled");
-  if (!wanted(r, moed_now_ns()))
-    return moed_failf(err, GRPC_STATUS_DEADLINE_EXCEEDED, "%s",
-                      stopped ? "deadline exceeded while running: the work was stopped"
-                              : "deadline exceeded before the work started");
+  if (!wanted(r, moed_now_ns())) {
+    const char *when = stopped ? "while running: the work was stopped" : "before the work started";
+    if (r->timeout_us)
+      return moed_failf(err, GRPC_STATUS_DEADLINE_EXCEEDED, "parameters['timeout']: %llu us passed %s",
+                        (unsigned long long)r->timeout_us, when);
+    return moed_failf(err, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded %s", when);
+  }
   return GRPC_STATUS_OK;
 }
 

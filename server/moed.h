@@ -299,10 +299,17 @@ typedef struct moed_devices moed_devices;
 typedef struct moed_job moed_job;
 typedef void (*moed_job_fn)(moed_job *job, moe_backend *b);
 
+/* Request priority levels as Triton's queue policy numbers them: 1 is the
+ * highest, MOED_PRIORITY_LEVELS the lowest; a request without one (or 0)
+ * gets MOED_PRIORITY_DEFAULT. Higher levels leave the device queues first. */
+#define MOED_PRIORITY_LEVELS 3
+#define MOED_PRIORITY_DEFAULT 2
+
 struct moed_job {
   moed_job *next;
   moed_job_fn run;    /* on a worker thread */
   moed_job_fn cancel; /* instead of run when the queues stop (b NULL) */
+  int priority;       /* 1..MOED_PRIORITY_LEVELS; 0: MOED_PRIORITY_DEFAULT */
 };
 
 int moed_devices_create(const moed_config *cfg, moed_devices **out);

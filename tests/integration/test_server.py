@@ -292,13 +292,17 @@ def test_bad_inputs(ch, pid):
     small = np.ones((4, 64), np.float32)
     r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], {"out_dtype": "int8", "timeout": 1})
     code, msg = code_of(lambda: infer_pb(ch, r))
-    check(code == grpc.StatusCode.DEADLINE_EXCEEDED, f"parameters timeout 1 us -> DEADLINE_EXCEEDED ({code} {msg})")
-    for extra in ({"timeout": 0}, {"timeout": 10_000_000, "priority": 3}, {"triton_enable_empty_final_response": True}):
+    check(code == grpc.StatusCode.DEADLINE_EXCEEDED and "parameters['timeout']: 1 us passed" in msg,
+          f"parameters timeout 1 us -> DEADLINE_EXCEEDED naming it ({code} {msg})")
+    for extra in ({"timeout": 0}, {"timeout": 10_000_000, "priority": 3}, {"priority": 0}, {"priority": 1},
+                  {"triton_enable_empty_final_response": True}):
         r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], {"out_dtype": "int8", **extra})
         ref = moelib.run("quant.per_token", {"x": (small, "fp32")}, {"out_dtype": "int8"})
         resp = infer_pb(ch, r)
         check(resp.raw_output_contents[0] == ref["q"][0].tobytes(), f"parameters {extra}: accepted, same answer")
-    for bad in ({"timeout": -5}, {"priority": "high"}, {"out_dtype": "int8", "out_dtyp": "fp8_e4m3fn"}):
+    # priority levels as Triton's queue policy: 1 (highest) to 3, 0 the default; Triton's reserved names
+    for bad in ({"timeout": -5}, {"priority": "high"}, {"priority": 4}, {"out_dtype": "int8", "out_dtyp": "fp8_e4m3fn"},
+                {"sequence_id": 7}, {"sequence_start": True}, {"triton_other": 1}):
         r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], bad)
         code, msg = code_of(lambda: infer_pb(ch, r))
         name = list(bad)[-1]
