@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "expert_store.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "grpc_service.pb-c.h"
@@ -164,7 +166,8 @@ static int config_type(const char *kserve) {
 /* One input or output as model m shows it: its datatype and shape. */
 typedef struct io_view {
   const moe_op_io_desc *d;
-  const char *datatype;
+  const char *dtypes;   /* what it accepts (produces), moe dtype names */
+  const char *datatype; /* the first of them as a KServe datatype */
   int64_t shape[MOE_MAX_DIMS];
   size_t rank;
 } io_view;
@@ -190,8 +193,8 @@ static int64_t axis_size(const moed_model *m, const char *name, size_t len) {
 static void io_view_of(const moed_model *m, const moe_op_io_desc *d, io_view *out) {
   out->d = d;
   /* an expert set computes in one activation dtype: advertise only it */
-  out->datatype = first_datatype(m->set && (d->flags & MOE_IO_ACTIVATION) ? moe_expert_set_act_dtypes(m->set)
-                                                                          : d->dtypes);
+  out->dtypes = m->set && (d->flags & MOE_IO_ACTIVATION) ? moe_expert_set_act_dtypes(m->set) : d->dtypes;
+  out->datatype = first_datatype(out->dtypes);
   out->rank = 0;
   for (const char *a = d->axes; *a && out->rank < MOE_MAX_DIMS;) {
     size_t len = strcspn(a, ",");
@@ -236,6 +239,43 @@ int32_t moed_model_max_batch_size(const moed_server *s, const moed_model *m) {
   model_io(m, true, &ins);
   model_io(m, false, &outs);
   return max_batch_size(s, m, &ins, &outs);
+}
+
+/* ModelConfig's "datatypes" parameter: a JSON object naming, for each
+ * input and output that takes (gives) more than one KServe datatype, all of
+ * them (the protocol's metadata and config have one datatype per tensor:
+ * they show the first). NULL: there are none, or out of memory. */
+static char *datatypes_json(const io_list *ins, const io_list *outs) {
+  cJSON *root = cJSON_CreateObject();
+  bool any = false;
+  for (size_t i = 0; root && i < ins->n + outs->n; i++) {
+    const io_view *v = i < ins->n ? &ins->v[i] : &outs->v[i - ins->n];
+    const char *names[16];
+    size_t n = 0;
+    for (const char *a = v->dtypes; *a && n < 16;) {
+      char one[32];
+      size_t len = strcspn(a, ",");
+      snprintf(one, sizeof one, "%.*s", (int)(len < sizeof one ? len : sizeof one - 1), a);
+      a += len + (a[len] == ',');
+      moe_dtype t = moe_dtype_from_name(one);
+      const char *k = t == MOE_DTYPE_INVALID ? NULL : moed_kserve_datatype(t);
+      bool seen = !k; /* fp8 formats all travel as UINT8: one entry */
+      for (size_t j = 0; j < n && !seen; j++)
+        seen = strcmp(names[j], k) == 0;
+      if (!seen) names[n++] = k;
+    }
+    if (n < 2) continue;
+    cJSON *arr = cJSON_CreateStringArray(names, (int)n);
+    if (!arr || !cJSON_AddItemToObject(root, v->d->name, arr)) {
+      cJSON_Delete(arr);
+      cJSON_Delete(root);
+      return NULL;
+    }
+    any = true;
+  }
+  char *json = any ? cJSON_PrintUnformatted(root) : NULL;
+  cJSON_Delete(root);
+  return json;
 }
 
 static moed_model *model_or_reply(moed_server *s, moed_request *req, const char *name, const char *version) {
@@ -329,22 +369,24 @@ static void model_config(moed_server *s, moed_request *req) {
       mo[i].dims = outs.v[i].shape + skip;
       pmo[i] = &mo[i];
     }
-    Inference__ModelParameter pv[2];
-    Inference__ModelConfig__ParametersEntry pe[2], *ppe[2];
+    Inference__ModelParameter pv[3];
+    Inference__ModelConfig__ParametersEntry pe[3], *ppe[3];
     size_t np = 0;
     char *json = m->set ? moe_expert_config_to_json(&m->set->cfg) : NULL;
-    inference__model_parameter__init(&pv[np]);
-    inference__model_config__parameters_entry__init(&pe[np]);
-    pv[np].string_value = moe_op_describe(m->op)->rows_independent ? "true" : "false";
-    pe[np].key = "rows_independent";
-    pe[np].value = &pv[np];
-    ppe[np] = &pe[np];
-    np++;
-    if (json) {
+    char *types = datatypes_json(&ins, &outs);
+    const struct {
+      const char *key, *value;
+    } params[] = {
+        {"rows_independent", moe_op_describe(m->op)->rows_independent ? "true" : "false"},
+        {"expert_set_config", json},
+        {"datatypes", types},
+    };
+    for (size_t i = 0; i < sizeof params / sizeof params[0]; i++) {
+      if (!params[i].value) continue;
       inference__model_parameter__init(&pv[np]);
       inference__model_config__parameters_entry__init(&pe[np]);
-      pv[np].string_value = json;
-      pe[np].key = "expert_set_config";
+      pv[np].string_value = (char *)params[i].value;
+      pe[np].key = (char *)params[i].key;
       pe[np].value = &pv[np];
       ppe[np] = &pe[np];
       np++;
@@ -354,10 +396,22 @@ static void model_config(moed_server *s, moed_request *req) {
     cfg.platform = "moed";
     cfg.backend = "moed";
     cfg.max_batch_size = mbs;
-    /* the batcher forms batches as large as arrive within the delay, up to
-     * max_batch_size: Triton's dynamic batching without preferred sizes */
+    /* the batcher as Triton's dynamic batcher: a batch is sent once it holds
+     * max_batch_size rows (the one preferred size) or when the delay
+     * passes; the device queues take requests by priority level, and a
+     * request's timeout (allowed per request, none by default) rejects it */
+    Inference__ModelQueuePolicy qp = INFERENCE__MODEL_QUEUE_POLICY__INIT;
+    qp.timeout_action = INFERENCE__MODEL_QUEUE_POLICY__TIMEOUT_ACTION__REJECT;
+    qp.allow_timeout_override = true;
+    qp.max_queue_size = (uint32_t)s->cfg->max_queue_size;
+    int32_t preferred = mbs;
     Inference__ModelDynamicBatching db = INFERENCE__MODEL_DYNAMIC_BATCHING__INIT;
+    db.n_preferred_batch_size = 1;
+    db.preferred_batch_size = &preferred;
     db.max_queue_delay_microseconds = (uint64_t)s->cfg->max_queue_delay_us;
+    db.priority_levels = MOED_PRIORITY_LEVELS;
+    db.default_priority_level = MOED_PRIORITY_DEFAULT;
+    db.default_queue_policy = &qp;
     if (mbs > 0) cfg.dynamic_batching = &db;
     cfg.n_input = ins.n;
     cfg.input = pmi;
@@ -369,6 +423,7 @@ static void model_config(moed_server *s, moed_request *req) {
     r.config = &cfg;
     reply(req, &r.base);
     free(json);
+    cJSON_free(types);
     moed_model_release(m);
   }
   protobuf_c_message_free_unpacked(&in->base, NULL);
