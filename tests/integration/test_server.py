@@ -374,14 +374,17 @@ def test_moec(tmp, port):
     check(r.returncode == 0 and "ready: true" in r.stdout, "moec health")
     r = subprocess.run([MOEC, "models"], env=env, capture_output=True, text=True)
     check(r.returncode == 0 and "quant.mx" in r.stdout, "moec models")
-    out = os.path.join(tmp, "out")
-    os.makedirs(out, exist_ok=True)
+    out = os.path.join(tmp, "out")  # not there yet: moec creates it
     r = subprocess.run([MOEC, "infer", "-m", "quant.mx", "--input", f"x={tmp}/x.npy", "--param", "format=mxfp4",
                         "--output-dir", out], env=env, capture_output=True, text=True)
     ref = moelib.run("quant.mx", {"x": (x, "fp32")}, {"format": "mxfp4"})
     ok = r.returncode == 0 and np.array_equal(np.load(f"{out}/q.npy"), ref["q"][0]) and \
         np.array_equal(np.load(f"{out}/scales.npy"), ref["scales"][0])
     check(ok, f"moec infer quant.mx bit-equal ({r.stderr.strip()})")
+    r = subprocess.run([MOEC, "infer", "-m", "quant.mx", "--input", f"x={tmp}/x.npy", "--output-dir",
+                        f"{tmp}/no/such/dir"], env=env, capture_output=True, text=True)
+    check(r.returncode == 2 and f"--output-dir {tmp}/no/such/dir: cannot create it" in r.stderr,
+          f"moec --output-dir whose parent is missing: exit 2 naming it ({r.stderr.strip()})")
     r = subprocess.run([MOEC, "infer", "-m", "nope", "--input", f"x={tmp}/x.npy"], env=env, capture_output=True, text=True)
     check(r.returncode != 0 and "NOT_FOUND" in r.stderr, "moec infer unknown model NOT_FOUND")
 
