@@ -35,7 +35,7 @@ LEVELS = 4
 def perf_analyzer(port, model, *args):
     env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(PA_DIR, "nvidia", "cuda_runtime", "lib"))
     cmd = [PA, "-i", "grpc", "-u", f"127.0.0.1:{port}", "-m", model, "--concurrency-range", f"1:{LEVELS}",
-           "--measurement-interval", "300", "--max-trials", "20", *args]
+           "--measurement-interval", "300", "--max-trials", "20", "--stability-percentage", "50", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
 
