@@ -66,8 +66,10 @@ static const char usage[] =
     "  --strict-model-config B   accepted; moed derives every model's configuration itself\n"
     "  --model-control-mode M    moed (default): every set loaded at start, RepositoryModelLoad/Unload and\n"
     "                            uploads allowed; none: every set loaded, those refused; explicit: only the\n"
-    "                            --load-model sets loaded at start, changes allowed; poll: every set loaded,\n"
-    "                            then new, changed and removed set directories followed, RPC changes refused\n"
+    "                            --load-model sets loaded at start, changes allowed; poll: every set "
+    "loaded,\n"
+    "                            then new, changed and removed set directories followed, RPC changes "
+    "refused\n"
     "  --repository-poll-secs N  poll: seconds between scans of the repository (default 15)\n"
     "  --load-model NAME         with explicit: a set to load at start (repeatable; * = every set)\n";
 

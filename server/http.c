@@ -147,7 +147,8 @@ static const struct {
      offsetof(moed_model_stats, compute_input_ns), true},
     {"nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds",
      offsetof(moed_model_stats, compute_ns), true},
-    {"nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in microseconds",
+    {"nv_inference_compute_output_duration_us",
+     "Cumulative inference compute output duration in microseconds",
      offsetof(moed_model_stats, compute_output_ns), true},
 };
 #define N_TRITON_METRICS (sizeof triton_metrics / sizeof triton_metrics[0])
@@ -182,7 +183,8 @@ static void model_metrics(moed_model *m, void *arg) {
   case 2: hist(b, "moed_compute_seconds", name, &st->compute_hist); break;
   case 3: hist(b, "moed_request_seconds", name, &st->total_hist); break;
   case 4:
-    wb_printf(b, "moed_bytes_in_total{model=\"%s\"} %llu\n", name, (unsigned long long)atomic_load(&st->bytes_in));
+    wb_printf(b, "moed_bytes_in_total{model=\"%s\"} %llu\n", name,
+              (unsigned long long)atomic_load(&st->bytes_in));
     break;
   case 5:
     wb_printf(b, "moed_bytes_out_total{model=\"%s\"} %llu\n", name,

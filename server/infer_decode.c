@@ -247,16 +247,17 @@ static bool server_param(moed_infer_req *c, const Inference__ModelInferRequest__
       *code = fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters['%s']: a bool is expected", e->key);
     return true;
   }
-  if (strncmp(e->key, "sequence_", 9) == 0 && (!strcmp(e->key + 9, "id") || !strcmp(e->key + 9, "start") ||
-                                                !strcmp(e->key + 9, "end"))) {
-    *code = fail(c, GRPC_STATUS_INVALID_ARGUMENT,
-                 "parameters['%s']: moed has no sequence batching (its models keep no state between requests)",
-                 e->key);
+  if (strncmp(e->key, "sequence_", 9) == 0 &&
+      (!strcmp(e->key + 9, "id") || !strcmp(e->key + 9, "start") || !strcmp(e->key + 9, "end"))) {
+    *code =
+        fail(c, GRPC_STATUS_INVALID_ARGUMENT,
+             "parameters['%s']: moed has no sequence batching (its models keep no state between requests)",
+             e->key);
     return true;
   }
   if (strncmp(e->key, "triton_", 7) == 0) {
-    *code = fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters['%s']: names starting with 'triton_' are reserved",
-                 e->key);
+    *code = fail(c, GRPC_STATUS_INVALID_ARGUMENT,
+                 "parameters['%s']: names starting with 'triton_' are reserved", e->key);
     return true;
   }
   const bool timeout = strcmp(e->key, "timeout") == 0;

@@ -24,7 +24,7 @@ typedef struct app {
   uv_timer_t tick; /* watch reaping; drain progress */
   moed_http *http;
   moed_poller *poller; /* --model-control-mode poll */
-  int stage; /* 0 serving, 1 draining, 2 rpc shutting down, 3 done */
+  int stage;           /* 0 serving, 1 draining, 2 rpc shutting down, 3 done */
   uint64_t stage_deadline_ns;
   bool cancelled_all;
 } app;

@@ -54,7 +54,8 @@ static uint64_t fingerprint(const char *path) {
     struct {
       int64_t size, sec, nsec;
       uint64_t ino;
-    } key = {(int64_t)st.st_size, (int64_t)st.st_mtim.tv_sec, (int64_t)st.st_mtim.tv_nsec, (uint64_t)st.st_ino};
+    } key = {(int64_t)st.st_size, (int64_t)st.st_mtim.tv_sec, (int64_t)st.st_mtim.tv_nsec,
+             (uint64_t)st.st_ino};
     /* files come in readdir's order: combined so that the order does not matter */
     print ^= XXH3_64bits_withSeed(&key, sizeof key, XXH3_64bits(e->d_name, strlen(e->d_name)));
   }
@@ -97,8 +98,8 @@ static void scan(moed_poller *p, bool load) {
     char path[PATH_MAX];
     struct stat st;
     if (!moed_model_name_ok(e->d_name) ||
-        (size_t)snprintf(path, sizeof path, "%s/%s", p->dir, e->d_name) >= sizeof path || stat(path, &st) != 0 ||
-        !S_ISDIR(st.st_mode))
+        (size_t)snprintf(path, sizeof path, "%s/%s", p->dir, e->d_name) >= sizeof path ||
+        stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
       continue;
     seen_set *s = find(p, e->d_name);
     const uint64_t print = fingerprint(path);
@@ -120,7 +121,8 @@ static void scan(moed_poller *p, bool load) {
       continue;
     }
     moe_error err = {{0}};
-    if (load) moed_repository_unload(p->repo, p->sets[i].name, &err); /* not loaded (it failed): nothing to do */
+    if (load)
+      moed_repository_unload(p->repo, p->sets[i].name, &err); /* not loaded (it failed): nothing to do */
     p->sets[i] = p->sets[--p->n];
   }
 }
