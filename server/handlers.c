@@ -6,8 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <cjson/cJSON.h>
-
 #include "expert_store.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "grpc_service.pb-c.h"
@@ -144,138 +142,9 @@ static void health(moed_server *s, moed_request *req, bool watch) {
 
 /* ---- model metadata and config ------------------------------------------------------------ */
 
-/* The first dtype of a comma-separated list, as a KServe datatype (the
- * protocol has one per tensor; the op accepts every one in the list). */
-static const char *first_datatype(const char *list) {
-  char first[32];
-  size_t n = strcspn(list, ",");
-  if (n >= sizeof first) n = sizeof first - 1;
-  memcpy(first, list, n);
-  first[n] = 0;
-  moe_dtype t = moe_dtype_from_name(first);
-  return t == MOE_DTYPE_INVALID ? "UINT8" : moed_kserve_datatype(t);
-}
-
 static int config_type(const char *kserve) {
   const moed_kserve_type *k = moed_kserve_by_name(kserve);
   return k ? k->config_type : INFERENCE__DATA_TYPE__TYPE_INVALID;
-}
-
-#define MAX_IO 16
-
-/* One input or output as model m shows it: its datatype and shape. */
-typedef struct io_view {
-  const moe_op_io_desc *d;
-  const char *dtypes;   /* what it accepts (produces), moe dtype names */
-  const char *datatype; /* the first of them as a KServe datatype */
-  int64_t shape[MOE_MAX_DIMS];
-  size_t rank;
-} io_view;
-
-typedef struct io_list {
-  io_view v[MAX_IO];
-  size_t n;
-} io_list;
-
-/* The size of axis `name` (moe_op_io_desc.axes) for model m: an expert set
- * fixes H and E, a number is itself; anything else is free (-1). */
-static int64_t axis_size(const moed_model *m, const char *name, size_t len) {
-  if (m->set && len == 1 && name[0] == 'H') return m->set->cfg.hidden_size;
-  if (m->set && len == 1 && name[0] == 'E') return m->set->cfg.global_num_experts;
-  int64_t v = 0;
-  for (size_t i = 0; i < len; i++) {
-    if (name[i] < '0' || name[i] > '9' || v > INT32_MAX) return -1;
-    v = v * 10 + (name[i] - '0');
-  }
-  return len ? v : -1;
-}
-
-static void io_view_of(const moed_model *m, const moe_op_io_desc *d, io_view *out) {
-  out->d = d;
-  /* an expert set computes in one activation dtype: advertise only it */
-  out->dtypes = m->set && (d->flags & MOE_IO_ACTIVATION) ? moe_expert_set_act_dtypes(m->set) : d->dtypes;
-  out->datatype = first_datatype(out->dtypes);
-  out->rank = 0;
-  for (const char *a = d->axes; *a && out->rank < MOE_MAX_DIMS;) {
-    size_t len = strcspn(a, ",");
-    out->shape[out->rank++] = axis_size(m, a, len);
-    a += len + (a[len] == ',');
-  }
-}
-
-/* The inputs (or outputs) a model shows: an expert set hides the inputs it
- * holds (its weights, its correction_bias: the op rejects them inline). */
-static void model_io(const moed_model *m, bool inputs, io_list *out) {
-  const moe_op_info *info = moe_op_describe(m->op);
-  const moe_op_io_desc *v = inputs ? info->inputs : info->outputs;
-  size_t n = inputs ? info->num_inputs : info->num_outputs;
-  out->n = 0;
-  for (size_t i = 0; i < n && out->n < MAX_IO; i++)
-    if (!(inputs && m->set && (v[i].flags & MOE_INPUT_SET_HELD))) io_view_of(m, &v[i], &out->v[out->n++]);
-}
-
-static bool io_batched(const io_list *l) {
-  for (size_t i = 0; i < l->n; i++)
-    if (l->v[i].d->axes[0] != 'T' || strcspn(l->v[i].d->axes, ",") != 1) return false;
-  return true;
-}
-
-/* Triton's max_batch_size: > 0 says every input and output has a first,
- * batch axis along which the server merges requests, and clients
- * (perf_analyzer) then send [batch] + dims. moed merges along the token
- * axis T up to max_batch_tokens rows, so a model that batches and whose
- * every tensor starts with T says max_batch_tokens. A model with a tensor
- * without that axis (a shared static scale, a bias) says 0 even where the
- * server merges its requests: a batch axis prepended to such a tensor
- * would be rejected. */
-static int32_t max_batch_size(const moed_server *s, const moed_model *m, const io_list *ins,
-                              const io_list *outs) {
-  if (!moed_model_batches(s, m) || !io_batched(ins) || !io_batched(outs)) return 0;
-  return (int32_t)s->cfg->max_batch_tokens; /* the flag's range is at most INT32_MAX */
-}
-
-int32_t moed_model_max_batch_size(const moed_server *s, const moed_model *m) {
-  io_list ins, outs;
-  model_io(m, true, &ins);
-  model_io(m, false, &outs);
-  return max_batch_size(s, m, &ins, &outs);
-}
-
-/* ModelConfig's "datatypes" parameter: a JSON object naming, for each
- * input and output that takes (gives) more than one KServe datatype, all of
- * them (the protocol's metadata and config have one datatype per tensor:
- * they show the first). NULL: there are none, or out of memory. */
-static char *datatypes_json(const io_list *ins, const io_list *outs) {
-  cJSON *root = cJSON_CreateObject();
-  bool any = false;
-  for (size_t i = 0; root && i < ins->n + outs->n; i++) {
-    const io_view *v = i < ins->n ? &ins->v[i] : &outs->v[i - ins->n];
-    const char *names[16];
-    size_t n = 0;
-    for (const char *a = v->dtypes; *a && n < 16;) {
-      char one[32];
-      size_t len = strcspn(a, ",");
-      snprintf(one, sizeof one, "%.*s", (int)(len < sizeof one ? len : sizeof one - 1), a);
-      a += len + (a[len] == ',');
-      moe_dtype t = moe_dtype_from_name(one);
-      const char *k = t == MOE_DTYPE_INVALID ? NULL : moed_kserve_datatype(t);
-      bool seen = !k; /* fp8 formats all travel as UINT8: one entry */
-      for (size_t j = 0; j < n && !seen; j++)
-        seen = strcmp(names[j], k) == 0;
-      if (!seen) names[n++] = k;
-    }
-    if (n < 2) continue;
-    cJSON *arr = cJSON_CreateStringArray(names, (int)n);
-    if (!arr || !cJSON_AddItemToObject(root, v->d->name, arr)) {
-      cJSON_Delete(arr);
-      cJSON_Delete(root);
-      return NULL;
-    }
-    any = true;
-  }
-  char *json = any ? cJSON_PrintUnformatted(root) : NULL;
-  cJSON_Delete(root);
-  return json;
 }
 
 static moed_model *model_or_reply(moed_server *s, moed_request *req, const char *name, const char *version) {
@@ -308,21 +177,21 @@ static void model_metadata(moed_server *s, moed_request *req) {
   if (!in) return;
   moed_model *m = model_or_reply(s, req, in->name, in->version);
   if (m) {
-    io_list ins, outs;
-    model_io(m, true, &ins);
-    model_io(m, false, &outs);
-    Inference__ModelMetadataResponse__TensorMetadata tm[2 * MAX_IO], *tin[MAX_IO], *tout[MAX_IO];
-    for (size_t i = 0; i < ins.n + outs.n; i++) {
-      io_view *v = i < ins.n ? &ins.v[i] : &outs.v[i - ins.n];
+    moed_model_desc md;
+    moed_model_describe(s, m, &md);
+    Inference__ModelMetadataResponse__TensorMetadata tm[2 * MOED_MAX_IO], *tin[MOED_MAX_IO],
+        *tout[MOED_MAX_IO];
+    for (size_t i = 0; i < md.n_in + md.n_out; i++) {
+      const moed_tensor_desc *v = i < md.n_in ? &md.in[i] : &md.out[i - md.n_in];
       inference__model_metadata_response__tensor_metadata__init(&tm[i]);
-      tm[i].name = (char *)v->d->name;
+      tm[i].name = (char *)v->name;
       tm[i].datatype = (char *)v->datatype;
       tm[i].n_shape = v->rank; /* the full shape: the batch axis, when there is one, is T */
-      tm[i].shape = v->shape;
-      if (i < ins.n)
+      tm[i].shape = (int64_t *)v->shape;
+      if (i < md.n_in)
         tin[i] = &tm[i];
       else
-        tout[i - ins.n] = &tm[i];
+        tout[i - md.n_in] = &tm[i];
     }
     static char *versions[] = {"1"};
     Inference__ModelMetadataResponse r = INFERENCE__MODEL_METADATA_RESPONSE__INIT;
@@ -330,9 +199,9 @@ static void model_metadata(moed_server *s, moed_request *req) {
     r.n_versions = 1;
     r.versions = versions;
     r.platform = "moed";
-    r.n_inputs = ins.n;
+    r.n_inputs = md.n_in;
     r.inputs = tin;
-    r.n_outputs = outs.n;
+    r.n_outputs = md.n_out;
     r.outputs = tout;
     reply(req, &r.base);
     moed_model_release(m);
@@ -345,39 +214,38 @@ static void model_config(moed_server *s, moed_request *req) {
   if (!in) return;
   moed_model *m = model_or_reply(s, req, in->name, in->version);
   if (m) {
-    io_list ins, outs;
-    model_io(m, true, &ins);
-    model_io(m, false, &outs);
-    Inference__ModelInput mi[MAX_IO], *pmi[MAX_IO];
-    Inference__ModelOutput mo[MAX_IO], *pmo[MAX_IO];
-    const int32_t mbs = max_batch_size(s, m, &ins, &outs);
+    moed_model_desc md;
+    moed_model_describe(s, m, &md);
+    Inference__ModelInput mi[MOED_MAX_IO], *pmi[MOED_MAX_IO];
+    Inference__ModelOutput mo[MOED_MAX_IO], *pmo[MOED_MAX_IO];
+    const int32_t mbs = md.max_batch_size;
     const size_t skip = mbs > 0; /* Triton's dims leave out the batch axis */
-    for (size_t i = 0; i < ins.n; i++) {
+    for (size_t i = 0; i < md.n_in; i++) {
       inference__model_input__init(&mi[i]);
-      mi[i].name = (char *)ins.v[i].d->name;
-      mi[i].data_type = (Inference__DataType)config_type(ins.v[i].datatype);
-      mi[i].n_dims = ins.v[i].rank - skip;
-      mi[i].dims = ins.v[i].shape + skip;
-      mi[i].optional = ins.v[i].d->optional;
+      mi[i].name = (char *)md.in[i].name;
+      mi[i].data_type = (Inference__DataType)config_type(md.in[i].datatype);
+      mi[i].n_dims = md.in[i].rank - skip;
+      mi[i].dims = md.in[i].shape + skip;
+      mi[i].optional = md.in[i].optional;
       pmi[i] = &mi[i];
     }
-    for (size_t i = 0; i < outs.n; i++) {
+    for (size_t i = 0; i < md.n_out; i++) {
       inference__model_output__init(&mo[i]);
-      mo[i].name = (char *)outs.v[i].d->name;
-      mo[i].data_type = (Inference__DataType)config_type(outs.v[i].datatype);
-      mo[i].n_dims = outs.v[i].rank - skip;
-      mo[i].dims = outs.v[i].shape + skip;
+      mo[i].name = (char *)md.out[i].name;
+      mo[i].data_type = (Inference__DataType)config_type(md.out[i].datatype);
+      mo[i].n_dims = md.out[i].rank - skip;
+      mo[i].dims = md.out[i].shape + skip;
       pmo[i] = &mo[i];
     }
     Inference__ModelParameter pv[3];
     Inference__ModelConfig__ParametersEntry pe[3], *ppe[3];
     size_t np = 0;
     char *json = m->set ? moe_expert_config_to_json(&m->set->cfg) : NULL;
-    char *types = datatypes_json(&ins, &outs);
+    char *types = moed_model_datatypes_json(&md);
     const struct {
       const char *key, *value;
     } params[] = {
-        {"rows_independent", moe_op_describe(m->op)->rows_independent ? "true" : "false"},
+        {"rows_independent", md.rows_independent ? "true" : "false"},
         {"expert_set_config", json},
         {"datatypes", types},
     };
@@ -413,9 +281,9 @@ static void model_config(moed_server *s, moed_request *req) {
     db.default_priority_level = MOED_PRIORITY_DEFAULT;
     db.default_queue_policy = &qp;
     if (mbs > 0) cfg.dynamic_batching = &db;
-    cfg.n_input = ins.n;
+    cfg.n_input = md.n_in;
     cfg.input = pmi;
-    cfg.n_output = outs.n;
+    cfg.n_output = md.n_out;
     cfg.output = pmo;
     cfg.n_parameters = np;
     cfg.parameters = ppe;
@@ -423,7 +291,7 @@ static void model_config(moed_server *s, moed_request *req) {
     r.config = &cfg;
     reply(req, &r.base);
     free(json);
-    cJSON_free(types);
+    free(types);
     moed_model_release(m);
   }
   protobuf_c_message_free_unpacked(&in->base, NULL);

@@ -365,13 +365,40 @@ void moed_handle_request(moed_request *req, void *server);
  * a hand-off (each one costs a thread wake-up: about as much as the whole
  * call on this stack). */
 bool moed_handle_inline(moed_request *req, void *server);
-/* Triton's max_batch_size of model m (ModelConfig): > 0 when every tensor
- * leads with the token axis the batcher merges along (its batch axis). */
-int32_t moed_model_max_batch_size(const moed_server *s, const moed_model *m);
 /* Health status changed (drain): answers every Watch stream. */
 void moed_health_changed(moed_server *s);
 /* Ends every Watch stream (shutdown). */
 void moed_health_close(moed_server *s);
+
+/* ---- model_desc.c: what a model shows (ModelMetadata, ModelConfig; any protocol) */
+
+#define MOED_MAX_IO 16
+
+/* One input or output as its model shows it. */
+typedef struct moed_tensor_desc {
+  const char *name;
+  const char *dtypes;          /* every dtype it takes (gives): moe dtype names, comma-separated */
+  const char *datatype;        /* the first of them as a KServe datatype (the protocol shows one) */
+  int64_t shape[MOE_MAX_DIMS]; /* the full shape: -1 a free size, else the size the model fixes */
+  size_t rank;
+  bool optional;
+} moed_tensor_desc;
+
+typedef struct moed_model_desc {
+  moed_tensor_desc in[MOED_MAX_IO], out[MOED_MAX_IO];
+  size_t n_in, n_out;
+  int32_t max_batch_size; /* Triton's: > 0, every shape leads with the batch axis (config dims omit it) */
+  bool rows_independent;
+} moed_model_desc;
+
+/* Model m as clients see it; the strings are static (op table, set). */
+void moed_model_describe(const moed_server *s, const moed_model *m, moed_model_desc *out);
+/* Triton's max_batch_size of m alone (read per request by the statistics). */
+int32_t moed_model_max_batch_size(const moed_server *s, const moed_model *m);
+/* A JSON object naming every KServe datatype of each tensor that has more
+ * than one ({"x": ["FP32", "FP16", "BF16"]}); NULL when none has, or out of
+ * memory. Freed with free(). */
+char *moed_model_datatypes_json(const moed_model_desc *d);
 
 /* ---- the inference path (infer_req.h: the order of its files) ---------------- */
 
