@@ -66,10 +66,9 @@ static const char usage[] =
     "  --strict-model-config B   accepted; moed derives every model's configuration itself\n"
     "  --model-control-mode M    moed (default): every set loaded at start, RepositoryModelLoad/Unload and\n"
     "                            uploads allowed; none: every set loaded, those refused; explicit: only the\n"
-    "                            --load-model sets loaded at start, changes allowed; poll: every set "
-    "loaded,\n"
-    "                            then new, changed and removed set directories followed, RPC changes "
-    "refused\n"
+    "                            --load-model sets loaded at start, changes allowed; poll: every set\n"
+    "                            loaded, then the directory followed (new, changed, removed sets), RPC\n"
+    "                            changes refused\n"
     "  --repository-poll-secs N  poll: seconds between scans of the repository (default 15)\n"
     "  --load-model NAME         with explicit: a set to load at start (repeatable; * = every set)\n";
 
@@ -205,7 +204,7 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_CONTROL_MODE: {
     static const char *const modes[] = {"moed", "none", "explicit", "poll"}; /* MOED_CONTROL_* order */
     ok = false;
-    for (int i = 0; i < 4 && !ok; i++)
+    for (int i = 0; i < (int)(sizeof modes / sizeof modes[0]) && !ok; i++)
       if ((ok = !strcmp(v, modes[i]))) c->model_control = i;
     break;
   }

@@ -1,8 +1,9 @@
 /* devices: the device queues. Each worker thread owns one backend (one per
  * GPU the op library lists, else the host CPU's) and runs jobs from a
  * bounded queue, one FIFO per priority level: a worker takes the oldest job
- * of the highest level that has one (Triton's priority queue policy). Which backend a device number opens is
- * the library's business (moe_backend_open); only moed_devices_create picks the numbers. */
+ * of the highest level that has one (Triton's priority queue policy). Which
+ * backend a device number opens is the library's business
+ * (moe_backend_open); only moed_devices_create picks the numbers. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>

@@ -99,9 +99,10 @@ static void wb_printf(wbuf *b, const char *fmt, ...) {
 /* A label value as the Prometheus text format writes it: backslash, double
  * quote and newline escaped. Model names cannot hold them today
  * (moed_model_name_ok); escaping keeps the exposition valid if that changes. */
-static const char *label(const char *v, char out[2 * 128 + 1]) {
+#define LABEL_LEN (2 * sizeof(((moed_model *)0)->name) + 1) /* every character escaped */
+static const char *label(const char *v, char out[LABEL_LEN]) {
   size_t n = 0;
-  for (; *v && n + 2 < 2 * 128 + 1; v++) {
+  for (; *v && n + 2 < LABEL_LEN; v++) {
     if (*v == '\\' || *v == '"' || *v == '\n') out[n++] = '\\';
     out[n++] = *v == '\n' ? 'n' : *v;
   }
@@ -123,9 +124,9 @@ static void hist(wbuf *b, const char *metric, const char *model, const moed_hist
   wb_printf(b, "%s_count{model=\"%s\"} %llu\n", metric, model, (unsigned long long)atomic_load(&h->count));
 }
 
-/* Triton's per-model counters under Triton's names (what existing dashboards
- * and perf_analyzer --collect-metrics read), from the same statistics as
- * ModelStatistics: durations are of successful requests, in microseconds. */
+/* Triton's per-model counters under Triton's names (what dashboards written
+ * for tritonserver read), from the same statistics as ModelStatistics:
+ * durations are of successful requests, in microseconds. */
 static const struct {
   const char *name, *help;
   size_t field; /* offsetof(moed_model_stats, ...) of an _Atomic uint64_t */
@@ -163,7 +164,7 @@ static void model_metrics(moed_model *m, void *arg) {
   metrics_pass *p = arg;
   moed_model_stats *st = m->stats;
   wbuf *b = p->b;
-  char name[2 * 128 + 1];
+  char name[LABEL_LEN];
   label(m->name, name);
   if (p->section >= N_MOED_SECTIONS) {
     size_t i = p->section - N_MOED_SECTIONS;

@@ -277,7 +277,8 @@ static bool server_param(moed_infer_req *c, const Inference__ModelInferRequest__
       *code = fail(c, GRPC_STATUS_INVALID_ARGUMENT,
                    "parameters['priority']: %lld is not a level: 1 (highest) to %d, or 0 for the default %d",
                    (long long)n, MOED_PRIORITY_LEVELS, MOED_PRIORITY_DEFAULT);
-    c->priority = n ? (int)n : MOED_PRIORITY_DEFAULT;
+    else
+      c->priority = n ? (int)n : MOED_PRIORITY_DEFAULT;
   } else if (n > 0) {
     const uint64_t us = (uint64_t)n,
                    at = c->req->received_ns + (us > UINT64_MAX / 2000 ? UINT64_MAX / 2 : us * 1000);
