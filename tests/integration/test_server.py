@@ -353,9 +353,27 @@ def test_stream(cli):
           f"ModelStreamInfer 100 interleaved: {len(ok_ids)} ok, {len(errs)} errors, ids echoed")
 
 
-def test_metrics(http_port):
+def triton_metrics(text, model):
+    """Triton's per-model counters for `model` (labels model and version "1")."""
+    pat = re.compile(r'^(nv_inference_[a-z_]+)\{model="' + re.escape(model) + r'",version="1"\} (\d+)$', re.M)
+    return {name: int(v) for name, v in pat.findall(text)}
+
+
+def test_metrics(cli, http_port):
     import urllib.request
+    s = cli.get_inference_statistics("quant.per_token").model_stats[0]  # nothing runs meanwhile
     text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics").read().decode()
+    nv = triton_metrics(text, "quant.per_token")
+    st = s.inference_stats
+    want = {"nv_inference_request_success": st.success.count, "nv_inference_request_failure": st.fail.count,
+            "nv_inference_count": s.inference_count, "nv_inference_exec_count": s.execution_count,
+            "nv_inference_request_duration_us": st.success.ns // 1000,
+            "nv_inference_queue_duration_us": st.queue.ns // 1000,
+            "nv_inference_compute_input_duration_us": st.compute_input.ns // 1000,
+            "nv_inference_compute_infer_duration_us": st.compute_infer.ns // 1000,
+            "nv_inference_compute_output_duration_us": st.compute_output.ns // 1000}
+    check(nv == want and st.success.count > 0, f"/metrics: Triton's nv_inference_* equal ModelStatistics ({nv})")
+    check("# TYPE nv_inference_count counter" in text, "/metrics: nv_inference_count typed as a counter")
     line_re = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})? [-+0-9.eE]+(Inf)?$')
     bad = [l for l in text.splitlines() if l and not l.startswith("#") and not line_re.match(l)]
     check(not bad, f"/metrics parses ({bad[:2]})")
@@ -491,7 +509,7 @@ def main():
             test_stream(cli)
             test_moec(tmp, port)
             test_bad_inputs(ch, p.pid)
-            test_metrics(http_port)
+            test_metrics(cli, http_port)
             p.send_signal(signal.SIGTERM)
             check(p.wait(timeout=30) == 0, "clean exit")
         finally:
