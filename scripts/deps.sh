@@ -57,6 +57,6 @@ PY
   # Triton's perf_analyzer, apart from the venv's own packages (why this
   # release: scripts/requirements-perf.txt)
   if [ ! -x .venv/perf_analyzer/bin/perf_analyzer ]; then
-    .venv/bin/pip install -q --no-deps --target .venv/perf_analyzer -r scripts/requirements-perf.txt
+    .venv/bin/pip install -q --no-deps --upgrade --target .venv/perf_analyzer -r scripts/requirements-perf.txt
   fi
 fi
