@@ -1,5 +1,6 @@
 # Thin wrapper over CMake: the two commands a user needs.
-#   make run   - install deps, build, write a demo model repository, start moed
+#   make run   - install what running needs, build moed/moec/moe-mkset (CPU-only unless
+#                RUN_GPU=AUTO|CUDA|HIP), write a demo model repository, start moed
 #   make test  - install deps, build, run every test (then again under ASan+UBSan)
 BUILD ?= build
 ASAN_BUILD ?= build-asan
@@ -7,8 +8,10 @@ HIP_BUILD ?= build-hip
 JOBS ?= $(shell nproc)
 DEMO ?= demo-models
 MOED_FLAGS ?=
+GPU ?= AUTO
+RUN_GPU ?= OFF
 
-.PHONY: all deps build run test test-asan build-hip demo clean
+.PHONY: all deps build run-build run test test-asan build-hip demo clean
 
 all: build
 
@@ -16,11 +19,18 @@ deps:
 	bash scripts/deps.sh
 
 build: deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DMOE_GPU=$(GPU)
 	cmake --build $(BUILD) -j$(JOBS)
 
+# What running needs and no more: no HIP toolchain or test venv, no GPU
+# kernels (the CPU backend serves every op), only the binaries make run uses.
+run-build:
+	bash scripts/deps.sh --no-hip --no-python
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DMOE_GPU=$(RUN_GPU)
+	cmake --build $(BUILD) -j$(JOBS) --target moed moec moe-mkset
+
 # A small expert set for trying the service (docs/expert-set.md).
-demo: build
+demo: run-build
 	@[ -f $(DEMO)/demo/config.json ] || $(BUILD)/tools/moe-mkset --out $(DEMO)/demo --scheme bf16 \
 	  --experts 8 --hidden 256 --intermediate 128 --top-k 2 --seed 1
 

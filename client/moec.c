@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include <xxhash.h>
 
@@ -393,6 +394,21 @@ static int cmd_infer(client *c, const char *model, char **inputs, int n_in, char
 done:
   infer_request_free(&ir);
   return rc;
+}
+
+/* --output-dir: created when missing (its parent must exist), checked
+ * before the call so that a bad path costs no inference. */
+static bool output_dir_ok(const char *dir) {
+  struct stat st;
+  if (mkdir(dir, 0777) != 0 && errno != EEXIST) {
+    fprintf(stderr, "moec: --output-dir %s: cannot create it: %s\n", dir, strerror(errno));
+    return false;
+  }
+  if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
+    fprintf(stderr, "moec: --output-dir %s: not a directory\n", dir);
+    return false;
+  }
+  return true;
 }
 
 /* ---- upload: moe.v1.ExpertStore.Upload (client streaming) ------------------------ */
@@ -884,6 +900,8 @@ int main(int argc, char **argv) {
   else if (strcmp(cmd, "infer") == 0) {
     if (!model) {
       fprintf(stderr, "moec: infer needs -m MODEL\n");
+      rc = 2;
+    } else if (!output_dir_ok(out_dir)) {
       rc = 2;
     } else {
       rc = cmd_infer(&c, model, inputs, n_in, params, n_params, out_dir);

@@ -2,7 +2,7 @@
 # Installs everything the build and the tests need, idempotently:
 # Debian packages (apt-get update once, then only what is missing) and the
 # PyPI packages of the test oracles and of tools/convert_checkpoint.py into a
-# project-local venv (.venv).
+# project-local venv (.venv), and Triton's perf_analyzer into .venv/perf_analyzer.
 # Usage: scripts/deps.sh [--no-python] [--no-hip]
 # Debian's HIP toolchain is installed so that the AMD GPU path is compile-
 # checked everywhere (CI has no GPU); --no-hip skips it.
@@ -30,6 +30,7 @@ pkgs=(
   clang-format                              # .ci/run: the tree stays formatted (scripts/check-format.sh)
   cppcheck                                  # .ci/run: static analysis of the C sources (scripts/cppcheck.sh)
   shellcheck                                # .ci/run: deploy/check.sh lints deploy/*.sh
+  libb64-0d                                 # perf_analyzer (scripts/requirements-perf.txt)
 )
 # AMD compile check: Debian's HIP toolchain.
 [ "$want_hip" = 1 ] && pkgs+=(hipcc libamdhip64-dev rocm-device-libs)
@@ -52,5 +53,10 @@ PY
   if [ -n "$need" ]; then
     # shellcheck disable=SC2086
     .venv/bin/pip install -q -r scripts/requirements-test.txt
+  fi
+  # Triton's perf_analyzer, apart from the venv's own packages (why this
+  # release: scripts/requirements-perf.txt)
+  if [ ! -x .venv/perf_analyzer/bin/perf_analyzer ]; then
+    .venv/bin/pip install -q --no-deps --upgrade --target .venv/perf_analyzer -r scripts/requirements-perf.txt
   fi
 fi

@@ -10,6 +10,7 @@
  *
  * Also the inference jobs themselves: one job = one batch (or one large
  * request decoded on the worker). */
+#include <grpc/byte_buffer_reader.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -197,6 +198,9 @@ void moed_infer_dispatch(moed_server *s, moed_infer_req **reqs, size_t n) {
   infer_job *j = job_new(s, n);
   if (j) {
     memcpy(j->reqs, reqs, n * sizeof *reqs);
+    j->job.priority = MOED_PRIORITY_LEVELS; /* a merged call runs at its highest request's level */
+    for (size_t k = 0; k < n; k++)
+      if (reqs[k]->priority < j->job.priority) j->job.priority = reqs[k]->priority;
     if (moed_devices_submit(s->devices, &j->job)) return;
     free(j);
   }
@@ -205,10 +209,26 @@ void moed_infer_dispatch(moed_server *s, moed_infer_req **reqs, size_t n) {
     moed_infer_reject(s, reqs[k], GRPC_STATUS_UNAVAILABLE, "device queue full");
 }
 
+/* The queue level of a request not decoded yet, from its message's first
+ * bytes (decoding rejects a bad value later; here it is the default). */
+static int raw_priority(const moed_request *req) {
+  grpc_byte_buffer_reader rd;
+  grpc_slice first;
+  int64_t v = -1;
+  if (!req->payload || !grpc_byte_buffer_reader_init(&rd, req->payload)) return MOED_PRIORITY_DEFAULT;
+  if (grpc_byte_buffer_reader_next(&rd, &first)) {
+    v = moed_kserve_int_param(GRPC_SLICE_START_PTR(first), GRPC_SLICE_LENGTH(first), true, "priority");
+    grpc_slice_unref(first);
+  }
+  grpc_byte_buffer_reader_destroy(&rd);
+  return v >= 1 && v <= MOED_PRIORITY_LEVELS ? (int)v : MOED_PRIORITY_DEFAULT;
+}
+
 void moed_infer_dispatch_raw(moed_server *s, moed_request *req) {
   infer_job *j = job_new(s, 0);
   if (j) {
     j->raw = req;
+    j->job.priority = raw_priority(req);
     if (moed_devices_submit(s->devices, &j->job)) return;
     free(j);
   }

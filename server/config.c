@@ -68,7 +68,10 @@ static const char usage[] =
     "  --strict-model-config B   accepted; moed derives every model's configuration itself\n"
     "  --model-control-mode M    moed (default): every set loaded at start, RepositoryModelLoad/Unload and\n"
     "                            uploads allowed; none: every set loaded, those refused; explicit: only the\n"
-    "                            --load-model sets loaded at start, changes allowed\n"
+    "                            --load-model sets loaded at start, changes allowed; poll: every set\n"
+    "                            loaded, then the directory followed (new, changed, removed sets), RPC\n"
+    "                            changes refused\n"
+    "  --repository-poll-secs N  poll: seconds between scans of the repository (default 15)\n"
     "  --load-model NAME         with explicit: a set to load at start (repeatable; * = every set)\n";
 
 enum {
@@ -102,6 +105,7 @@ enum {
   OPT_STRICT_CONFIG,
   OPT_CONTROL_MODE,
   OPT_LOAD_MODEL,
+  OPT_POLL_SECS,
   OPT_HANDSHAKE,
   OPT_IDLE,
   OPT_HTTP_CONNS,
@@ -156,6 +160,7 @@ static const struct option options[] = {
     {"strict-model-config", required_argument, NULL, OPT_STRICT_CONFIG},
     {"model-control-mode", required_argument, NULL, OPT_CONTROL_MODE},
     {"load-model", required_argument, NULL, OPT_LOAD_MODEL},
+    {"repository-poll-secs", required_argument, NULL, OPT_POLL_SECS},
     {NULL, 0, NULL, 0},
 };
 
@@ -200,13 +205,14 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_LOG_VERBOSE:
     ok = parse_i64(v, 0, INT32_MAX, &n) && (c->log_level = n > 0 ? MOED_LOG_DEBUG : MOED_LOG_INFO, true);
     break;
-  case OPT_CONTROL_MODE: /* Triton's poll is not offered: files change only through an explicit reload */
-    ok = !strcmp(v, "moed") || !strcmp(v, "none") || !strcmp(v, "explicit");
-    if (ok)
-      c->model_control = !strcmp(v, "moed")   ? MOED_CONTROL_MOED
-                         : !strcmp(v, "none") ? MOED_CONTROL_NONE
-                                              : MOED_CONTROL_EXPLICIT;
+  case OPT_CONTROL_MODE: {
+    static const char *const modes[] = {"moed", "none", "explicit", "poll"}; /* MOED_CONTROL_* order */
+    ok = false;
+    for (int i = 0; i < (int)(sizeof modes / sizeof modes[0]) && !ok; i++)
+      if ((ok = !strcmp(v, modes[i]))) c->model_control = i;
     break;
+  }
+  case OPT_POLL_SECS: ok = parse_i64(v, 1, 86400, &n) && (c->repository_poll_secs = (int)n, true); break;
   case OPT_LOAD_MODEL:
     ok = c->n_load_models < (int)(sizeof c->load_models / sizeof c->load_models[0]) &&
          (!strcmp(v, "*") || moed_model_name_ok(v));
@@ -323,6 +329,7 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .http_max_connections = 256,
       .fd_reserve = 64,
       .connection_age_grace_s = 30,
+      .repository_poll_secs = 15,
       .stream_buffer_bytes = (size_t)64 << 20,
       .response_buffer_bytes = (size_t)2 << 30,
   };
@@ -354,6 +361,10 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
   if (c->http_off) c->http_port = c->rest_port = -1;
   if (c->n_load_models && c->model_control != MOED_CONTROL_EXPLICIT) {
     fprintf(stderr, "moed: --load-model needs --model-control-mode explicit\n");
+    return -1;
+  }
+  if (c->model_control == MOED_CONTROL_POLL && !c->model_repository) {
+    fprintf(stderr, "moed: --model-control-mode poll needs --model-repository\n");
     return -1;
   }
   /* a repository that is not there is a deployment error, not an empty

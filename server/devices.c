@@ -1,7 +1,9 @@
 /* devices: the device queues. Each worker thread owns one backend (one per
  * GPU the op library lists, else the host CPU's) and runs jobs from a
- * bounded queue. Which backend a device number opens is the library's
- * business (moe_backend_open); only moed_devices_create picks the numbers. */
+ * bounded queue, one FIFO per priority level: a worker takes the oldest job
+ * of the highest level that has one (Triton's priority queue policy). Which
+ * backend a device number opens is the library's business
+ * (moe_backend_open); only moed_devices_create picks the numbers. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,7 +22,7 @@ typedef struct worker {
 struct moed_devices {
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  moed_job *head, *tail;
+  moed_job *head[MOED_PRIORITY_LEVELS], *tail[MOED_PRIORITY_LEVELS]; /* [0]: level 1, the highest */
   int queued, max_queued;
   bool stopping;
   bool stopped; /* workers joined */
@@ -57,12 +59,25 @@ static void trim(worker *w) {
              moe_backend_name(w->backend), freed);
 }
 
+/* d->mu held. The next job to run, taken off its queue; NULL: none. */
+static moed_job *take_locked(moed_devices *d) {
+  for (int l = 0; l < MOED_PRIORITY_LEVELS; l++) {
+    moed_job *job = d->head[l];
+    if (!job) continue;
+    d->head[l] = job->next;
+    if (!d->head[l]) d->tail[l] = NULL;
+    d->queued--;
+    return job;
+  }
+  return NULL;
+}
+
 static void *worker_main(void *arg) {
   worker *w = arg;
   moed_devices *d = w->d;
   pthread_mutex_lock(&d->mu);
   for (;;) {
-    while (!d->head && !d->stopping && w->trim_seen == d->trim_gen)
+    while (!d->queued && !d->stopping && w->trim_seen == d->trim_gen)
       pthread_cond_wait(&d->cv, &d->mu);
     if (w->trim_seen != d->trim_gen) {
       w->trim_seen = d->trim_gen;
@@ -71,11 +86,8 @@ static void *worker_main(void *arg) {
       pthread_mutex_lock(&d->mu);
       continue;
     }
-    moed_job *job = d->head;
+    moed_job *job = take_locked(d);
     if (!job) break; /* stopping and nothing left */
-    d->head = job->next;
-    if (!d->head) d->tail = NULL;
-    d->queued--;
     pthread_mutex_unlock(&d->mu);
     job->next = NULL;
     job->run(job, w->backend);
@@ -165,11 +177,13 @@ bool moed_devices_submit(moed_devices *d, moed_job *job) {
     return false;
   }
   job->next = NULL;
-  if (d->tail)
-    d->tail->next = job;
+  const int l = job->priority >= 1 && job->priority <= MOED_PRIORITY_LEVELS ? job->priority - 1
+                                                                            : MOED_PRIORITY_DEFAULT - 1;
+  if (d->tail[l])
+    d->tail[l]->next = job;
   else
-    d->head = job;
-  d->tail = job;
+    d->head[l] = job;
+  d->tail[l] = job;
   d->queued++;
   pthread_cond_signal(&d->cv);
   pthread_mutex_unlock(&d->mu);

@@ -142,93 +142,9 @@ static void health(moed_server *s, moed_request *req, bool watch) {
 
 /* ---- model metadata and config ------------------------------------------------------------ */
 
-/* The first dtype of a comma-separated list, as a KServe datatype (the
- * protocol has one per tensor; the op accepts every one in the list). */
-static const char *first_datatype(const char *list) {
-  char first[32];
-  size_t n = strcspn(list, ",");
-  if (n >= sizeof first) n = sizeof first - 1;
-  memcpy(first, list, n);
-  first[n] = 0;
-  moe_dtype t = moe_dtype_from_name(first);
-  return t == MOE_DTYPE_INVALID ? "UINT8" : moed_kserve_datatype(t);
-}
-
 static int config_type(const char *kserve) {
   const moed_kserve_type *k = moed_kserve_by_name(kserve);
   return k ? k->config_type : INFERENCE__DATA_TYPE__TYPE_INVALID;
-}
-
-#define MAX_IO 16
-
-/* One input or output as model m shows it: its datatype and shape. */
-typedef struct io_view {
-  const moe_op_io_desc *d;
-  const char *datatype;
-  int64_t shape[MOE_MAX_DIMS];
-  size_t rank;
-} io_view;
-
-typedef struct io_list {
-  io_view v[MAX_IO];
-  size_t n;
-} io_list;
-
-/* The size of axis `name` (moe_op_io_desc.axes) for model m: an expert set
- * fixes H and E, a number is itself; anything else is free (-1). */
-static int64_t axis_size(const moed_model *m, const char *name, size_t len) {
-  if (m->set && len == 1 && name[0] == 'H') return m->set->cfg.hidden_size;
-  if (m->set && len == 1 && name[0] == 'E') return m->set->cfg.global_num_experts;
-  int64_t v = 0;
-  for (size_t i = 0; i < len; i++) {
-    if (name[i] < '0' || name[i] > '9' || v > INT32_MAX) return -1;
-    v = v * 10 + (name[i] - '0');
-  }
-  return len ? v : -1;
-}
-
-static void io_view_of(const moed_model *m, const moe_op_io_desc *d, io_view *out) {
-  out->d = d;
-  /* an expert set computes in one activation dtype: advertise only it */
-  out->datatype = first_datatype(m->set && (d->flags & MOE_IO_ACTIVATION) ? moe_expert_set_act_dtypes(m->set)
-                                                                          : d->dtypes);
-  out->rank = 0;
-  for (const char *a = d->axes; *a && out->rank < MOE_MAX_DIMS;) {
-    size_t len = strcspn(a, ",");
-    out->shape[out->rank++] = axis_size(m, a, len);
-    a += len + (a[len] == ',');
-  }
-}
-
-/* The inputs (or outputs) a model shows: an expert set hides the inputs it
- * holds (its weights, its correction_bias: the op rejects them inline). */
-static void model_io(const moed_model *m, bool inputs, io_list *out) {
-  const moe_op_info *info = moe_op_describe(m->op);
-  const moe_op_io_desc *v = inputs ? info->inputs : info->outputs;
-  size_t n = inputs ? info->num_inputs : info->num_outputs;
-  out->n = 0;
-  for (size_t i = 0; i < n && out->n < MAX_IO; i++)
-    if (!(inputs && m->set && (v[i].flags & MOE_INPUT_SET_HELD))) io_view_of(m, &v[i], &out->v[out->n++]);
-}
-
-static bool io_batched(const io_list *l) {
-  for (size_t i = 0; i < l->n; i++)
-    if (l->v[i].d->axes[0] != 'T' || strcspn(l->v[i].d->axes, ",") != 1) return false;
-  return true;
-}
-
-/* Triton's max_batch_size: > 0 says every input and output has a first,
- * batch axis along which the server merges requests, and clients
- * (perf_analyzer) then send [batch] + dims. moed merges along the token
- * axis T up to max_batch_tokens rows, so a model that batches and whose
- * every tensor starts with T says max_batch_tokens. A model with a tensor
- * without that axis (a shared static scale, a bias) says 0 even where the
- * server merges its requests: a batch axis prepended to such a tensor
- * would be rejected. */
-static int32_t max_batch_size(const moed_server *s, const moed_model *m, const io_list *ins,
-                              const io_list *outs) {
-  if (!moed_model_batches(s, m) || !io_batched(ins) || !io_batched(outs)) return 0;
-  return (int32_t)s->cfg->max_batch_tokens; /* the flag's range is at most INT32_MAX */
 }
 
 static moed_model *model_or_reply(moed_server *s, moed_request *req, const char *name, const char *version) {
@@ -261,21 +177,21 @@ static void model_metadata(moed_server *s, moed_request *req) {
   if (!in) return;
   moed_model *m = model_or_reply(s, req, in->name, in->version);
   if (m) {
-    io_list ins, outs;
-    model_io(m, true, &ins);
-    model_io(m, false, &outs);
-    Inference__ModelMetadataResponse__TensorMetadata tm[2 * MAX_IO], *tin[MAX_IO], *tout[MAX_IO];
-    for (size_t i = 0; i < ins.n + outs.n; i++) {
-      io_view *v = i < ins.n ? &ins.v[i] : &outs.v[i - ins.n];
+    moed_model_desc md;
+    moed_model_describe(s, m, &md);
+    Inference__ModelMetadataResponse__TensorMetadata tm[2 * MOED_MAX_IO], *tin[MOED_MAX_IO],
+        *tout[MOED_MAX_IO];
+    for (size_t i = 0; i < md.n_in + md.n_out; i++) {
+      const moed_tensor_desc *v = i < md.n_in ? &md.in[i] : &md.out[i - md.n_in];
       inference__model_metadata_response__tensor_metadata__init(&tm[i]);
-      tm[i].name = (char *)v->d->name;
+      tm[i].name = (char *)v->name;
       tm[i].datatype = (char *)v->datatype;
       tm[i].n_shape = v->rank; /* the full shape: the batch axis, when there is one, is T */
-      tm[i].shape = v->shape;
-      if (i < ins.n)
+      tm[i].shape = (int64_t *)v->shape;
+      if (i < md.n_in)
         tin[i] = &tm[i];
       else
-        tout[i - ins.n] = &tm[i];
+        tout[i - md.n_in] = &tm[i];
     }
     static char *versions[] = {"1"};
     Inference__ModelMetadataResponse r = INFERENCE__MODEL_METADATA_RESPONSE__INIT;
@@ -283,9 +199,9 @@ static void model_metadata(moed_server *s, moed_request *req) {
     r.n_versions = 1;
     r.versions = versions;
     r.platform = "moed";
-    r.n_inputs = ins.n;
+    r.n_inputs = md.n_in;
     r.inputs = tin;
-    r.n_outputs = outs.n;
+    r.n_outputs = md.n_out;
     r.outputs = tout;
     reply(req, &r.base);
     moed_model_release(m);
@@ -298,46 +214,47 @@ static void model_config(moed_server *s, moed_request *req) {
   if (!in) return;
   moed_model *m = model_or_reply(s, req, in->name, in->version);
   if (m) {
-    io_list ins, outs;
-    model_io(m, true, &ins);
-    model_io(m, false, &outs);
-    Inference__ModelInput mi[MAX_IO], *pmi[MAX_IO];
-    Inference__ModelOutput mo[MAX_IO], *pmo[MAX_IO];
-    const int32_t mbs = max_batch_size(s, m, &ins, &outs);
+    moed_model_desc md;
+    moed_model_describe(s, m, &md);
+    Inference__ModelInput mi[MOED_MAX_IO], *pmi[MOED_MAX_IO];
+    Inference__ModelOutput mo[MOED_MAX_IO], *pmo[MOED_MAX_IO];
+    const int32_t mbs = md.max_batch_size;
     const size_t skip = mbs > 0; /* Triton's dims leave out the batch axis */
-    for (size_t i = 0; i < ins.n; i++) {
+    for (size_t i = 0; i < md.n_in; i++) {
       inference__model_input__init(&mi[i]);
-      mi[i].name = (char *)ins.v[i].d->name;
-      mi[i].data_type = (Inference__DataType)config_type(ins.v[i].datatype);
-      mi[i].n_dims = ins.v[i].rank - skip;
-      mi[i].dims = ins.v[i].shape + skip;
-      mi[i].optional = ins.v[i].d->optional;
+      mi[i].name = (char *)md.in[i].name;
+      mi[i].data_type = (Inference__DataType)config_type(md.in[i].datatype);
+      mi[i].n_dims = md.in[i].rank - skip;
+      mi[i].dims = md.in[i].shape + skip;
+      mi[i].optional = md.in[i].optional;
       pmi[i] = &mi[i];
     }
-    for (size_t i = 0; i < outs.n; i++) {
+    for (size_t i = 0; i < md.n_out; i++) {
       inference__model_output__init(&mo[i]);
-      mo[i].name = (char *)outs.v[i].d->name;
-      mo[i].data_type = (Inference__DataType)config_type(outs.v[i].datatype);
-      mo[i].n_dims = outs.v[i].rank - skip;
-      mo[i].dims = outs.v[i].shape + skip;
+      mo[i].name = (char *)md.out[i].name;
+      mo[i].data_type = (Inference__DataType)config_type(md.out[i].datatype);
+      mo[i].n_dims = md.out[i].rank - skip;
+      mo[i].dims = md.out[i].shape + skip;
       pmo[i] = &mo[i];
     }
-    Inference__ModelParameter pv[2];
-    Inference__ModelConfig__ParametersEntry pe[2], *ppe[2];
+    Inference__ModelParameter pv[3];
+    Inference__ModelConfig__ParametersEntry pe[3], *ppe[3];
     size_t np = 0;
     char *json = m->set ? moe_expert_config_to_json(&m->set->cfg) : NULL;
-    inference__model_parameter__init(&pv[np]);
-    inference__model_config__parameters_entry__init(&pe[np]);
-    pv[np].string_value = moe_op_describe(m->op)->rows_independent ? "true" : "false";
-    pe[np].key = "rows_independent";
-    pe[np].value = &pv[np];
-    ppe[np] = &pe[np];
-    np++;
-    if (json) {
+    char *types = moed_model_datatypes_json(&md);
+    const struct {
+      const char *key, *value;
+    } params[] = {
+        {"rows_independent", md.rows_independent ? "true" : "false"},
+        {"expert_set_config", json},
+        {"datatypes", types},
+    };
+    for (size_t i = 0; i < sizeof params / sizeof params[0]; i++) {
+      if (!params[i].value) continue;
       inference__model_parameter__init(&pv[np]);
       inference__model_config__parameters_entry__init(&pe[np]);
-      pv[np].string_value = json;
-      pe[np].key = "expert_set_config";
+      pv[np].string_value = (char *)params[i].value;
+      pe[np].key = (char *)params[i].key;
       pe[np].value = &pv[np];
       ppe[np] = &pe[np];
       np++;
@@ -347,14 +264,26 @@ static void model_config(moed_server *s, moed_request *req) {
     cfg.platform = "moed";
     cfg.backend = "moed";
     cfg.max_batch_size = mbs;
-    /* the batcher forms batches as large as arrive within the delay, up to
-     * max_batch_size: Triton's dynamic batching without preferred sizes */
+    /* the batcher as Triton's dynamic batcher: a batch is sent once it holds
+     * max_batch_size rows (the one preferred size) or when the delay
+     * passes; the device queues take requests by priority level, and a
+     * request's timeout (allowed per request, none by default) rejects it */
+    Inference__ModelQueuePolicy qp = INFERENCE__MODEL_QUEUE_POLICY__INIT;
+    qp.timeout_action = INFERENCE__MODEL_QUEUE_POLICY__TIMEOUT_ACTION__REJECT;
+    qp.allow_timeout_override = true;
+    qp.max_queue_size = (uint32_t)s->cfg->max_queue_size;
+    int32_t preferred = mbs;
     Inference__ModelDynamicBatching db = INFERENCE__MODEL_DYNAMIC_BATCHING__INIT;
+    db.n_preferred_batch_size = 1;
+    db.preferred_batch_size = &preferred;
     db.max_queue_delay_microseconds = (uint64_t)s->cfg->max_queue_delay_us;
+    db.priority_levels = MOED_PRIORITY_LEVELS;
+    db.default_priority_level = MOED_PRIORITY_DEFAULT;
+    db.default_queue_policy = &qp;
     if (mbs > 0) cfg.dynamic_batching = &db;
-    cfg.n_input = ins.n;
+    cfg.n_input = md.n_in;
     cfg.input = pmi;
-    cfg.n_output = outs.n;
+    cfg.n_output = md.n_out;
     cfg.output = pmo;
     cfg.n_parameters = np;
     cfg.parameters = ppe;
@@ -362,6 +291,7 @@ static void model_config(moed_server *s, moed_request *req) {
     r.config = &cfg;
     reply(req, &r.base);
     free(json);
+    free(types);
     moed_model_release(m);
   }
   protobuf_c_message_free_unpacked(&in->base, NULL);
@@ -374,8 +304,9 @@ typedef struct stats_out {
   Inference__ModelStatistics *v;
   Inference__StatisticDuration *d;
   Inference__InferStatistics *is;
-  Inference__InferBatchStatistics *bs, **pbs; /* MOED_BATCH_STATS per model */
+  Inference__InferBatchStatistics *bs, **pbs; /* MOED_BATCH_SIZES per model */
   Inference__StatisticDuration *bd;           /* 3 per batch statistic */
+  moed_batch_snapshot *snap;                  /* MOED_BATCH_SIZES, reused per model */
   size_t n, cap;
 } stats_out;
 
@@ -388,7 +319,7 @@ static void dur(Inference__StatisticDuration *d, uint64_t count, uint64_t ns) {
 static void collect_stats(moed_model *m, void *arg) {
   stats_out *o = arg;
   if ((o->only && strcmp(o->only, m->name) != 0) || o->n == o->cap) return;
-  const moed_model_stats *st = m->stats;
+  moed_model_stats *st = m->stats;
   Inference__ModelStatistics *ms = &o->v[o->n];
   Inference__InferStatistics *is = &o->is[o->n];
   Inference__StatisticDuration *d = &o->d[o->n * 6];
@@ -396,15 +327,17 @@ static void collect_stats(moed_model *m, void *arg) {
   inference__infer_statistics__init(is);
   ms->name = m->name;
   ms->version = "1";
+  /* the count first: every time read after it includes at least its requests */
+  const uint64_t ok = atomic_load(&st->success_count);
   ms->last_inference = atomic_load(&st->last_inference_ms);
   ms->inference_count = atomic_load(&st->inference_count);
   ms->execution_count = atomic_load(&st->execution_count);
-  dur(&d[0], atomic_load(&st->success_count), atomic_load(&st->success_ns));
+  dur(&d[0], ok, atomic_load(&st->success_ns));
   dur(&d[1], atomic_load(&st->fail_count), atomic_load(&st->fail_ns));
-  dur(&d[2], atomic_load(&st->queue_count), atomic_load(&st->queue_ns));
-  dur(&d[3], atomic_load(&st->compute_input_count), atomic_load(&st->compute_input_ns));
-  dur(&d[4], atomic_load(&st->compute_count), atomic_load(&st->compute_ns));
-  dur(&d[5], atomic_load(&st->compute_output_count), atomic_load(&st->compute_output_ns));
+  dur(&d[2], ok, atomic_load(&st->queue_ns));
+  dur(&d[3], ok, atomic_load(&st->compute_input_ns));
+  dur(&d[4], ok, atomic_load(&st->compute_ns));
+  dur(&d[5], ok, atomic_load(&st->compute_output_ns));
   is->success = &d[0];
   is->fail = &d[1];
   is->queue = &d[2];
@@ -412,24 +345,22 @@ static void collect_stats(moed_model *m, void *arg) {
   is->compute_infer = &d[4];
   is->compute_output = &d[5];
   ms->inference_stats = is;
-  /* executions per batch size (requests merged into one call) */
-  Inference__InferBatchStatistics *bs = &o->bs[o->n * MOED_BATCH_STATS];
-  Inference__InferBatchStatistics **pbs = &o->pbs[o->n * MOED_BATCH_STATS];
-  Inference__StatisticDuration *bd = &o->bd[o->n * MOED_BATCH_STATS * 3];
-  size_t nb = 0;
-  for (size_t i = 0; i < MOED_BATCH_STATS; i++) {
-    uint64_t count = atomic_load(&st->batch_count[i]);
-    if (!count) continue;
-    inference__infer_batch_statistics__init(&bs[nb]);
-    bs[nb].batch_size = i + 1;
-    dur(&bd[nb * 3], count, atomic_load(&st->batch_input_ns[i]));
-    dur(&bd[nb * 3 + 1], count, atomic_load(&st->batch_ns[i]));
-    dur(&bd[nb * 3 + 2], count, atomic_load(&st->batch_output_ns[i]));
-    bs[nb].compute_input = &bd[nb * 3];
-    bs[nb].compute_infer = &bd[nb * 3 + 1];
-    bs[nb].compute_output = &bd[nb * 3 + 2];
-    pbs[nb] = &bs[nb];
-    nb++;
+  /* executions per batch size */
+  Inference__InferBatchStatistics *bs = &o->bs[o->n * MOED_BATCH_SIZES];
+  Inference__InferBatchStatistics **pbs = &o->pbs[o->n * MOED_BATCH_SIZES];
+  Inference__StatisticDuration *bd = &o->bd[o->n * MOED_BATCH_SIZES * 3];
+  size_t nb = moed_stats_batches(st, o->snap);
+  for (size_t i = 0; i < nb; i++) {
+    const moed_batch_snapshot *b = &o->snap[i];
+    inference__infer_batch_statistics__init(&bs[i]);
+    bs[i].batch_size = b->size;
+    dur(&bd[i * 3], b->count, b->input_ns);
+    dur(&bd[i * 3 + 1], b->count, b->infer_ns);
+    dur(&bd[i * 3 + 2], b->count, b->output_ns);
+    bs[i].compute_input = &bd[i * 3];
+    bs[i].compute_infer = &bd[i * 3 + 1];
+    bs[i].compute_output = &bd[i * 3 + 2];
+    pbs[i] = &bs[i];
   }
   ms->n_batch_stats = nb;
   ms->batch_stats = pbs;
@@ -451,11 +382,12 @@ static void model_statistics(moed_server *s, moed_request *req) {
   o.v = calloc(o.cap, sizeof *o.v);
   o.is = calloc(o.cap, sizeof *o.is);
   o.d = calloc(o.cap * 6, sizeof *o.d);
-  o.bs = calloc(o.cap * MOED_BATCH_STATS, sizeof *o.bs);
-  o.pbs = calloc(o.cap * MOED_BATCH_STATS, sizeof *o.pbs);
-  o.bd = calloc(o.cap * MOED_BATCH_STATS * 3, sizeof *o.bd);
+  o.bs = calloc(o.cap * MOED_BATCH_SIZES, sizeof *o.bs);
+  o.pbs = calloc(o.cap * MOED_BATCH_SIZES, sizeof *o.pbs);
+  o.bd = calloc(o.cap * MOED_BATCH_SIZES * 3, sizeof *o.bd);
+  o.snap = calloc(MOED_BATCH_SIZES, sizeof *o.snap);
   Inference__ModelStatistics **pv = calloc(o.cap, sizeof *pv);
-  if (!o.v || !o.is || !o.d || !o.bs || !o.pbs || !o.bd || !pv) {
+  if (!o.v || !o.is || !o.d || !o.bs || !o.pbs || !o.bd || !o.snap || !pv) {
     reply_error(req, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory");
     goto done;
   }
@@ -478,6 +410,7 @@ done:
   free(o.bs);
   free(o.pbs);
   free(o.bd);
+  free(o.snap);
   protobuf_c_message_free_unpacked(&in->base, NULL);
 }
 
@@ -672,9 +605,14 @@ void moed_handle_request(moed_request *req, void *arg) {
   case MOED_M_REPOSITORY_LOAD:
   case MOED_M_REPOSITORY_UNLOAD:
   case MOED_M_EXPERT_UPLOAD:
-    if (s->cfg->model_control == MOED_CONTROL_NONE) { /* an upload stream: refused at its first message */
-      moed_rpc_finish(req->rpc, GRPC_STATUS_UNAVAILABLE,
-                      "the model repository is not changed by RPC (--model-control-mode none)", NULL);
+    /* refused for good (not UNAVAILABLE: a retry cannot succeed); an upload
+     * stream at its first message */
+    if (s->cfg->model_control == MOED_CONTROL_NONE || s->cfg->model_control == MOED_CONTROL_POLL) {
+      moed_rpc_finish(req->rpc, GRPC_STATUS_FAILED_PRECONDITION,
+                      s->cfg->model_control == MOED_CONTROL_NONE
+                          ? "the model repository is not changed by RPC (--model-control-mode none)"
+                          : "the model repository follows its directory (--model-control-mode poll)",
+                      NULL);
       break;
     }
     if (req->method == MOED_M_EXPERT_UPLOAD)

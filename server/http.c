@@ -12,6 +12,7 @@
  * server, not a stuck one: live 200, ready 503. */
 #include <http_parser.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,6 +78,20 @@ static void wb_printf(wbuf *b, const char *fmt, ...) {
 
 /* ---- /metrics ------------------------------------------------------------------ */
 
+/* A label value as the Prometheus text format writes it: backslash, double
+ * quote and newline escaped. Model names cannot hold them today
+ * (moed_model_name_ok); escaping keeps the exposition valid if that changes. */
+#define LABEL_LEN (2 * sizeof(((moed_model *)0)->name) + 1) /* every character escaped */
+static const char *label(const char *v, char out[LABEL_LEN]) {
+  size_t n = 0;
+  for (; *v && n + 2 < LABEL_LEN; v++) {
+    if (*v == '\\' || *v == '"' || *v == '\n') out[n++] = '\\';
+    out[n++] = *v == '\n' ? 'n' : *v;
+  }
+  out[n] = 0;
+  return out;
+}
+
 static void hist(wbuf *b, const char *metric, const char *model, const moed_hist *h) {
   uint64_t cum = 0;
   for (int i = 0; i < MOED_HIST_BUCKETS; i++) {
@@ -91,31 +106,71 @@ static void hist(wbuf *b, const char *metric, const char *model, const moed_hist
   wb_printf(b, "%s_count{model=\"%s\"} %llu\n", metric, model, (unsigned long long)atomic_load(&h->count));
 }
 
+/* Triton's per-model counters under Triton's names (what dashboards written
+ * for tritonserver read), from the same statistics as ModelStatistics:
+ * durations are of successful requests, in microseconds. */
+static const struct {
+  const char *name, *help;
+  size_t field; /* offsetof(moed_model_stats, ...) of an _Atomic uint64_t */
+  bool ns;      /* a duration in ns, shown in us */
+} triton_metrics[] = {
+    {"nv_inference_request_success", "Number of successful inference requests, all batch sizes",
+     offsetof(moed_model_stats, success_count), false},
+    {"nv_inference_request_failure", "Number of failed inference requests, all batch sizes",
+     offsetof(moed_model_stats, fail_count), false},
+    {"nv_inference_count", "Number of inferences performed (a request of batch size n counts n)",
+     offsetof(moed_model_stats, inference_count), false},
+    {"nv_inference_exec_count", "Number of model executions performed (merged requests count once)",
+     offsetof(moed_model_stats, execution_count), false},
+    {"nv_inference_request_duration_us", "Cumulative inference request duration in microseconds",
+     offsetof(moed_model_stats, success_ns), true},
+    {"nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds",
+     offsetof(moed_model_stats, queue_ns), true},
+    {"nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds",
+     offsetof(moed_model_stats, compute_input_ns), true},
+    {"nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds",
+     offsetof(moed_model_stats, compute_ns), true},
+    {"nv_inference_compute_output_duration_us",
+     "Cumulative inference compute output duration in microseconds",
+     offsetof(moed_model_stats, compute_output_ns), true},
+};
+#define N_TRITON_METRICS (sizeof triton_metrics / sizeof triton_metrics[0])
+#define N_MOED_SECTIONS 6
+
 typedef struct metrics_pass {
   wbuf *b;
-  int section;
+  size_t section; /* moed's sections, then Triton's metrics */
 } metrics_pass;
 
 static void model_metrics(moed_model *m, void *arg) {
   metrics_pass *p = arg;
-  const moed_model_stats *st = m->stats;
+  moed_model_stats *st = m->stats;
   wbuf *b = p->b;
+  char name[LABEL_LEN];
+  label(m->name, name);
+  if (p->section >= N_MOED_SECTIONS) {
+    size_t i = p->section - N_MOED_SECTIONS;
+    uint64_t v = atomic_load((_Atomic uint64_t *)((char *)st + triton_metrics[i].field));
+    wb_printf(b, "%s{model=\"%s\",version=\"1\"} %llu\n", triton_metrics[i].name, name,
+              (unsigned long long)(triton_metrics[i].ns ? v / 1000 : v));
+    return;
+  }
   switch (p->section) {
   case 0:
-    wb_printf(b, "moed_requests_total{model=\"%s\",outcome=\"success\"} %llu\n", m->name,
+    wb_printf(b, "moed_requests_total{model=\"%s\",outcome=\"success\"} %llu\n", name,
               (unsigned long long)atomic_load(&st->success_count));
-    wb_printf(b, "moed_requests_total{model=\"%s\",outcome=\"failure\"} %llu\n", m->name,
+    wb_printf(b, "moed_requests_total{model=\"%s\",outcome=\"failure\"} %llu\n", name,
               (unsigned long long)atomic_load(&st->fail_count));
     break;
-  case 1: hist(b, "moed_queue_seconds", m->name, &st->queue_hist); break;
-  case 2: hist(b, "moed_compute_seconds", m->name, &st->compute_hist); break;
-  case 3: hist(b, "moed_request_seconds", m->name, &st->total_hist); break;
+  case 1: hist(b, "moed_queue_seconds", name, &st->queue_hist); break;
+  case 2: hist(b, "moed_compute_seconds", name, &st->compute_hist); break;
+  case 3: hist(b, "moed_request_seconds", name, &st->total_hist); break;
   case 4:
-    wb_printf(b, "moed_bytes_in_total{model=\"%s\"} %llu\n", m->name,
+    wb_printf(b, "moed_bytes_in_total{model=\"%s\"} %llu\n", name,
               (unsigned long long)atomic_load(&st->bytes_in));
     break;
   case 5:
-    wb_printf(b, "moed_bytes_out_total{model=\"%s\"} %llu\n", m->name,
+    wb_printf(b, "moed_bytes_out_total{model=\"%s\"} %llu\n", name,
               (unsigned long long)atomic_load(&st->bytes_out));
     break;
   }
@@ -123,7 +178,7 @@ static void model_metrics(moed_model *m, void *arg) {
 
 static void render_metrics(moed_http *h, wbuf *b) {
   moed_server *s = h->srv;
-  static const char *const heads[] = {
+  static const char *const heads[N_MOED_SECTIONS] = {
       "# HELP moed_requests_total Inference requests by model and outcome.\n# TYPE moed_requests_total "
       "counter\n",
       "# HELP moed_queue_seconds Time from arrival to the start of compute.\n# TYPE moed_queue_seconds "
@@ -133,8 +188,12 @@ static void render_metrics(moed_http *h, wbuf *b) {
       "# HELP moed_bytes_in_total Input tensor bytes received.\n# TYPE moed_bytes_in_total counter\n",
       "# HELP moed_bytes_out_total Output tensor bytes sent.\n# TYPE moed_bytes_out_total counter\n",
   };
-  for (int sec = 0; sec < 6; sec++) {
-    wb_printf(b, "%s", heads[sec]);
+  for (size_t sec = 0; sec < N_MOED_SECTIONS + N_TRITON_METRICS; sec++) {
+    if (sec < N_MOED_SECTIONS)
+      wb_printf(b, "%s", heads[sec]);
+    else
+      wb_printf(b, "# HELP %s %s\n# TYPE %s counter\n", triton_metrics[sec - N_MOED_SECTIONS].name,
+                triton_metrics[sec - N_MOED_SECTIONS].help, triton_metrics[sec - N_MOED_SECTIONS].name);
     metrics_pass p = {b, sec};
     moed_repository_foreach(s->repo, model_metrics, &p);
   }

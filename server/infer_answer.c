@@ -88,12 +88,19 @@ void moed_request_reject(moed_server *srv, moed_request *req, grpc_status_code c
   atomic_fetch_sub(&srv->inflight, 1);
 }
 
+uint64_t moed_infer_batch_size(const moed_server *srv, const moed_infer_req *r) {
+  if (!r->model || !r->n_in || r->in[0].tensor.ndim < 1 || moed_model_max_batch_size(srv, r->model) <= 0)
+    return 1;
+  return (uint64_t)r->in[0].tensor.shape[0]; /* every tensor leads with the batch axis */
+}
+
 void moed_infer_finish(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *msg,
                        grpc_byte_buffer *resp, const moed_timing *t, uint64_t bytes_out) {
   if (r->model) { /* before the answer: a client that reads ModelStatistics next finds its request */
     uint64_t now = moed_now_ns(), start = t && t->start_ns ? t->start_ns : now;
     moed_stats_record(r->model->stats, code == GRPC_STATUS_OK, start - r->req->received_ns, t,
-                      now - r->req->received_ns, r->bytes_in, bytes_out);
+                      now - r->req->received_ns, code == GRPC_STATUS_OK ? moed_infer_batch_size(srv, r) : 0,
+                      r->bytes_in, bytes_out);
   }
   respond(r->req, r->msg ? r->msg->id : NULL, code, msg, resp);
   req_free(r);

@@ -229,10 +229,13 @@ static grpc_status_code decode_inputs(moed_infer_req *c, const moed_config *cfg)
 
 /* The KServe/Triton request parameters the server itself takes (not the
  * op's, and not part of the batch key): `timeout` in microseconds (0: none)
- * shortens the call's deadline, counted from arrival; `priority` (>= 0) is
- * accepted (both integers); `triton_enable_empty_final_response` (bool) is
- * accepted. Any other name goes to the op, which rejects names it does not
- * take. true: e was one of them (or an error is set). */
+ * shortens the call's deadline, counted from arrival; `priority` is a level
+ * as Triton's queue policy numbers them (1 highest .. MOED_PRIORITY_LEVELS,
+ * 0: MOED_PRIORITY_DEFAULT; both integers); `triton_enable_empty_final_response`
+ * (bool) is accepted. Triton's other reserved names are refused here: the
+ * sequence batcher's (moed's models are stateless) and any other `triton_`
+ * name. Any other name goes to the op, which rejects names it does not take.
+ * true: e was one of them (or an error is set). */
 static bool server_param(moed_infer_req *c, const Inference__ModelInferRequest__ParametersEntry *e,
                          grpc_status_code *code) {
   /* tritonclient's stream option enable_empty_final_response: every moed
@@ -242,6 +245,19 @@ static bool server_param(moed_infer_req *c, const Inference__ModelInferRequest__
     if (!e->value ||
         e->value->parameter_choice_case != INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_BOOL_PARAM)
       *code = fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters['%s']: a bool is expected", e->key);
+    return true;
+  }
+  if (strncmp(e->key, "sequence_", 9) == 0 &&
+      (!strcmp(e->key + 9, "id") || !strcmp(e->key + 9, "start") || !strcmp(e->key + 9, "end"))) {
+    *code =
+        fail(c, GRPC_STATUS_INVALID_ARGUMENT,
+             "parameters['%s']: moed has no sequence batching (its models keep no state between requests)",
+             e->key);
+    return true;
+  }
+  if (strncmp(e->key, "triton_", 7) == 0) {
+    *code = fail(c, GRPC_STATUS_INVALID_ARGUMENT,
+                 "parameters['%s']: names starting with 'triton_' are reserved", e->key);
     return true;
   }
   const bool timeout = strcmp(e->key, "timeout") == 0;
@@ -257,11 +273,19 @@ static bool server_param(moed_infer_req *c, const Inference__ModelInferRequest__
     return true;
   }
   if (!timeout) {
-    c->priority = n;
+    if (n > MOED_PRIORITY_LEVELS)
+      *code = fail(c, GRPC_STATUS_INVALID_ARGUMENT,
+                   "parameters['priority']: %lld is not a level: 1 (highest) to %d, or 0 for the default %d",
+                   (long long)n, MOED_PRIORITY_LEVELS, MOED_PRIORITY_DEFAULT);
+    else
+      c->priority = n ? (int)n : MOED_PRIORITY_DEFAULT;
   } else if (n > 0) {
     const uint64_t us = (uint64_t)n,
                    at = c->req->received_ns + (us > UINT64_MAX / 2000 ? UINT64_MAX / 2 : us * 1000);
-    if (at < c->deadline_ns) c->deadline_ns = at;
+    if (at < c->deadline_ns) {
+      c->deadline_ns = at;
+      c->timeout_us = us; /* the deadline is the parameter's: errors name it */
+    }
   }
   return true;
 }
@@ -323,6 +347,7 @@ moed_infer_req *moed_infer_decode(moed_server *srv, moed_request *req) {
   }
   r->req = req;
   r->deadline_ns = moed_rpc_deadline_ns(req->rpc);
+  r->priority = MOED_PRIORITY_DEFAULT;
   r->flat = flatten_aligned(req->payload);
   if (req->payload) grpc_byte_buffer_destroy(req->payload);
   req->payload = NULL;

@@ -32,7 +32,8 @@ struct moed_infer_req {
   uint8_t *key;                  /* batch key (see moed_batch_key) */
   size_t key_len;
   uint64_t deadline_ns;  /* the call's deadline, or parameters['timeout'] after arrival if sooner */
-  int64_t priority;      /* parameters['priority'] (0: default); accepted, not yet an order */
+  uint64_t timeout_us;   /* parameters['timeout'] when it set deadline_ns, else 0 */
+  int priority;          /* level of parameters['priority'] (1 highest; MOED_PRIORITY_DEFAULT without) */
   grpc_status_code code; /* decode failure */
   char err[MOED_ERR_LEN];
   uint64_t bytes_in;
@@ -45,6 +46,10 @@ struct moed_infer_req {
 void moed_batch_key(moed_infer_req *r, const moed_server *srv);
 
 /* ---- infer_answer.c ------------------------------------------------------------------- */
+
+/* r's batch size as Triton counts it: its rows along the batch axis for a
+ * model that has one (moed_model_max_batch_size > 0), else 1. */
+uint64_t moed_infer_batch_size(const moed_server *srv, const moed_infer_req *r);
 
 /* Answers r (resp: the encoded response, taken; NULL on failure), records
  * its statistics (t: its time on the worker; NULL or start_ns 0: it never

@@ -50,10 +50,13 @@ static grpc_status_code unwanted(const moed_server *srv, const moed_infer_req *r
     return moed_failf(err, GRPC_STATUS_UNAVAILABLE,
                       "server shutting down: work stopped at the drain timeout");
   if (moed_rpc_cancelled(r->req->rpc)) return moed_failf(err, GRPC_STATUS_CANCELLED, "call cancelled");
-  if (!wanted(r, moed_now_ns()))
-    return moed_failf(err, GRPC_STATUS_DEADLINE_EXCEEDED, "%s",
-                      stopped ? "deadline exceeded while running: the work was stopped"
-                              : "deadline exceeded before the work started");
+  if (!wanted(r, moed_now_ns())) {
+    const char *when = stopped ? "while running: the work was stopped" : "before the work started";
+    if (r->timeout_us)
+      return moed_failf(err, GRPC_STATUS_DEADLINE_EXCEEDED, "parameters['timeout']: %llu us passed %s",
+                        (unsigned long long)r->timeout_us, when);
+    return moed_failf(err, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded %s", when);
+  }
   return GRPC_STATUS_OK;
 }
 
@@ -216,7 +219,7 @@ static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r) {
   code = run_call(&c, r->model, r->in, r->n_in, r->params, r->n_params, host, &t);
   if (c.stopped) code = unwanted(srv, r, true, c.err);
   if (code) goto done;
-  moed_stats_record_execution(r->model->stats, 1, &t);
+  moed_stats_record_execution(r->model->stats, moed_infer_batch_size(srv, r), &t);
   const uint64_t encoding = moed_now_ns();
   moe_named_tensor outs[MOED_MAX_TENSORS];
   for (; nd < c.num_out; nd++) { /* each output buffer becomes the slice that owns it */
@@ -315,7 +318,10 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
     if (t->ndim < 1 || t->shape[0] != total || t->nbytes % (size_t)total) goto out;
     out_row[i] = t->nbytes / (size_t)total;
   }
-  moed_stats_record_execution(r0->model->stats, n, &t);
+  uint64_t batch = 0; /* Triton's batch size: the batch-axis rows of every request merged */
+  for (size_t k = 0; k < n; k++)
+    batch += moed_infer_batch_size(srv, reqs[k]);
+  moed_stats_record_execution(r0->model->stats, batch, &t);
   if (!(shared = calloc(1, sizeof *shared))) goto out;
   memcpy(shared->buf, host, sizeof host);
   memset(host, 0, sizeof host);

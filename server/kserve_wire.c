@@ -9,6 +9,9 @@
 
 /* Field numbers (proto/grpc_service.proto) of what is read or written here. */
 enum {
+  REQUEST_PARAMETERS = 4,           /* ModelInferRequest.parameters (map entries: key 1, value 2) */
+  PARAM_INT64 = 2,                  /* InferParameter.int64_param */
+  PARAM_UINT64 = 5,                 /* InferParameter.uint64_param */
   REQUEST_RAW_INPUT_CONTENTS = 7,   /* ModelInferRequest.raw_input_contents */
   RESPONSE_RAW_OUTPUT_CONTENTS = 6, /* ModelInferResponse.raw_output_contents */
   STREAM_INFER_RESPONSE = 2,        /* ModelStreamInferResponse.infer_response */
@@ -136,6 +139,37 @@ void moed_kserve_string(const uint8_t *p, size_t n, bool prefix, moed_kserve_str
     }
     return;
   }
+}
+
+/* InferParameter m[0..n)'s integer; -1: none, or negative. */
+static int64_t param_int(const uint8_t *m, size_t n) {
+  moed_wire_iter it = moed_wire_begin(m, n, false);
+  moed_wire_field f;
+  while (moed_wire_next(&it, &f))
+    if ((f.number == PARAM_INT64 || f.number == PARAM_UINT64) && f.type == MOED_WIRE_VARINT)
+      return f.varint <= INT64_MAX ? (int64_t)f.varint : -1; /* a negative int64 is a huge varint */
+  return -1;
+}
+
+int64_t moed_kserve_int_param(const uint8_t *p, size_t n, bool prefix, const char *key) {
+  const size_t klen = strlen(key);
+  moed_wire_iter it = moed_wire_begin(p, n, prefix);
+  moed_wire_field f;
+  while (moed_wire_next(&it, &f)) {
+    if (f.number != REQUEST_PARAMETERS || f.type != MOED_WIRE_LEN || (prefix && f.at + f.len >= n)) continue;
+    moed_wire_iter e = moed_wire_begin(p + f.at, f.len, false);
+    moed_wire_field k;
+    bool match = false;
+    int64_t v = -1;
+    while (moed_wire_next(&e, &k)) {
+      if (k.number == 1 && k.type == MOED_WIRE_LEN)
+        match = k.len == klen && memcmp(p + f.at + k.at, key, klen) == 0;
+      else if (k.number == 2 && k.type == MOED_WIRE_LEN)
+        v = param_int(p + f.at + k.at, k.len);
+    }
+    if (match) return v;
+  }
+  return -1;
 }
 
 size_t moed_kserve_raw_at(const uint8_t *p, size_t n) {

@@ -66,6 +66,11 @@ typedef enum moed_kserve_string_field {
  * does not fit, it may be cut, or the bytes before it are malformed). */
 void moed_kserve_string(const uint8_t *p, size_t n, bool prefix, moed_kserve_string_field field, char *out,
                         size_t size);
+/* The integer value of request parameter `key` in the message p[0..n)
+ * (prefix: its first bytes only, as moed_wire_begin; parameters are field
+ * 4, ahead of the tensors in every encoder we know); -1 when it is absent,
+ * not an integer >= 0, or not within those bytes. */
+int64_t moed_kserve_int_param(const uint8_t *p, size_t n, bool prefix, const char *key);
 /* Where the data of the first raw_input_contents starts in a message whose
  * first bytes are p[0..n); 0: not within them. */
 size_t moed_kserve_raw_at(const uint8_t *p, size_t n);

@@ -24,7 +24,8 @@ typedef struct app {
   uv_timer_t tick; /* watch reaping; drain progress */
   moed_http *http;
   moed_rest *rest;
-  int stage; /* 0 serving, 1 draining, 2 rpc shutting down, 3 done */
+  moed_poller *poller; /* --model-control-mode poll */
+  int stage;           /* 0 serving, 1 draining, 2 rpc shutting down, 3 done */
   uint64_t stage_deadline_ns;
   bool cancelled_all;
 } app;
@@ -171,6 +172,9 @@ int main(int argc, char **argv) {
       }
     }
   }
+  if (a.cfg.model_control == MOED_CONTROL_POLL &&
+      moed_poller_start(s->repo, a.cfg.model_repository, a.cfg.repository_poll_secs, &a.poller) != 0)
+    goto out;
   if (moed_devices_create(&a.cfg, &s->devices) != 0) goto out;
   if (moed_batcher_create(s, &s->batcher) != 0) goto out;
   if (a.cfg.cache_bytes && moed_weight_cache_create(a.cfg.cache_bytes, &s->weights) != 0) goto out;
@@ -207,6 +211,7 @@ int main(int argc, char **argv) {
   uv_run(&a.loop, UV_RUN_DEFAULT);
   exit_code = 0;
 out:
+  moed_poller_stop(a.poller);
   moed_batcher_destroy(s->batcher); /* set only when the loop never ran */
   moed_devices_stop(s->devices);
   moed_weight_cache_destroy(s->weights); /* no request uses it; its backends still live */

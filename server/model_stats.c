@@ -2,6 +2,7 @@
  * counts, times, batch sizes, latency histograms), in one place. The
  * inference path records here; handlers.c (ModelStatistics) and http.c
  * (/metrics) only read them. */
+#include <stdlib.h>
 #include <time.h>
 
 #include "moed.h"
@@ -22,21 +23,17 @@ void moed_hist_observe(moed_hist *h, uint64_t ns) {
 }
 
 void moed_stats_record(moed_model_stats *st, bool ok, uint64_t queue_ns, const moed_timing *t,
-                       uint64_t total_ns, uint64_t in, uint64_t out) {
+                       uint64_t total_ns, uint64_t inferences, uint64_t in, uint64_t out) {
   static const moed_timing never = {0};
   if (!t) t = &never;
   if (ok) { /* Triton counts queue and compute for successes only, each once */
-    atomic_fetch_add(&st->success_count, 1);
-    atomic_fetch_add(&st->success_ns, total_ns);
-    atomic_fetch_add(&st->queue_count, 1);
     atomic_fetch_add(&st->queue_ns, queue_ns);
-    atomic_fetch_add(&st->compute_input_count, 1);
     atomic_fetch_add(&st->compute_input_ns, t->input_ns);
-    atomic_fetch_add(&st->compute_count, 1);
     atomic_fetch_add(&st->compute_ns, t->infer_ns);
-    atomic_fetch_add(&st->compute_output_count, 1);
     atomic_fetch_add(&st->compute_output_ns, t->output_ns);
-    atomic_fetch_add(&st->inference_count, 1);
+    atomic_fetch_add(&st->success_ns, total_ns);
+    atomic_fetch_add(&st->inference_count, inferences);
+    atomic_fetch_add(&st->success_count, 1); /* after the times: a reader sees no count without them */
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
     atomic_store(&st->last_inference_ms, (uint64_t)now.tv_sec * 1000u + (uint64_t)now.tv_nsec / 1000000u);
@@ -51,12 +48,48 @@ void moed_stats_record(moed_model_stats *st, bool ok, uint64_t queue_ns, const m
   atomic_fetch_add(&st->bytes_out, out);
 }
 
-/* One execution of `size` merged requests (Triton's batch statistics). */
-void moed_stats_record_execution(moed_model_stats *st, size_t size, const moed_timing *t) {
-  size_t i = size < MOED_BATCH_STATS ? size - 1 : MOED_BATCH_STATS - 1;
+/* The slot of batch size `size`, claimed on first use (lock-free: a slot's
+ * size goes from 0 to its size once); NULL when every slot holds another. */
+static moed_batch_stat *batch_slot(moed_model_stats *st, uint64_t size) {
+  for (size_t k = 0; k < MOED_BATCH_SIZES; k++) {
+    moed_batch_stat *b = &st->batch[(size + k) % MOED_BATCH_SIZES];
+    uint64_t have = atomic_load(&b->size);
+    if (have == 0) {
+      uint64_t zero = 0;
+      if (atomic_compare_exchange_strong(&b->size, &zero, size)) return b;
+      have = zero; /* another thread claimed it meanwhile: for which size? */
+    }
+    if (have == size) return b;
+  }
+  return NULL;
+}
+
+void moed_stats_record_execution(moed_model_stats *st, uint64_t size, const moed_timing *t) {
   atomic_fetch_add(&st->execution_count, 1);
-  atomic_fetch_add(&st->batch_count[i], 1);
-  atomic_fetch_add(&st->batch_input_ns[i], t->input_ns);
-  atomic_fetch_add(&st->batch_ns[i], t->infer_ns);
-  atomic_fetch_add(&st->batch_output_ns[i], t->output_ns);
+  moed_batch_stat *b = size ? batch_slot(st, size) : NULL;
+  if (!b) {
+    atomic_fetch_add(&st->batch_untracked, 1);
+    return;
+  }
+  atomic_fetch_add(&b->input_ns, t->input_ns);
+  atomic_fetch_add(&b->infer_ns, t->infer_ns);
+  atomic_fetch_add(&b->output_ns, t->output_ns);
+  atomic_fetch_add(&b->count, 1);
+}
+
+static int by_size(const void *a, const void *b) {
+  const moed_batch_snapshot *x = a, *y = b;
+  return (x->size > y->size) - (x->size < y->size);
+}
+
+size_t moed_stats_batches(moed_model_stats *st, moed_batch_snapshot *out) {
+  size_t n = 0;
+  for (size_t k = 0; k < MOED_BATCH_SIZES; k++) {
+    moed_batch_stat *b = &st->batch[k];
+    moed_batch_snapshot s = {atomic_load(&b->size), atomic_load(&b->count), atomic_load(&b->input_ns),
+                             atomic_load(&b->infer_ns), atomic_load(&b->output_ns)};
+    if (s.size && s.count) out[n++] = s;
+  }
+  qsort(out, n, sizeof *out, by_size);
+  return n;
 }

@@ -27,6 +27,7 @@ typedef struct moed_config {
   const char *http_address;    /* the HTTP port's, when it differs (NULL: address) */
   bool http_off;               /* --allow-http false: no HTTP port whatever --http-port says */
   int model_control;           /* MOED_CONTROL_*: what is loaded at start, whether RPCs may change it */
+  int repository_poll_secs;    /* poll: seconds between scans of the repository directory */
   const char *load_models[64]; /* --load-model names (explicit control; "*": every set) */
   int n_load_models;
   int grpc_port;                /* 8001; 0 = pick a free one */
@@ -70,8 +71,9 @@ int moed_config_parse(moed_config *cfg, int argc, char **argv);
 enum { MOED_LOG_ERROR = 0, MOED_LOG_WARN, MOED_LOG_INFO, MOED_LOG_DEBUG };
 /* --model-control-mode: moed's own (every set loaded at start, the repository
  * RPCs and uploads allowed), Triton's none (every set loaded, no changes by
- * RPC) and explicit (only --load-model sets loaded, changes allowed) */
-enum { MOED_CONTROL_MOED = 0, MOED_CONTROL_NONE, MOED_CONTROL_EXPLICIT };
+ * RPC), explicit (only --load-model sets loaded, changes allowed) and poll
+ * (every set loaded, then the directory followed; no changes by RPC) */
+enum { MOED_CONTROL_MOED = 0, MOED_CONTROL_NONE, MOED_CONTROL_EXPLICIT, MOED_CONTROL_POLL };
 void moed_log_init(int level, bool json);
 /* One line per event: `event` is a short key ("listening", "model_loaded"),
  * the rest a printf message. */
@@ -204,16 +206,25 @@ typedef struct moed_hist {
   _Atomic uint64_t count, sum_ns;
 } moed_hist;
 
-#define MOED_BATCH_STATS 64 /* batch sizes 1..64 (larger ones counted as 64) */
+/* Distinct batch sizes tracked per model (Triton's batch_stats); executions
+ * of sizes beyond the first this many are counted in batch_untracked. */
+#define MOED_BATCH_SIZES 256
 
+/* One batch size's executions; `size` 0: a free slot (claimed once). */
+typedef struct moed_batch_stat {
+  _Atomic uint64_t size, count, input_ns, infer_ns, output_ns;
+} moed_batch_stat;
+
+/* Every success counts once in queue, compute_input, compute_infer and
+ * compute_output, so one counter (success_count) is their count: a reader
+ * never sees them differ (perf_analyzer aborts when they do). */
 typedef struct moed_model_stats {
   _Atomic uint64_t success_count, success_ns, fail_count, fail_ns;
-  _Atomic uint64_t batch_count[MOED_BATCH_STATS], batch_ns[MOED_BATCH_STATS];
-  _Atomic uint64_t batch_input_ns[MOED_BATCH_STATS], batch_output_ns[MOED_BATCH_STATS];
-  _Atomic uint64_t queue_count, queue_ns, compute_count, compute_ns;
-  _Atomic uint64_t compute_input_count, compute_input_ns, compute_output_count, compute_output_ns;
+  _Atomic uint64_t queue_ns, compute_input_ns, compute_ns, compute_output_ns;
   _Atomic uint64_t inference_count, execution_count, last_inference_ms;
   _Atomic uint64_t bytes_in, bytes_out;
+  moed_batch_stat batch[MOED_BATCH_SIZES]; /* open addressing by size */
+  _Atomic uint64_t batch_untracked;
   moed_hist queue_hist, compute_hist, total_hist;
 } moed_model_stats;
 
@@ -230,13 +241,22 @@ typedef struct moed_timing {
 } moed_timing;
 
 /* One request answered (ok or not): its time queued (arrival to t's start),
- * on the worker (t; NULL: it never started), in all, and its tensor bytes
- * in and out. */
+ * on the worker (t; NULL: it never started), in all, its batch size
+ * (inferences: the rows along the batch axis for a model with one, else 1)
+ * and its tensor bytes in and out. */
 void moed_stats_record(moed_model_stats *st, bool ok, uint64_t queue_ns, const moed_timing *t,
-                       uint64_t total_ns, uint64_t in, uint64_t out);
-/* One execution of `size` merged requests (Triton's batch statistics); t's
- * output is the copy to the host (encoding is per request). */
-void moed_stats_record_execution(moed_model_stats *st, size_t size, const moed_timing *t);
+                       uint64_t total_ns, uint64_t inferences, uint64_t in, uint64_t out);
+/* One execution of batch size `size` (Triton's batch statistics: the rows
+ * of every request merged, along the batch axis; requests merged for a
+ * model without one); t's output is the copy to the host (encoding is per
+ * request). */
+void moed_stats_record_execution(moed_model_stats *st, uint64_t size, const moed_timing *t);
+typedef struct moed_batch_snapshot {
+  uint64_t size, count, input_ns, infer_ns, output_ns;
+} moed_batch_snapshot;
+/* The batch sizes executed so far into out[0..MOED_BATCH_SIZES), in
+ * increasing size; returns how many. */
+size_t moed_stats_batches(moed_model_stats *st, moed_batch_snapshot *out);
 
 /* ---- repository.c: models and their reference counts ----------------------- */
 
@@ -268,6 +288,15 @@ moe_status moed_repository_unload(moed_repository *r, const char *name, moe_erro
 /* Adds a set built elsewhere (ExpertStore upload); takes ownership. */
 moe_status moed_repository_add(moed_repository *r, moe_expert_set *set, bool replace, moe_error *err);
 
+/* ---- repository_poll.c: --model-control-mode poll ----------------------------- */
+
+typedef struct moed_poller moed_poller;
+/* Records the directory's sets as loaded now, then rescans every `secs`
+ * on a thread of its own (loads new and changed sets, unloads removed ones). */
+int moed_poller_start(moed_repository *r, const char *dir, int secs, moed_poller **out);
+/* Joins the thread (after a load in progress); NULL is a no-op. */
+void moed_poller_stop(moed_poller *p);
+
 typedef struct moed_index_entry {
   char name[128];
   const char *state; /* "READY", "UNAVAILABLE" */
@@ -284,10 +313,17 @@ typedef struct moed_devices moed_devices;
 typedef struct moed_job moed_job;
 typedef void (*moed_job_fn)(moed_job *job, moe_backend *b);
 
+/* Request priority levels as Triton's queue policy numbers them: 1 is the
+ * highest, MOED_PRIORITY_LEVELS the lowest; a request without one (or 0)
+ * gets MOED_PRIORITY_DEFAULT. Higher levels leave the device queues first. */
+#define MOED_PRIORITY_LEVELS 3
+#define MOED_PRIORITY_DEFAULT 2
+
 struct moed_job {
   moed_job *next;
   moed_job_fn run;    /* on a worker thread */
   moed_job_fn cancel; /* instead of run when the queues stop (b NULL) */
+  int priority;       /* 1..MOED_PRIORITY_LEVELS; 0: MOED_PRIORITY_DEFAULT */
 };
 
 int moed_devices_create(const moed_config *cfg, moed_devices **out);
@@ -347,6 +383,36 @@ bool moed_handle_inline(moed_request *req, void *server);
 void moed_health_changed(moed_server *s);
 /* Ends every Watch stream (shutdown). */
 void moed_health_close(moed_server *s);
+
+/* ---- model_desc.c: what a model shows (ModelMetadata, ModelConfig; any protocol) */
+
+#define MOED_MAX_IO 16
+
+/* One input or output as its model shows it. */
+typedef struct moed_tensor_desc {
+  const char *name;
+  const char *dtypes;          /* every dtype it takes (gives): moe dtype names, comma-separated */
+  const char *datatype;        /* the first of them as a KServe datatype (the protocol shows one) */
+  int64_t shape[MOE_MAX_DIMS]; /* the full shape: -1 a free size, else the size the model fixes */
+  size_t rank;
+  bool optional;
+} moed_tensor_desc;
+
+typedef struct moed_model_desc {
+  moed_tensor_desc in[MOED_MAX_IO], out[MOED_MAX_IO];
+  size_t n_in, n_out;
+  int32_t max_batch_size; /* Triton's: > 0, every shape leads with the batch axis (config dims omit it) */
+  bool rows_independent;
+} moed_model_desc;
+
+/* Model m as clients see it; the strings are static (op table, set). */
+void moed_model_describe(const moed_server *s, const moed_model *m, moed_model_desc *out);
+/* Triton's max_batch_size of m alone (read per request by the statistics). */
+int32_t moed_model_max_batch_size(const moed_server *s, const moed_model *m);
+/* A JSON object naming every KServe datatype of each tensor that has more
+ * than one ({"x": ["FP32", "FP16", "BF16"]}); NULL when none has, or out of
+ * memory. Freed with free(). */
+char *moed_model_datatypes_json(const moed_model_desc *d);
 
 /* ---- the inference path (infer_req.h: the order of its files) ---------------- */
 

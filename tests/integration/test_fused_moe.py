@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 
 import grpc
@@ -318,31 +319,65 @@ def test_upload(cli, ch, repo, tmp):
           "raw-uploaded set bit-equal")
 
 
+def wait_for(cond, seconds=15):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def test_control_modes(tmp, repo):
-    """--model-control-mode none / explicit and --load-model (Triton's flags)."""
+    """--model-control-mode none / explicit / poll and --load-model (Triton's flags)."""
     def none_mode(cli, ch):
-        try:
-            cli.unload_model("bf16set")
-            refused = ""
-        except tc.InferenceServerException as e:
-            refused = str(e)
-        check("model-control-mode none" in refused and cli.is_model_ready("bf16set"),
-              f"mode none: every set loaded, unload refused naming the flag ({refused})")
+        code, msg = code_of(lambda: cli.unload_model("bf16set"))
+        check(code == grpc.StatusCode.FAILED_PRECONDITION and "model-control-mode none" in msg and
+              cli.is_model_ready("bf16set"),
+              f"mode none: every set loaded, unload refused FAILED_PRECONDITION naming the flag ({code} {msg})")
 
     def explicit_mode(cli, ch):
         check(cli.is_model_ready("bf16set") and not cli.is_model_ready("fp16set"),
               "mode explicit: only the --load-model set is loaded")
         cli.load_model("fp16set")
         check(cli.is_model_ready("fp16set"), "mode explicit: RepositoryModelLoad loads another")
+
+    def hidden_type(cli, name):
+        try:
+            return {t.name: t.datatype for t in cli.get_model_metadata(name).inputs}["hidden_states"]
+        except tc.InferenceServerException:
+            return None
+
+    def poll_mode(cli, ch):
+        check(cli.is_model_ready("bf16set") and cli.is_model_ready("fp16set"), "mode poll: every set loaded")
+        code, msg = code_of(lambda: cli.load_model("fp16set"))
+        check(code == grpc.StatusCode.FAILED_PRECONDITION and "model-control-mode poll" in msg,
+              f"mode poll: RepositoryModelLoad refused naming the flag ({code} {msg})")
+        shutil.copytree(f"{repo}/fp16set", f"{repo}/polled")
+        check(wait_for(lambda: hidden_type(cli, "polled") == "FP16"), "mode poll: a new set directory is loaded")
+        shutil.rmtree(f"{repo}/polled")
+        shutil.copytree(f"{repo}/bf16set", f"{repo}/polled")
+        check(wait_for(lambda: hidden_type(cli, "polled") == "BF16"), "mode poll: a changed set is reloaded")
+        shutil.rmtree(f"{repo}/polled")
+        check(wait_for(lambda: not cli.is_model_ready("polled")), "mode poll: a removed set is unloaded")
+        check(cli.is_model_ready("bf16set"), "mode poll: the unchanged sets stay")
     ts.serve(tmp, ["--model-repository", repo, "--model-control-mode", "none"], none_mode)
     ts.serve(tmp, ["--model-repository", repo, "--model-control-mode", "explicit", "--load-model", "bf16set"],
              explicit_mode)
+    ts.serve(tmp, ["--model-repository", repo, "--model-control-mode", "poll", "--repository-poll-secs", "1"],
+             poll_mode)
     for extra, want in ((["--model-control-mode", "explicit", "--load-model", "nosuch"], "--load-model nosuch"),
                         (["--load-model", "bf16set"], "needs --model-control-mode explicit"),
-                        (["--model-control-mode", "poll"], "'poll' for --model-control-mode")):
+                        (["--model-control-mode", "sometimes"], "'sometimes' for --model-control-mode"),
+                        (["--model-control-mode", "poll", "--repository-poll-secs", "0"],
+                         "'0' for --repository-poll-secs")):
         r = subprocess.run([ts.MOED, "--model-repository", repo, "--grpc-port", "0", "--http-port", "-1", *extra],
                            capture_output=True, text=True, timeout=60)
         check(r.returncode != 0 and want in r.stderr, f"{extra}: refuses to start ({r.returncode}: {r.stderr.strip()})")
+    r = subprocess.run([ts.MOED, "--model-control-mode", "poll", "--grpc-port", "0", "--http-port", "-1"],
+                       capture_output=True, text=True, timeout=60)
+    check(r.returncode != 0 and "poll needs --model-repository" in r.stderr,
+          f"poll without a repository refuses to start ({r.stderr.strip()})")
 
 
 def main():

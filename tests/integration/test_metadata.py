@@ -7,6 +7,7 @@ against a real moed on a free loopback port, called by tritonclient.
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import concurrent.futures as cf
+import json
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from test_server import bf16, check, code_of, infer_pb, make_req  # noqa: E402
 
 MKSET = os.environ["MOE_MKSET"]
 HIDDEN, EXPERTS = 128, 8
-MAX_BATCH, DELAY_US = 512, 3000
+MAX_BATCH, DELAY_US, QUEUE = 512, 3000, 77
 
 
 def mkset(path, scheme):
@@ -56,11 +57,20 @@ def test_quant_config(cli):
           f"quant.per_tensor: max_batch_size 0, no dynamic_batching ({c.max_batch_size})")
     check(dims == {"x": [-1, -1], "scale": [1]}, f"quant.per_tensor dims are the full shapes ({dims})")
     check([i.optional for i in c.input] == [False, True], "quant.per_tensor scale optional")
+    # the protocol has one datatype per tensor; every accepted one is listed in a parameter
+    types = json.loads(c.parameters["datatypes"].string_value)
+    check(types == {"x": ["FP32", "FP16", "BF16"], "q": ["UINT8", "INT8"]},
+          f"quant.per_tensor datatypes parameter lists every accepted dtype ({types})")
     # quant.mx is merged along T: batch axis reported, and left out of dims
     c = cli.get_model_config("quant.mx").config
     check(c.max_batch_size == MAX_BATCH, f"quant.mx max_batch_size = --max-batch-tokens ({c.max_batch_size})")
-    check(c.HasField("dynamic_batching") and c.dynamic_batching.max_queue_delay_microseconds == DELAY_US,
+    db = c.dynamic_batching
+    check(c.HasField("dynamic_batching") and db.max_queue_delay_microseconds == DELAY_US,
           f"quant.mx dynamic_batching delay = --max-queue-delay-us ({c.dynamic_batching})")
+    check(list(db.preferred_batch_size) == [MAX_BATCH] and db.priority_levels == 3 and
+          db.default_priority_level == 2 and db.default_queue_policy.allow_timeout_override and
+          db.default_queue_policy.max_queue_size == QUEUE,
+          f"quant.mx dynamic_batching: preferred size, priority levels, queue policy from the flags ({db})")
     check([list(i.dims) for i in c.input] == [[-1]] and {o.name: list(o.dims) for o in c.output} ==
           {"q": [-1], "scales": [-1]}, "quant.mx dims without the batch axis")
     # moe.topk merges too, but its [E] bias has no batch axis: none reported
@@ -92,6 +102,10 @@ def test_set_metadata(cli, ch):
           f"bf16 set config dims without the batch axis ({dims})")
     check({i.name: i.data_type for i in c.input}["hidden_states"] == tc.model_config_pb2.TYPE_BF16,
           "bf16 set config: hidden_states TYPE_BF16")
+    types = json.loads(c.parameters["datatypes"].string_value)
+    check("hidden_states" not in types and "output" not in types and
+          types.get("router_logits") == ["FP32", "FP16", "BF16"],
+          f"bf16 set datatypes: one activation dtype, router_logits any float ({types})")
     # what is not advertised is rejected: metadata and behaviour agree
     x = bf16(np.ones((2, HIDDEN), np.float32))
     logits = np.zeros((2, EXPERTS), np.float32)
@@ -147,8 +161,13 @@ def test_statistics(cli, ch):
     with cf.ThreadPoolExecutor(len(reqs)) as pool:
         list(pool.map(lambda r: infer_pb(ch, r), reqs))
     s, _ = check_counts(cli, "bf16set", 2 * n, "bf16 set, concurrent")
-    check(s.execution_count <= s.inference_count == 2 * n,
-          f"bf16 set executions {s.execution_count} <= inferences {s.inference_count}")
+    # Triton counts inferences and batch sizes along the batch axis: 3 rows each
+    check(s.inference_count == 3 * 2 * n, f"bf16 set inference_count = rows ({s.inference_count} != {6 * n})")
+    sizes = {b.batch_size: b.compute_infer.count for b in s.batch_stats}
+    check(sum(k * v for k, v in sizes.items()) == 3 * 2 * n and all(k % 3 == 0 for k in sizes),
+          f"bf16 set batch_stats by rows executed, multiples of 3 summing to {6 * n} ({sizes})")
+    check(s.execution_count == sum(sizes.values()) < 2 * n,
+          f"bf16 set executions {s.execution_count}: merged, one per batch_stats count")
 
 
 def main():
@@ -164,7 +183,7 @@ def main():
             test_statistics(cli, ch)
 
         ts.serve(tmp, ["--model-repository", repo, "--max-batch-tokens", str(MAX_BATCH), "--max-queue-delay-us",
-                       str(DELAY_US)], body)
+                       str(DELAY_US), "--max-queue-size", str(QUEUE)], body)
     ts.exit_with_summary()
 
 

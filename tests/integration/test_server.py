@@ -293,13 +293,17 @@ def test_bad_inputs(ch, pid):
     small = np.ones((4, 64), np.float32)
     r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], {"out_dtype": "int8", "timeout": 1})
     code, msg = code_of(lambda: infer_pb(ch, r))
-    check(code == grpc.StatusCode.DEADLINE_EXCEEDED, f"parameters timeout 1 us -> DEADLINE_EXCEEDED ({code} {msg})")
-    for extra in ({"timeout": 0}, {"timeout": 10_000_000, "priority": 3}, {"triton_enable_empty_final_response": True}):
+    check(code == grpc.StatusCode.DEADLINE_EXCEEDED and "parameters['timeout']: 1 us passed" in msg,
+          f"parameters timeout 1 us -> DEADLINE_EXCEEDED naming it ({code} {msg})")
+    for extra in ({"timeout": 0}, {"timeout": 10_000_000, "priority": 3}, {"priority": 0}, {"priority": 1},
+                  {"triton_enable_empty_final_response": True}):
         r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], {"out_dtype": "int8", **extra})
         ref = moelib.run("quant.per_token", {"x": (small, "fp32")}, {"out_dtype": "int8"})
         resp = infer_pb(ch, r)
         check(resp.raw_output_contents[0] == ref["q"][0].tobytes(), f"parameters {extra}: accepted, same answer")
-    for bad in ({"timeout": -5}, {"priority": "high"}, {"out_dtype": "int8", "out_dtyp": "fp8_e4m3fn"}):
+    # priority levels as Triton's queue policy: 1 (highest) to 3, 0 the default; Triton's reserved names
+    for bad in ({"timeout": -5}, {"priority": "high"}, {"priority": 4}, {"out_dtype": "int8", "out_dtyp": "fp8_e4m3fn"},
+                {"sequence_id": 7}, {"sequence_start": True}, {"triton_other": 1}):
         r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], bad)
         code, msg = code_of(lambda: infer_pb(ch, r))
         name = list(bad)[-1]
@@ -350,9 +354,27 @@ def test_stream(cli):
           f"ModelStreamInfer 100 interleaved: {len(ok_ids)} ok, {len(errs)} errors, ids echoed")
 
 
-def test_metrics(http_port):
+def triton_metrics(text, model):
+    """Triton's per-model counters for `model` (labels model and version "1")."""
+    pat = re.compile(r'^(nv_inference_[a-z_]+)\{model="' + re.escape(model) + r'",version="1"\} (\d+)$', re.M)
+    return {name: int(v) for name, v in pat.findall(text)}
+
+
+def test_metrics(cli, http_port):
     import urllib.request
+    s = cli.get_inference_statistics("quant.per_token").model_stats[0]  # nothing runs meanwhile
     text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics").read().decode()
+    nv = triton_metrics(text, "quant.per_token")
+    st = s.inference_stats
+    want = {"nv_inference_request_success": st.success.count, "nv_inference_request_failure": st.fail.count,
+            "nv_inference_count": s.inference_count, "nv_inference_exec_count": s.execution_count,
+            "nv_inference_request_duration_us": st.success.ns // 1000,
+            "nv_inference_queue_duration_us": st.queue.ns // 1000,
+            "nv_inference_compute_input_duration_us": st.compute_input.ns // 1000,
+            "nv_inference_compute_infer_duration_us": st.compute_infer.ns // 1000,
+            "nv_inference_compute_output_duration_us": st.compute_output.ns // 1000}
+    check(nv == want and st.success.count > 0, f"/metrics: Triton's nv_inference_* equal ModelStatistics ({nv})")
+    check("# TYPE nv_inference_count counter" in text, "/metrics: nv_inference_count typed as a counter")
     line_re = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"(,[a-zA-Z_][a-zA-Z0-9_]*="[^"]*")*\})? [-+0-9.eE]+(Inf)?$')
     bad = [l for l in text.splitlines() if l and not l.startswith("#") and not line_re.match(l)]
     check(not bad, f"/metrics parses ({bad[:2]})")
@@ -371,14 +393,17 @@ def test_moec(tmp, port):
     check(r.returncode == 0 and "ready: true" in r.stdout, "moec health")
     r = subprocess.run([MOEC, "models"], env=env, capture_output=True, text=True)
     check(r.returncode == 0 and "quant.mx" in r.stdout, "moec models")
-    out = os.path.join(tmp, "out")
-    os.makedirs(out, exist_ok=True)
+    out = os.path.join(tmp, "out")  # not there yet: moec creates it
     r = subprocess.run([MOEC, "infer", "-m", "quant.mx", "--input", f"x={tmp}/x.npy", "--param", "format=mxfp4",
                         "--output-dir", out], env=env, capture_output=True, text=True)
     ref = moelib.run("quant.mx", {"x": (x, "fp32")}, {"format": "mxfp4"})
     ok = r.returncode == 0 and np.array_equal(np.load(f"{out}/q.npy"), ref["q"][0]) and \
         np.array_equal(np.load(f"{out}/scales.npy"), ref["scales"][0])
     check(ok, f"moec infer quant.mx bit-equal ({r.stderr.strip()})")
+    r = subprocess.run([MOEC, "infer", "-m", "quant.mx", "--input", f"x={tmp}/x.npy", "--output-dir",
+                        f"{tmp}/no/such/dir"], env=env, capture_output=True, text=True)
+    check(r.returncode == 2 and f"--output-dir {tmp}/no/such/dir: cannot create it" in r.stderr,
+          f"moec --output-dir whose parent is missing: exit 2 naming it ({r.stderr.strip()})")
     r = subprocess.run([MOEC, "infer", "-m", "nope", "--input", f"x={tmp}/x.npy"], env=env, capture_output=True, text=True)
     check(r.returncode != 0 and "NOT_FOUND" in r.stderr, "moec infer unknown model NOT_FOUND")
 
@@ -485,7 +510,7 @@ def main():
             test_stream(cli)
             test_moec(tmp, port)
             test_bad_inputs(ch, p.pid)
-            test_metrics(http_port)
+            test_metrics(cli, http_port)
             p.send_signal(signal.SIGTERM)
             check(p.wait(timeout=30) == 0, "clean exit")
         finally:

@@ -72,6 +72,26 @@ def calibrate(f):
     return tokens, full
 
 
+def test_priority(f, tokens, full):
+    """Triton's `priority` parameter: requests queued behind a long call (one
+    worker) leave the queue by level (1 highest), arrival order within one;
+    also a message over 1 MiB (queued before it is decoded)."""
+    blocker = f.future(req_of(tokens // 2), timeout=120)
+    time.sleep(0.2)
+    done, futs = [], []
+    big = 1100  # rows: a 1.1 MiB message
+    for name, prio, rows in (("low1", 3, 1), ("low2", 3, 1), ("default", 0, 1), ("big-high", 1, big), ("high", 1, 1)):
+        fut = f.future(req_of(rows, seed=len(futs) + 5, params={"priority": prio}), timeout=120)
+        fut.add_done_callback(lambda _, name=name: done.append(name))
+        futs.append(fut)
+        time.sleep(0.05)  # separate loop iterations: each request its own batch and job
+    for fut in [blocker] + futs:
+        code, msg = code_of(fut.result)
+        check(code == SC.OK, f"priority case answered OK ({code} {msg})")
+    check(done == ["big-high", "high", "default", "low1", "low2"],
+          f"queued requests leave by priority level, FIFO within one ({done})")
+
+
 def test_deadline_and_cancel(tmp, repo):
     p, port, _ = ts.start(tmp, "--model-repository", repo, "--workers", "1")
     try:
@@ -90,6 +110,7 @@ def test_deadline_and_cancel(tmp, repo):
               f"long call past parameters['timeout']: DEADLINE_EXCEEDED in {t:.2f}s ({code} {msg})")
         code, msg, t = timed(lambda: f(small, timeout=60))
         check(code == SC.OK and t < full / 3, f"after the timeout, next call answered in {t:.2f}s (< {full / 3:.2f}s)")
+        test_priority(f, tokens, full)
         # cancel: the same through the client's cancel
         fut = f.future(req_of(tokens), timeout=120)
         time.sleep(full / 6)

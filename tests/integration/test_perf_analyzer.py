@@ -1,0 +1,98 @@
+"""Integration test: Triton's perf_analyzer, unchanged, against a real moed
+over gRPC: concurrency 1..4 on quant.per_tensor (random data, the token
+shape given) and on a moe-mkset expert set (--input-data JSON with valid
+bf16 activations and router logits, two rows per request); each run exits
+0 and prints the server-side breakdown for every concurrency level, whose
+request counts moed's own ModelStatistics must cover.
+
+perf_analyzer comes from scripts/requirements-perf.txt (installed by
+scripts/deps.sh into .venv/perf_analyzer; that file says why this release).
+
+env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import tritonclient.grpc as tc
+
+sys.path.insert(0, os.path.dirname(__file__))
+import test_server as ts  # noqa: E402
+from test_server import bf16, check  # noqa: E402
+
+MKSET = os.environ["MOE_MKSET"]
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+PA_DIR = os.path.join(ROOT, ".venv", "perf_analyzer")
+PA = os.path.join(PA_DIR, "bin", "perf_analyzer")
+HIDDEN, EXPERTS = 128, 8
+LEVELS = 4
+
+
+def perf_analyzer(port, model, *args):
+    env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(PA_DIR, "nvidia", "cuda_runtime", "lib"))
+    cmd = [PA, "-i", "grpc", "-u", f"127.0.0.1:{port}", "-m", model, "--concurrency-range", f"1:{LEVELS}",
+           "--measurement-interval", "300", "--max-trials", "20", "--stability-percentage", "50", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def check_run(r, what, cli, model):
+    out = r.stdout + r.stderr
+    check(r.returncode == 0, f"{what}: perf_analyzer exit 0 ({r.returncode}: {out[-600:] if r.returncode else ''})")
+    levels = re.findall(r"Request concurrency: (\d+)", out)
+    check(levels == [str(i) for i in range(1, LEVELS + 1)], f"{what}: concurrency 1..{LEVELS} measured ({levels})")
+    # the server-side breakdown, from ModelStatistics, once per level
+    breakdown = re.findall(r"Successful request count: (\d+)\n\s+Avg request latency: \d+ usec \(overhead \d+ usec "
+                           r"\+ queue \d+ usec \+ compute input \d+ usec \+ compute infer \d+ usec \+ compute "
+                           r"output \d+ usec\)", out)
+    check(len(breakdown) == LEVELS and all(int(n) > 0 for n in breakdown),
+          f"{what}: server-side breakdown printed for every level ({breakdown})")
+    total = cli.get_inference_statistics(model).model_stats[0].inference_stats.success.count
+    check(total >= sum(int(n) for n in breakdown), f"{what}: moed counted at least the measured requests ({total})")
+
+
+def input_data(path, rng, entries=8):
+    """perf_analyzer's --input-data: one entry per batch row (the model has a
+    batch axis, so shapes leave it out); bf16 as raw bits in b64."""
+    data = []
+    for _ in range(entries):
+        x = bf16(rng.standard_normal(HIDDEN))
+        data.append({"hidden_states": {"b64": base64.b64encode(x.tobytes()).decode(), "shape": [HIDDEN]},
+                     "router_logits": {"content": rng.standard_normal(EXPERTS).astype(np.float32).tolist(),
+                                       "shape": [EXPERTS]}})
+    with open(path, "w") as f:
+        json.dump({"data": data}, f)
+
+
+def main():
+    if not os.access(PA, os.X_OK):
+        check(False, f"perf_analyzer at {PA} (run scripts/deps.sh)")
+        ts.exit_with_summary()
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = os.path.join(tmp, "repo")
+        subprocess.run([MKSET, "--out", f"{repo}/set", "--scheme", "bf16", "--experts", str(EXPERTS), "--hidden",
+                        str(HIDDEN), "--intermediate", "64", "--top-k", "2"], check=True, capture_output=True)
+        data = os.path.join(tmp, "set.json")
+        input_data(data, np.random.default_rng(3))
+        p, port, _ = ts.start(tmp, "--model-repository", repo)
+        try:
+            cli = tc.InferenceServerClient(f"127.0.0.1:{port}")
+            check_run(perf_analyzer(port, "quant.per_tensor", "--shape", "x:4,64"), "quant.per_tensor", cli,
+                      "quant.per_tensor")
+            check_run(perf_analyzer(port, "set", "--input-data", data, "-b", "2"), "expert set", cli, "set")
+            s = cli.get_inference_statistics("set").model_stats[0]
+            check(s.inference_count == 2 * s.inference_stats.success.count,
+                  f"expert set: inference_count counts 2 rows per request ({s.inference_count})")
+            ts.stop(p)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        ts.print_log_tail(tmp)
+    ts.exit_with_summary()
+
+
+if __name__ == "__main__":
+    main()
