@@ -13,16 +13,8 @@
 
 /* ---- message helpers ------------------------------------------------------------- */
 
-static grpc_byte_buffer *pack(const ProtobufCMessage *m) {
-  size_t n = protobuf_c_message_get_packed_size(m);
-  uint8_t *buf = malloc(n ? n : 1);
-  if (!buf) return NULL;
-  protobuf_c_message_pack(m, buf);
-  return moed_rpc_buffer_take(buf, n);
-}
-
 static void reply(moed_request *req, const ProtobufCMessage *m) {
-  grpc_byte_buffer *bb = pack(m);
+  grpc_byte_buffer *bb = moed_rpc_pack(m);
   if (!bb)
     moed_rpc_finish(req->rpc, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory", NULL);
   else
@@ -83,7 +75,7 @@ typedef struct moed_watch {
 static void watch_send(moed_watch *w, int status) {
   Grpc__Health__V1__HealthCheckResponse r = GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__INIT;
   r.status = (Grpc__Health__V1__HealthCheckResponse__ServingStatus)status;
-  grpc_byte_buffer *bb = pack(&r.base);
+  grpc_byte_buffer *bb = moed_rpc_pack(&r.base);
   if (bb) moed_rpc_stream_write(w->rpc, bb);
   w->last = status;
 }
@@ -485,10 +477,10 @@ static void repo_change_run(moed_job *job, moe_backend *b) {
     moed_rpc_finish(req->rpc, moed_status_from_moe(st), err.msg, NULL);
   } else if (load) {
     Inference__RepositoryModelLoadResponse r = INFERENCE__REPOSITORY_MODEL_LOAD_RESPONSE__INIT;
-    moed_rpc_finish(req->rpc, GRPC_STATUS_OK, NULL, pack(&r.base));
+    moed_rpc_finish(req->rpc, GRPC_STATUS_OK, NULL, moed_rpc_pack(&r.base));
   } else {
     Inference__RepositoryModelUnloadResponse r = INFERENCE__REPOSITORY_MODEL_UNLOAD_RESPONSE__INIT;
-    moed_rpc_finish(req->rpc, GRPC_STATUS_OK, NULL, pack(&r.base));
+    moed_rpc_finish(req->rpc, GRPC_STATUS_OK, NULL, moed_rpc_pack(&r.base));
   }
   protobuf_c_message_free_unpacked(m, NULL);
 done:

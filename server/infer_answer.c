@@ -28,11 +28,7 @@ static grpc_byte_buffer *pack_stream_error(const char *id, const char *msg) {
   ir.id = (char *)(id ? id : "");
   r.error_message = (char *)msg;
   r.infer_response = &ir;
-  size_t n = inference__model_stream_infer_response__get_packed_size(&r);
-  uint8_t *buf = malloc(n ? n : 1);
-  if (!buf) return NULL;
-  inference__model_stream_infer_response__pack(&r, buf);
-  return moed_rpc_buffer_take(buf, n);
+  return moed_rpc_pack(&r.base);
 }
 
 /* Sends the answer to one request: unary -> status (+ response); stream ->

@@ -7,6 +7,7 @@
 #define MOED_H
 
 #include <grpc/grpc.h>
+#include <protobuf-c/protobuf-c.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -194,6 +195,8 @@ void moed_rpc_read_next(moed_rpc *r);
 grpc_slice moed_rpc_flatten(grpc_byte_buffer *bb);
 /* A byte buffer that takes ownership of a malloc'ed buffer. */
 grpc_byte_buffer *moed_rpc_buffer_take(void *data, size_t len);
+/* m packed into a new byte buffer (NULL: out of memory) */
+grpc_byte_buffer *moed_rpc_pack(const ProtobufCMessage *m);
 
 uint64_t moed_now_ns(void);
 

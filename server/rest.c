@@ -129,14 +129,6 @@ static void submit(moed_rest *r, moed_http_conn *c, moed_method method, grpc_byt
   moed_handle_request(req, r->srv);
 }
 
-static grpc_byte_buffer *pack(const ProtobufCMessage *m) {
-  size_t n = protobuf_c_message_get_packed_size(m);
-  uint8_t *buf = malloc(n ? n : 1);
-  if (!buf) return NULL;
-  protobuf_c_message_pack(m, buf);
-  return moed_rpc_buffer_take(buf, n);
-}
-
 static void call(moed_rest *r, moed_http_conn *c, moed_method method, const ProtobufCMessage *m) {
   rest_call *k = calloc(1, sizeof *k);
   if (!k) return moed_http_respond_error(c, 500, "server out of memory");
@@ -145,7 +137,7 @@ static void call(moed_rest *r, moed_http_conn *c, moed_method method, const Prot
     snprintf(k->model, sizeof k->model, "'%.120s'%s%.16s", q->name, *q->version ? " version " : "",
              q->version);
   }
-  submit(r, c, method, pack(m), k);
+  submit(r, c, method, moed_rpc_pack(m), k);
 }
 
 /* ---- protobuf -> JSON ---------------------------------------------------------------- */
@@ -553,7 +545,7 @@ static void infer(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const 
   } else if (!build_infer(b, r->srv->cfg, j, model, version, rq->body + json_len, rq->body_len - json_len,
                           k)) {
     moed_http_respond_error(c, 400, b->err);
-  } else if (!(payload = pack(&b->m.base))) {
+  } else if (!(payload = moed_rpc_pack(&b->m.base))) {
     moed_http_respond_error(c, 500, "server out of memory");
   }
   for (size_t i = 0; b && i < MOED_MAX_TENSORS; i++)

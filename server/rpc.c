@@ -468,6 +468,14 @@ grpc_byte_buffer *moed_rpc_buffer_take(void *data, size_t len) {
   return bb;
 }
 
+grpc_byte_buffer *moed_rpc_pack(const ProtobufCMessage *m) {
+  size_t n = protobuf_c_message_get_packed_size(m);
+  uint8_t *buf = malloc(n ? n : 1);
+  if (!buf) return NULL;
+  protobuf_c_message_pack(m, buf);
+  return moed_rpc_buffer_take(buf, n);
+}
+
 /* ---- the completion-queue thread ---------------------------------------------- */
 
 static void arm_slot(moed_rpc_server *s, accept_slot *slot) {

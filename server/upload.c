@@ -278,14 +278,10 @@ static void commit(moed_upload *u) {
   r.name = u->name;
   r.bytes = u->total;
   r.checksum = XXH3_64bits_digest(u->hash);
-  size_t n = moe__v1__upload_response__get_packed_size(&r);
-  uint8_t *buf = malloc(n ? n : 1);
-  if (!buf) {
+  if (!(u->response = moed_rpc_pack(&r.base))) {
     upload_fail(u, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     return;
   }
-  moe__v1__upload_response__pack(&r, buf);
-  u->response = moed_rpc_buffer_take(buf, n);
   moed_log(MOED_LOG_INFO, "model_uploaded", "%s: %llu bytes, xxh3 %016llx", u->name,
            (unsigned long long)r.bytes, (unsigned long long)r.checksum);
   u->code = GRPC_STATUS_OK;
