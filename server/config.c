@@ -12,7 +12,7 @@
 
 static const char usage[] =
     "usage: moed [options]\n"
-    "  --address ADDR            bind address (MOED_ADDRESS, default 0.0.0.0)\n"
+    "  --address ADDR            bind address, IPv4 or IPv6 (::1 or [::1]) (MOED_ADDRESS, default 0.0.0.0)\n"
     "  --grpc-port N             gRPC port (MOED_GRPC_PORT, default 8001; 0 = any free)\n"
     "  --http-port N             metrics/health HTTP port (MOED_HTTP_PORT, default 8002; -1 = off)\n"
     "  --model-repository DIR    expert sets, one per subdirectory (MOED_MODEL_REPOSITORY)\n"
@@ -180,13 +180,35 @@ static bool parse_level(const char *s, int *out) {
   return false;
 }
 
+/* An IPv4 or IPv6 literal, the latter with or without brackets ("::1",
+ * "[::1]"); stored bare in buf, which the config then points at (rpc.c
+ * adds the brackets gRPC's "host:port" needs). Host names are refused: the
+ * HTTP port binds through uv_ip*_addr, which takes literals only. */
+static bool parse_host(const char *v, char *buf, size_t size, const char **out) {
+  size_t n = strlen(v);
+  if (n >= 2 && v[0] == '[' && v[n - 1] == ']') {
+    v++;
+    n -= 2;
+  }
+  if (n == 0 || n >= size) return false;
+  memcpy(buf, v, n);
+  buf[n] = 0;
+  struct sockaddr_in a4;
+  struct sockaddr_in6 a6;
+  if (uv_ip4_addr(buf, 0, &a4) != 0 && (!strchr(buf, ':') || uv_ip6_addr(buf, 0, &a6) != 0)) return false;
+  *out = buf;
+  return true;
+}
+
 /* Applies one option's value; false with a message when it does not parse. */
 static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   int64_t n = 0;
   bool ok = true;
   switch (opt) {
-  case OPT_ADDRESS: c->address = v; break;
-  case OPT_HTTP_ADDRESS: c->http_address = v; break;
+  case OPT_ADDRESS: ok = parse_host(v, c->address_buf[0], sizeof c->address_buf[0], &c->address); break;
+  case OPT_HTTP_ADDRESS:
+    ok = parse_host(v, c->address_buf[1], sizeof c->address_buf[1], &c->http_address);
+    break;
   case OPT_ALLOW_HTTP: {
     bool allow = true;
     ok = parse_bool(v, &allow);
@@ -262,7 +284,11 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
     break;
   case OPT_MAX_UPLOAD: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_upload_bytes = (size_t)n, true); break;
   }
-  if (!ok) fprintf(stderr, "moed: bad value '%s' for %s\n", v, src);
+  if (!ok && (opt == OPT_ADDRESS || opt == OPT_HTTP_ADDRESS))
+    fprintf(stderr, "moed: bad value '%s' for %s: not an IPv4 or IPv6 address (IPv6 with or without [])\n", v,
+            src);
+  else if (!ok)
+    fprintf(stderr, "moed: bad value '%s' for %s\n", v, src);
   return ok;
 }
 

@@ -232,6 +232,10 @@ static int32_t max_batch_size(const moed_server *s, const moed_model *m, const i
 }
 
 static moed_model *model_or_reply(moed_server *s, moed_request *req, const char *name, const char *version) {
+  if (!moed_model_name_ok(name)) { /* never echoed: it could forge a line of the client's log */
+    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "name: not a valid model name (%s)", MOED_MODEL_NAME_RULE);
+    return NULL;
+  }
   moed_model *m = moed_repository_acquire(s->repo, name);
   if (!m) {
     reply_error(req, GRPC_STATUS_NOT_FOUND, "name: model '%s' not found", name ? name : "");
@@ -446,6 +450,11 @@ static void model_statistics(moed_server *s, moed_request *req) {
   if (!in) return;
   stats_out o = {0};
   o.only = in->name && *in->name ? in->name : NULL;
+  if (o.only && !moed_model_name_ok(o.only)) {
+    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "name: not a valid model name (%s)", MOED_MODEL_NAME_RULE);
+    protobuf_c_message_free_unpacked(&in->base, NULL);
+    return;
+  }
   moed_repository_foreach(s->repo, count_models, &o.cap);
   o.cap += 8; /* models loaded meanwhile are left out */
   o.v = calloc(o.cap, sizeof *o.v);

@@ -488,12 +488,11 @@ int moed_http_start(moed_server *s, const char *address, int port, moed_http **o
   h->srv = s;
   /* the gRPC listener the probes check; a wildcard bind is checked on loopback */
   const char *g = s->cfg->address;
-  const char *ghost = !strcmp(g, "0.0.0.0")                      ? "127.0.0.1"
-                      : (!strcmp(g, "::") || !strcmp(g, "[::]")) ? "::1"
-                                                                 : g;
+  const char *ghost = !strcmp(g, "0.0.0.0") ? "127.0.0.1" : !strcmp(g, "::") ? "::1" : g;
   struct sockaddr_storage addr;
   h->grpc_ok = parse_addr(ghost, s->grpc_port, &h->grpc);
-  if (!parse_addr(address, port, &addr)) {
+  if (!parse_addr(address, port, &addr)) { /* config.c admits literals only: not expected */
+    moed_log(MOED_LOG_ERROR, "bind_failed", "http %s: not an IP address", address);
     free(h);
     return -1;
   }

@@ -66,6 +66,11 @@ typedef enum moed_kserve_string_field {
  * does not fit, it may be cut, or the bytes before it are malformed). */
 void moed_kserve_string(const uint8_t *p, size_t n, bool prefix, moed_kserve_string_field field, char *out,
                         size_t size);
+/* Whether a string field of the ModelInferRequest p[0..n) that names
+ * something (model_name, model_version, id, inputs[i].name and .datatype,
+ * outputs[i].name) holds a NUL byte: protobuf-c would cut the string there,
+ * and "a\0b" would then name model "a". The field's path goes to field. */
+bool moed_kserve_nul_field(const uint8_t *p, size_t n, char *field, size_t size);
 /* Where the data of the first raw_input_contents starts in a message whose
  * first bytes are p[0..n); 0: not within them. */
 size_t moed_kserve_raw_at(const uint8_t *p, size_t n);

@@ -25,6 +25,7 @@
 typedef struct moed_config {
   const char *address;         /* bind address, "0.0.0.0" */
   const char *http_address;    /* the HTTP port's, when it differs (NULL: address) */
+  char address_buf[2][64];     /* the two above as parsed: IPv6 without brackets */
   bool http_off;               /* --allow-http false: no HTTP port whatever --http-port says */
   int model_control;           /* MOED_CONTROL_*: what is loaded at start, whether RPCs may change it */
   const char *load_models[64]; /* --load-model names (explicit control; "*": every set) */
@@ -97,6 +98,10 @@ grpc_status_code moed_status_from_moe(moe_status s);
  * failure is answered in one statement. */
 grpc_status_code moed_failf(char *buf, grpc_status_code code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* Rewrites msg[0..cap) so that it names no server path under dir: "dir/x"
+ * becomes "x" and dir alone becomes `label` (clients see paths relative to
+ * the model repository only; the log keeps the full ones). */
+void moed_msg_relative(char *msg, size_t cap, const char *dir, const char *label);
 
 /* ---- rpc.c: gRPC core <-> libuv bridge ------------------------------------- */
 

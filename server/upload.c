@@ -60,6 +60,9 @@ static bool upload_fail(moed_upload *u, grpc_status_code code, const char *fmt, 
   va_start(ap, fmt);
   vsnprintf(u->msg, sizeof u->msg, fmt, ap);
   va_end(ap);
+  /* the client learns no server path: its upload's files by their names */
+  moed_msg_relative(u->msg, sizeof u->msg, u->dir, "upload");
+  moed_msg_relative(u->msg, sizeof u->msg, u->srv->cfg->model_repository, "model repository");
   u->code = code;
   u->done = true;
   return false;

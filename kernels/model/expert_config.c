@@ -248,12 +248,18 @@ moe_status moe_expert_config_parse(const char *json, moe_expert_config *cfg, moe
     s = moe_fail(err, MOE_EINVAL, "config: not a JSON object");
     goto fail;
   }
-  for (const cJSON *it = root->child; it; it = it->next) {
+  int index = 0;
+  for (const cJSON *it = root->child; it; it = it->next, index++) {
     int k = 0;
     while (k < K_COUNT && strcmp(cfg_keys[k], it->string) != 0)
       k++;
-    if (k == K_COUNT) { /* a typo must not silently fall back to a default */
-      s = moe_fail(err, MOE_EINVAL, "%s: unknown key in an expert-set config", it->string);
+    /* a typo must not silently fall back to a default; the key itself is not
+     * echoed: a config.json linked to some other JSON file would otherwise
+     * show that file's keys to whoever asked for the load */
+    if (k == K_COUNT) {
+      s = moe_fail(err, MOE_EINVAL,
+                   "config: key number %d of the object is not an expert-set config key (docs/expert-set.md)",
+                   index + 1);
       goto fail;
     }
     if (seen[k]) {
