@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "moed.h"
+#include "prom_label.h"
 
 #define PROBE_MS 2000
 
@@ -118,22 +119,24 @@ static void model_metrics(moed_model *m, void *arg) {
   metrics_pass *p = arg;
   const moed_model_stats *st = m->stats;
   wbuf *b = p->b;
+  char name[MOED_PROM_LABEL_SIZE(sizeof m->name)];
+  moed_prom_label(name, sizeof name, m->name);
   switch (p->section) {
   case 0:
-    wb_printf(b, "moed_requests_total{model=\"%s\",outcome=\"success\"} %llu\n", m->name,
+    wb_printf(b, "moed_requests_total{model=\"%s\",outcome=\"success\"} %llu\n", name,
               (unsigned long long)atomic_load(&st->success_count));
-    wb_printf(b, "moed_requests_total{model=\"%s\",outcome=\"failure\"} %llu\n", m->name,
+    wb_printf(b, "moed_requests_total{model=\"%s\",outcome=\"failure\"} %llu\n", name,
               (unsigned long long)atomic_load(&st->fail_count));
     break;
-  case 1: hist(b, "moed_queue_seconds", m->name, &st->queue_hist); break;
-  case 2: hist(b, "moed_compute_seconds", m->name, &st->compute_hist); break;
-  case 3: hist(b, "moed_request_seconds", m->name, &st->total_hist); break;
+  case 1: hist(b, "moed_queue_seconds", name, &st->queue_hist); break;
+  case 2: hist(b, "moed_compute_seconds", name, &st->compute_hist); break;
+  case 3: hist(b, "moed_request_seconds", name, &st->total_hist); break;
   case 4:
-    wb_printf(b, "moed_bytes_in_total{model=\"%s\"} %llu\n", m->name,
+    wb_printf(b, "moed_bytes_in_total{model=\"%s\"} %llu\n", name,
               (unsigned long long)atomic_load(&st->bytes_in));
     break;
   case 5:
-    wb_printf(b, "moed_bytes_out_total{model=\"%s\"} %llu\n", m->name,
+    wb_printf(b, "moed_bytes_out_total{model=\"%s\"} %llu\n", name,
               (unsigned long long)atomic_load(&st->bytes_out));
     break;
   }
@@ -189,7 +192,8 @@ static void render_metrics(moed_http *h, wbuf *b) {
                "# TYPE moed_device_memory_bytes gauge\n");
   for (int i = 0; i < moed_devices_count(s->devices); i++) {
     moe_backend_memory mem;
-    const char *name = moed_devices_memory(s->devices, i, &mem);
+    char name[MOED_PROM_LABEL_SIZE(128)];
+    moed_prom_label(name, sizeof name, moed_devices_memory(s->devices, i, &mem));
     wb_printf(b, "moed_device_memory_bytes{worker=\"%d\",backend=\"%s\",kind=\"resident\"} %zu\n", i, name,
               mem.resident);
     wb_printf(b, "moed_device_memory_bytes{worker=\"%d\",backend=\"%s\",kind=\"held\"} %zu\n", i, name,
