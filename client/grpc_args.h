@@ -1,12 +1,15 @@
 /* Channel/server arguments shared by moec and the bench tools: gRPC's
  * message size limits (default 4 MiB receive) raised to `bytes` both ways,
- * since MoE activations and weights are far larger. */
+ * since MoE activations and weights are far larger; TLS credentials. */
 #ifndef MOEC_GRPC_ARGS_H
 #define MOEC_GRPC_ARGS_H
 
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
 
 /* Fills args[2] and returns the grpc_channel_args that point at them. */
 static inline grpc_channel_args moec_size_args(grpc_arg args[2], int bytes) {
@@ -16,6 +19,54 @@ static inline grpc_channel_args moec_size_args(grpc_arg args[2], int bytes) {
   args[1].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
   args[0].value.integer = args[1].value.integer = bytes;
   return (grpc_channel_args){2, args};
+}
+
+/* Transport security of a client (moec's --tls-ca, --tls-cert, --tls-key;
+ * the same meaning as moed's --tls-* flags): TLS when any is set, the
+ * server verified against `ca` (NULL: the system roots), and a client
+ * certificate (cert + key) presented for mTLS. */
+typedef struct moec_tls {
+  const char *ca, *cert, *key;
+} moec_tls;
+
+/* A whole PEM file, malloc'ed and NUL-terminated; NULL (message printed). */
+static inline char *moec_read_pem(const char *path) {
+  FILE *f = fopen(path, "rb");
+  char *buf = NULL;
+  long n = -1;
+  if (f && fseek(f, 0, SEEK_END) == 0) n = ftell(f);
+  if (f && n > 0 && n <= (1L << 20) && fseek(f, 0, SEEK_SET) == 0 && (buf = malloc((size_t)n + 1)) &&
+      fread(buf, 1, (size_t)n, f) == (size_t)n) {
+    buf[n] = 0;
+  } else {
+    fprintf(stderr, "moec: cannot read %s (a PEM file of at most 1 MiB)\n", path);
+    free(buf);
+    buf = NULL;
+  }
+  if (f) fclose(f);
+  return buf;
+}
+
+/* Channel credentials for t (insecure when nothing is set); NULL when a
+ * file does not read (message printed). The caller releases them. */
+static inline grpc_channel_credentials *moec_channel_credentials(const moec_tls *t) {
+  if (!t->ca && !t->cert && !t->key) return grpc_insecure_credentials_create();
+  if (!t->cert != !t->key) {
+    fprintf(stderr, "moec: --tls-cert and --tls-key go together\n");
+    return NULL;
+  }
+  grpc_channel_credentials *creds = NULL;
+  char *ca = t->ca ? moec_read_pem(t->ca) : NULL;
+  char *cert = t->cert ? moec_read_pem(t->cert) : NULL;
+  char *key = t->key ? moec_read_pem(t->key) : NULL;
+  if ((!t->ca || ca) && (!t->cert || (cert && key))) {
+    grpc_ssl_pem_key_cert_pair pair = {key, cert};
+    creds = grpc_ssl_credentials_create(ca, t->cert ? &pair : NULL, NULL, NULL);
+  }
+  free(ca);
+  free(cert);
+  free(key);
+  return creds;
 }
 
 #endif

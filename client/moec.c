@@ -764,6 +764,8 @@ static void usage(FILE *f) {
       "  --json            the report as JSON instead of a table\n"
       "  exit status: 0 when every measured request succeeded, 1 when any failed, 2 for bad flags\n"
       "--timeout-ms N: each call's deadline (bench: each request's)\n"
+      "TLS (moed's --tls-cert): --tls-ca FILE verifies the server (PEM roots; TLS with the system roots\n"
+      "  when only --tls-cert is given); --tls-cert FILE --tls-key FILE present a client certificate (mTLS)\n"
       "env: MOEC_ADDRESS (default localhost:8001)\n",
       f);
 }
@@ -777,7 +779,10 @@ enum {
   OPT_REQUESTS,
   OPT_WARMUP,
   OPT_JSON,
-  OPT_STREAM
+  OPT_STREAM,
+  OPT_TLS_CA,
+  OPT_TLS_CERT,
+  OPT_TLS_KEY,
 };
 
 int main(int argc, char **argv) {
@@ -790,6 +795,7 @@ int main(int argc, char **argv) {
   bool replace = false, concurrency_set = false;
   size_t chunk = (size_t)4 << 20;
   bench_opts bo = {.load = {.channels = 1, .concurrency = 1, .warmup_s = 1, .duration_s = 10}};
+  moec_tls tls = {0};
   static const struct option opts[] = {
       {"address", required_argument, NULL, 'a'},
       {"model", required_argument, NULL, 'm'},
@@ -809,6 +815,9 @@ int main(int argc, char **argv) {
       {"warmup", required_argument, NULL, OPT_WARMUP},
       {"json", no_argument, NULL, OPT_JSON},
       {"stream", no_argument, NULL, OPT_STREAM},
+      {"tls-ca", required_argument, NULL, OPT_TLS_CA},
+      {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
+      {"tls-key", required_argument, NULL, OPT_TLS_KEY},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
@@ -860,6 +869,9 @@ int main(int argc, char **argv) {
       break;
     case OPT_JSON: bo.json = true; break;
     case OPT_STREAM: bo.load.stream = true; break;
+    case OPT_TLS_CA: tls.ca = optarg; break;
+    case OPT_TLS_CERT: tls.cert = optarg; break;
+    case OPT_TLS_KEY: tls.key = optarg; break;
     case 'h': usage(stdout); return 0;
     default: usage(stderr); return 2;
     }
@@ -872,10 +884,14 @@ int main(int argc, char **argv) {
   grpc_init();
   grpc_arg args[2];
   grpc_channel_args chargs = moec_size_args(args, 1 << 30);
-  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+  grpc_channel_credentials *creds = moec_channel_credentials(&tls);
+  if (!creds) {
+    grpc_shutdown();
+    return 2;
+  }
   client c = {grpc_channel_create(addr, creds, &chargs), grpc_completion_queue_create_for_pluck(NULL),
               (int)timeout_ms};
-  grpc_channel_credentials_release(creds);
+  bo.load.creds = creds;
   int rc;
   if (strcmp(cmd, "health") == 0)
     rc = cmd_health(&c);
@@ -923,6 +939,7 @@ int main(int argc, char **argv) {
     rc = 2;
   }
   grpc_channel_destroy(c.ch);
+  grpc_channel_credentials_release(creds);
   grpc_completion_queue_shutdown(c.cq);
   while (grpc_completion_queue_pluck(c.cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
          GRPC_QUEUE_SHUTDOWN) {

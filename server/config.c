@@ -53,6 +53,14 @@ static const char usage[] =
     "  --fd-reserve N            descriptors kept free of connections: a connection accepted into the\n"
     "                            last N below the open-file limit is closed at once (MOED_FD_RESERVE,\n"
     "                            default 64; at most a quarter of the limit)\n"
+    "  --tls-cert FILE           PEM certificate chain: the gRPC port speaks TLS (MOED_TLS_CERT; reread\n"
+    "                            with the key and client CA on SIGHUP, for new connections)\n"
+    "  --tls-key FILE            its PEM private key (MOED_TLS_KEY)\n"
+    "  --tls-client-ca FILE      PEM CA bundle client certificates are verified against "
+    "(MOED_TLS_CLIENT_CA)\n"
+    "  --tls-client-auth MODE    none|optional|require: a client certificate not asked for, verified when\n"
+    "                            sent, required (MOED_TLS_CLIENT_AUTH; default require with "
+    "--tls-client-ca)\n"
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
     "  --log-json                JSON log lines (MOED_LOG_JSON=1)\n"
     "  --port-file PATH          write \"GRPC_PORT HTTP_PORT\" once listening (tests)\n"
@@ -108,6 +116,10 @@ enum {
   OPT_FD_RESERVE,
   OPT_CONN_AGE,
   OPT_CONN_AGE_GRACE,
+  OPT_TLS_CERT,
+  OPT_TLS_KEY,
+  OPT_TLS_CLIENT_CA,
+  OPT_TLS_CLIENT_AUTH,
 };
 
 static const struct option options[] = {
@@ -142,6 +154,10 @@ static const struct option options[] = {
     {"fd-reserve", required_argument, NULL, OPT_FD_RESERVE},
     {"max-connection-age", required_argument, NULL, OPT_CONN_AGE},
     {"max-connection-age-grace", required_argument, NULL, OPT_CONN_AGE_GRACE},
+    {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
+    {"tls-key", required_argument, NULL, OPT_TLS_KEY},
+    {"tls-client-ca", required_argument, NULL, OPT_TLS_CLIENT_CA},
+    {"tls-client-auth", required_argument, NULL, OPT_TLS_CLIENT_AUTH},
     {"help", no_argument, NULL, OPT_HELP},
     /* Triton's spellings (usage) */
     {"grpc-address", required_argument, NULL, OPT_ADDRESS},
@@ -282,6 +298,15 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_RESPONSE_BUF:
     ok = parse_i64(v, 1, INT64_MAX, &n) && (c->response_buffer_bytes = (size_t)n, true);
     break;
+  case OPT_TLS_CERT: c->tls_cert = v; break;
+  case OPT_TLS_KEY: c->tls_key = v; break;
+  case OPT_TLS_CLIENT_CA: c->tls_client_ca = v; break;
+  case OPT_TLS_CLIENT_AUTH:
+    ok = !strcmp(v, "none") || !strcmp(v, "optional") || !strcmp(v, "require");
+    c->tls_client_auth = !strcmp(v, "optional")  ? MOED_CLIENT_AUTH_OPTIONAL
+                         : !strcmp(v, "require") ? MOED_CLIENT_AUTH_REQUIRE
+                                                 : MOED_CLIENT_AUTH_NONE;
+    break;
   case OPT_MAX_UPLOAD: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_upload_bytes = (size_t)n, true); break;
   }
   if (!ok && (opt == OPT_ADDRESS || opt == OPT_HTTP_ADDRESS))
@@ -316,6 +341,10 @@ static const struct {
     {"MOED_IDLE_TIMEOUT", OPT_IDLE},
     {"MOED_FD_RESERVE", OPT_FD_RESERVE},
     {"MOED_MAX_CONNECTION_AGE", OPT_CONN_AGE},
+    {"MOED_TLS_CERT", OPT_TLS_CERT},
+    {"MOED_TLS_KEY", OPT_TLS_KEY},
+    {"MOED_TLS_CLIENT_CA", OPT_TLS_CLIENT_CA},
+    {"MOED_TLS_CLIENT_AUTH", OPT_TLS_CLIENT_AUTH},
 };
 
 int moed_config_parse(moed_config *c, int argc, char **argv) {
@@ -344,6 +373,7 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .connection_age_grace_s = 30,
       .stream_buffer_bytes = (size_t)64 << 20,
       .response_buffer_bytes = (size_t)2 << 30,
+      .tls_client_auth = -1, /* require when a client CA is given */
   };
   for (size_t i = 0; i < sizeof env_map / sizeof env_map[0]; i++) {
     const char *v = getenv(env_map[i].env);
@@ -371,6 +401,17 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
     return -1;
   }
   if (c->http_off) c->http_port = -1;
+  if (c->tls_client_auth < 0)
+    c->tls_client_auth = c->tls_client_ca ? MOED_CLIENT_AUTH_REQUIRE : MOED_CLIENT_AUTH_NONE;
+  const char *tls_why = !c->tls_cert != !c->tls_key        ? "--tls-cert and --tls-key go together"
+                        : c->tls_client_ca && !c->tls_cert ? "--tls-client-ca needs --tls-cert and --tls-key"
+                        : c->tls_client_auth != MOED_CLIENT_AUTH_NONE && !c->tls_client_ca
+                            ? "--tls-client-auth optional|require needs --tls-client-ca"
+                            : NULL;
+  if (tls_why) {
+    fprintf(stderr, "moed: %s\n", tls_why);
+    return -1;
+  }
   if (c->n_load_models && c->model_control != MOED_CONTROL_EXPLICIT) {
     fprintf(stderr, "moed: --load-model needs --model-control-mode explicit\n");
     return -1;

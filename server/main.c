@@ -20,7 +20,7 @@ typedef struct app {
   moed_server srv;
   moed_config cfg;
   uv_loop_t loop;
-  uv_signal_t sigterm, sigint;
+  uv_signal_t sigterm, sigint, sighup;
   uv_timer_t tick; /* watch reaping; drain progress */
   moed_http *http;
   int stage; /* 0 serving, 1 draining, 2 rpc shutting down, 3 done */
@@ -40,6 +40,15 @@ static void finish_loop(app *a) {
   uv_close((uv_handle_t *)&a->tick, NULL);
   uv_close((uv_handle_t *)&a->sigterm, NULL);
   uv_close((uv_handle_t *)&a->sigint, NULL);
+  uv_close((uv_handle_t *)&a->sighup, NULL);
+}
+
+/* SIGHUP: certificates rotated (tls.c rereads them at the next handshake). */
+static void on_sighup(uv_signal_t *h, int signum) {
+  (void)h;
+  (void)signum;
+  moed_tls_reload();
+  moed_log(MOED_LOG_INFO, "sighup", "certificate files are reread at the next TLS handshake");
 }
 
 static void on_tick(uv_timer_t *t) {
@@ -190,6 +199,8 @@ int main(int argc, char **argv) {
   a.sigterm.data = a.sigint.data = &a;
   uv_signal_start(&a.sigterm, on_signal, SIGTERM);
   uv_signal_start(&a.sigint, on_signal, SIGINT);
+  uv_signal_init(&a.loop, &a.sighup);
+  uv_signal_start(&a.sighup, on_sighup, SIGHUP);
   uv_timer_init(&a.loop, &a.tick);
   a.tick.data = &a;
   uv_timer_start(&a.tick, on_tick, 1000, 1000);

@@ -60,7 +60,14 @@ typedef struct moed_config {
   int fd_reserve;               /* descriptors kept from connections (fd_budget.c) */
   size_t stream_buffer_bytes;   /* unsent responses of one stream; beyond: its reads pause */
   size_t response_buffer_bytes; /* of all streams; beyond: a stream holding some is ended */
+  const char *tls_cert;         /* PEM chain for the gRPC port (NULL: plaintext) */
+  const char *tls_key;          /* its private key */
+  const char *tls_client_ca;    /* CA bundle client certificates are verified against */
+  int tls_client_auth;          /* MOED_CLIENT_AUTH_* */
 } moed_config;
+
+/* --tls-client-auth: no client certificate asked; verified when sent; required */
+enum { MOED_CLIENT_AUTH_NONE = 0, MOED_CLIENT_AUTH_OPTIONAL, MOED_CLIENT_AUTH_REQUIRE };
 
 /* 0: run; 1: exit 0 (--help); -1: bad flags (message printed). */
 int moed_config_parse(moed_config *cfg, int argc, char **argv);
@@ -431,6 +438,15 @@ void moed_fd_budget_init(int reserve);
 void moed_fd_budget_side_listener(int fd);
 /* Connections closed at accept: into the reserve; with no descriptor left. */
 void moed_fd_budget_refused(uint64_t *reserve, uint64_t *exhausted);
+
+/* ---- tls.c: the gRPC port's credentials ----------------------------------- */
+
+/* Insecure without cfg->tls_cert; else TLS whose files are reread on the
+ * first handshake after moed_tls_reload. NULL (logged) when they do not
+ * load at start. */
+grpc_server_credentials *moed_tls_server_credentials(const moed_config *cfg);
+/* SIGHUP: the next handshake reads the certificate files again. */
+void moed_tls_reload(void);
 
 /* ---- http.c: metrics and probes -------------------------------------------- */
 

@@ -697,7 +697,8 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
   char addr[300];
   /* an IPv6 literal (config.c keeps it bare) needs its brackets before the port */
   snprintf(addr, sizeof addr, strchr(cfg->address, ':') ? "[%s]:%d" : "%s:%d", cfg->address, cfg->grpc_port);
-  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  grpc_server_credentials *creds = moed_tls_server_credentials(cfg);
+  if (!creds) goto fail;
   int port = grpc_server_add_http2_port(s->server, addr, creds);
   grpc_server_credentials_release(creds);
   if (port <= 0) {
