@@ -27,7 +27,28 @@ static inline grpc_channel_args moec_size_args(grpc_arg args[2], int bytes) {
  * certificate (cert + key) presented for mTLS. */
 typedef struct moec_tls {
   const char *ca, *cert, *key;
+  const char *token; /* a bearer token sent with every call (moed's --auth-tokens); NULL: none */
 } moec_tls;
+
+/* The token as call metadata, also over plaintext (the plugin's minimum
+ * security level is none: moed behind a TLS-terminating proxy, tests). */
+static inline int moec_token_metadata(void *state, grpc_auth_metadata_context ctx,
+                                      grpc_credentials_plugin_metadata_cb cb, void *user_data,
+                                      grpc_metadata md[GRPC_METADATA_CREDENTIALS_PLUGIN_SYNC_MAX], size_t *n,
+                                      grpc_status_code *status, const char **details) {
+  (void)ctx;
+  (void)cb;
+  (void)user_data;
+  memset(md, 0, sizeof *md);
+  md[0].key = grpc_slice_from_static_string("authorization");
+  md[0].value = grpc_slice_from_copied_string((const char *)state);
+  *n = 1;
+  *status = GRPC_STATUS_OK;
+  *details = NULL;
+  return 1; /* answered synchronously */
+}
+
+static inline void moec_token_destroy(void *state) { free(state); }
 
 /* A whole PEM file, malloc'ed and NUL-terminated; NULL (message printed). */
 static inline char *moec_read_pem(const char *path) {
@@ -47,9 +68,9 @@ static inline char *moec_read_pem(const char *path) {
   return buf;
 }
 
-/* Channel credentials for t (insecure when nothing is set); NULL when a
- * file does not read (message printed). The caller releases them. */
-static inline grpc_channel_credentials *moec_channel_credentials(const moec_tls *t) {
+/* Channel credentials for t without its token (insecure when nothing is
+ * set); NULL when a file does not read (message printed). */
+static inline grpc_channel_credentials *moec_transport_credentials(const moec_tls *t) {
   if (!t->ca && !t->cert && !t->key) return grpc_insecure_credentials_create();
   if (!t->cert != !t->key) {
     fprintf(stderr, "moec: --tls-cert and --tls-key go together\n");
@@ -67,6 +88,28 @@ static inline grpc_channel_credentials *moec_channel_credentials(const moec_tls 
   free(cert);
   free(key);
   return creds;
+}
+
+/* t's channel credentials with its token; the caller releases them. */
+static inline grpc_channel_credentials *moec_channel_credentials(const moec_tls *t) {
+  grpc_channel_credentials *creds = moec_transport_credentials(t);
+  if (!creds || !t->token) return creds;
+  size_t n = strlen(t->token);
+  char *bearer = malloc(n + 8);
+  if (!bearer) {
+    grpc_channel_credentials_release(creds);
+    return NULL;
+  }
+  memcpy(bearer, "Bearer ", 7);
+  memcpy(bearer + 7, t->token, n + 1);
+  grpc_metadata_credentials_plugin plugin = {moec_token_metadata, NULL, moec_token_destroy, bearer,
+                                             "moec_token"};
+  grpc_call_credentials *call =
+      grpc_metadata_credentials_create_from_plugin(plugin, GRPC_SECURITY_NONE, NULL);
+  grpc_channel_credentials *both = grpc_composite_channel_credentials_create(creds, call, NULL);
+  grpc_call_credentials_release(call);
+  grpc_channel_credentials_release(creds);
+  return both;
 }
 
 #endif

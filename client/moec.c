@@ -766,6 +766,8 @@ static void usage(FILE *f) {
       "--timeout-ms N: each call's deadline (bench: each request's)\n"
       "TLS (moed's --tls-cert): --tls-ca FILE verifies the server (PEM roots; TLS with the system roots\n"
       "  when only --tls-cert is given); --tls-cert FILE --tls-key FILE present a client certificate (mTLS)\n"
+      "--token-file FILE: the bearer token on its first line is sent with every call (moed's --auth-tokens;\n"
+      "  env MOEC_TOKEN gives it too)\n"
       "env: MOEC_ADDRESS (default localhost:8001)\n",
       f);
 }
@@ -783,6 +785,7 @@ enum {
   OPT_TLS_CA,
   OPT_TLS_CERT,
   OPT_TLS_KEY,
+  OPT_TOKEN_FILE,
 };
 
 int main(int argc, char **argv) {
@@ -796,6 +799,9 @@ int main(int argc, char **argv) {
   size_t chunk = (size_t)4 << 20;
   bench_opts bo = {.load = {.channels = 1, .concurrency = 1, .warmup_s = 1, .duration_s = 10}};
   moec_tls tls = {0};
+  const char *token_file = NULL;
+  char token[512] = "";
+  tls.token = getenv("MOEC_TOKEN") && *getenv("MOEC_TOKEN") ? getenv("MOEC_TOKEN") : NULL;
   static const struct option opts[] = {
       {"address", required_argument, NULL, 'a'},
       {"model", required_argument, NULL, 'm'},
@@ -818,6 +824,7 @@ int main(int argc, char **argv) {
       {"tls-ca", required_argument, NULL, OPT_TLS_CA},
       {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
       {"tls-key", required_argument, NULL, OPT_TLS_KEY},
+      {"token-file", required_argument, NULL, OPT_TOKEN_FILE},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
@@ -872,6 +879,7 @@ int main(int argc, char **argv) {
     case OPT_TLS_CA: tls.ca = optarg; break;
     case OPT_TLS_CERT: tls.cert = optarg; break;
     case OPT_TLS_KEY: tls.key = optarg; break;
+    case OPT_TOKEN_FILE: token_file = optarg; break;
     case 'h': usage(stdout); return 0;
     default: usage(stderr); return 2;
     }
@@ -880,6 +888,17 @@ int main(int argc, char **argv) {
   if (!cmd) {
     usage(stderr);
     return 2;
+  }
+  if (token_file) { /* a file, not a flag value: a token on the command line shows in ps */
+    FILE *f = fopen(token_file, "r");
+    bool ok = f && fgets(token, sizeof token, f);
+    if (f) fclose(f);
+    token[strcspn(token, "\r\n")] = 0;
+    if (!ok || !*token) {
+      fprintf(stderr, "moec: --token-file %s: cannot read a token from its first line\n", token_file);
+      return 2;
+    }
+    tls.token = token;
   }
   grpc_init();
   grpc_arg args[2];

@@ -61,6 +61,17 @@ static const char usage[] =
     "  --tls-client-auth MODE    none|optional|require: a client certificate not asked for, verified when\n"
     "                            sent, required (MOED_TLS_CLIENT_AUTH; default require with "
     "--tls-client-ca)\n"
+    "  --auth-tokens FILE        bearer tokens, one \"NAME ROLE TOKEN\" a line (ROLE infer|admin): every "
+    "gRPC\n"
+    "                            call needs 'authorization: Bearer TOKEN'; admin for repository changes\n"
+    "                            and uploads (MOED_AUTH_TOKENS; reread on SIGHUP)\n"
+    "  --auth-health-exempt      ServerLive/ServerReady/ModelReady/grpc.health.v1 need no token\n"
+    "                            (MOED_AUTH_HEALTH_EXEMPT=1)\n"
+    "  --max-uploads N           uploads in progress at once; more: RESOURCE_EXHAUSTED (MOED_MAX_UPLOADS, "
+    "4)\n"
+    "  --upload-budget-bytes N   tensor bytes of all uploads in progress together "
+    "(MOED_UPLOAD_BUDGET_BYTES,\n"
+    "                            default 64 GiB)\n"
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
     "  --log-json                JSON log lines (MOED_LOG_JSON=1)\n"
     "  --port-file PATH          write \"GRPC_PORT HTTP_PORT\" once listening (tests)\n"
@@ -120,6 +131,10 @@ enum {
   OPT_TLS_KEY,
   OPT_TLS_CLIENT_CA,
   OPT_TLS_CLIENT_AUTH,
+  OPT_AUTH_TOKENS,
+  OPT_AUTH_HEALTH_EXEMPT,
+  OPT_MAX_UPLOADS,
+  OPT_UPLOAD_BUDGET,
 };
 
 static const struct option options[] = {
@@ -158,6 +173,10 @@ static const struct option options[] = {
     {"tls-key", required_argument, NULL, OPT_TLS_KEY},
     {"tls-client-ca", required_argument, NULL, OPT_TLS_CLIENT_CA},
     {"tls-client-auth", required_argument, NULL, OPT_TLS_CLIENT_AUTH},
+    {"auth-tokens", required_argument, NULL, OPT_AUTH_TOKENS},
+    {"auth-health-exempt", no_argument, NULL, OPT_AUTH_HEALTH_EXEMPT},
+    {"max-uploads", required_argument, NULL, OPT_MAX_UPLOADS},
+    {"upload-budget-bytes", required_argument, NULL, OPT_UPLOAD_BUDGET},
     {"help", no_argument, NULL, OPT_HELP},
     /* Triton's spellings (usage) */
     {"grpc-address", required_argument, NULL, OPT_ADDRESS},
@@ -307,6 +326,12 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
                          : !strcmp(v, "require") ? MOED_CLIENT_AUTH_REQUIRE
                                                  : MOED_CLIENT_AUTH_NONE;
     break;
+  case OPT_AUTH_TOKENS: c->auth_tokens = v; break;
+  case OPT_AUTH_HEALTH_EXEMPT: c->auth_health_exempt = !v || strcmp(v, "0") != 0; break;
+  case OPT_MAX_UPLOADS: ok = parse_i64(v, 1, 1 << 16, &n) && (c->max_uploads = (int)n, true); break;
+  case OPT_UPLOAD_BUDGET:
+    ok = parse_i64(v, 1, INT64_MAX, &n) && (c->upload_budget_bytes = (size_t)n, true);
+    break;
   case OPT_MAX_UPLOAD: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_upload_bytes = (size_t)n, true); break;
   }
   if (!ok && (opt == OPT_ADDRESS || opt == OPT_HTTP_ADDRESS))
@@ -345,6 +370,10 @@ static const struct {
     {"MOED_TLS_KEY", OPT_TLS_KEY},
     {"MOED_TLS_CLIENT_CA", OPT_TLS_CLIENT_CA},
     {"MOED_TLS_CLIENT_AUTH", OPT_TLS_CLIENT_AUTH},
+    {"MOED_AUTH_TOKENS", OPT_AUTH_TOKENS},
+    {"MOED_AUTH_HEALTH_EXEMPT", OPT_AUTH_HEALTH_EXEMPT},
+    {"MOED_MAX_UPLOADS", OPT_MAX_UPLOADS},
+    {"MOED_UPLOAD_BUDGET_BYTES", OPT_UPLOAD_BUDGET},
 };
 
 int moed_config_parse(moed_config *c, int argc, char **argv) {
@@ -374,6 +403,8 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .stream_buffer_bytes = (size_t)64 << 20,
       .response_buffer_bytes = (size_t)2 << 30,
       .tls_client_auth = -1, /* require when a client CA is given */
+      .max_uploads = 4,
+      .upload_budget_bytes = (size_t)64 << 30,
   };
   for (size_t i = 0; i < sizeof env_map / sizeof env_map[0]; i++) {
     const char *v = getenv(env_map[i].env);

@@ -557,6 +557,11 @@ static void repo_change_run(moed_job *job, moe_backend *b) {
                           : ((Inference__RepositoryModelUnloadRequest *)m)->model_name;
   st = load ? moed_repository_load(j->srv->repo, name, &err)
             : moed_repository_unload(j->srv->repo, name, &err);
+  /* every change (and every refused one) says who asked; a name that is
+   * not valid is not written into the log */
+  moed_log(MOED_LOG_INFO, load ? "repository_load" : "repository_unload", "%s: %s, by %s",
+           moed_model_name_ok(name) ? name : "(invalid name)", st == MOE_OK ? "done" : err.msg,
+           moed_rpc_peer(req->rpc));
   if (st != MOE_OK) {
     moed_rpc_finish(req->rpc, moed_status_from_moe(st), err.msg, NULL);
   } else if (load) {

@@ -48,6 +48,7 @@ static void on_sighup(uv_signal_t *h, int signum) {
   (void)h;
   (void)signum;
   moed_tls_reload();
+  moed_auth_reload();
   moed_log(MOED_LOG_INFO, "sighup", "certificate files are reread at the next TLS handshake");
 }
 
@@ -163,6 +164,7 @@ int main(int argc, char **argv) {
   int exit_code = 1;
   int grpc_port = 0, http_port = -1;
 
+  if (moed_auth_init(&a.cfg) != 0) goto out;
   if (moed_repository_create(a.cfg.model_repository, &s->repo) != 0) goto out;
   if (a.cfg.model_control != MOED_CONTROL_EXPLICIT) {
     moed_repository_load_all(s->repo);
@@ -217,6 +219,7 @@ out:
   moed_weight_cache_destroy(s->weights); /* no request uses it; its backends still live */
   moed_devices_destroy(s->devices);
   moed_repository_destroy(s->repo);
+  moed_auth_destroy();
   uv_loop_close(&a.loop);
   grpc_shutdown();
   moed_hostmem_trim();

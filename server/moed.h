@@ -64,6 +64,10 @@ typedef struct moed_config {
   const char *tls_key;          /* its private key */
   const char *tls_client_ca;    /* CA bundle client certificates are verified against */
   int tls_client_auth;          /* MOED_CLIENT_AUTH_* */
+  const char *auth_tokens;      /* "NAME ROLE TOKEN" lines (auth.c); NULL: no authorization */
+  bool auth_health_exempt;      /* health RPCs need no token */
+  int max_uploads;              /* uploads in progress at once; beyond: RESOURCE_EXHAUSTED */
+  size_t upload_budget_bytes;   /* tensor bytes of all uploads in progress together */
 } moed_config;
 
 /* --tls-client-auth: no client certificate asked; verified when sent; required */
@@ -180,6 +184,9 @@ void moed_rpc_stream_done(moed_rpc *r);
 void moed_rpc_ref(moed_rpc *r);
 void moed_rpc_release(moed_rpc *r);
 bool moed_rpc_cancelled(const moed_rpc *r);
+/* Who made a repository-changing call (RepositoryModelLoad/Unload, Upload):
+ * "ADDRESS[ cert 'SUBJECT'][ token 'NAME']"; "unknown" for other calls. */
+const char *moed_rpc_peer(const moed_rpc *r);
 /* Deadline as CLOCK_MONOTONIC ns (UINT64_MAX: none). */
 uint64_t moed_rpc_deadline_ns(const moed_rpc *r);
 /* Paced client streams (upload): asks for the next message once the last
@@ -328,8 +335,9 @@ typedef struct moed_server {
   _Atomic bool stop_work; /* the drain timeout passed: running ops stop at their next work item */
   _Atomic int inflight;   /* admitted infer requests not yet answered */
   _Atomic uint64_t rejected;
-  struct moed_watch *watches;  /* health Watch streams (loop thread) */
-  struct moed_upload *uploads; /* uploads in progress (loop thread) */
+  struct moed_watch *watches;    /* health Watch streams (loop thread) */
+  struct moed_upload *uploads;   /* uploads in progress (loop thread) */
+  _Atomic uint64_t upload_bytes; /* tensor bytes they announced (upload.c, --upload-budget-bytes) */
   moed_batcher *batcher;
   moed_weight_cache *weights;
 } moed_server;
@@ -447,6 +455,21 @@ void moed_fd_budget_refused(uint64_t *reserve, uint64_t *exhausted);
 grpc_server_credentials *moed_tls_server_credentials(const moed_config *cfg);
 /* SIGHUP: the next handshake reads the certificate files again. */
 void moed_tls_reload(void);
+
+/* ---- auth.c: bearer tokens and roles ---------------------------------------- */
+
+/* Reads --auth-tokens (none: every call allowed); -1 (logged) when it does
+ * not load. */
+int moed_auth_init(const moed_config *cfg);
+/* SIGHUP: the token file is read again (a bad one keeps the tokens in force). */
+void moed_auth_reload(void);
+void moed_auth_destroy(void);
+/* Whether a call of method m with request metadata md may run: OK,
+ * UNAUTHENTICATED (no or an unknown bearer token) or PERMISSION_DENIED (an
+ * infer token on a repository change), why[MOED_ERR_LEN] saying which;
+ * who[] gets the token's name. Any thread. */
+grpc_status_code moed_auth_check(moed_method m, const grpc_metadata_array *md, char *who, size_t who_size,
+                                 char *why);
 
 /* ---- http.c: metrics and probes -------------------------------------------- */
 

@@ -25,6 +25,7 @@ typedef struct method_desc {
   bool read_stream;  /* client streams: payload read message by message */
   bool write_stream; /* server streams */
   bool paced;        /* read_stream: the next read waits for moed_rpc_read_next */
+  bool changes;      /* changes the repository: the caller's identity is kept for the log */
 } method_desc;
 
 static const method_desc methods[MOED_M_COUNT] = {
@@ -38,11 +39,13 @@ static const method_desc methods[MOED_M_COUNT] = {
     [MOED_M_MODEL_CONFIG] = {"/inference.GRPCInferenceService/ModelConfig", false, false},
     [MOED_M_MODEL_STATISTICS] = {"/inference.GRPCInferenceService/ModelStatistics", false, false},
     [MOED_M_REPOSITORY_INDEX] = {"/inference.GRPCInferenceService/RepositoryIndex", false, false},
-    [MOED_M_REPOSITORY_LOAD] = {"/inference.GRPCInferenceService/RepositoryModelLoad", false, false},
-    [MOED_M_REPOSITORY_UNLOAD] = {"/inference.GRPCInferenceService/RepositoryModelUnload", false, false},
+    [MOED_M_REPOSITORY_LOAD] = {"/inference.GRPCInferenceService/RepositoryModelLoad", false, false, false,
+                                true},
+    [MOED_M_REPOSITORY_UNLOAD] = {"/inference.GRPCInferenceService/RepositoryModelUnload", false, false,
+                                  false, true},
     [MOED_M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", false, false},
     [MOED_M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", false, true},
-    [MOED_M_EXPERT_UPLOAD] = {"/moe.v1.ExpertStore/Upload", true, false, true},
+    [MOED_M_EXPERT_UPLOAD] = {"/moe.v1.ExpertStore/Upload", true, false, true, true},
 };
 
 /* ---- types -------------------------------------------------------------------- */
@@ -118,6 +121,7 @@ struct moed_rpc {
   size_t wq_bytes, writing_len;
   int wq_count;
   bool recv_paused; /* the next read waits until the stream has room */
+  char peer[320];   /* repository changes: address, certificate subject, token name */
 };
 
 struct moed_rpc_server {
@@ -496,6 +500,30 @@ static void start_recv(moed_rpc *r) {
   start_batch(r, &op, 1, &r->recv_tag);
 }
 
+/* "ipv4:10.0.0.7:51234 cert 'CN=ops' token 'deploy'" into out: who asked
+ * for a repository change (the log line of every change carries it). */
+static void describe_peer(grpc_call *call, const char *token, char *out, size_t n) {
+  char *addr = grpc_call_get_peer(call);
+  char subject[160] = "";
+  grpc_auth_context *ctx = grpc_call_auth_context(call);
+  if (ctx) {
+    grpc_auth_property_iterator it =
+        grpc_auth_context_find_properties_by_name(ctx, GRPC_X509_SUBJECT_PROPERTY_NAME);
+    const grpc_auth_property *p = grpc_auth_property_iterator_next(&it);
+    if (p)
+      snprintf(subject, sizeof subject, "%.*s", (int)(p->value_length < 159 ? p->value_length : 159),
+               p->value);
+    grpc_auth_context_release(ctx);
+  }
+  for (char *c = subject; *c; c++) /* a certificate's subject is the client's text: one log line */
+    if ((unsigned char)*c < 0x20 || *c == '\'' || *c == 0x7f) *c = '?';
+  snprintf(out, n, "%s%s%s%s%s%s%s", addr ? addr : "unknown", *subject ? " cert '" : "", subject,
+           *subject ? "'" : "", *token ? " token '" : "", token, *token ? "'" : "");
+  gpr_free(addr);
+}
+
+const char *moed_rpc_peer(const moed_rpc *r) { return r->peer[0] ? r->peer : "unknown"; }
+
 static void on_accept(moed_rpc_server *s, accept_slot *slot, bool ok) {
   if (!ok) { /* shutdown */
     grpc_metadata_array_destroy(&slot->md);
@@ -505,17 +533,25 @@ static void on_accept(moed_rpc_server *s, accept_slot *slot, bool ok) {
   grpc_call *call = slot->call;
   grpc_byte_buffer *payload = slot->payload;
   gpr_timespec deadline = slot->deadline;
+  moed_method method = slot->method;
+  char why[MOED_ERR_LEN], token[128], peer[320] = "";
+  grpc_status_code auth = moed_auth_check(method, &slot->md, token, sizeof token, why);
   grpc_metadata_array_destroy(&slot->md);
   arm_slot(s, slot); /* the slot is free again before we work on the call */
-
-  moed_rpc *r = rpc_new(s, call, slot->method, deadline);
-  if (!r) {
-    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory", NULL);
+  if (auth != GRPC_STATUS_OK || methods[method].changes) describe_peer(call, token, peer, sizeof peer);
+  moed_rpc *r = auth == GRPC_STATUS_OK ? rpc_new(s, call, method, deadline) : NULL;
+  if (!r) {                     /* refused before any of its messages is read, or out of memory */
+    if (auth != GRPC_STATUS_OK) /* refused repository changes always in the log; the rest at debug */
+      moed_log(methods[method].changes ? MOED_LOG_WARN : MOED_LOG_DEBUG, "auth_refused", "%s from %s: %s",
+               methods[method].path, peer, why);
+    grpc_call_cancel_with_status(call, auth != GRPC_STATUS_OK ? auth : GRPC_STATUS_RESOURCE_EXHAUSTED,
+                                 auth != GRPC_STATUS_OK ? why : "server out of memory", NULL);
     grpc_call_unref(call);
     if (payload) grpc_byte_buffer_destroy(payload);
     return;
   }
-  if (methods[slot->method].read_stream) {
+  snprintf(r->peer, sizeof r->peer, "%s", peer);
+  if (methods[method].read_stream) {
     start_recv(r);
     moed_rpc_release(r); /* the receive batch holds it from here */
     return;

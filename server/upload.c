@@ -45,6 +45,7 @@ typedef struct moed_upload {
   uint64_t left; /* bytes of the current tensor still to come */
   bool seen[MOE_EXPERT_TENSOR_COUNT];
   uint64_t total;
+  uint64_t reserved; /* in srv->upload_bytes: the announced tensors' bytes */
   XXH3_state_t *hash;
 
   bool done; /* answered: code, msg */
@@ -162,6 +163,18 @@ static bool start_tensor(moed_upload *u, const Moe__V1__TensorHeader *t) {
     return upload_fail(u, GRPC_STATUS_RESOURCE_EXHAUSTED,
                        "chunk.tensor.nbytes: upload exceeds the limit of %zu bytes",
                        u->srv->cfg->max_upload_bytes);
+  /* all uploads in progress together: each announced tensor is reserved
+   * against --upload-budget-bytes until its upload ends */
+  const uint64_t held = atomic_fetch_add(&u->srv->upload_bytes, t->nbytes);
+  if (held + t->nbytes > u->srv->cfg->upload_budget_bytes) { /* both within 2^63: no overflow */
+    atomic_fetch_sub(&u->srv->upload_bytes, t->nbytes);
+    return upload_fail(
+        u, GRPC_STATUS_RESOURCE_EXHAUSTED,
+        "chunk.tensor.nbytes: the uploads in progress would hold more than --upload-budget-bytes "
+        "(%zu bytes); retry later",
+        u->srv->cfg->upload_budget_bytes);
+  }
+  u->reserved += t->nbytes;
 
   moe_named_tensor desc = {t->name, {dt, (int)t->n_shape, {0}, NULL, (size_t)t->nbytes}};
   for (size_t d = 0; d < t->n_shape; d++)
@@ -289,8 +302,9 @@ static void commit(moed_upload *u) {
   }
   moe__v1__upload_response__pack(&r, buf);
   u->response = moed_rpc_buffer_take(buf, n);
-  moed_log(MOED_LOG_INFO, "model_uploaded", "%s: %llu bytes, xxh3 %016llx", u->name,
-           (unsigned long long)r.bytes, (unsigned long long)r.checksum);
+  moed_log(MOED_LOG_INFO, "model_uploaded", "%s: %llu bytes, xxh3 %016llx%s, by %s", u->name,
+           (unsigned long long)r.bytes, (unsigned long long)r.checksum, u->replace ? ", replacing" : "",
+           moed_rpc_peer(u->rpc));
   u->code = GRPC_STATUS_OK;
   u->done = true;
 }
@@ -332,6 +346,7 @@ static void upload_free(moed_server *s, moed_upload *u) {
       *pp = u->next;
       break;
     }
+  atomic_fetch_sub(&s->upload_bytes, u->reserved);
   if (u->fd >= 0) close(u->fd);
   remove_tree(u->dir);
   if (u->hash) XXH3_freeState(u->hash);
@@ -348,7 +363,9 @@ static void upload_after(uv_work_t *w, int status) {
   if (u->done) {
     moed_rpc_finish(req->rpc, u->code, u->code ? u->msg : NULL, u->response); /* the hand-off's reference */
     u->response = NULL;
-    if (u->code) moed_log(MOED_LOG_INFO, "upload_failed", "%s: %s", u->name[0] ? u->name : "?", u->msg);
+    if (u->code)
+      moed_log(MOED_LOG_INFO, "upload_failed", "%s: %s, by %s", u->name[0] ? u->name : "?", u->msg,
+               moed_rpc_peer(req->rpc));
     upload_free(u->srv, u);
   } else {
     moed_rpc_read_next(req->rpc);
@@ -366,6 +383,16 @@ void moed_upload_handle(moed_server *s, moed_request *req) {
       moed_rpc_finish(req->rpc, req->payload ? GRPC_STATUS_UNAVAILABLE : GRPC_STATUS_INVALID_ARGUMENT,
                       req->payload ? "server is shutting down" : "header: missing (no message sent)", NULL);
       if (req->payload) grpc_byte_buffer_destroy(req->payload);
+      free(req);
+      return;
+    }
+    if (moed_upload_count(s) >= s->cfg->max_uploads) { /* each holds a thread-pool slot, files and bytes */
+      char why[128];
+      snprintf(why, sizeof why, "uploads: %d in progress, at most --max-uploads %d; retry later",
+               moed_upload_count(s), s->cfg->max_uploads);
+      moed_log(MOED_LOG_INFO, "upload_failed", "%s, by %s", why, moed_rpc_peer(req->rpc));
+      moed_rpc_finish(req->rpc, GRPC_STATUS_RESOURCE_EXHAUSTED, why, NULL);
+      grpc_byte_buffer_destroy(req->payload);
       free(req);
       return;
     }

@@ -17,14 +17,22 @@
   SIGHUP makes new connections use rewritten certificate files, and files
   that do not load keep the previous certificate; the HTTP probes check the
   TLS listener without a failed handshake in the log; moec's --tls-* flags.
+- Tokens (--auth-tokens): no or an unknown token is UNAUTHENTICATED, an
+  infer token on a repository change PERMISSION_DENIED, an admin token may
+  change it and the log names who did; --auth-health-exempt; SIGHUP rereads
+  the file (a bad one keeps the tokens in force); moec --token-file.
+- Uploads: --max-uploads and --upload-budget-bytes refuse with
+  RESOURCE_EXHAUSTED while others are in progress.
 
 env: MOED, MOE_MKSET."""
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -280,5 +288,156 @@ def test_tls(tmp):
         check(r.returncode != 0 and want in r.stderr, f"moed {' '.join(a[-12:] for a in args)}: refused naming {want} ({r.returncode}: {r.stderr.strip()[-160:]})")
 
 
+READER, OPS = "reader-token-0123456789", "admin-token-0123456789abcdef"
+
+
+def bearer(token):
+    return [("authorization", f"Bearer {token}")] if token else None
+
+
+def write_tokens(path, lines):
+    with open(path, "w") as f:
+        f.write("# name role token\n" + "".join(f"{n} {r} {t}\n" for n, r, t in lines))
+
+
+def test_auth(tmp):
+    repo = os.path.join(tmp, "auth-repo")
+    os.makedirs(repo, exist_ok=True)
+    mkset(os.path.join(repo, "good"), "bf16")
+    tokens = os.path.join(tmp, "tokens")
+    write_tokens(tokens, [("reader", "infer", READER), ("ops", "admin", OPS)])
+    log = os.path.join(tmp, "moed.log")
+    log_at = os.path.getsize(log)
+    p, port, _ = ts.start(tmp, "--model-repository", repo, "--auth-tokens", tokens)
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        live = raw_unary(ch, "/inference.GRPCInferenceService/ServerLive")
+        infer = raw_unary(ch, "/inference.GRPCInferenceService/ModelInfer")
+        load = raw_unary(ch, "/inference.GRPCInferenceService/RepositoryModelLoad")
+        unload = raw_unary(ch, "/inference.GRPCInferenceService/RepositoryModelUnload")
+        req = quant_req().SerializeToString()
+
+        def call(fn, payload, token=None, raw_md=None):
+            return code_of(lambda: fn(payload, timeout=10, metadata=raw_md or bearer(token)))
+        for what, md in (("no token", None), ("an unknown token", bearer("x" * 20)),
+                         ("not a bearer token", [("authorization", f"Basic {READER}")])):
+            for name, fn, payload in (("ServerLive", live, b""), ("ModelInfer", infer, req),
+                                      ("RepositoryModelLoad", load, pb.RepositoryModelLoadRequest(model_name="good").SerializeToString())):
+                code, msg = call(fn, payload, raw_md=md)
+                check(code == SC.UNAUTHENTICATED and msg.startswith("authorization"),
+                      f"{name} with {what}: UNAUTHENTICATED ({code.name}: {msg})")
+        check(call(live, b"", READER)[0] == SC.OK and call(infer, req, READER)[0] == SC.OK,
+              "an infer token: ServerLive and ModelInfer served")
+        unload_good = pb.RepositoryModelUnloadRequest(model_name="good").SerializeToString()
+        load_good = pb.RepositoryModelLoadRequest(model_name="good").SerializeToString()
+        for name, fn, payload in (("RepositoryModelUnload", unload, unload_good), ("RepositoryModelLoad", load, load_good)):
+            code, msg = call(fn, payload, READER)
+            check(code == SC.PERMISSION_DENIED and "reader" in msg and READER not in msg,
+                  f"{name} with an infer token: PERMISSION_DENIED naming the token, not showing it ({msg})")
+        up = ch.stream_unary("/moe.v1.ExpertStore/Upload", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        code, _ = code_of(lambda: up(iter(upload_msgs(("x", "{}", False))), timeout=10, metadata=bearer(READER)))
+        check(code == SC.PERMISSION_DENIED, f"Upload with an infer token: PERMISSION_DENIED ({code.name})")
+        check(call(unload, unload_good, OPS)[0] == SC.OK and call(load, load_good, OPS)[0] == SC.OK,
+              "an admin token unloads and loads")
+        # stream: the token is checked when the stream starts
+        stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                  request_serializer=lambda m: m.SerializeToString(),
+                                  response_deserializer=pb.ModelStreamInferResponse.FromString)
+        code, _ = code_of(lambda: list(stream(iter([quant_req()]), timeout=10)))
+        check(code == SC.UNAUTHENTICATED, f"ModelStreamInfer without a token: UNAUTHENTICATED ({code.name})")
+        answers = list(stream(iter([quant_req()]), timeout=10, metadata=bearer(READER)))
+        check(len(answers) == 1 and not answers[0].error_message, "ModelStreamInfer with an infer token: served")
+        # moec
+        tf = os.path.join(tmp, "moec-token")
+        with open(tf, "w") as f:
+            f.write(READER + "\n")
+        r = subprocess.run([MOEC, "-a", f"127.0.0.1:{port}", "--token-file", tf, "health"], capture_output=True,
+                           text=True, timeout=60)
+        check(r.returncode == 0, f"moec --token-file health ({r.returncode}: {r.stderr.strip()[-200:]})")
+        r = subprocess.run([MOEC, "-a", f"127.0.0.1:{port}", "health"], capture_output=True, text=True, timeout=60)
+        check(r.returncode != 0 and "UNAUTHENTICATED" in r.stderr, f"moec without a token refused ({r.stderr.strip()[-160:]})")
+        # SIGHUP: the file is read again; a broken one keeps the tokens in force
+        write_tokens(tokens, [("fresh", "infer", "fresh-token-0123456789"), ("ops", "admin", OPS)])
+        p.send_signal(signal.SIGHUP)
+        time.sleep(0.3)
+        check(call(live, b"", READER)[0] == SC.UNAUTHENTICATED and call(live, b"", "fresh-token-0123456789")[0] == SC.OK,
+              "SIGHUP: a removed token is refused, a new one served")
+        with open(tokens, "w") as f:
+            f.write("broken line\n")
+        p.send_signal(signal.SIGHUP)
+        time.sleep(0.3)
+        check(call(live, b"", "fresh-token-0123456789")[0] == SC.OK, "SIGHUP with a broken file keeps the tokens in force")
+        with open(log, errors="replace") as f:
+            text = f.read()[log_at:]
+        who = re.search(r"repository_unload: good: done, by (\S+) token 'ops'", text)
+        check(who is not None and who.group(1).startswith("ipv4:127.0.0.1:"),
+              "the unload's log line names the peer's address and token")
+        check(re.search(r"auth_refused: /inference.GRPCInferenceService/RepositoryModelLoad from ipv4:127.0.0.1:\d+ token 'reader'", text),
+              "a refused repository change is logged with who tried")
+        check("auth_reload_failed" in text, "the broken token file is logged")
+        check(READER not in text and OPS not in text, "no token appears in the log")
+    finally:
+        ts.stop(p)
+    # health exempt
+    write_tokens(tokens, [("reader", "infer", READER)])
+    p, port, _ = ts.start(tmp, "--auth-tokens", tokens, "--auth-health-exempt")
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        check(code_of(lambda: raw_unary(ch, "/inference.GRPCInferenceService/ServerLive")(b"", timeout=10))[0] == SC.OK,
+              "--auth-health-exempt: ServerLive without a token")
+        check(code_of(lambda: raw_unary(ch, "/grpc.health.v1.Health/Check")(b"", timeout=10))[0] == SC.OK,
+              "--auth-health-exempt: grpc.health.v1 Check without a token")
+        check(code_of(lambda: infer_pb(ch, quant_req()))[0] == SC.UNAUTHENTICATED,
+              "--auth-health-exempt: ModelInfer still needs one")
+    finally:
+        ts.stop(p)
+    # a bad token file stops the start, naming the line, never the token
+    for content, want in (("a infer short\n", "tokens:1: TOKEN"), ("a reader 0123456789abcdefgh\n", "tokens:1: ROLE"),
+                          ("a/b infer 0123456789abcdefgh\n", "tokens:1: NAME"), ("# nothing\n", "no tokens")):
+        with open(tokens, "w") as f:
+            f.write(content)
+        r = subprocess.run([MOED, "--grpc-port", "0", "--http-port", "-1", "--auth-tokens", tokens],
+                           capture_output=True, text=True, timeout=30)
+        check(r.returncode != 0 and want in r.stderr and "0123456789abcdefgh" not in r.stderr,
+              f"token file {content.strip()!r}: refused naming {want!r} ({r.returncode})")
+
+
+def test_upload_limits(tmp):
+    cfg = '{"num_experts": 8, "hidden_size": 128, "intermediate_size": 64}'
+    n = 8 * 128 * 64 * 2
+
+    def held_upload(ch, name, release):
+        """An upload that sends its header and one tensor's first chunk, then waits for `release`."""
+        msgs = upload_msgs((name, cfg, False), [("w2", "bf16", [8, 64, 128], n, bytes(n))], chunk=4096)
+
+        def gen():
+            yield msgs[0]
+            yield msgs[1]
+            release.wait(30)
+        up = ch.stream_unary("/moe.v1.ExpertStore/Upload", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        return up.future(gen(), timeout=60)
+    for flags, what, want in ((["--max-uploads", "1"], "a second upload past --max-uploads 1", "--max-uploads"),
+                              (["--upload-budget-bytes", str(n + n // 2)], "a second upload past the byte budget",
+                               "--upload-budget-bytes")):
+        p, port, _ = ts.start(tmp, *flags)
+        try:
+            ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+            release = threading.Event()
+            first = held_upload(ch, "first", release)
+            time.sleep(0.5)
+            up = ch.stream_unary("/moe.v1.ExpertStore/Upload", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            msgs = upload_msgs(("second", cfg, False), [("w2", "bf16", [8, 64, 128], n, bytes(n))], chunk=4096)
+            code, msg = code_of(lambda: up(iter(msgs), timeout=30))
+            check(code == SC.RESOURCE_EXHAUSTED and want in msg, f"{what}: RESOURCE_EXHAUSTED naming {want} ({code.name}: {msg})")
+            release.set()
+            code, _ = code_of(lambda: first.result())
+            check(code != SC.RESOURCE_EXHAUSTED, f"the first upload was not refused ({code.name})")
+            # once it ended, another one is admitted (its set check fails: it is incomplete)
+            code, msg = code_of(lambda: up(iter(msgs), timeout=30))
+            check(code == SC.INVALID_ARGUMENT, f"after it: the next upload is admitted ({code.name}: {msg})")
+        finally:
+            ts.stop(p)
+
+
 if __name__ == "__main__":
-    ts.run_tests(test_names, test_paths, test_addresses, test_tls)
+    ts.run_tests(test_names, test_paths, test_addresses, test_tls, test_auth, test_upload_limits)
