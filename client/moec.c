@@ -435,6 +435,7 @@ static bool send_tensor(upload_call *u, const char *name, const moe_tensor *t) {
   th.n_shape = (size_t)t->ndim;
   th.shape = (int64_t *)t->shape;
   th.nbytes = t->nbytes;
+  th.xxh3 = XXH3_64bits(t->data, t->nbytes);
   size_t off = 0;
   do {
     size_t n = t->nbytes - off < u->chunk ? t->nbytes - off : u->chunk;
@@ -442,6 +443,7 @@ static bool send_tensor(upload_call *u, const char *name, const moe_tensor *t) {
     ch.tensor = off == 0 ? &th : NULL;
     ch.data.data = (uint8_t *)t->data + off;
     ch.data.len = n;
+    ch.offset = off;
     Moe__V1__UploadRequest m = MOE__V1__UPLOAD_REQUEST__INIT;
     m.part_case = MOE__V1__UPLOAD_REQUEST__PART_CHUNK;
     m.chunk = &ch;
@@ -534,6 +536,7 @@ static int cmd_upload(client *c, const char *dir, const char *name, bool replace
   h.name = model;
   h.config_json = config;
   h.replace = replace;
+  h.chunk_offsets = h.tensor_xxh3 = true; /* the server checks each chunk's place and each tensor on arrival */
   Moe__V1__UploadRequest m = MOE__V1__UPLOAD_REQUEST__INIT;
   m.part_case = MOE__V1__UPLOAD_REQUEST__PART_HEADER;
   m.header = &h;

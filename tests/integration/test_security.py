@@ -22,7 +22,11 @@
   change it and the log names who did; --auth-health-exempt; SIGHUP rereads
   the file (a bad one keeps the tokens in force); moec --token-file.
 - Uploads: --max-uploads and --upload-budget-bytes refuse with
-  RESOURCE_EXHAUSTED while others are in progress.
+  RESOURCE_EXHAUSTED while others are in progress; a second upload of a
+  name being uploaded is ABORTED (never INTERNAL); a chunk whose offset is
+  not where the tensor stands is INVALID_ARGUMENT, a tensor whose bytes do
+  not match the client's XXH3 DATA_LOSS, and neither set is stored; moec
+  sends both and its upload is served.
 
 env: MOED, MOE_MKSET."""
 import os
@@ -439,5 +443,100 @@ def test_upload_limits(tmp):
             ts.stop(p)
 
 
+def varint(n):
+    out = b""
+    while True:
+        b, n = n & 0x7F, n >> 7
+        if not n:
+            return out + bytes([b])
+        out += bytes([b | 0x80])
+
+
+def fld(num, data):
+    return varint(num << 3 | 2) + varint(len(data)) + data
+
+
+def vfld(num, n):
+    return varint(num << 3) + varint(n)
+
+
+def tensor_header(name, dtype, shape, nbytes, xxh3=None):
+    return fld(1, name.encode()) + fld(2, dtype.encode()) + fld(3, b"".join(varint(d) for d in shape)) + \
+        vfld(4, nbytes) + (vfld(5, xxh3) if xxh3 is not None else b"")
+
+
+def chunk_msg(th, data, offset=None):
+    return fld(2, (fld(1, th) if th else b"") + fld(2, data) + (vfld(3, offset) if offset is not None else b""))
+
+
+def header_msg(name, cfg, replace=False, checks=True):
+    """An upload's header; checks: chunk_offsets and tensor_xxh3 set."""
+    return fld(1, fld(1, name.encode()) + fld(2, cfg.encode()) + (vfld(3, 1) if replace else b"") +
+               (vfld(4, 1) + vfld(5, 1) if checks else b""))
+
+
+def test_upload_integrity(tmp):
+    repo = os.path.join(tmp, "up-repo")
+    os.makedirs(repo, exist_ok=True)
+    src = os.path.join(tmp, "up-src")
+    mkset(src, "bf16")
+    cfg = open(os.path.join(src, "config.json")).read()
+    p, port, _ = ts.start(tmp, "--model-repository", repo)
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        up = ch.stream_unary("/moe.v1.ExpertStore/Upload", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        ready = raw_unary(ch, "/inference.GRPCInferenceService/ModelReady")
+
+        def is_ready(name):
+            return ready(pb.ModelReadyRequest(name=name).SerializeToString(), timeout=10) == b"\x08\x01"
+        th = tensor_header("w2", "bf16", [8, 128, 64], 8 * 128 * 64 * 2)
+        data = bytes(range(256)) * (8 * 128 * 64 * 2 // 256)
+        # without the header's options, offsets are not read (older clients send none)
+        msgs = [header_msg("old", cfg, checks=False), chunk_msg(th, data[:4096], 0),
+                chunk_msg(None, data[4096:8192], 0)]
+        code, msg = code_of(lambda: up(iter(msgs), timeout=30))
+        check(code == SC.INVALID_ARGUMENT and "missing" in msg and "offset" not in msg,
+              f"without chunk_offsets, offsets are not checked ({msg})")
+        # a lost chunk: the next one's offset is not where the tensor stands
+        msgs = [header_msg("gap", cfg), chunk_msg(th, data[:4096], 0), chunk_msg(None, data[8192:12288], 8192)]
+        code, msg = code_of(lambda: up(iter(msgs), timeout=30))
+        check(code == SC.INVALID_ARGUMENT and msg.startswith("chunk.offset") and "4096" in msg,
+              f"a chunk at the wrong offset: INVALID_ARGUMENT naming chunk.offset ({code.name}: {msg})")
+        # a repeated chunk
+        msgs = [header_msg("gap", cfg), chunk_msg(th, data[:4096], 0), chunk_msg(None, data[:4096], 0)]
+        code, msg = code_of(lambda: up(iter(msgs), timeout=30))
+        check(code == SC.INVALID_ARGUMENT and msg.startswith("chunk.offset"), f"a repeated chunk: INVALID_ARGUMENT ({msg})")
+        # bytes that do not match the client's checksum
+        th_bad = tensor_header("w2", "bf16", [8, 128, 64], len(data), xxh3=12345)
+        msgs = [header_msg("corrupt", cfg)] + [chunk_msg(th_bad if o == 0 else None, data[o:o + 65536], o)
+                                               for o in range(0, len(data), 65536)]
+        code, msg = code_of(lambda: up(iter(msgs), timeout=30))
+        check(code == SC.DATA_LOSS and msg.startswith("chunk.tensor.xxh3") and "0000000000003039" in msg,
+              f"a checksum mismatch: DATA_LOSS naming chunk.tensor.xxh3 ({code.name}: {msg})")
+        check(not is_ready("corrupt") and not os.path.exists(os.path.join(repo, "corrupt")),
+              "the corrupt upload is neither served nor stored")
+        # the same name twice at once: the second is ABORTED, whatever `replace` says
+        for replace in (False, True):
+            release = threading.Event()
+
+            def held():
+                yield header_msg("twice", cfg, replace)
+                yield chunk_msg(th, data[:4096], 0)
+                release.wait(30)
+            first = up.future(held(), timeout=60)
+            time.sleep(0.5)
+            code, msg = code_of(lambda: up(iter([header_msg("twice", cfg, replace)]), timeout=30))
+            check(code == SC.ABORTED and msg.startswith("header.name"),
+                  f"a second upload of a name in progress (replace={replace}): ABORTED ({code.name}: {msg})")
+            release.set()
+            code_of(lambda: first.result())
+        # moec sends offsets and checksums: its upload is served
+        r = subprocess.run([MOEC, "-a", f"127.0.0.1:{port}", "upload", src, "--name", "checked"],
+                           capture_output=True, text=True, timeout=120)
+        check(r.returncode == 0 and is_ready("checked"), f"moec upload with offsets and XXH3 served ({r.returncode}: {r.stderr.strip()[-200:]})")
+    finally:
+        ts.stop(p)
+
+
 if __name__ == "__main__":
-    ts.run_tests(test_names, test_paths, test_addresses, test_tls, test_auth, test_upload_limits)
+    ts.run_tests(test_names, test_paths, test_addresses, test_tls, test_auth, test_upload_limits, test_upload_integrity)
