@@ -536,7 +536,8 @@ static int cmd_upload(client *c, const char *dir, const char *name, bool replace
   h.name = model;
   h.config_json = config;
   h.replace = replace;
-  h.chunk_offsets = h.tensor_xxh3 = true; /* the server checks each chunk's place and each tensor on arrival */
+  h.chunk_offsets = h.tensor_xxh3 =
+      true; /* the server checks each chunk's place and each tensor on arrival */
   Moe__V1__UploadRequest m = MOE__V1__UPLOAD_REQUEST__INIT;
   m.part_case = MOE__V1__UPLOAD_REQUEST__PART_HEADER;
   m.header = &h;

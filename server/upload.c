@@ -52,7 +52,7 @@ typedef struct moed_upload {
   uint64_t left; /* bytes of the current tensor still to come */
   uint64_t size; /* the current tensor's nbytes */
   bool check_xxh3;
-  uint64_t want_xxh3;       /* the client's XXH3-64 of the current tensor */
+  uint64_t want_xxh3;        /* the client's XXH3-64 of the current tensor */
   XXH3_state_t *tensor_hash; /* of the bytes of the current tensor so far */
   bool seen[MOE_EXPERT_TENSOR_COUNT];
   uint64_t total;
@@ -134,8 +134,8 @@ static bool on_header(moed_upload *u, const Moe__V1__UploadHeader *h) {
   if (!busy) snprintf(u->name, sizeof u->name, "%s", h->name);
   pthread_mutex_unlock(&names_mu);
   if (busy)
-    return upload_fail(u, GRPC_STATUS_ABORTED, "header.name: another upload of '%s' is in progress; retry later",
-                       h->name);
+    return upload_fail(u, GRPC_STATUS_ABORTED,
+                       "header.name: another upload of '%s' is in progress; retry later", h->name);
   u->replace = h->replace;
   u->chunk_offsets = h->chunk_offsets;
   u->tensor_xxh3 = h->tensor_xxh3;
