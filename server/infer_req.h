@@ -46,6 +46,10 @@ void moed_batch_key(moed_infer_req *r, const moed_server *srv);
 
 /* ---- infer_answer.c ------------------------------------------------------------------- */
 
+/* Frees what decoding and the batch key allocated, and the moed_request
+ * (NULL: nothing); answers nothing (moed_infer_finish does both). */
+void moed_infer_req_free(moed_infer_req *r);
+
 /* Answers r (resp: the encoded response, taken; NULL on failure), records
  * its statistics (t: its time on the worker; NULL or start_ns 0: it never
  * started) and frees it. */

@@ -28,25 +28,30 @@ typedef struct method_desc {
   bool changes;      /* changes the repository: the caller's identity is kept for the log */
 } method_desc;
 
+#define KSERVE(m) "/inference.GRPCInferenceService/" m
 static const method_desc methods[MOED_M_COUNT] = {
-    [MOED_M_SERVER_LIVE] = {"/inference.GRPCInferenceService/ServerLive", false, false},
-    [MOED_M_SERVER_READY] = {"/inference.GRPCInferenceService/ServerReady", false, false},
-    [MOED_M_MODEL_READY] = {"/inference.GRPCInferenceService/ModelReady", false, false},
-    [MOED_M_SERVER_METADATA] = {"/inference.GRPCInferenceService/ServerMetadata", false, false},
-    [MOED_M_MODEL_METADATA] = {"/inference.GRPCInferenceService/ModelMetadata", false, false},
-    [MOED_M_MODEL_INFER] = {"/inference.GRPCInferenceService/ModelInfer", false, false},
-    [MOED_M_MODEL_STREAM_INFER] = {"/inference.GRPCInferenceService/ModelStreamInfer", true, true},
-    [MOED_M_MODEL_CONFIG] = {"/inference.GRPCInferenceService/ModelConfig", false, false},
-    [MOED_M_MODEL_STATISTICS] = {"/inference.GRPCInferenceService/ModelStatistics", false, false},
-    [MOED_M_REPOSITORY_INDEX] = {"/inference.GRPCInferenceService/RepositoryIndex", false, false},
-    [MOED_M_REPOSITORY_LOAD] = {"/inference.GRPCInferenceService/RepositoryModelLoad", false, false, false,
-                                true},
-    [MOED_M_REPOSITORY_UNLOAD] = {"/inference.GRPCInferenceService/RepositoryModelUnload", false, false,
-                                  false, true},
-    [MOED_M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", false, false},
-    [MOED_M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", false, true},
-    [MOED_M_EXPERT_UPLOAD] = {"/moe.v1.ExpertStore/Upload", true, false, true, true},
+    [MOED_M_SERVER_LIVE] = {.path = KSERVE("ServerLive")},
+    [MOED_M_SERVER_READY] = {.path = KSERVE("ServerReady")},
+    [MOED_M_MODEL_READY] = {.path = KSERVE("ModelReady")},
+    [MOED_M_SERVER_METADATA] = {.path = KSERVE("ServerMetadata")},
+    [MOED_M_MODEL_METADATA] = {.path = KSERVE("ModelMetadata")},
+    [MOED_M_MODEL_INFER] = {.path = KSERVE("ModelInfer")},
+    [MOED_M_MODEL_STREAM_INFER] = {.path = KSERVE("ModelStreamInfer"),
+                                   .read_stream = true,
+                                   .write_stream = true},
+    [MOED_M_MODEL_CONFIG] = {.path = KSERVE("ModelConfig")},
+    [MOED_M_MODEL_STATISTICS] = {.path = KSERVE("ModelStatistics")},
+    [MOED_M_REPOSITORY_INDEX] = {.path = KSERVE("RepositoryIndex")},
+    [MOED_M_REPOSITORY_LOAD] = {.path = KSERVE("RepositoryModelLoad"), .changes = true},
+    [MOED_M_REPOSITORY_UNLOAD] = {.path = KSERVE("RepositoryModelUnload"), .changes = true},
+    [MOED_M_HEALTH_CHECK] = {.path = "/grpc.health.v1.Health/Check"},
+    [MOED_M_HEALTH_WATCH] = {.path = "/grpc.health.v1.Health/Watch", .write_stream = true},
+    [MOED_M_EXPERT_UPLOAD] = {.path = "/moe.v1.ExpertStore/Upload",
+                              .read_stream = true,
+                              .paced = true,
+                              .changes = true},
 };
+#undef KSERVE
 
 /* ---- types -------------------------------------------------------------------- */
 
@@ -241,7 +246,8 @@ void moed_rpc_release(moed_rpc *r) {
 }
 
 bool moed_rpc_cancelled(const moed_rpc *r) { return atomic_load(&r->cancelled); }
-uint64_t moed_rpc_deadline_ns(const moed_rpc *r) { return r->deadline_ns; }
+/* r NULL: a request without a call (fuzz/fuzz_infer_request.c decodes such) */
+uint64_t moed_rpc_deadline_ns(const moed_rpc *r) { return r ? r->deadline_ns : UINT64_MAX; }
 
 static uint64_t deadline_to_ns(gpr_timespec d) {
   if (gpr_time_cmp(d, gpr_inf_future(d.clock_type)) == 0) return UINT64_MAX;

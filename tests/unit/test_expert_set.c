@@ -250,6 +250,29 @@ START_TEST(config_errors_name_the_key) {
 }
 END_TEST
 
+/* Serializing keeps every double exact (cJSON's printer alone kept 15
+ * digits when they read back within an epsilon; fuzz/regressions/
+ * expert_config has the input that found it). */
+START_TEST(config_json_round_trips_doubles_exactly) {
+  static const double values[] = {7580058572823141489.5, 0.1, 2.5, 1.0 / 3.0, 1e-300, 16.000000000000004};
+  for (size_t i = 0; i < sizeof values / sizeof values[0]; i++) {
+    moe_expert_config cfg, back;
+    moe_error err = {{0}};
+    moe_expert_config_defaults(&cfg);
+    cfg.num_experts = cfg.global_num_experts = 8;
+    cfg.hidden_size = 128;
+    cfg.intermediate_size = 64;
+    cfg.routing.routed_scaling_factor = values[i];
+    char *json = moe_expert_config_to_json(&cfg);
+    ck_assert_ptr_nonnull(json);
+    ck_assert_int_eq(moe_expert_config_parse(json, &back, &err), MOE_OK);
+    ck_assert_msg(back.routing.routed_scaling_factor == values[i], "%.17g came back as %.17g", values[i],
+                  back.routing.routed_scaling_factor);
+    free(json);
+  }
+}
+END_TEST
+
 /* A config.json that is some other JSON file (a link gone wrong, or one
  * planted to read files): the message names the key's position only, none
  * of the file's content. */
@@ -961,6 +984,7 @@ static Suite *suite(void) {
   tcase_add_test(tc, config_defaults_and_parse);
   tcase_add_loop_test(tc, config_errors_name_the_key, 0, (int)(sizeof cfg_cases / sizeof cfg_cases[0]));
   tcase_add_test(tc, config_errors_echo_no_foreign_content);
+  tcase_add_test(tc, config_json_round_trips_doubles_exactly);
   tcase_add_loop_test(tc, write_and_load_every_scheme, 0,
                       (int)(sizeof scheme_cases / sizeof scheme_cases[0]));
   tcase_add_test(tc, write_is_deterministic);
