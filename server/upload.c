@@ -403,11 +403,11 @@ static void upload_after(uv_work_t *w, int status) {
   if (status != 0 && !u->done) upload_fail(u, GRPC_STATUS_INTERNAL, "upload work failed");
   if (req->payload) grpc_byte_buffer_destroy(req->payload);
   if (u->done) {
-    moed_rpc_finish(req->rpc, u->code, u->code ? u->msg : NULL, u->response); /* the hand-off's reference */
-    u->response = NULL;
-    if (u->code)
+    if (u->code) /* before the finish, which may free the call */
       moed_log(MOED_LOG_INFO, "upload_failed", "%s: %s, by %s", u->name[0] ? u->name : "?", u->msg,
                moed_rpc_peer(req->rpc));
+    moed_rpc_finish(req->rpc, u->code, u->code ? u->msg : NULL, u->response); /* the hand-off's reference */
+    u->response = NULL;
     upload_free(u->srv, u);
   } else {
     moed_rpc_read_next(req->rpc);
