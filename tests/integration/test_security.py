@@ -515,6 +515,15 @@ def test_upload_integrity(tmp):
               f"a checksum mismatch: DATA_LOSS naming chunk.tensor.xxh3 ({code.name}: {msg})")
         check(not is_ready("corrupt") and not os.path.exists(os.path.join(repo, "corrupt")),
               "the corrupt upload is neither served nor stored")
+        # a name the client sent, quoted in the log, cannot forge a log line
+        forged = "w99\n2026-01-01T00:00:00.000Z info  model_loaded: forged"
+        msgs = [header_msg("forge", cfg), chunk_msg(tensor_header(forged, "bf16", [4], 8), bytes(8), 0)]
+        code, msg = code_of(lambda: up(iter(msgs), timeout=30))
+        time.sleep(0.2)
+        with open(os.path.join(tmp, "moed.log"), errors="replace") as f:
+            lines = f.read().splitlines()
+        check(code == SC.INVALID_ARGUMENT and not any(l.endswith("model_loaded: forged") for l in lines),
+              f"a newline in an uploaded tensor name does not start a log line ({code.name})")
         # the same name twice at once: the second is ABORTED, whatever `replace` says
         for replace in (False, True):
             release = threading.Event()
