@@ -27,7 +27,9 @@ export MOE_SANITIZED=1 PYTHONUNBUFFERED=1
 # libgomp is not instrumented: one OpenMP thread per worker (the default on
 # two cores) keeps its barriers from looking like races
 export OMP_NUM_THREADS=1
-export TSAN_OPTIONS="halt_on_error=1 exitcode=66 second_deadlock_stack=1 suppressions=$PWD/scripts/tsan.supp"
+# history_size=7: the older access of a report keeps its stack, which the
+# suppressions (scripts/tsan.supp, each with its reason) match against
+export TSAN_OPTIONS="halt_on_error=1 exitcode=66 second_deadlock_stack=1 history_size=7 suppressions=$PWD/scripts/tsan.supp"
 fail=0
 for t in "${tests[@]}"; do
   start=$(date +%s)
