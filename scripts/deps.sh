@@ -30,6 +30,8 @@ pkgs=(
   clang-format                              # .ci/run: the tree stays formatted (scripts/check-format.sh)
   cppcheck                                  # .ci/run: static analysis of the C sources (scripts/cppcheck.sh)
   shellcheck                                # .ci/run: deploy/check.sh lints deploy/*.sh
+  clang libclang-rt-14-dev                  # .ci/run: libFuzzer targets (scripts/fuzz.sh)
+  openssl                                   # test_security.py makes its certificates with the CLI
 )
 # AMD compile check: Debian's HIP toolchain.
 [ "$want_hip" = 1 ] && pkgs+=(hipcc libamdhip64-dev rocm-device-libs)

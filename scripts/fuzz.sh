@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-30}
-build=build-fuzz
+build="build-fuzz"
 if [ ! -f "$build/CMakeCache.txt" ]; then
   CC=clang CXX=clang++ cmake -S . -B "$build" -DMOE_GPU=OFF -DMOE_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 fi
@@ -30,10 +30,10 @@ for t in "${targets[@]}"; do
   cp -r "fuzz/corpus/$t/." "$work/"
   if ! "$bin" -max_total_time="$seconds" -max_len=65536 -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
       -artifact_prefix="$build/crashes/$t-" "$work" >"$build/crashes/$t.log" 2>&1; then
-    echo "fuzz: $t found a crash: $(ls -t "$build/crashes/$t-"* 2>/dev/null | head -1) (log $build/crashes/$t.log)" >&2
+    echo "fuzz: $t found a crash: see $build/crashes/$t.log (the input: $build/crashes/$t-*)" >&2
     rm -rf "$work"
     exit 1
   fi
-  echo "fuzz: $t: $(grep -o 'stat::number_of_executed_units: [0-9]*' "$build/crashes/$t.log" | awk '{print $2}') runs in ${seconds}s, corpus $(ls "$work" | wc -l) inputs, no crash"
+  echo "fuzz: $t: $(grep -o 'stat::number_of_executed_units: [0-9]*' "$build/crashes/$t.log" | awk '{print $2}') runs in ${seconds}s, corpus $(find "$work" -type f | wc -l) inputs, no crash"
   rm -rf "$work"
 done
