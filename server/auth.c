@@ -9,11 +9,11 @@
  * spaces. Clients send `authorization: Bearer TOKEN`. SIGHUP rereads the
  * file; a file that does not parse keeps the tokens in force (logged). */
 #include <ctype.h>
-#include <strings.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "moed.h"
 
