@@ -406,10 +406,10 @@ int load_run(const load_config *cfg, load_result *out) {
   args[2].key = (char *)GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL;
   args[2].value.integer = 1;
   chargs.num_args = 3;
-  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+  grpc_channel_credentials *creds = cfg->creds ? NULL : grpc_insecure_credentials_create();
   for (int i = 0; i < n; i++)
-    ch[i] = grpc_channel_create(cfg->target, creds, &chargs);
-  grpc_channel_credentials_release(creds);
+    ch[i] = grpc_channel_create(cfg->target, cfg->creds ? cfg->creds : creds, &chargs);
+  if (creds) grpc_channel_credentials_release(creds);
   s.t0 = now_s();
   s.measure_from = s.t0 + cfg->warmup_s;
   s.measure_to = s.measure_from + cfg->duration_s;

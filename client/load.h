@@ -16,20 +16,21 @@
 #define LOAD_STATUS_CODES 17 /* gRPC status codes 0..16; others count as UNKNOWN */
 
 typedef struct load_config {
-  const char *target;        /* HOST:PORT */
-  const char *method;        /* "/inference.GRPCInferenceService/ModelInfer" */
-  bool stream;               /* method is ModelStreamInfer: one stream per in-flight slot carries
-                                its requests in turn (errors come as error_message) */
-  grpc_byte_buffer *request; /* sent by every call; not owned */
-  int channels;              /* >= 1; one client thread each */
-  int concurrency;           /* calls in flight at most, all channels together (>= channels) */
-  double rate;               /* > 0: open loop, calls started per second; 0: closed loop */
-  bool poisson;              /* open loop: exponential gaps instead of constant ones */
-  double warmup_s;           /* calls started earlier are not measured */
-  long warmup_requests;      /* ... nor the first this many calls */
-  double duration_s;         /* measure this long (when requests == 0) */
-  long requests;             /* > 0: measure exactly this many calls instead */
-  int timeout_ms;            /* each call's deadline (stream: the whole stream's); 0 = none */
+  const char *target;              /* HOST:PORT */
+  grpc_channel_credentials *creds; /* not owned; NULL: plaintext */
+  const char *method;              /* "/inference.GRPCInferenceService/ModelInfer" */
+  bool stream;                     /* method is ModelStreamInfer: one stream per in-flight slot carries
+                                      its requests in turn (errors come as error_message) */
+  grpc_byte_buffer *request;       /* sent by every call; not owned */
+  int channels;                    /* >= 1; one client thread each */
+  int concurrency;                 /* calls in flight at most, all channels together (>= channels) */
+  double rate;                     /* > 0: open loop, calls started per second; 0: closed loop */
+  bool poisson;                    /* open loop: exponential gaps instead of constant ones */
+  double warmup_s;                 /* calls started earlier are not measured */
+  long warmup_requests;            /* ... nor the first this many calls */
+  double duration_s;               /* measure this long (when requests == 0) */
+  long requests;                   /* > 0: measure exactly this many calls instead */
+  int timeout_ms;                  /* each call's deadline (stream: the whole stream's); 0 = none */
 } load_config;
 
 typedef struct load_result {

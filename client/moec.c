@@ -451,6 +451,7 @@ static bool send_tensor(upload_call *u, const char *name, const moe_tensor *t) {
   th.n_shape = (size_t)t->ndim;
   th.shape = (int64_t *)t->shape;
   th.nbytes = t->nbytes;
+  th.xxh3 = XXH3_64bits(t->data, t->nbytes);
   size_t off = 0;
   do {
     size_t n = t->nbytes - off < u->chunk ? t->nbytes - off : u->chunk;
@@ -458,6 +459,7 @@ static bool send_tensor(upload_call *u, const char *name, const moe_tensor *t) {
     ch.tensor = off == 0 ? &th : NULL;
     ch.data.data = (uint8_t *)t->data + off;
     ch.data.len = n;
+    ch.offset = off;
     Moe__V1__UploadRequest m = MOE__V1__UPLOAD_REQUEST__INIT;
     m.part_case = MOE__V1__UPLOAD_REQUEST__PART_CHUNK;
     m.chunk = &ch;
@@ -550,6 +552,8 @@ static int cmd_upload(client *c, const char *dir, const char *name, bool replace
   h.name = model;
   h.config_json = config;
   h.replace = replace;
+  h.chunk_offsets = h.tensor_xxh3 =
+      true; /* the server checks each chunk's place and each tensor on arrival */
   Moe__V1__UploadRequest m = MOE__V1__UPLOAD_REQUEST__INIT;
   m.part_case = MOE__V1__UPLOAD_REQUEST__PART_HEADER;
   m.header = &h;
@@ -780,6 +784,10 @@ static void usage(FILE *f) {
       "  --json            the report as JSON instead of a table\n"
       "  exit status: 0 when every measured request succeeded, 1 when any failed, 2 for bad flags\n"
       "--timeout-ms N: each call's deadline (bench: each request's)\n"
+      "TLS (moed's --tls-cert): --tls-ca FILE verifies the server (PEM roots; TLS with the system roots\n"
+      "  when only --tls-cert is given); --tls-cert FILE --tls-key FILE present a client certificate (mTLS)\n"
+      "--token-file FILE: the bearer token on its first line is sent with every call (moed's --auth-tokens;\n"
+      "  env MOEC_TOKEN gives it too)\n"
       "env: MOEC_ADDRESS (default localhost:8001)\n",
       f);
 }
@@ -793,7 +801,11 @@ enum {
   OPT_REQUESTS,
   OPT_WARMUP,
   OPT_JSON,
-  OPT_STREAM
+  OPT_STREAM,
+  OPT_TLS_CA,
+  OPT_TLS_CERT,
+  OPT_TLS_KEY,
+  OPT_TOKEN_FILE,
 };
 
 int main(int argc, char **argv) {
@@ -806,6 +818,10 @@ int main(int argc, char **argv) {
   bool replace = false, concurrency_set = false;
   size_t chunk = (size_t)4 << 20;
   bench_opts bo = {.load = {.channels = 1, .concurrency = 1, .warmup_s = 1, .duration_s = 10}};
+  moec_tls tls = {0};
+  const char *token_file = NULL;
+  char token[512] = "";
+  tls.token = getenv("MOEC_TOKEN") && *getenv("MOEC_TOKEN") ? getenv("MOEC_TOKEN") : NULL;
   static const struct option opts[] = {
       {"address", required_argument, NULL, 'a'},
       {"model", required_argument, NULL, 'm'},
@@ -825,6 +841,10 @@ int main(int argc, char **argv) {
       {"warmup", required_argument, NULL, OPT_WARMUP},
       {"json", no_argument, NULL, OPT_JSON},
       {"stream", no_argument, NULL, OPT_STREAM},
+      {"tls-ca", required_argument, NULL, OPT_TLS_CA},
+      {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
+      {"tls-key", required_argument, NULL, OPT_TLS_KEY},
+      {"token-file", required_argument, NULL, OPT_TOKEN_FILE},
       {"help", no_argument, NULL, 'h'},
       {NULL, 0, NULL, 0},
   };
@@ -876,6 +896,10 @@ int main(int argc, char **argv) {
       break;
     case OPT_JSON: bo.json = true; break;
     case OPT_STREAM: bo.load.stream = true; break;
+    case OPT_TLS_CA: tls.ca = optarg; break;
+    case OPT_TLS_CERT: tls.cert = optarg; break;
+    case OPT_TLS_KEY: tls.key = optarg; break;
+    case OPT_TOKEN_FILE: token_file = optarg; break;
     case 'h': usage(stdout); return 0;
     default: usage(stderr); return 2;
     }
@@ -885,13 +909,28 @@ int main(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
+  if (token_file) { /* a file, not a flag value: a token on the command line shows in ps */
+    FILE *f = fopen(token_file, "r");
+    bool ok = f && fgets(token, sizeof token, f);
+    if (f) fclose(f);
+    token[strcspn(token, "\r\n")] = 0;
+    if (!ok || !*token) {
+      fprintf(stderr, "moec: --token-file %s: cannot read a token from its first line\n", token_file);
+      return 2;
+    }
+    tls.token = token;
+  }
   grpc_init();
   grpc_arg args[2];
   grpc_channel_args chargs = moec_size_args(args, 1 << 30);
-  grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+  grpc_channel_credentials *creds = moec_channel_credentials(&tls);
+  if (!creds) {
+    grpc_shutdown();
+    return 2;
+  }
   client c = {grpc_channel_create(addr, creds, &chargs), grpc_completion_queue_create_for_pluck(NULL),
               (int)timeout_ms};
-  grpc_channel_credentials_release(creds);
+  bo.load.creds = creds;
   int rc;
   if (strcmp(cmd, "health") == 0)
     rc = cmd_health(&c);
@@ -941,6 +980,7 @@ int main(int argc, char **argv) {
     rc = 2;
   }
   grpc_channel_destroy(c.ch);
+  grpc_channel_credentials_release(creds);
   grpc_completion_queue_shutdown(c.cq);
   while (grpc_completion_queue_pluck(c.cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
          GRPC_QUEUE_SHUTDOWN) {

@@ -31,6 +31,8 @@ pkgs=(
   cppcheck                                  # .ci/run: static analysis of the C sources (scripts/cppcheck.sh)
   shellcheck                                # .ci/run: deploy/check.sh lints deploy/*.sh
   libb64-0d                                 # perf_analyzer (scripts/requirements-perf.txt)
+  clang libclang-rt-14-dev                  # .ci/run: libFuzzer targets (scripts/fuzz.sh)
+  openssl                                   # test_security.py makes its certificates with the CLI
 )
 # AMD compile check: Debian's HIP toolchain.
 [ "$want_hip" = 1 ] && pkgs+=(hipcc libamdhip64-dev rocm-device-libs)

@@ -12,7 +12,7 @@
 
 static const char usage[] =
     "usage: moed [options]\n"
-    "  --address ADDR            bind address (MOED_ADDRESS, default 0.0.0.0)\n"
+    "  --address ADDR            bind address, IPv4 or IPv6 (::1 or [::1]) (MOED_ADDRESS, default 0.0.0.0)\n"
     "  --grpc-port N             gRPC port (MOED_GRPC_PORT, default 8001; 0 = any free)\n"
     "  --http-port N             metrics/health HTTP port (MOED_HTTP_PORT, default 8002; -1 = off)\n"
     "  --rest-port N             KServe v2 REST API port (MOED_REST_PORT, default 8000; 0 = any free,\n"
@@ -55,6 +55,25 @@ static const char usage[] =
     "  --fd-reserve N            descriptors kept free of connections: a connection accepted into the\n"
     "                            last N below the open-file limit is closed at once (MOED_FD_RESERVE,\n"
     "                            default 64; at most a quarter of the limit)\n"
+    "  --tls-cert FILE           PEM certificate chain: the gRPC port speaks TLS (MOED_TLS_CERT; reread\n"
+    "                            with the key and client CA on SIGHUP, for new connections)\n"
+    "  --tls-key FILE            its PEM private key (MOED_TLS_KEY)\n"
+    "  --tls-client-ca FILE      PEM CA bundle client certificates are verified against "
+    "(MOED_TLS_CLIENT_CA)\n"
+    "  --tls-client-auth MODE    none|optional|require: a client certificate not asked for, verified when\n"
+    "                            sent, required (MOED_TLS_CLIENT_AUTH; default require with "
+    "--tls-client-ca)\n"
+    "  --auth-tokens FILE        bearer tokens, one \"NAME ROLE TOKEN\" a line (ROLE infer|admin): every "
+    "gRPC\n"
+    "                            call needs 'authorization: Bearer TOKEN'; admin for repository changes\n"
+    "                            and uploads (MOED_AUTH_TOKENS; reread on SIGHUP)\n"
+    "  --auth-health-exempt      ServerLive/ServerReady/ModelReady/grpc.health.v1 need no token\n"
+    "                            (MOED_AUTH_HEALTH_EXEMPT=1)\n"
+    "  --max-uploads N           uploads in progress at once; more: RESOURCE_EXHAUSTED (MOED_MAX_UPLOADS, "
+    "4)\n"
+    "  --upload-budget-bytes N   tensor bytes of all uploads in progress together "
+    "(MOED_UPLOAD_BUDGET_BYTES,\n"
+    "                            default 64 GiB)\n"
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
     "  --log-json                JSON log lines (MOED_LOG_JSON=1)\n"
     "  --port-file PATH          write \"GRPC_PORT HTTP_PORT REST_PORT\" once listening (tests; -1: off)\n"
@@ -115,6 +134,14 @@ enum {
   OPT_CONN_AGE,
   OPT_CONN_AGE_GRACE,
   OPT_REST_PORT,
+  OPT_TLS_CERT,
+  OPT_TLS_KEY,
+  OPT_TLS_CLIENT_CA,
+  OPT_TLS_CLIENT_AUTH,
+  OPT_AUTH_TOKENS,
+  OPT_AUTH_HEALTH_EXEMPT,
+  OPT_MAX_UPLOADS,
+  OPT_UPLOAD_BUDGET,
 };
 
 static const struct option options[] = {
@@ -150,6 +177,14 @@ static const struct option options[] = {
     {"fd-reserve", required_argument, NULL, OPT_FD_RESERVE},
     {"max-connection-age", required_argument, NULL, OPT_CONN_AGE},
     {"max-connection-age-grace", required_argument, NULL, OPT_CONN_AGE_GRACE},
+    {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
+    {"tls-key", required_argument, NULL, OPT_TLS_KEY},
+    {"tls-client-ca", required_argument, NULL, OPT_TLS_CLIENT_CA},
+    {"tls-client-auth", required_argument, NULL, OPT_TLS_CLIENT_AUTH},
+    {"auth-tokens", required_argument, NULL, OPT_AUTH_TOKENS},
+    {"auth-health-exempt", no_argument, NULL, OPT_AUTH_HEALTH_EXEMPT},
+    {"max-uploads", required_argument, NULL, OPT_MAX_UPLOADS},
+    {"upload-budget-bytes", required_argument, NULL, OPT_UPLOAD_BUDGET},
     {"help", no_argument, NULL, OPT_HELP},
     /* Triton's spellings (usage) */
     {"grpc-address", required_argument, NULL, OPT_ADDRESS},
@@ -189,13 +224,35 @@ static bool parse_level(const char *s, int *out) {
   return false;
 }
 
+/* An IPv4 or IPv6 literal, the latter with or without brackets ("::1",
+ * "[::1]"); stored bare in buf, which the config then points at (rpc.c
+ * adds the brackets gRPC's "host:port" needs). Host names are refused: the
+ * HTTP port binds through uv_ip*_addr, which takes literals only. */
+static bool parse_host(const char *v, char *buf, size_t size, const char **out) {
+  size_t n = strlen(v);
+  if (n >= 2 && v[0] == '[' && v[n - 1] == ']') {
+    v++;
+    n -= 2;
+  }
+  if (n == 0 || n >= size) return false;
+  memcpy(buf, v, n);
+  buf[n] = 0;
+  struct sockaddr_in a4;
+  struct sockaddr_in6 a6;
+  if (uv_ip4_addr(buf, 0, &a4) != 0 && (!strchr(buf, ':') || uv_ip6_addr(buf, 0, &a6) != 0)) return false;
+  *out = buf;
+  return true;
+}
+
 /* Applies one option's value; false with a message when it does not parse. */
 static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   int64_t n = 0;
   bool ok = true;
   switch (opt) {
-  case OPT_ADDRESS: c->address = v; break;
-  case OPT_HTTP_ADDRESS: c->http_address = v; break;
+  case OPT_ADDRESS: ok = parse_host(v, c->address_buf[0], sizeof c->address_buf[0], &c->address); break;
+  case OPT_HTTP_ADDRESS:
+    ok = parse_host(v, c->address_buf[1], sizeof c->address_buf[1], &c->http_address);
+    break;
   case OPT_ALLOW_HTTP: {
     bool allow = true;
     ok = parse_bool(v, &allow);
@@ -271,9 +328,28 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_RESPONSE_BUF:
     ok = parse_i64(v, 1, INT64_MAX, &n) && (c->response_buffer_bytes = (size_t)n, true);
     break;
+  case OPT_TLS_CERT: c->tls_cert = v; break;
+  case OPT_TLS_KEY: c->tls_key = v; break;
+  case OPT_TLS_CLIENT_CA: c->tls_client_ca = v; break;
+  case OPT_TLS_CLIENT_AUTH:
+    ok = !strcmp(v, "none") || !strcmp(v, "optional") || !strcmp(v, "require");
+    c->tls_client_auth = !strcmp(v, "optional")  ? MOED_CLIENT_AUTH_OPTIONAL
+                         : !strcmp(v, "require") ? MOED_CLIENT_AUTH_REQUIRE
+                                                 : MOED_CLIENT_AUTH_NONE;
+    break;
+  case OPT_AUTH_TOKENS: c->auth_tokens = v; break;
+  case OPT_AUTH_HEALTH_EXEMPT: c->auth_health_exempt = !v || strcmp(v, "0") != 0; break;
+  case OPT_MAX_UPLOADS: ok = parse_i64(v, 1, 1 << 16, &n) && (c->max_uploads = (int)n, true); break;
+  case OPT_UPLOAD_BUDGET:
+    ok = parse_i64(v, 1, INT64_MAX, &n) && (c->upload_budget_bytes = (size_t)n, true);
+    break;
   case OPT_MAX_UPLOAD: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_upload_bytes = (size_t)n, true); break;
   }
-  if (!ok) fprintf(stderr, "moed: bad value '%s' for %s\n", v, src);
+  if (!ok && (opt == OPT_ADDRESS || opt == OPT_HTTP_ADDRESS))
+    fprintf(stderr, "moed: bad value '%s' for %s: not an IPv4 or IPv6 address (IPv6 with or without [])\n", v,
+            src);
+  else if (!ok)
+    fprintf(stderr, "moed: bad value '%s' for %s\n", v, src);
   return ok;
 }
 
@@ -302,6 +378,14 @@ static const struct {
     {"MOED_IDLE_TIMEOUT", OPT_IDLE},
     {"MOED_FD_RESERVE", OPT_FD_RESERVE},
     {"MOED_MAX_CONNECTION_AGE", OPT_CONN_AGE},
+    {"MOED_TLS_CERT", OPT_TLS_CERT},
+    {"MOED_TLS_KEY", OPT_TLS_KEY},
+    {"MOED_TLS_CLIENT_CA", OPT_TLS_CLIENT_CA},
+    {"MOED_TLS_CLIENT_AUTH", OPT_TLS_CLIENT_AUTH},
+    {"MOED_AUTH_TOKENS", OPT_AUTH_TOKENS},
+    {"MOED_AUTH_HEALTH_EXEMPT", OPT_AUTH_HEALTH_EXEMPT},
+    {"MOED_MAX_UPLOADS", OPT_MAX_UPLOADS},
+    {"MOED_UPLOAD_BUDGET_BYTES", OPT_UPLOAD_BUDGET},
 };
 
 int moed_config_parse(moed_config *c, int argc, char **argv) {
@@ -332,6 +416,9 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .repository_poll_secs = 15,
       .stream_buffer_bytes = (size_t)64 << 20,
       .response_buffer_bytes = (size_t)2 << 30,
+      .tls_client_auth = -1, /* require when a client CA is given */
+      .max_uploads = 4,
+      .upload_budget_bytes = (size_t)64 << 30,
   };
   for (size_t i = 0; i < sizeof env_map / sizeof env_map[0]; i++) {
     const char *v = getenv(env_map[i].env);
@@ -359,6 +446,17 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
     return -1;
   }
   if (c->http_off) c->http_port = c->rest_port = -1;
+  if (c->tls_client_auth < 0)
+    c->tls_client_auth = c->tls_client_ca ? MOED_CLIENT_AUTH_REQUIRE : MOED_CLIENT_AUTH_NONE;
+  const char *tls_why = !c->tls_cert != !c->tls_key        ? "--tls-cert and --tls-key go together"
+                        : c->tls_client_ca && !c->tls_cert ? "--tls-client-ca needs --tls-cert and --tls-key"
+                        : c->tls_client_auth != MOED_CLIENT_AUTH_NONE && !c->tls_client_ca
+                            ? "--tls-client-auth optional|require needs --tls-client-ca"
+                            : NULL;
+  if (tls_why) {
+    fprintf(stderr, "moed: %s\n", tls_why);
+    return -1;
+  }
   if (c->n_load_models && c->model_control != MOED_CONTROL_EXPLICIT) {
     fprintf(stderr, "moed: --load-model needs --model-control-mode explicit\n");
     return -1;

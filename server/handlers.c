@@ -140,6 +140,10 @@ static int config_type(const char *kserve) {
 }
 
 static moed_model *model_or_reply(moed_server *s, moed_request *req, const char *name, const char *version) {
+  if (!moed_model_name_ok(name)) { /* never echoed: it could forge a line of the client's log */
+    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "name: not a valid model name (%s)", MOED_MODEL_NAME_RULE);
+    return NULL;
+  }
   moed_model *m = moed_repository_acquire(s->repo, name);
   if (!m) {
     reply_error(req, GRPC_STATUS_NOT_FOUND, "name: model '%s' not found", name ? name : "");
@@ -369,6 +373,11 @@ static void model_statistics(moed_server *s, moed_request *req) {
   if (!in) return;
   stats_out o = {0};
   o.only = in->name && *in->name ? in->name : NULL;
+  if (o.only && !moed_model_name_ok(o.only)) {
+    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "name: not a valid model name (%s)", MOED_MODEL_NAME_RULE);
+    protobuf_c_message_free_unpacked(&in->base, NULL);
+    return;
+  }
   moed_repository_foreach(s->repo, count_models, &o.cap);
   o.cap += 8; /* models loaded meanwhile are left out */
   o.v = calloc(o.cap, sizeof *o.v);
@@ -473,6 +482,11 @@ static void repo_change_run(moed_job *job, moe_backend *b) {
                           : ((Inference__RepositoryModelUnloadRequest *)m)->model_name;
   st = load ? moed_repository_load(j->srv->repo, name, &err)
             : moed_repository_unload(j->srv->repo, name, &err);
+  /* every change (and every refused one) says who asked; a name that is
+   * not valid is not written into the log */
+  moed_log(MOED_LOG_INFO, load ? "repository_load" : "repository_unload", "%s: %s, by %s",
+           moed_model_name_ok(name) ? name : "(invalid name)", st == MOE_OK ? "done" : err.msg,
+           moed_rpc_peer(req->rpc));
   if (st != MOE_OK) {
     moed_rpc_finish(req->rpc, moed_status_from_moe(st), err.msg, NULL);
   } else if (load) {

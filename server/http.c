@@ -7,7 +7,7 @@
  * for good once accept4 fails (fd_budget.c keeps EMFILE from it; this
  * catches what it does not), and a probe that only read a flag would keep
  * answering 200 for a pod nobody can call. Each probe connects to the gRPC
- * port and expects the server's HTTP/2 SETTINGS frame within PROBE_MS; a
+ * port and expects the server's HTTP/2 SETTINGS frame (TLS: its ServerHello) within PROBE_MS; a
  * probe connection refused at accept for want of descriptors means a full
  * server, not a stuck one: live 200, ready 503. */
 #include <http_parser.h>
@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "moed.h"
+#include "prom_label.h"
 
 #define PROBE_MS 2000
 
@@ -39,6 +40,7 @@ typedef struct probe {
   bool done;
   bool ready;        /* readiness (a full server is not ready) or liveness (it is alive) */
   uint64_t refused0; /* connections refused at accept when the probe started */
+  bool tls;          /* the gRPC port speaks TLS */
   unsigned char buf[16];
   size_t got;
 } probe;
@@ -77,20 +79,6 @@ static void wb_printf(wbuf *b, const char *fmt, ...) {
 }
 
 /* ---- /metrics ------------------------------------------------------------------ */
-
-/* A label value as the Prometheus text format writes it: backslash, double
- * quote and newline escaped. Model names cannot hold them today
- * (moed_model_name_ok); escaping keeps the exposition valid if that changes. */
-#define LABEL_LEN (2 * sizeof(((moed_model *)0)->name) + 1) /* every character escaped */
-static const char *label(const char *v, char out[LABEL_LEN]) {
-  size_t n = 0;
-  for (; *v && n + 2 < LABEL_LEN; v++) {
-    if (*v == '\\' || *v == '"' || *v == '\n') out[n++] = '\\';
-    out[n++] = *v == '\n' ? 'n' : *v;
-  }
-  out[n] = 0;
-  return out;
-}
 
 static void hist(wbuf *b, const char *metric, const char *model, const moed_hist *h) {
   uint64_t cum = 0;
@@ -146,8 +134,8 @@ static void model_metrics(moed_model *m, void *arg) {
   metrics_pass *p = arg;
   moed_model_stats *st = m->stats;
   wbuf *b = p->b;
-  char name[LABEL_LEN];
-  label(m->name, name);
+  char name[MOED_PROM_LABEL_SIZE(sizeof m->name)];
+  moed_prom_label(name, sizeof name, m->name);
   if (p->section >= N_MOED_SECTIONS) {
     size_t i = p->section - N_MOED_SECTIONS;
     uint64_t v = atomic_load((_Atomic uint64_t *)((char *)st + triton_metrics[i].field));
@@ -230,7 +218,8 @@ static void render_metrics(moed_http *h, wbuf *b) {
                "# TYPE moed_device_memory_bytes gauge\n");
   for (int i = 0; i < moed_devices_count(s->devices); i++) {
     moe_backend_memory mem;
-    const char *name = moed_devices_memory(s->devices, i, &mem);
+    char name[MOED_PROM_LABEL_SIZE(128)];
+    moed_prom_label(name, sizeof name, moed_devices_memory(s->devices, i, &mem));
     wb_printf(b, "moed_device_memory_bytes{worker=\"%d\",backend=\"%s\",kind=\"resident\"} %zu\n", i, name,
               mem.resident);
     wb_printf(b, "moed_device_memory_bytes{worker=\"%d\",backend=\"%s\",kind=\"held\"} %zu\n", i, name,
@@ -309,7 +298,9 @@ static void probe_alloc(uv_handle_t *hd, size_t suggested, uv_buf_t *buf) {
 }
 
 /* HTTP/2 (RFC 9113): a frame header is length (3 bytes), type (1 byte: 4 =
- * SETTINGS), flags, stream id; the server's first frame is its SETTINGS. */
+ * SETTINGS), flags, stream id; the server's first frame is its SETTINGS.
+ * TLS (RFC 8446): a record header is type (1 byte: 22 = handshake),
+ * version (2), length (2); the server's first record holds its ServerHello. */
 static void probe_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
   (void)buf;
   probe *pr = st->data;
@@ -318,8 +309,39 @@ static void probe_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
     return;
   }
   pr->got += (size_t)n;
-  if (pr->got >= 9) probe_finish(pr, pr->buf[3] == 4);
+  if (pr->tls && pr->got >= 5)
+    probe_finish(pr, pr->buf[0] == 22);
+  else if (!pr->tls && pr->got >= 9)
+    probe_finish(pr, pr->buf[3] == 4);
 }
+
+/* With TLS on the gRPC port the probe opens a TLS 1.3 handshake instead of
+ * HTTP/2 (whose preface the server would log as a failed handshake) and
+ * hangs up after the ServerHello, which gRPC core does not log. A
+ * ClientHello the server can answer: TLS_AES_128_GCM_SHA256, P-256 with the
+ * curve's base point as the key share (a valid point; no secret is ever
+ * derived), ECDSA P-256 and RSA-PSS signatures. */
+/* clang-format off */
+static const unsigned char tls_hello[] = {
+    0x16, 0x03, 0x01, 0x00, 0x93,                   /* record: handshake, 147 bytes */
+    0x01, 0x00, 0x00, 0x8f, 0x03, 0x03,             /* ClientHello, 143 bytes, legacy version 1.2 */
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, /* random (32 bytes) */
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    0x00,                                           /* no session id */
+    0x00, 0x02, 0x13, 0x01,                         /* cipher suites: TLS_AES_128_GCM_SHA256 */
+    0x01, 0x00,                                     /* compression: none */
+    0x00, 0x64,                                     /* extensions, 100 bytes */
+    0x00, 0x2b, 0x00, 0x03, 0x02, 0x03, 0x04,       /* supported_versions: TLS 1.3 */
+    0x00, 0x0a, 0x00, 0x04, 0x00, 0x02, 0x00, 0x17, /* supported_groups: secp256r1 */
+    0x00, 0x0d, 0x00, 0x06, 0x00, 0x04, 0x04, 0x03, 0x08, 0x04, /* signature_algorithms */
+    0x00, 0x33, 0x00, 0x47, 0x00, 0x45, 0x00, 0x17, 0x00, 0x41, /* key_share: secp256r1, 65 bytes */
+    0x04,                                           /* uncompressed point G: x, then y */
+    0x6b, 0x17, 0xd1, 0xf2, 0xe1, 0x2c, 0x42, 0x47, 0xf8, 0xbc, 0xe6, 0xe5, 0x63, 0xa4, 0x40, 0xf2,
+    0x77, 0x03, 0x7d, 0x81, 0x2d, 0xeb, 0x33, 0xa0, 0xf4, 0xa1, 0x39, 0x45, 0xd8, 0x98, 0xc2, 0x96,
+    0x4f, 0xe3, 0x42, 0xe2, 0xfe, 0x1a, 0x7f, 0x9b, 0x8e, 0xe7, 0xeb, 0x4a, 0x7c, 0x0f, 0x9e, 0x16,
+    0x2b, 0xce, 0x33, 0x57, 0x6b, 0x31, 0x5e, 0xce, 0xcb, 0xb6, 0x40, 0x68, 0x37, 0xbf, 0x51, 0xf5,
+};
+/* clang-format on */
 
 static void probe_written(uv_write_t *w, int status) {
   probe *pr = w->data;
@@ -331,7 +353,8 @@ static void probe_connected(uv_connect_t *cr, int status) {
   /* the client connection preface, then an empty SETTINGS frame */
   static char hello[] = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\4\0\0\0\0\0";
   if (pr->done) return;
-  uv_buf_t b = uv_buf_init(hello, sizeof hello - 1);
+  uv_buf_t b =
+      pr->tls ? uv_buf_init((char *)tls_hello, sizeof tls_hello) : uv_buf_init(hello, sizeof hello - 1);
   pr->wreq.data = pr;
   if (status < 0 || uv_write(&pr->wreq, (uv_stream_t *)&pr->tcp, &b, 1, probe_written) != 0 ||
       uv_read_start((uv_stream_t *)&pr->tcp, probe_alloc, probe_read) != 0)
@@ -356,6 +379,7 @@ static void probe_start(moed_http *h, moed_http_conn *c, bool ready) {
   pr->c = c;
   pr->ready = ready;
   pr->refused0 = refusals();
+  pr->tls = s->cfg->tls_cert != NULL;
   moed_http_defer(c, probe_gone, pr);
   uv_timer_start(&pr->timer, probe_timeout, PROBE_MS, 0);
   if (uv_tcp_connect(&pr->creq, &pr->tcp, (const struct sockaddr *)&h->grpc, probe_connected) != 0)

@@ -21,7 +21,7 @@
 
 #define IHCL "inference-header-content-length"
 
-enum { H_OTHER, H_IHCL, H_EXPECT, H_ENCODING };
+enum { H_OTHER, H_IHCL, H_EXPECT, H_ENCODING, H_AUTH };
 
 struct moed_http_listener {
   uv_tcp_t tcp;
@@ -99,6 +99,7 @@ static int on_message_begin(http_parser *p) {
   c->rq.path[0] = 0;
   c->rq.body_len = 0;
   c->rq.inference_header_length = -1;
+  c->rq.authorization_len = -1;
   c->url_long = c->too_large = c->in_body = c->expect_continue = c->encoded = false;
   c->header = H_OTHER;
   c->in_request = true;
@@ -125,6 +126,7 @@ static int on_header_field(http_parser *p, const char *at, size_t len) {
   c->header = len == strlen(IHCL) && strncasecmp(at, IHCL, len) == 0      ? H_IHCL
               : len == 6 && strncasecmp(at, "expect", 6) == 0             ? H_EXPECT
               : len == 16 && strncasecmp(at, "content-encoding", 16) == 0 ? H_ENCODING
+              : len == 13 && strncasecmp(at, "authorization", 13) == 0    ? H_AUTH
                                                                           : H_OTHER;
   return 0;
 }
@@ -134,6 +136,15 @@ static int on_header_value(http_parser *p, const char *at, size_t len) {
   /* no decompression here: a compressed body would read as malformed JSON */
   if (c->header == H_ENCODING && !(len == 8 && strncasecmp(at, "identity", 8) == 0)) c->encoded = true;
   if (c->header == H_EXPECT) c->expect_continue = len == 12 && strncasecmp(at, "100-continue", 12) == 0;
+  if (c->header == H_AUTH) { /* a value may arrive in pieces; past the buffer it is cut */
+    moed_http_request *rq = &c->rq;
+    size_t have = rq->authorization_len < 0 ? 0 : (size_t)rq->authorization_len;
+    size_t take = len < sizeof rq->authorization - 1 - have ? len : sizeof rq->authorization - 1 - have;
+    memcpy(rq->authorization + have, at, take);
+    rq->authorization_len = (int)(have + take);
+    rq->authorization[have + take] = 0;
+    return 0;
+  }
   if (c->header != H_IHCL) return 0;
   if (len >= sizeof c->hval - c->hval_len) len = sizeof c->hval - 1 - c->hval_len;
   memcpy(c->hval + c->hval_len, at, len);
@@ -430,6 +441,26 @@ int moed_http_listen(uv_loop_t *loop, const char *address, int port, const moed_
   *bound_port = ntohs(((struct sockaddr_in *)&name)->sin_port);
   *out = l;
   return 0;
+}
+
+void moed_http_peer(moed_http_conn *c, char *out, size_t size) {
+  struct sockaddr_storage sa;
+  int len = sizeof sa;
+  char host[INET6_ADDRSTRLEN] = "";
+  int port = 0;
+  if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&sa, &len) == 0) {
+    if (sa.ss_family == AF_INET6) {
+      uv_ip6_name((const struct sockaddr_in6 *)&sa, host, sizeof host);
+      port = ntohs(((const struct sockaddr_in6 *)&sa)->sin6_port);
+    } else if (sa.ss_family == AF_INET) {
+      uv_ip4_name((const struct sockaddr_in *)&sa, host, sizeof host);
+      port = ntohs(((const struct sockaddr_in *)&sa)->sin_port);
+    }
+  }
+  if (host[0])
+    snprintf(out, size, sa.ss_family == AF_INET6 ? "[%s]:%d" : "%s:%d", host, port);
+  else
+    snprintf(out, size, "unknown");
 }
 
 void moed_http_counts(const moed_http_listener *l, int *open, uint64_t *refused, uint64_t *timeouts) {

@@ -7,8 +7,7 @@
 
 #include "infer_req.h"
 
-/* Frees what decoding and the batch key allocated, and the moed_request. */
-static void req_free(moed_infer_req *r) {
+void moed_infer_req_free(moed_infer_req *r) {
   if (!r) return;
   for (size_t i = 0; i < MOED_MAX_TENSORS; i++)
     moed_hostmem_free(r->owned[i]);
@@ -99,7 +98,7 @@ void moed_infer_finish(moed_server *srv, moed_infer_req *r, grpc_status_code cod
                       r->bytes_in, bytes_out);
   }
   respond(r->req, r->msg ? r->msg->id : NULL, code, msg, resp);
-  req_free(r);
+  moed_infer_req_free(r);
   atomic_fetch_sub(&srv->inflight, 1);
 }
 

@@ -72,9 +72,32 @@ static grpc_status_code unpack_message(moed_infer_req *r) {
   }
   moed_kserve_split_raw(p, n, rest, &rest_len, r->raw, &n_raw);
   r->n_raw = n_raw;
+  char field[64];
+  if (moed_kserve_nul_field(rest, rest_len, field, sizeof field)) {
+    free(rest);
+    return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "%s: contains a NUL byte", field);
+  }
   r->msg = inference__model_infer_request__unpack(NULL, rest_len, rest);
   free(rest);
   if (!r->msg) return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid ModelInferRequest message");
+  return GRPC_STATUS_OK;
+}
+
+/* Model and tensor names follow the model-name rule (moed_model_name_ok), so
+ * none can forge a log line or a metric label or look like a path; a
+ * rejected name is never echoed. */
+static grpc_status_code check_names(moed_infer_req *r) {
+  const Inference__ModelInferRequest *m = r->msg;
+  if (!moed_model_name_ok(m->model_name))
+    return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "model_name: not a valid name (%s)", MOED_MODEL_NAME_RULE);
+  for (size_t i = 0; i < m->n_inputs; i++)
+    if (!moed_model_name_ok(m->inputs[i]->name))
+      return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu].name: not a valid name (%s)", i,
+                  MOED_MODEL_NAME_RULE);
+  for (size_t i = 0; i < m->n_outputs; i++)
+    if (!moed_model_name_ok(m->outputs[i]->name))
+      return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "outputs[%zu].name: not a valid name (%s)", i,
+                  MOED_MODEL_NAME_RULE);
   return GRPC_STATUS_OK;
 }
 
@@ -352,6 +375,7 @@ moed_infer_req *moed_infer_decode(moed_server *srv, moed_request *req) {
   if (req->payload) grpc_byte_buffer_destroy(req->payload);
   req->payload = NULL;
   if ((r->code = unpack_message(r))) return r;
+  if ((r->code = check_names(r))) return r;
   r->model = moed_repository_acquire(srv->repo, r->msg->model_name);
   if (!r->model) {
     r->code = fail(r, GRPC_STATUS_NOT_FOUND, "model_name: model '%s' not found", r->msg->model_name);

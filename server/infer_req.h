@@ -50,6 +50,9 @@ void moed_batch_key(moed_infer_req *r, const moed_server *srv);
 /* r's batch size as Triton counts it: its rows along the batch axis for a
  * model that has one (moed_model_max_batch_size > 0), else 1. */
 uint64_t moed_infer_batch_size(const moed_server *srv, const moed_infer_req *r);
+/* Frees what decoding and the batch key allocated, and the moed_request
+ * (NULL: nothing); answers nothing (moed_infer_finish does both). */
+void moed_infer_req_free(moed_infer_req *r);
 
 /* Answers r (resp: the encoded response, taken; NULL on failure), records
  * its statistics (t: its time on the worker; NULL or start_ns 0: it never

@@ -3,6 +3,7 @@
  * before it is used. */
 #include "kserve_wire.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "moed.h"
@@ -170,6 +171,36 @@ int64_t moed_kserve_int_param(const uint8_t *p, size_t n, bool prefix, const cha
     if (match) return v;
   }
   return -1;
+}
+
+/* Whether a length-delimited field's value holds a NUL byte. */
+static bool has_nul(const uint8_t *p, const moed_wire_field *f) {
+  return f->type == MOED_WIRE_LEN && memchr(p + f->at, 0, f->len) != NULL;
+}
+
+bool moed_kserve_nul_field(const uint8_t *p, size_t n, char *field, size_t size) {
+  static const char *const top[] = {[1] = "model_name", [2] = "model_version", [3] = "id"};
+  size_t k_in = 0, k_out = 0;
+  moed_wire_iter it = moed_wire_begin(p, n, false);
+  moed_wire_field f;
+  while (moed_wire_next(&it, &f)) {
+    if (f.number >= 1 && f.number <= 3 && has_nul(p, &f)) {
+      snprintf(field, size, "%s", top[f.number]);
+      return true;
+    }
+    /* inputs (5): name (1) and datatype (2); outputs (6): name (1) */
+    if ((f.number != 5 && f.number != 6) || f.type != MOED_WIRE_LEN) continue;
+    size_t k = f.number == 5 ? k_in++ : k_out++;
+    moed_wire_iter sub = moed_wire_begin(p + f.at, f.len, false);
+    moed_wire_field g;
+    while (moed_wire_next(&sub, &g))
+      if ((g.number == 1 || (g.number == 2 && f.number == 5)) && has_nul(p + f.at, &g)) {
+        snprintf(field, size, "%s[%zu].%s", f.number == 5 ? "inputs" : "outputs", k,
+                 g.number == 1 ? "name" : "datatype");
+        return true;
+      }
+  }
+  return false;
 }
 
 size_t moed_kserve_raw_at(const uint8_t *p, size_t n) {

@@ -71,6 +71,11 @@ void moed_kserve_string(const uint8_t *p, size_t n, bool prefix, moed_kserve_str
  * 4, ahead of the tensors in every encoder we know); -1 when it is absent,
  * not an integer >= 0, or not within those bytes. */
 int64_t moed_kserve_int_param(const uint8_t *p, size_t n, bool prefix, const char *key);
+/* Whether a string field of the ModelInferRequest p[0..n) that names
+ * something (model_name, model_version, id, inputs[i].name and .datatype,
+ * outputs[i].name) holds a NUL byte: protobuf-c would cut the string there,
+ * and "a\0b" would then name model "a". The field's path goes to field. */
+bool moed_kserve_nul_field(const uint8_t *p, size_t n, char *field, size_t size);
 /* Where the data of the first raw_input_contents starts in a message whose
  * first bytes are p[0..n); 0: not within them. */
 size_t moed_kserve_raw_at(const uint8_t *p, size_t n);

@@ -26,6 +26,10 @@ void moed_log(int level, const char *event, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
+  /* messages may quote what a client sent (an upload's tensor name, a
+   * dtype): no control character may end the line and forge the next one */
+  for (char *p = msg; *p; p++)
+    if ((unsigned char)*p < 0x20 || *p == 0x7f) *p = '?';
   struct timespec now;
   clock_gettime(CLOCK_REALTIME, &now);
   struct tm tm;

@@ -20,7 +20,7 @@ typedef struct app {
   moed_server srv;
   moed_config cfg;
   uv_loop_t loop;
-  uv_signal_t sigterm, sigint;
+  uv_signal_t sigterm, sigint, sighup;
   uv_timer_t tick; /* watch reaping; drain progress */
   moed_http *http;
   moed_rest *rest;
@@ -44,6 +44,16 @@ static void finish_loop(app *a) {
   uv_close((uv_handle_t *)&a->tick, NULL);
   uv_close((uv_handle_t *)&a->sigterm, NULL);
   uv_close((uv_handle_t *)&a->sigint, NULL);
+  uv_close((uv_handle_t *)&a->sighup, NULL);
+}
+
+/* SIGHUP: certificates rotated (tls.c rereads them at the next handshake). */
+static void on_sighup(uv_signal_t *h, int signum) {
+  (void)h;
+  (void)signum;
+  moed_tls_reload();
+  moed_auth_reload();
+  moed_log(MOED_LOG_INFO, "sighup", "certificate files are reread at the next TLS handshake");
 }
 
 static void on_tick(uv_timer_t *t) {
@@ -158,6 +168,7 @@ int main(int argc, char **argv) {
   int exit_code = 1;
   int grpc_port = 0, http_port = -1, rest_port = -1;
 
+  if (moed_auth_init(&a.cfg) != 0) goto out;
   if (moed_repository_create(a.cfg.model_repository, &s->repo) != 0) goto out;
   if (a.cfg.model_control != MOED_CONTROL_EXPLICIT) {
     moed_repository_load_all(s->repo);
@@ -200,6 +211,8 @@ int main(int argc, char **argv) {
   a.sigterm.data = a.sigint.data = &a;
   uv_signal_start(&a.sigterm, on_signal, SIGTERM);
   uv_signal_start(&a.sigint, on_signal, SIGINT);
+  uv_signal_init(&a.loop, &a.sighup);
+  uv_signal_start(&a.sighup, on_sighup, SIGHUP);
   uv_timer_init(&a.loop, &a.tick);
   a.tick.data = &a;
   uv_timer_start(&a.tick, on_tick, 1000, 1000);
@@ -217,6 +230,7 @@ out:
   moed_weight_cache_destroy(s->weights); /* no request uses it; its backends still live */
   moed_devices_destroy(s->devices);
   moed_repository_destroy(s->repo);
+  moed_auth_destroy();
   uv_loop_close(&a.loop);
   grpc_shutdown();
   moed_hostmem_trim();

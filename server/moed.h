@@ -26,6 +26,7 @@
 typedef struct moed_config {
   const char *address;         /* bind address, "0.0.0.0" */
   const char *http_address;    /* the HTTP port's, when it differs (NULL: address) */
+  char address_buf[2][64];     /* the two above as parsed: IPv6 without brackets */
   bool http_off;               /* --allow-http false: no HTTP port whatever --http-port says */
   int model_control;           /* MOED_CONTROL_*: what is loaded at start, whether RPCs may change it */
   int repository_poll_secs;    /* poll: seconds between scans of the repository directory */
@@ -62,7 +63,18 @@ typedef struct moed_config {
   int fd_reserve;               /* descriptors kept from connections (fd_budget.c) */
   size_t stream_buffer_bytes;   /* unsent responses of one stream; beyond: its reads pause */
   size_t response_buffer_bytes; /* of all streams; beyond: a stream holding some is ended */
+  const char *tls_cert;         /* PEM chain for the gRPC port (NULL: plaintext) */
+  const char *tls_key;          /* its private key */
+  const char *tls_client_ca;    /* CA bundle client certificates are verified against */
+  int tls_client_auth;          /* MOED_CLIENT_AUTH_* */
+  const char *auth_tokens;      /* "NAME ROLE TOKEN" lines (auth.c); NULL: no authorization */
+  bool auth_health_exempt;      /* health RPCs need no token */
+  int max_uploads;              /* uploads in progress at once; beyond: RESOURCE_EXHAUSTED */
+  size_t upload_budget_bytes;   /* tensor bytes of all uploads in progress together */
 } moed_config;
+
+/* --tls-client-auth: no client certificate asked; verified when sent; required */
+enum { MOED_CLIENT_AUTH_NONE = 0, MOED_CLIENT_AUTH_OPTIONAL, MOED_CLIENT_AUTH_REQUIRE };
 
 /* 0: run; 1: exit 0 (--help); -1: bad flags (message printed). */
 int moed_config_parse(moed_config *cfg, int argc, char **argv);
@@ -103,6 +115,10 @@ int moed_http_status_from_grpc(grpc_status_code code);
  * failure is answered in one statement. */
 grpc_status_code moed_failf(char *buf, grpc_status_code code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* Rewrites msg[0..cap) so that it names no server path under dir: "dir/x"
+ * becomes "x" and dir alone becomes `label` (clients see paths relative to
+ * the model repository only; the log keeps the full ones). */
+void moed_msg_relative(char *msg, size_t cap, const char *dir, const char *label);
 
 /* ---- rpc.c: gRPC core <-> libuv bridge ------------------------------------- */
 
@@ -177,14 +193,21 @@ void moed_rpc_stream_done(moed_rpc *r);
  * (response: taken by done; msg: valid during the call). It starts with two
  * references: the request's (moed_rpc_finish consumes it) and the caller's
  * (released with moed_rpc_release once it needs the call no more). No
- * deadline; moed_rpc_local_cancel marks it cancelled (its client left). */
+ * deadline; moed_rpc_local_cancel marks it cancelled (its client left).
+ * peer: what the log names for a repository change (address, token). */
 typedef void (*moed_rpc_done_fn)(void *arg, grpc_status_code code, const char *msg,
                                  grpc_byte_buffer *response);
-moed_rpc *moed_rpc_local(moed_method method, moed_rpc_done_fn done, void *arg);
+moed_rpc *moed_rpc_local(moed_method method, moed_rpc_done_fn done, void *arg, const char *peer);
+/* The method's gRPC path; whether it changes the repository (logged with its peer). */
+const char *moed_method_name(moed_method m);
+bool moed_method_changes(moed_method m);
 void moed_rpc_local_cancel(moed_rpc *r);
 void moed_rpc_ref(moed_rpc *r);
 void moed_rpc_release(moed_rpc *r);
 bool moed_rpc_cancelled(const moed_rpc *r);
+/* Who made a repository-changing call (RepositoryModelLoad/Unload, Upload):
+ * "ADDRESS[ cert 'SUBJECT'][ token 'NAME']"; "unknown" for other calls. */
+const char *moed_rpc_peer(const moed_rpc *r);
 /* Deadline as CLOCK_MONOTONIC ns (UINT64_MAX: none). */
 uint64_t moed_rpc_deadline_ns(const moed_rpc *r);
 /* Paced client streams (upload): asks for the next message once the last
@@ -369,8 +392,9 @@ typedef struct moed_server {
   _Atomic bool stop_work; /* the drain timeout passed: running ops stop at their next work item */
   _Atomic int inflight;   /* admitted infer requests not yet answered */
   _Atomic uint64_t rejected;
-  struct moed_watch *watches;  /* health Watch streams (loop thread) */
-  struct moed_upload *uploads; /* uploads in progress (loop thread) */
+  struct moed_watch *watches;    /* health Watch streams (loop thread) */
+  struct moed_upload *uploads;   /* uploads in progress (loop thread) */
+  _Atomic uint64_t upload_bytes; /* tensor bytes they announced (upload.c, --upload-budget-bytes) */
   moed_batcher *batcher;
   moed_weight_cache *weights;
 } moed_server;
@@ -522,6 +546,8 @@ typedef struct moed_http_request {
   char *body;      /* body_len bytes and a NUL (NULL: no body); the handler may take it (free, set NULL) */
   size_t body_len; /* at most max_body */
   int64_t inference_header_length; /* Inference-Header-Content-Length; -1 absent, -2 not a number */
+  char authorization[300];          /* the Authorization header's value (cut: no token matches) */
+  int authorization_len;            /* -1: absent */
 } moed_http_request;
 
 /* Called on the loop with each request; it answers with moed_http_respond*
@@ -555,6 +581,36 @@ void moed_http_respond_error(moed_http_conn *c, int code, const char *msg);
 /* The answer comes later: if the connection closes first, gone(arg) is
  * called (on the loop) and the answer must not be sent. */
 void moed_http_defer(moed_http_conn *c, void (*gone)(void *), void *arg);
+/* The client's address, "ADDR:PORT" ("unknown" when it cannot be read). */
+void moed_http_peer(moed_http_conn *c, char *out, size_t size);
+
+/* ---- tls.c: the gRPC port's credentials ----------------------------------- */
+
+/* Insecure without cfg->tls_cert; else TLS whose files are reread on the
+ * first handshake after moed_tls_reload. NULL (logged) when they do not
+ * load at start. */
+grpc_server_credentials *moed_tls_server_credentials(const moed_config *cfg);
+/* SIGHUP: the next handshake reads the certificate files again. */
+void moed_tls_reload(void);
+
+/* ---- auth.c: bearer tokens and roles ---------------------------------------- */
+
+/* Reads --auth-tokens (none: every call allowed); -1 (logged) when it does
+ * not load. */
+int moed_auth_init(const moed_config *cfg);
+/* SIGHUP: the token file is read again (a bad one keeps the tokens in force). */
+void moed_auth_reload(void);
+void moed_auth_destroy(void);
+/* Whether a call of method m with request metadata md may run: OK,
+ * UNAUTHENTICATED (no or an unknown bearer token) or PERMISSION_DENIED (an
+ * infer token on a repository change), why[MOED_ERR_LEN] saying which;
+ * who[] gets the token's name. Any thread. */
+grpc_status_code moed_auth_check(moed_method m, const grpc_metadata_array *md, char *who, size_t who_size,
+                                 char *why);
+/* The same for the value v[0..n) of an authorization header (v NULL:
+ * none was sent): the REST port's check. */
+grpc_status_code moed_auth_check_value(moed_method m, const char *v, size_t n, char *who, size_t who_size,
+                                       char *why);
 
 /* ---- http.c: metrics and probes on the side port ----------------------------- */
 

@@ -165,7 +165,10 @@ moe_status moed_repository_load(moed_repository *r, const char *name, moe_error 
   moe_expert_set *set = NULL;
   /* loading reads and validates files: done outside the lock */
   moe_status s = moe_expert_set_load(path, name, &set, err);
-  if (s != MOE_OK) return s;
+  if (s != MOE_OK) { /* "<name>/config.json: ..." for the client, not the server's absolute path */
+    if (err) moed_msg_relative(err->msg, sizeof err->msg, r->dir, "model repository");
+    return s;
+  }
   return moed_repository_add(r, set, true, err);
 }
 

@@ -105,13 +105,29 @@ static void call_gone(void *arg) {
 /* Hands the protobuf request `payload` (taken) to the handler of `method`;
  * the answer reaches c through answer(). k: allocated by the caller (its
  * output choices set), taken. */
-static void submit(moed_rest *r, moed_http_conn *c, moed_method method, grpc_byte_buffer *payload,
-                   rest_call *k) {
+static void submit(moed_rest *r, moed_http_conn *c, const moed_http_request *rq, moed_method method,
+                   grpc_byte_buffer *payload, rest_call *k) {
+  /* --auth-tokens: the gRPC port's tokens and roles, from the Authorization header */
+  char who[128], why[MOED_ERR_LEN], peer[320];
+  grpc_status_code auth = moed_auth_check_value(method, rq->authorization_len < 0 ? NULL : rq->authorization,
+                                                rq->authorization_len < 0 ? 0 : (size_t)rq->authorization_len,
+                                                who, sizeof who, why);
+  /* as rpc.c names a gRPC peer ("ipv4:ADDR:PORT token 'NAME'"), marked as REST */
+  memcpy(peer, "rest:", 5);
+  moed_http_peer(c, peer + 5, sizeof peer - 5);
+  if (who[0]) snprintf(peer + strlen(peer), sizeof peer - strlen(peer), " token '%s'", who);
+  if (auth != GRPC_STATUS_OK) {
+    moed_log(moed_method_changes(method) ? MOED_LOG_WARN : MOED_LOG_DEBUG, "auth_refused", "REST %s from %s: %s",
+             moed_method_name(method), peer, why);
+    if (payload) grpc_byte_buffer_destroy(payload);
+    free(k);
+    return moed_http_respond_error(c, moed_http_status_from_grpc(auth), why);
+  }
   moed_request *req = calloc(1, sizeof *req);
   k->rest = r;
   k->c = c;
   k->method = method;
-  k->rpc = req && payload ? moed_rpc_local(method, call_done, k) : NULL;
+  k->rpc = req && payload ? moed_rpc_local(method, call_done, k, peer) : NULL;
   if (!k->rpc) {
     if (payload) grpc_byte_buffer_destroy(payload);
     free(req);
@@ -129,7 +145,8 @@ static void submit(moed_rest *r, moed_http_conn *c, moed_method method, grpc_byt
   moed_handle_request(req, r->srv);
 }
 
-static void call(moed_rest *r, moed_http_conn *c, moed_method method, const ProtobufCMessage *m) {
+static void call(moed_rest *r, moed_http_conn *c, const moed_http_request *rq, moed_method method,
+                 const ProtobufCMessage *m) {
   rest_call *k = calloc(1, sizeof *k);
   if (!k) return moed_http_respond_error(c, 500, "server out of memory");
   if (method == MOED_M_MODEL_READY) {
@@ -137,7 +154,7 @@ static void call(moed_rest *r, moed_http_conn *c, moed_method method, const Prot
     snprintf(k->model, sizeof k->model, "'%.120s'%s%.16s", q->name, *q->version ? " version " : "",
              q->version);
   }
-  submit(r, c, method, moed_rpc_pack(m), k);
+  submit(r, c, rq, method, moed_rpc_pack(m), k);
 }
 
 /* ---- protobuf -> JSON ---------------------------------------------------------------- */
@@ -559,7 +576,7 @@ static void infer(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const 
   free(rq->body); /* the message holds its own copy now: one at a time in memory */
   rq->body = NULL;
   rq->body_len = 0;
-  submit(r, c, MOED_M_MODEL_INFER, payload, k);
+  submit(r, c, rq, MOED_M_MODEL_INFER, payload, k);
 }
 
 static bool output_binary(const rest_call *k, const char *name) {
@@ -770,7 +787,7 @@ static void repository(moed_rest *r, moed_http_conn *c, moed_http_request *rq, c
       moed_http_respond_error(c, 400, "ready: not a boolean");
     } else {
       m.ready = cJSON_IsTrue(ready);
-      call(r, c, MOED_M_REPOSITORY_INDEX, &m.base);
+      call(r, c, rq, MOED_M_REPOSITORY_INDEX, &m.base);
     }
   } else if (n == 5 && !strcmp(seg[2], "models") && (!strcmp(seg[4], "load") || !strcmp(seg[4], "unload"))) {
     bool load = !strcmp(seg[4], "load");
@@ -788,11 +805,11 @@ static void repository(moed_rest *r, moed_http_conn *c, moed_http_request *rq, c
     } else if (load) {
       Inference__RepositoryModelLoadRequest m = INFERENCE__REPOSITORY_MODEL_LOAD_REQUEST__INIT;
       m.model_name = seg[3];
-      call(r, c, MOED_M_REPOSITORY_LOAD, &m.base);
+      call(r, c, rq, MOED_M_REPOSITORY_LOAD, &m.base);
     } else {
       Inference__RepositoryModelUnloadRequest m = INFERENCE__REPOSITORY_MODEL_UNLOAD_REQUEST__INIT;
       m.model_name = seg[3];
-      call(r, c, MOED_M_REPOSITORY_UNLOAD, &m.base);
+      call(r, c, rq, MOED_M_REPOSITORY_UNLOAD, &m.base);
     }
   } else {
     no_endpoint(c, path);
@@ -821,22 +838,22 @@ static void model(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const 
     Inference__ModelMetadataRequest m = INFERENCE__MODEL_METADATA_REQUEST__INIT;
     m.name = (char *)name;
     m.version = (char *)version;
-    call(r, c, MOED_M_MODEL_METADATA, &m.base);
+    call(r, c, rq, MOED_M_MODEL_METADATA, &m.base);
   } else if (!strcmp(action, "ready")) {
     Inference__ModelReadyRequest m = INFERENCE__MODEL_READY_REQUEST__INIT;
     m.name = (char *)name;
     m.version = (char *)version;
-    call(r, c, MOED_M_MODEL_READY, &m.base);
+    call(r, c, rq, MOED_M_MODEL_READY, &m.base);
   } else if (!strcmp(action, "config")) {
     Inference__ModelConfigRequest m = INFERENCE__MODEL_CONFIG_REQUEST__INIT;
     m.name = (char *)name;
     m.version = (char *)version;
-    call(r, c, MOED_M_MODEL_CONFIG, &m.base);
+    call(r, c, rq, MOED_M_MODEL_CONFIG, &m.base);
   } else if (!strcmp(action, "stats")) {
     Inference__ModelStatisticsRequest m = INFERENCE__MODEL_STATISTICS_REQUEST__INIT;
     m.name = (char *)name;
     m.version = (char *)version;
-    call(r, c, MOED_M_MODEL_STATISTICS, &m.base);
+    call(r, c, rq, MOED_M_MODEL_STATISTICS, &m.base);
   } else {
     no_endpoint(c, path);
   }
@@ -858,16 +875,16 @@ static void on_request(moed_http_conn *c, moed_http_request *rq, void *arg) {
   if (!get) return moed_http_respond_error(c, 405, "this endpoint takes GET");
   if (n == 1) {
     Inference__ServerMetadataRequest m = INFERENCE__SERVER_METADATA_REQUEST__INIT;
-    call(r, c, MOED_M_SERVER_METADATA, &m.base);
+    call(r, c, rq, MOED_M_SERVER_METADATA, &m.base);
   } else if (n == 3 && !strcmp(seg[1], "health") && !strcmp(seg[2], "live")) {
     Inference__ServerLiveRequest m = INFERENCE__SERVER_LIVE_REQUEST__INIT;
-    call(r, c, MOED_M_SERVER_LIVE, &m.base);
+    call(r, c, rq, MOED_M_SERVER_LIVE, &m.base);
   } else if (n == 3 && !strcmp(seg[1], "health") && !strcmp(seg[2], "ready")) {
     Inference__ServerReadyRequest m = INFERENCE__SERVER_READY_REQUEST__INIT;
-    call(r, c, MOED_M_SERVER_READY, &m.base);
+    call(r, c, rq, MOED_M_SERVER_READY, &m.base);
   } else if (n == 3 && !strcmp(seg[1], "models")) { /* /v2/models/stats: every model's */
     Inference__ModelStatisticsRequest m = INFERENCE__MODEL_STATISTICS_REQUEST__INIT;
-    call(r, c, MOED_M_MODEL_STATISTICS, &m.base);
+    call(r, c, rq, MOED_M_MODEL_STATISTICS, &m.base);
   } else {
     no_endpoint(c, path);
   }

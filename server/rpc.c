@@ -25,25 +25,33 @@ typedef struct method_desc {
   bool read_stream;  /* client streams: payload read message by message */
   bool write_stream; /* server streams */
   bool paced;        /* read_stream: the next read waits for moed_rpc_read_next */
+  bool changes;      /* changes the repository: the caller's identity is kept for the log */
 } method_desc;
 
+#define KSERVE(m) "/inference.GRPCInferenceService/" m
 static const method_desc methods[MOED_M_COUNT] = {
-    [MOED_M_SERVER_LIVE] = {"/inference.GRPCInferenceService/ServerLive", false, false},
-    [MOED_M_SERVER_READY] = {"/inference.GRPCInferenceService/ServerReady", false, false},
-    [MOED_M_MODEL_READY] = {"/inference.GRPCInferenceService/ModelReady", false, false},
-    [MOED_M_SERVER_METADATA] = {"/inference.GRPCInferenceService/ServerMetadata", false, false},
-    [MOED_M_MODEL_METADATA] = {"/inference.GRPCInferenceService/ModelMetadata", false, false},
-    [MOED_M_MODEL_INFER] = {"/inference.GRPCInferenceService/ModelInfer", false, false},
-    [MOED_M_MODEL_STREAM_INFER] = {"/inference.GRPCInferenceService/ModelStreamInfer", true, true},
-    [MOED_M_MODEL_CONFIG] = {"/inference.GRPCInferenceService/ModelConfig", false, false},
-    [MOED_M_MODEL_STATISTICS] = {"/inference.GRPCInferenceService/ModelStatistics", false, false},
-    [MOED_M_REPOSITORY_INDEX] = {"/inference.GRPCInferenceService/RepositoryIndex", false, false},
-    [MOED_M_REPOSITORY_LOAD] = {"/inference.GRPCInferenceService/RepositoryModelLoad", false, false},
-    [MOED_M_REPOSITORY_UNLOAD] = {"/inference.GRPCInferenceService/RepositoryModelUnload", false, false},
-    [MOED_M_HEALTH_CHECK] = {"/grpc.health.v1.Health/Check", false, false},
-    [MOED_M_HEALTH_WATCH] = {"/grpc.health.v1.Health/Watch", false, true},
-    [MOED_M_EXPERT_UPLOAD] = {"/moe.v1.ExpertStore/Upload", true, false, true},
+    [MOED_M_SERVER_LIVE] = {.path = KSERVE("ServerLive")},
+    [MOED_M_SERVER_READY] = {.path = KSERVE("ServerReady")},
+    [MOED_M_MODEL_READY] = {.path = KSERVE("ModelReady")},
+    [MOED_M_SERVER_METADATA] = {.path = KSERVE("ServerMetadata")},
+    [MOED_M_MODEL_METADATA] = {.path = KSERVE("ModelMetadata")},
+    [MOED_M_MODEL_INFER] = {.path = KSERVE("ModelInfer")},
+    [MOED_M_MODEL_STREAM_INFER] = {.path = KSERVE("ModelStreamInfer"),
+                                   .read_stream = true,
+                                   .write_stream = true},
+    [MOED_M_MODEL_CONFIG] = {.path = KSERVE("ModelConfig")},
+    [MOED_M_MODEL_STATISTICS] = {.path = KSERVE("ModelStatistics")},
+    [MOED_M_REPOSITORY_INDEX] = {.path = KSERVE("RepositoryIndex")},
+    [MOED_M_REPOSITORY_LOAD] = {.path = KSERVE("RepositoryModelLoad"), .changes = true},
+    [MOED_M_REPOSITORY_UNLOAD] = {.path = KSERVE("RepositoryModelUnload"), .changes = true},
+    [MOED_M_HEALTH_CHECK] = {.path = "/grpc.health.v1.Health/Check"},
+    [MOED_M_HEALTH_WATCH] = {.path = "/grpc.health.v1.Health/Watch", .write_stream = true},
+    [MOED_M_EXPERT_UPLOAD] = {.path = "/moe.v1.ExpertStore/Upload",
+                              .read_stream = true,
+                              .paced = true,
+                              .changes = true},
 };
+#undef KSERVE
 
 /* ---- types -------------------------------------------------------------------- */
 
@@ -121,6 +129,7 @@ struct moed_rpc {
   /* a local call (moed_rpc_local): no gRPC call, the answer goes here */
   moed_rpc_done_fn done;
   void *done_arg;
+  char peer[320];   /* repository changes: address, certificate subject, token name */
 };
 
 struct moed_rpc_server {
@@ -239,9 +248,10 @@ void moed_rpc_release(moed_rpc *r) {
   if (s) atomic_fetch_sub(&s->live_calls, 1);
 }
 
-moed_rpc *moed_rpc_local(moed_method method, moed_rpc_done_fn done, void *arg) {
+moed_rpc *moed_rpc_local(moed_method method, moed_rpc_done_fn done, void *arg, const char *peer) {
   moed_rpc *r = calloc(1, sizeof *r);
   if (!r) return NULL;
+  snprintf(r->peer, sizeof r->peer, "%s", peer);
   r->method = method;
   r->deadline_ns = UINT64_MAX;
   atomic_init(&r->refs, 2);
@@ -255,7 +265,8 @@ moed_rpc *moed_rpc_local(moed_method method, moed_rpc_done_fn done, void *arg) {
 void moed_rpc_local_cancel(moed_rpc *r) { atomic_store(&r->cancelled, true); }
 
 bool moed_rpc_cancelled(const moed_rpc *r) { return atomic_load(&r->cancelled); }
-uint64_t moed_rpc_deadline_ns(const moed_rpc *r) { return r->deadline_ns; }
+/* r NULL: a request without a call (fuzz/fuzz_infer_request.c decodes such) */
+uint64_t moed_rpc_deadline_ns(const moed_rpc *r) { return r ? r->deadline_ns : UINT64_MAX; }
 
 static uint64_t deadline_to_ns(gpr_timespec d) {
   if (gpr_time_cmp(d, gpr_inf_future(d.clock_type)) == 0) return UINT64_MAX;
@@ -527,6 +538,32 @@ static void start_recv(moed_rpc *r) {
   start_batch(r, &op, 1, &r->recv_tag);
 }
 
+/* "ipv4:10.0.0.7:51234 cert 'CN=ops' token 'deploy'" into out: who asked
+ * for a repository change (the log line of every change carries it). */
+static void describe_peer(grpc_call *call, const char *token, char *out, size_t n) {
+  char *addr = grpc_call_get_peer(call);
+  char subject[160] = "";
+  grpc_auth_context *ctx = grpc_call_auth_context(call);
+  if (ctx) {
+    grpc_auth_property_iterator it =
+        grpc_auth_context_find_properties_by_name(ctx, GRPC_X509_SUBJECT_PROPERTY_NAME);
+    const grpc_auth_property *p = grpc_auth_property_iterator_next(&it);
+    if (p)
+      snprintf(subject, sizeof subject, "%.*s", (int)(p->value_length < 159 ? p->value_length : 159),
+               p->value);
+    grpc_auth_context_release(ctx);
+  }
+  for (char *c = subject; *c; c++) /* a certificate's subject is the client's text: one log line */
+    if ((unsigned char)*c < 0x20 || *c == '\'' || *c == 0x7f) *c = '?';
+  snprintf(out, n, "%s%s%s%s%s%s%s", addr ? addr : "unknown", *subject ? " cert '" : "", subject,
+           *subject ? "'" : "", *token ? " token '" : "", token, *token ? "'" : "");
+  gpr_free(addr);
+}
+
+const char *moed_rpc_peer(const moed_rpc *r) { return r->peer[0] ? r->peer : "unknown"; }
+const char *moed_method_name(moed_method m) { return methods[m].path; }
+bool moed_method_changes(moed_method m) { return methods[m].changes; }
+
 static void on_accept(moed_rpc_server *s, accept_slot *slot, bool ok) {
   if (!ok) { /* shutdown */
     grpc_metadata_array_destroy(&slot->md);
@@ -536,17 +573,25 @@ static void on_accept(moed_rpc_server *s, accept_slot *slot, bool ok) {
   grpc_call *call = slot->call;
   grpc_byte_buffer *payload = slot->payload;
   gpr_timespec deadline = slot->deadline;
+  moed_method method = slot->method;
+  char why[MOED_ERR_LEN], token[128], peer[320] = "";
+  grpc_status_code auth = moed_auth_check(method, &slot->md, token, sizeof token, why);
   grpc_metadata_array_destroy(&slot->md);
   arm_slot(s, slot); /* the slot is free again before we work on the call */
-
-  moed_rpc *r = rpc_new(s, call, slot->method, deadline);
-  if (!r) {
-    grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory", NULL);
+  if (auth != GRPC_STATUS_OK || methods[method].changes) describe_peer(call, token, peer, sizeof peer);
+  moed_rpc *r = auth == GRPC_STATUS_OK ? rpc_new(s, call, method, deadline) : NULL;
+  if (!r) {                     /* refused before any of its messages is read, or out of memory */
+    if (auth != GRPC_STATUS_OK) /* refused repository changes always in the log; the rest at debug */
+      moed_log(methods[method].changes ? MOED_LOG_WARN : MOED_LOG_DEBUG, "auth_refused", "%s from %s: %s",
+               methods[method].path, peer, why);
+    grpc_call_cancel_with_status(call, auth != GRPC_STATUS_OK ? auth : GRPC_STATUS_RESOURCE_EXHAUSTED,
+                                 auth != GRPC_STATUS_OK ? why : "server out of memory", NULL);
     grpc_call_unref(call);
     if (payload) grpc_byte_buffer_destroy(payload);
     return;
   }
-  if (methods[slot->method].read_stream) {
+  snprintf(r->peer, sizeof r->peer, "%s", peer);
+  if (methods[method].read_stream) {
     start_recv(r);
     moed_rpc_release(r); /* the receive batch holds it from here */
     return;
@@ -726,8 +771,10 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
   }
 
   char addr[300];
-  snprintf(addr, sizeof addr, "%s:%d", cfg->address, cfg->grpc_port);
-  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  /* an IPv6 literal (config.c keeps it bare) needs its brackets before the port */
+  snprintf(addr, sizeof addr, strchr(cfg->address, ':') ? "[%s]:%d" : "%s:%d", cfg->address, cfg->grpc_port);
+  grpc_server_credentials *creds = moed_tls_server_credentials(cfg);
+  if (!creds) goto fail;
   int port = grpc_server_add_http2_port(s->server, addr, creds);
   grpc_server_credentials_release(creds);
   if (port <= 0) {

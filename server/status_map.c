@@ -3,6 +3,7 @@
  * step), gRPC's to HTTP's (the REST port), and the message beside it. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "moed.h"
 
@@ -48,4 +49,29 @@ grpc_status_code moed_failf(char *buf, grpc_status_code code, const char *fmt, .
   vsnprintf(buf, MOED_ERR_LEN, fmt, ap);
   va_end(ap);
   return code;
+}
+
+void moed_msg_relative(char *msg, size_t cap, const char *dir, const char *label) {
+  size_t dl = dir ? strlen(dir) : 0;
+  while (dl > 1 && dir[dl - 1] == '/')
+    dl--;
+  if (!dl || !cap) return;
+  char out[MOED_ERR_LEN];
+  size_t o = 0, limit = cap < sizeof out ? cap : sizeof out;
+  for (const char *p = msg; *p && o + 1 < limit;) {
+    bool starts = p == msg || strchr(" '\"(:", p[-1]); /* a path's start, not a longer name's tail */
+    if (starts && strncmp(p, dir, dl) == 0 && (p[dl] == '/' || p[dl] == 0 || p[dl] == ':' || p[dl] == ' ')) {
+      p += dl;
+      if (*p == '/') { /* "dir/x" -> "x" */
+        p++;
+        continue;
+      }
+      for (const char *l = label; *l && o + 1 < limit; l++) /* "dir" alone -> label */
+        out[o++] = *l;
+      continue;
+    }
+    out[o++] = *p++;
+  }
+  out[o] = 0;
+  memcpy(msg, out, o + 1);
 }

@@ -16,6 +16,7 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +29,11 @@
 #include "moe/safetensors.h"
 #include "moed.h"
 
+/* The list of uploads (s->uploads) is the loop's, but on_header reads the
+ * other uploads' names on a pool thread: changes to the list and to a name
+ * are made under this lock. */
+static pthread_mutex_t names_mu = PTHREAD_MUTEX_INITIALIZER;
+
 typedef struct moed_upload {
   struct moed_upload *next;
   moed_server *srv;
@@ -38,13 +44,19 @@ typedef struct moed_upload {
   bool have_header;
   char name[128];
   bool replace;
+  bool chunk_offsets, tensor_xxh3; /* the header's integrity options */
   char *config_json;
   char dir[PATH_MAX]; /* where the files are written; "" until created */
   int fd;             /* the current tensor's file, -1 between tensors */
   char tensor[32];
   uint64_t left; /* bytes of the current tensor still to come */
+  uint64_t size; /* the current tensor's nbytes */
+  bool check_xxh3;
+  uint64_t want_xxh3;        /* the client's XXH3-64 of the current tensor */
+  XXH3_state_t *tensor_hash; /* of the bytes of the current tensor so far */
   bool seen[MOE_EXPERT_TENSOR_COUNT];
   uint64_t total;
+  uint64_t reserved; /* in srv->upload_bytes: the announced tensors' bytes */
   XXH3_state_t *hash;
 
   bool done; /* answered: code, msg */
@@ -60,6 +72,9 @@ static bool upload_fail(moed_upload *u, grpc_status_code code, const char *fmt, 
   va_start(ap, fmt);
   vsnprintf(u->msg, sizeof u->msg, fmt, ap);
   va_end(ap);
+  /* the client learns no server path: its upload's files by their names */
+  moed_msg_relative(u->msg, sizeof u->msg, u->dir, "upload");
+  moed_msg_relative(u->msg, sizeof u->msg, u->srv->cfg->model_repository, "model repository");
   u->code = code;
   u->done = true;
   return false;
@@ -109,8 +124,21 @@ static bool on_header(moed_upload *u, const Moe__V1__UploadHeader *h) {
   if (exists && !h->replace)
     return upload_fail(u, GRPC_STATUS_ALREADY_EXISTS,
                        "header.name: model '%s' exists (set replace to replace it)", h->name);
-  snprintf(u->name, sizeof u->name, "%s", h->name);
+  /* one upload per name at a time: two would race for the rename into the
+   * repository (the loser failed with INTERNAL before); the name is held
+   * until this upload ends */
+  pthread_mutex_lock(&names_mu);
+  bool busy = false;
+  for (const moed_upload *v = s->uploads; v && !busy; v = v->next)
+    busy = v != u && strcmp(v->name, h->name) == 0;
+  if (!busy) snprintf(u->name, sizeof u->name, "%s", h->name);
+  pthread_mutex_unlock(&names_mu);
+  if (busy)
+    return upload_fail(u, GRPC_STATUS_ABORTED,
+                       "header.name: another upload of '%s' is in progress; retry later", h->name);
   u->replace = h->replace;
+  u->chunk_offsets = h->chunk_offsets;
+  u->tensor_xxh3 = h->tensor_xxh3;
   if (!(u->config_json = strdup(h->config_json)))
     return upload_fail(u, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
   /* hidden inside the repository (the loaders skip dot names), so the
@@ -159,6 +187,18 @@ static bool start_tensor(moed_upload *u, const Moe__V1__TensorHeader *t) {
     return upload_fail(u, GRPC_STATUS_RESOURCE_EXHAUSTED,
                        "chunk.tensor.nbytes: upload exceeds the limit of %zu bytes",
                        u->srv->cfg->max_upload_bytes);
+  /* all uploads in progress together: each announced tensor is reserved
+   * against --upload-budget-bytes until its upload ends */
+  const uint64_t held = atomic_fetch_add(&u->srv->upload_bytes, t->nbytes);
+  if (held + t->nbytes > u->srv->cfg->upload_budget_bytes) { /* both within 2^63: no overflow */
+    atomic_fetch_sub(&u->srv->upload_bytes, t->nbytes);
+    return upload_fail(
+        u, GRPC_STATUS_RESOURCE_EXHAUSTED,
+        "chunk.tensor.nbytes: the uploads in progress would hold more than --upload-budget-bytes "
+        "(%zu bytes); retry later",
+        u->srv->cfg->upload_budget_bytes);
+  }
+  u->reserved += t->nbytes;
 
   moe_named_tensor desc = {t->name, {dt, (int)t->n_shape, {0}, NULL, (size_t)t->nbytes}};
   for (size_t d = 0; d < t->n_shape; d++)
@@ -178,7 +218,10 @@ static bool start_tensor(moed_upload *u, const Moe__V1__TensorHeader *t) {
   if (!written) return upload_fail(u, GRPC_STATUS_INTERNAL, "cannot write %s: %s", path, strerror(errno));
   u->seen[slot] = true;
   snprintf(u->tensor, sizeof u->tensor, "%s", t->name);
-  u->left = t->nbytes;
+  u->left = u->size = t->nbytes;
+  u->check_xxh3 = u->tensor_xxh3;
+  u->want_xxh3 = t->xxh3;
+  XXH3_64bits_reset(u->tensor_hash);
   u->total = total;
   return true;
 }
@@ -188,6 +231,11 @@ static bool end_tensor(moed_upload *u) {
   u->fd = -1;
   if (close(fd) != 0)
     return upload_fail(u, GRPC_STATUS_INTERNAL, "cannot write tensor '%s': %s", u->tensor, strerror(errno));
+  const uint64_t got = XXH3_64bits_digest(u->tensor_hash);
+  if (u->check_xxh3 && got != u->want_xxh3) /* nothing of this upload is stored */
+    return upload_fail(u, GRPC_STATUS_DATA_LOSS,
+                       "chunk.tensor.xxh3: tensor '%s' arrived with XXH3-64 %016llx, the client sent %016llx",
+                       u->tensor, (unsigned long long)got, (unsigned long long)u->want_xxh3);
   return true;
 }
 
@@ -201,6 +249,12 @@ static bool on_chunk(moed_upload *u, const Moe__V1__UploadChunk *c) {
                          (unsigned long long)u->left, u->tensor);
     if (!start_tensor(u, c->tensor)) return false;
   }
+  if (u->chunk_offsets && (u->fd < 0 || c->offset != u->size - u->left))
+    return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT,
+                       "chunk.offset: %llu, but tensor '%s' has %llu bytes so far (a chunk lost, repeated or "
+                       "out of order)",
+                       (unsigned long long)c->offset, u->fd < 0 ? "(none)" : u->tensor,
+                       (unsigned long long)(u->fd < 0 ? 0 : u->size - u->left));
   if (c->data.len == 0) goto check_end;
   if (u->fd < 0)
     return upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT,
@@ -211,6 +265,7 @@ static bool on_chunk(moed_upload *u, const Moe__V1__UploadChunk *c) {
   if (!write_all(u->fd, c->data.data, c->data.len))
     return upload_fail(u, GRPC_STATUS_INTERNAL, "cannot write tensor '%s': %s", u->tensor, strerror(errno));
   XXH3_64bits_update(u->hash, c->data.data, c->data.len);
+  XXH3_64bits_update(u->tensor_hash, c->data.data, c->data.len);
   u->left -= c->data.len;
 check_end:
   if (u->fd >= 0 && u->left == 0) return end_tensor(u);
@@ -260,7 +315,7 @@ static void commit(moed_upload *u) {
     if (rc != 0) {
       int e = errno;
       moe_expert_set_destroy(set);
-      if (e == EEXIST)
+      if (e == EEXIST || e == ENOTEMPTY) /* a directory of that name appeared meanwhile */
         upload_fail(u, GRPC_STATUS_ALREADY_EXISTS,
                     "header.name: '%s' exists in the model repository (set replace)", u->name);
       else
@@ -282,8 +337,9 @@ static void commit(moed_upload *u) {
     upload_fail(u, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
     return;
   }
-  moed_log(MOED_LOG_INFO, "model_uploaded", "%s: %llu bytes, xxh3 %016llx", u->name,
-           (unsigned long long)r.bytes, (unsigned long long)r.checksum);
+  moed_log(MOED_LOG_INFO, "model_uploaded", "%s: %llu bytes, xxh3 %016llx%s, by %s", u->name,
+           (unsigned long long)r.bytes, (unsigned long long)r.checksum, u->replace ? ", replacing" : "",
+           moed_rpc_peer(u->rpc));
   u->code = GRPC_STATUS_OK;
   u->done = true;
 }
@@ -320,14 +376,18 @@ static void upload_work(uv_work_t *w) {
 }
 
 static void upload_free(moed_server *s, moed_upload *u) {
+  pthread_mutex_lock(&names_mu);
   for (moed_upload **pp = &s->uploads; *pp; pp = &(*pp)->next)
     if (*pp == u) {
       *pp = u->next;
       break;
     }
+  pthread_mutex_unlock(&names_mu);
+  atomic_fetch_sub(&s->upload_bytes, u->reserved);
   if (u->fd >= 0) close(u->fd);
   remove_tree(u->dir);
   if (u->hash) XXH3_freeState(u->hash);
+  if (u->tensor_hash) XXH3_freeState(u->tensor_hash);
   free(u->config_json);
   free(u);
 }
@@ -339,9 +399,11 @@ static void upload_after(uv_work_t *w, int status) {
   if (status != 0 && !u->done) upload_fail(u, GRPC_STATUS_INTERNAL, "upload work failed");
   if (req->payload) grpc_byte_buffer_destroy(req->payload);
   if (u->done) {
+    if (u->code) /* before the finish, which may free the call */
+      moed_log(MOED_LOG_INFO, "upload_failed", "%s: %s, by %s", u->name[0] ? u->name : "?", u->msg,
+               moed_rpc_peer(req->rpc));
     moed_rpc_finish(req->rpc, u->code, u->code ? u->msg : NULL, u->response); /* the hand-off's reference */
     u->response = NULL;
-    if (u->code) moed_log(MOED_LOG_INFO, "upload_failed", "%s: %s", u->name[0] ? u->name : "?", u->msg);
     upload_free(u->srv, u);
   } else {
     moed_rpc_read_next(req->rpc);
@@ -362,8 +424,19 @@ void moed_upload_handle(moed_server *s, moed_request *req) {
       free(req);
       return;
     }
+    if (moed_upload_count(s) >= s->cfg->max_uploads) { /* each holds a thread-pool slot, files and bytes */
+      char why[128];
+      snprintf(why, sizeof why, "uploads: %d in progress, at most --max-uploads %d; retry later",
+               moed_upload_count(s), s->cfg->max_uploads);
+      moed_log(MOED_LOG_INFO, "upload_failed", "%s, by %s", why, moed_rpc_peer(req->rpc));
+      moed_rpc_finish(req->rpc, GRPC_STATUS_RESOURCE_EXHAUSTED, why, NULL);
+      grpc_byte_buffer_destroy(req->payload);
+      free(req);
+      return;
+    }
     u = calloc(1, sizeof *u);
-    if (!u || !(u->hash = XXH3_createState())) {
+    if (!u || !(u->hash = XXH3_createState()) || !(u->tensor_hash = XXH3_createState())) {
+      if (u) XXH3_freeState(u->hash);
       free(u);
       moed_rpc_finish(req->rpc, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory", NULL);
       grpc_byte_buffer_destroy(req->payload);
@@ -375,8 +448,10 @@ void moed_upload_handle(moed_server *s, moed_request *req) {
     u->rpc = req->rpc;
     u->fd = -1;
     u->work.data = u;
+    pthread_mutex_lock(&names_mu);
     u->next = s->uploads;
     s->uploads = u;
+    pthread_mutex_unlock(&names_mu);
   }
   u->cur = req;
   if (uv_queue_work(s->loop, &u->work, upload_work, upload_after) != 0) {

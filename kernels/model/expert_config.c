@@ -248,12 +248,18 @@ moe_status moe_expert_config_parse(const char *json, moe_expert_config *cfg, moe
     s = moe_fail(err, MOE_EINVAL, "config: not a JSON object");
     goto fail;
   }
-  for (const cJSON *it = root->child; it; it = it->next) {
+  int index = 0;
+  for (const cJSON *it = root->child; it; it = it->next, index++) {
     int k = 0;
     while (k < K_COUNT && strcmp(cfg_keys[k], it->string) != 0)
       k++;
-    if (k == K_COUNT) { /* a typo must not silently fall back to a default */
-      s = moe_fail(err, MOE_EINVAL, "%s: unknown key in an expert-set config", it->string);
+    /* a typo must not silently fall back to a default; the key itself is not
+     * echoed: a config.json linked to some other JSON file would otherwise
+     * show that file's keys to whoever asked for the load */
+    if (k == K_COUNT) {
+      s = moe_fail(err, MOE_EINVAL,
+                   "config: key number %d of the object is not an expert-set config key (docs/expert-set.md)",
+                   index + 1);
       goto fail;
     }
     if (seen[k]) {
@@ -281,6 +287,17 @@ fail:
 
 /* ---- serializing -------------------------------------------------------------------- */
 
+/* A double written with 17 significant digits, which always reads back to
+ * the same value: cJSON's own printer tries 15 digits first and keeps them
+ * when they read back to within a relative epsilon, not exactly (found by
+ * fuzz/fuzz_expert_config.c: 7580058572823141489.5 came back one ulp off). */
+static bool add_exact_double(cJSON *o, const char *key, double v) {
+  char num[32];
+  if (!isfinite(v)) return false; /* JSON has no NaN or inf (parsing refuses them too) */
+  snprintf(num, sizeof num, "%.17g", v);
+  return cJSON_AddRawToObject(o, key, num) != NULL;
+}
+
 /* snprintf semantics: the length the JSON needs, written when it fits. */
 char *moe_expert_config_to_json(const moe_expert_config *cfg) {
   if (!cfg || (unsigned)cfg->scheme >= MOE_SCHEME_COUNT || (unsigned)cfg->activation >= MOE_ACT_COUNT ||
@@ -288,8 +305,8 @@ char *moe_expert_config_to_json(const moe_expert_config *cfg) {
     return NULL;
   const moe_routing *r = &cfg->routing;
   cJSON *o = cJSON_CreateObject();
-  /* sizes are at most CFG_MAX_DIM (exact as doubles); cJSON prints the
-   * double so that it reads back exactly */
+  /* sizes are at most CFG_MAX_DIM (exact as doubles, and cJSON prints
+   * integers exactly); the one fractional value goes through add_exact_double */
   bool ok = o && cJSON_AddStringToObject(o, "scheme", moe_scheme_names[cfg->scheme]) &&
             cJSON_AddNumberToObject(o, "num_experts", (double)cfg->num_experts) &&
             cJSON_AddNumberToObject(o, "global_num_experts", (double)cfg->global_num_experts) &&
@@ -314,7 +331,7 @@ char *moe_expert_config_to_json(const moe_expert_config *cfg) {
        cJSON_AddBoolToObject(o, "renormalize", r->renormalize) &&
        cJSON_AddNumberToObject(o, "num_expert_group", (double)r->num_expert_group) &&
        cJSON_AddNumberToObject(o, "topk_group", (double)r->topk_group) &&
-       cJSON_AddNumberToObject(o, "routed_scaling_factor", r->routed_scaling_factor);
+       add_exact_double(o, "routed_scaling_factor", r->routed_scaling_factor);
   char *text = ok ? cJSON_Print(o) : NULL;
   cJSON_Delete(o);
   return text;

@@ -170,8 +170,8 @@ typedef struct cfg_case {
 #define WNA "\"scheme\":\"wna16\",\"bits\":4,"
 
 static const cfg_case cfg_cases[] = {
-    {"{" BASE ",\"hiden_size\":256}", "hiden_size"},
-    {"{" BASE ",\"num_expert\":8}", "num_expert"},
+    {"{" BASE ",\"hiden_size\":256}", "config"}, /* unknown keys are not echoed */
+    {"{" BASE ",\"num_expert\":8}", "config"},
     {"{" BASE ",\"scheme\":\"int4\"}", "scheme"},
     {"{" BASE ",\"scheme\":4}", "scheme"},
     {"{\"num_experts\":0,\"hidden_size\":256,\"intermediate_size\":128}", "num_experts"},
@@ -247,6 +247,42 @@ START_TEST(config_errors_name_the_key) {
   ck_assert_msg(strncmp(err.msg, c->key, strlen(c->key)) == 0 && err.msg[strlen(c->key)] == ':',
                 "case %d: message '%s' does not start with key '%s'", _i, err.msg, c->key);
   ck_cfg_eq(&cfg, &before);
+}
+END_TEST
+
+/* Serializing keeps every double exact (cJSON's printer alone kept 15
+ * digits when they read back within an epsilon; fuzz/regressions/
+ * expert_config has the input that found it). */
+START_TEST(config_json_round_trips_doubles_exactly) {
+  static const double values[] = {7580058572823141489.5, 0.1, 2.5, 1.0 / 3.0, 1e-300, 16.000000000000004};
+  for (size_t i = 0; i < sizeof values / sizeof values[0]; i++) {
+    moe_expert_config cfg, back;
+    moe_error err = {{0}};
+    moe_expert_config_defaults(&cfg);
+    cfg.num_experts = cfg.global_num_experts = 8;
+    cfg.hidden_size = 128;
+    cfg.intermediate_size = 64;
+    cfg.routing.routed_scaling_factor = values[i];
+    char *json = moe_expert_config_to_json(&cfg);
+    ck_assert_ptr_nonnull(json);
+    ck_assert_int_eq(moe_expert_config_parse(json, &back, &err), MOE_OK);
+    ck_assert_msg(back.routing.routed_scaling_factor == values[i], "%.17g came back as %.17g", values[i],
+                  back.routing.routed_scaling_factor);
+    free(json);
+  }
+}
+END_TEST
+
+/* A config.json that is some other JSON file (a link gone wrong, or one
+ * planted to read files): the message names the key's position only, none
+ * of the file's content. */
+START_TEST(config_errors_echo_no_foreign_content) {
+  moe_expert_config cfg;
+  moe_error err = {{0}};
+  const char *foreign = "{\"root:x:0:0\":\"secret-value\",\"num_experts\":8}";
+  ck_assert_int_eq(moe_expert_config_parse(foreign, &cfg, &err), MOE_EINVAL);
+  ck_assert_msg(strstr(err.msg, "root") == NULL && strstr(err.msg, "secret") == NULL, "echoed: %s", err.msg);
+  ck_assert_msg(strstr(err.msg, "key number 1") != NULL, "no position: %s", err.msg);
 }
 END_TEST
 
@@ -719,10 +755,11 @@ START_TEST(load_rejects) {
   ck_assert_int_eq(moe_expert_set_load(dir, "x", &set, &err), MOE_ENOTFOUND);
   ck_assert_msg_has(err, "safetensors");
 
-  /* a bad config names the file and the key */
+  /* a bad config names the file and the unknown key's position (not the key) */
   write_text(path, "{\"num_experts\":4,\"hidden_size\":128,\"intermediate_size\":64,\"topk\":2}");
   ck_assert_int_eq(moe_expert_set_load(dir, "x", &set, &err), MOE_EINVAL);
-  ck_assert_msg_has(err, "config.json: topk:");
+  ck_assert_msg_has(err, "config.json: config: key number 4");
+  ck_assert_msg(!strstr(err.msg, "topk"), "unknown key echoed: %s", err.msg);
 
   /* valid set, then tamper with it */
   ck_assert_int_eq(moe_expert_set_write_random(dir, &cfg, 5, &err), MOE_OK);
@@ -946,6 +983,8 @@ static Suite *suite(void) {
   tcase_set_timeout(tc, 600);
   tcase_add_test(tc, config_defaults_and_parse);
   tcase_add_loop_test(tc, config_errors_name_the_key, 0, (int)(sizeof cfg_cases / sizeof cfg_cases[0]));
+  tcase_add_test(tc, config_errors_echo_no_foreign_content);
+  tcase_add_test(tc, config_json_round_trips_doubles_exactly);
   tcase_add_loop_test(tc, write_and_load_every_scheme, 0,
                       (int)(sizeof scheme_cases / sizeof scheme_cases[0]));
   tcase_add_test(tc, write_is_deterministic);
