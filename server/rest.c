@@ -117,8 +117,8 @@ static void submit(moed_rest *r, moed_http_conn *c, const moed_http_request *rq,
   moed_http_peer(c, peer + 5, sizeof peer - 5);
   if (who[0]) snprintf(peer + strlen(peer), sizeof peer - strlen(peer), " token '%s'", who);
   if (auth != GRPC_STATUS_OK) {
-    moed_log(moed_method_changes(method) ? MOED_LOG_WARN : MOED_LOG_DEBUG, "auth_refused", "REST %s from %s: %s",
-             moed_method_name(method), peer, why);
+    moed_log(moed_method_changes(method) ? MOED_LOG_WARN : MOED_LOG_DEBUG, "auth_refused",
+             "REST %s from %s: %s", moed_method_name(method), peer, why);
     if (payload) grpc_byte_buffer_destroy(payload);
     free(k);
     return moed_http_respond_error(c, moed_http_status_from_grpc(auth), why);
@@ -834,29 +834,34 @@ static void model(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const 
   if (rq->method != (post ? HTTP_POST : HTTP_GET))
     return moed_http_respond_error(c, 405, post ? "infer takes POST" : "this endpoint takes GET");
   if (post) return infer(r, c, rq, name, version);
-  if (!*action) {
-    Inference__ModelMetadataRequest m = INFERENCE__MODEL_METADATA_REQUEST__INIT;
-    m.name = (char *)name;
-    m.version = (char *)version;
-    call(r, c, rq, MOED_M_MODEL_METADATA, &m.base);
-  } else if (!strcmp(action, "ready")) {
-    Inference__ModelReadyRequest m = INFERENCE__MODEL_READY_REQUEST__INIT;
-    m.name = (char *)name;
-    m.version = (char *)version;
-    call(r, c, rq, MOED_M_MODEL_READY, &m.base);
-  } else if (!strcmp(action, "config")) {
-    Inference__ModelConfigRequest m = INFERENCE__MODEL_CONFIG_REQUEST__INIT;
-    m.name = (char *)name;
-    m.version = (char *)version;
-    call(r, c, rq, MOED_M_MODEL_CONFIG, &m.base);
-  } else if (!strcmp(action, "stats")) {
-    Inference__ModelStatisticsRequest m = INFERENCE__MODEL_STATISTICS_REQUEST__INIT;
-    m.name = (char *)name;
-    m.version = (char *)version;
-    call(r, c, rq, MOED_M_MODEL_STATISTICS, &m.base);
-  } else {
-    no_endpoint(c, path);
+  /* the GETs on a model: each a request message of (name, version) */
+  static const struct {
+    const char *action;
+    moed_method method;
+    const ProtobufCMessageDescriptor *d;
+  } gets[] = {
+      {"", MOED_M_MODEL_METADATA, &inference__model_metadata_request__descriptor},
+      {"ready", MOED_M_MODEL_READY, &inference__model_ready_request__descriptor},
+      {"config", MOED_M_MODEL_CONFIG, &inference__model_config_request__descriptor},
+      {"stats", MOED_M_MODEL_STATISTICS, &inference__model_statistics_request__descriptor},
+  };
+  for (size_t i = 0; i < sizeof gets / sizeof gets[0]; i++) {
+    if (strcmp(action, gets[i].action)) continue;
+    union {
+      ProtobufCMessage base;
+      Inference__ModelMetadataRequest a;
+      Inference__ModelReadyRequest b;
+      Inference__ModelConfigRequest c;
+      Inference__ModelStatisticsRequest d;
+    } m;
+    protobuf_c_message_init(gets[i].d, &m);
+    *(const char **)((char *)&m +
+                     protobuf_c_message_descriptor_get_field_by_name(gets[i].d, "name")->offset) = name;
+    *(const char **)((char *)&m +
+                     protobuf_c_message_descriptor_get_field_by_name(gets[i].d, "version")->offset) = version;
+    return call(r, c, rq, gets[i].method, &m.base);
   }
+  no_endpoint(c, path);
 }
 
 static void on_request(moed_http_conn *c, moed_http_request *rq, void *arg) {
