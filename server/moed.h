@@ -546,8 +546,8 @@ typedef struct moed_http_request {
   char *body;      /* body_len bytes and a NUL (NULL: no body); the handler may take it (free, set NULL) */
   size_t body_len; /* at most max_body */
   int64_t inference_header_length; /* Inference-Header-Content-Length; -1 absent, -2 not a number */
-  char authorization[300];          /* the Authorization header's value (cut: no token matches) */
-  int authorization_len;            /* -1: absent */
+  char authorization[300];         /* the Authorization header's value (cut: no token matches) */
+  int authorization_len;           /* -1: absent */
 } moed_http_request;
 
 /* Called on the loop with each request; it answers with moed_http_respond*

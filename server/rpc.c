@@ -129,7 +129,7 @@ struct moed_rpc {
   /* a local call (moed_rpc_local): no gRPC call, the answer goes here */
   moed_rpc_done_fn done;
   void *done_arg;
-  char peer[320];   /* repository changes: address, certificate subject, token name */
+  char peer[320]; /* repository changes: address, certificate subject, token name */
 };
 
 struct moed_rpc_server {
