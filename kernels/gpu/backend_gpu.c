@@ -545,6 +545,16 @@ static void gpu_destroy(moe_backend *b) {
   b->context = NULL;
 }
 
+/* Biases and mxfp4 codes are handled by the tensor-core GEMM's epilogue
+ * and tile loader only; the portable GEMM (AMD, shapes the tensor cores do
+ * not take) reads 16-bit or wna16 weights without biases. */
+static const char *gpu_fused_lacks(const moe_backend *b, const moe_expert_config *cfg) {
+  if (moe_gpu_fused_packs((moe_backend *)b, cfg)) return NULL; /* reads the device's properties only */
+  if (cfg->scheme == MOE_SCHEME_MXFP4) return "scheme mxfp4 off the tensor-core path";
+  if (cfg->has_bias) return "expert biases (w13_bias, w2_bias) off the tensor-core path";
+  return NULL;
+}
+
 static const struct moe_backend_i gpu_iface = {
     .alloc = gpu_alloc,
     .free = gpu_free,
@@ -555,6 +565,7 @@ static const struct moe_backend_i gpu_iface = {
     .destroy = gpu_destroy,
     .trim = gpu_trim,
     .memory = gpu_memory,
+    .fused_lacks = gpu_fused_lacks,
 };
 
 int moe_backend_device_count(const char **why) {

@@ -833,7 +833,8 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   const int act = args->act == MOE_BF16 ? A_BF16 : A_F16;
   if (tc) {
     if (c->owned_set && (s = moe_gpu_inline_packed(b, args->set, dev, err))) return s;
-    const bool wna16 = cfg->scheme == MOE_SCHEME_WNA16;
+    /* packed codes with per-group scales: wna16, and mxfp4 (groups of 32, e8m0 scales) */
+    const bool mx = cfg->scheme == MOE_SCHEME_MXFP4, wna16 = cfg->scheme == MOE_SCHEME_WNA16 || mx;
     TcArgs t1;
     memset(&t1, 0, sizeof t1);
     t1.inter = (int)inter;
@@ -856,12 +857,18 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
       t.n = (int)(m == 0 ? 2 * inter : hidden);
       t.k = (int)(m == 0 ? hidden : inter);
       t.w = (const uint8_t *)dev[ws_];
-      t.group = cfg->group_size == -1 || !wna16 ? t.k : (int)cfg->group_size;
+      t.group = mx ? 32 : cfg->group_size == -1 || !wna16 ? t.k : (int)cfg->group_size;
       t.groups = t.k / t.group;
       if (wna16) {
         t.scale = (const float *)dev[ss];
         t.zero = cfg->has_zero_points ? (const uint8_t *)dev[zs] : NULL;
         t.scale16 = args->set->t[ss].dtype == args->act;
+      }
+      /* the expert biases, added to the sums in the epilogue (docs/numerics.md) */
+      const int bs = m == 0 ? MOE_W13_BIAS : MOE_W2_BIAS;
+      if (cfg->has_bias) {
+        t.bias = dev[bs];
+        t.bias_dt = (int)args->set->t[bs].dtype;
       }
       t.phase = m + 1;
     }

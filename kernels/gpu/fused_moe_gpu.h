@@ -127,6 +127,8 @@ struct TcArgs {
   int split;   /* K segments (moe_tc_split; 1 for phase 1 and the bulk path) */
   int slots;   /* split > 1: rows of each segment's part */
   float *part; /* split > 1: the segments' fp32 sums [split][slots][hidden], no routing weight */
+  const void *bias; /* the GEMM's expert biases [E][N] in the files' row order (NULL: none) */
+  int bias_dt;      /* their moe_dtype: F32, F16 or BF16 */
 };
 
 /* Whether a set takes this path: gpu.h's moe_gpu_fused_packs. */

@@ -70,9 +70,10 @@ size_t moe_tc_packed_bytes(const moe_expert_config *cfg, int slot) {
   const bool w13 =
       slot == MOE_W13 || slot == MOE_W13_QWEIGHT || slot == MOE_W13_SCALES || slot == MOE_W13_QZEROS;
   const size_t n = w13 ? 2 * in : h, k = w13 ? h : in;
-  const size_t groups = cfg->group_size == -1 ? 1 : k / (size_t)cfg->group_size;
-  if (cfg->scheme != MOE_SCHEME_WNA16) return slot == MOE_W13 || slot == MOE_W2 ? e * n * k * 2 : 0;
-  if (slot == MOE_W13_QWEIGHT || slot == MOE_W2_QWEIGHT) return e * n * k * (size_t)cfg->bits / 8;
+  const bool fp4 = cfg->scheme == MOE_SCHEME_MXFP4;
+  const size_t groups = fp4 ? k / 32 : cfg->group_size == -1 ? 1 : k / (size_t)cfg->group_size;
+  if (cfg->scheme != MOE_SCHEME_WNA16 && !fp4) return slot == MOE_W13 || slot == MOE_W2 ? e * n * k * 2 : 0;
+  if (slot == MOE_W13_QWEIGHT || slot == MOE_W2_QWEIGHT) return e * n * k * (fp4 ? 4 : (size_t)cfg->bits) / 8;
   if (slot == MOE_W13_SCALES || slot == MOE_W2_SCALES) return e * groups * n * 4;
   if ((slot == MOE_W13_QZEROS || slot == MOE_W2_QZEROS) && cfg->has_zero_points) return e * groups * n;
   return 0;
@@ -109,13 +110,19 @@ namespace {
 constexpr int KB = 64;    /* K columns per pipeline stage */
 constexpr int RASTER = 8; /* tiles per group of the block order (tc_gemm) */
 
-enum { TW_16, TW_INT4, TW_INT8 };
+/* weight kinds: 16-bit rows, int4 / int8 codes (wna16), fp4 e2m1 codes
+ * (mxfp4: packed as int4, dequantized by value) */
+enum { TW_16, TW_INT4, TW_INT8, TW_FP4 };
+__host__ __device__ constexpr bool four_bit(int w) { return w == TW_INT4 || w == TW_FP4; }
 
 /* bytes of one packed 16-row x KB block */
 __host__ __device__ constexpr int chunk_bytes(int w) { return w == TW_16 ? 2048 : w == TW_INT8 ? 1024 : 512; }
 
 int tc_wkind(const moe_expert_config *cfg) {
-  return cfg->scheme != MOE_SCHEME_WNA16 ? TW_16 : cfg->bits == 4 ? TW_INT4 : TW_INT8;
+  return cfg->scheme == MOE_SCHEME_MXFP4   ? TW_FP4
+         : cfg->scheme != MOE_SCHEME_WNA16 ? TW_16
+         : cfg->bits == 4                  ? TW_INT4
+                                           : TW_INT8;
 }
 
 /* Tile configurations: WG warpgroups, each 64 weight rows (16 per warp) x
@@ -353,7 +360,24 @@ struct Deq {
 template <int W, int ACT>
 __device__ __forceinline__ void dequant(const uint32_t *words, const Deq &d, bool scale16,
                                         uint32_t (&out)[4]) {
-  if (W == TW_INT4) {
+  if (W == TW_FP4) {
+    /* e2m1 code c (sign, 2 exponent bits, 1 mantissa bit) as a 16-bit float
+     * by its bits: the sign to bit 15, the rest under the exponent field's
+     * low end, so the value is value(c) x 2^-126 (bf16) or x 2^-14 (fp16),
+     * exact (a subnormal for c's subnormal half); then value(c) x 2^(b - 127)
+     * in fp32, rounded once to act (docs/numerics.md mxfp4; fp32 scales) */
+    const float mag = ACT == A_BF16 ? 0x1p126f : 0x1p14f;
+    const uint32_t w = words[0];
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+      const uint32_t x = (w >> (4 * p)) & 0x000F000Fu;
+      const uint32_t bits =
+          ((x << 12) & 0x80008000u) | (ACT == A_BF16 ? (x << 6) & 0x01C001C0u : (x << 9) & 0x0E000E00u);
+      float lo, hi;
+      unpack2<ACT>(bits, lo, hi);
+      out[p] = pack2<ACT>(lo * mag * d.s[p & 1], hi * mag * d.s[p & 1]);
+    }
+  } else if (W == TW_INT4) {
     const uint32_t base = ACT == A_BF16 ? 0x43004300u : 0x64006400u, w = words[0];
 #pragma unroll
     for (int p = 0; p < 4; p++) {
@@ -427,10 +451,28 @@ __host__ __device__ __forceinline__ size_t kmajor(int col, int pos, int cap) {
  * a.cap rows, for the bulk down GEMM; else row-major). Phase 2: the
  * routing-weighted row of each slot in y, or (seg >= 0) the segment's fp32
  * sums for the sum kernel to fold. */
+__device__ __forceinline__ float bias_at(const TcArgs &a, size_t i) {
+  return a.bias_dt == MOE_F16    ? moe_f16_to_f32(((const uint16_t *)a.bias)[i])
+         : a.bias_dt == MOE_BF16 ? moe_bf16_to_f32(((const uint16_t *)a.bias)[i])
+                                 : ((const float *)a.bias)[i];
+}
+
 template <int ACT, bool KMAJOR, int NT>
 __device__ __forceinline__ void store_tile(const TcArgs &a, const float (&acc)[NT][4], int mt, int lane,
-                                           int rows, int row, const int *slot_of, const float *tw_of,
-                                           int seg) {
+                                           int rows, int row, const int *slot_of, const float *tw_of, int seg,
+                                           int e) {
+  /* expert e's biases of this lane's rows, added to the sums before their
+   * rounding (phase 1: the unit's gate and up rows, in the files' order;
+   * phase 2: rows h, h + 8, before the routing weight; a set with biases
+   * is never split in K: moe_tc_split) */
+  float b0 = 0.0f, b1 = 0.0f;
+  if (a.bias) {
+    const int u = 8 * mt + (lane >> 2), il = a.activation == MOE_ACT_SWIGLU_OAI;
+    const size_t base = (size_t)e * (size_t)a.n;
+    b0 = bias_at(a, base + (size_t)(a.phase == 1 ? (il ? 2 * u : u) : 16 * mt + (lane >> 2)));
+    b1 = bias_at(a,
+                 base + (size_t)(a.phase == 1 ? (il ? 2 * u + 1 : a.inter + u) : 16 * mt + (lane >> 2) + 8));
+  }
 #pragma unroll
   for (int j = 0; j < NT; j++)
 #pragma unroll
@@ -439,7 +481,8 @@ __device__ __forceinline__ void store_tile(const TcArgs &a, const float (&acc)[N
       if (tok >= rows) continue;
       if (a.phase == 1) {
         const int unit = 8 * mt + (lane >> 2);
-        const float v = activate<ACT>(a.activation, act_round<ACT>(acc[j][q]), act_round<ACT>(acc[j][2 + q]));
+        const float v =
+            activate<ACT>(a.activation, act_round<ACT>(acc[j][q] + b0), act_round<ACT>(acc[j][2 + q] + b1));
         a.out[KMAJOR ? kmajor(unit, row + tok, a.cap)
                      : (size_t)(row + tok) * (size_t)a.inter + (size_t)unit] = to16<ACT>(v);
         continue;
@@ -451,8 +494,8 @@ __device__ __forceinline__ void store_tile(const TcArgs &a, const float (&acc)[N
         p[8] = acc[j][2 + q];
       } else {
         const float w = tw_of[tok];
-        a.out[(size_t)slot * (size_t)a.hidden + (size_t)h] = to16<ACT>(acc[j][q] * w);
-        a.out[(size_t)slot * (size_t)a.hidden + (size_t)(h + 8)] = to16<ACT>(acc[j][2 + q] * w);
+        a.out[(size_t)slot * (size_t)a.hidden + (size_t)h] = to16<ACT>((acc[j][q] + b0) * w);
+        a.out[(size_t)slot * (size_t)a.hidden + (size_t)(h + 8)] = to16<ACT>((acc[j][2 + q] + b1) * w);
       }
     }
 }
@@ -694,7 +737,7 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
         j++;
       };
       auto deq = [&](int ks, bool scale16) {
-        if (W == TW_INT4) {
+        if (four_bit(W)) {
           const uint32_t wd[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
           dequant<W, ACT>(&wd[ks], dq, scale16, af[ks]);
         } else {
@@ -833,7 +876,8 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
 #endif
     cp_async_wait<0>();
     pdl_next(); /* the next GEMM (or the sum) may launch: only this block's stores are left */
-    if (mt < mtc) store_tile<ACT, false>(a, ac.v, mt, lane, rows, row0, slot_of, tw_of, SPLIT ? seg_of : -1);
+    if (mt < mtc)
+      store_tile<ACT, false>(a, ac.v, mt, lane, rows, row0, slot_of, tw_of, SPLIT ? seg_of : -1, e);
   };
   auto main_loop = [&](auto mode) {
     Acc ac;
@@ -931,7 +975,7 @@ __device__ __forceinline__ int bulk_cols(int rows) {
 template <int N, int ACT>
 __device__ __forceinline__ void bulk_item(const TcArgs &a, uint8_t *smem, uint64_t *full, uint64_t *empty,
                                           int nkb, int n0, int ti, int rows, const int *slot_of,
-                                          const float *tw_of) {
+                                          const float *tw_of, int e) {
   using namespace bulk;
   const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
   float acc[N / 8][4];
@@ -961,7 +1005,7 @@ __device__ __forceinline__ void bulk_item(const TcArgs &a, uint8_t *smem, uint64
   fence_acc(acc);
   pdl_next();
   const int mt = n0 / 16 + warp;
-  if (mt < a.n / 16) store_tile<ACT, true>(a, acc, mt, lane, rows, ti * BT, slot_of, tw_of, -1);
+  if (mt < a.n / 16) store_tile<ACT, true>(a, acc, mt, lane, rows, ti * BT, slot_of, tw_of, -1, e);
 }
 #endif
 
@@ -1008,10 +1052,10 @@ template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_b
     return;
   }
   switch (cols) {
-  case 16: bulk_item<16, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of); break;
-  case 32: bulk_item<32, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of); break;
-  case 64: bulk_item<64, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of); break;
-  default: bulk_item<128, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of); break;
+  case 16: bulk_item<16, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e); break;
+  case 32: bulk_item<32, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e); break;
+  case 64: bulk_item<64, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e); break;
+  default: bulk_item<128, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e); break;
   }
 #else
   (void)a; /* moe_tc_bulk is false off sm_90a */
@@ -1129,7 +1173,9 @@ __global__ void pack_groups(const void *scales, int scale_dt, const uint8_t *zer
     const size_t si = ((size_t)e * n + r) * groups + g;
     s_out[i] = scale_dt == MOE_F16    ? moe_f16_to_f32(((const uint16_t *)scales)[si])
                : scale_dt == MOE_BF16 ? moe_bf16_to_f32(((const uint16_t *)scales)[si])
-                                      : ((const float *)scales)[si];
+               : scale_dt == MOE_UINT8 /* e8m0 (mxfp4; 0xFF refused at load): 2^(b - 127), exact */
+                   ? ldexpf(1.0f, (int)((const uint8_t *)scales)[si] - 127)
+                   : ((const float *)scales)[si];
     if (zeros) {
       if (bits == 4) {
         const uint8_t b = zeros[((size_t)e * (n / 2) + r / 2) * groups + g];
@@ -1249,10 +1295,11 @@ int moe_tc_choose(moe_backend *b, const moe_expert_config *cfg, int64_t avg) {
    * kind (0: never); measured on the H200 (bench/RESULTS.md, tile choice).
    * The 128 x 64 tile pays for 16-bit weights only: with int4/int8 its
    * two warpgroups per block leave too few warps for the dequantization. */
-  static const int64_t upto[3][TC_CONFIGS] = {
+  static const int64_t upto[4][TC_CONFIGS] = {
       /* TW_16 */ {4, 16, 48, INT64_MAX},
       /* TW_INT4 */ {4, 48, 0, INT64_MAX},
       /* TW_INT8 */ {4, 48, 0, INT64_MAX},
+      /* TW_FP4 */ {4, 48, 0, INT64_MAX},
   };
   for (int c = 0; c < TC_CONFIGS; c++)
     if (avg <= upto[w][c]) return c;
@@ -1268,8 +1315,8 @@ int moe_tc_split(const moe_expert_config *cfg) {
   constexpr int SEGS = 4;
   const int64_t n = cfg->hidden_size, k = cfg->intermediate_size;
   const int64_t g = cfg->group_size == -1 ? k : cfg->group_size;
-  if (cfg->scheme != MOE_SCHEME_WNA16 || n / 64 > 64 || k < 8192 || (k / KB) % SEGS || (k / SEGS) % g ||
-      n % 8)
+  if (cfg->scheme != MOE_SCHEME_WNA16 || cfg->has_bias || n / 64 > 64 || k < 8192 || (k / KB) % SEGS ||
+      (k / SEGS) % g || n % 8)
     return 1;
   return SEGS;
 }
@@ -1294,9 +1341,11 @@ moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_
 
 extern "C" bool moe_gpu_fused_packs(moe_backend *b, const moe_expert_config *cfg) {
   if (moe_gpu_cc_major(b) < 8) return false;
-  /* K of both GEMMs a multiple of 2 KB: the main loop runs stages in pairs */
+  /* K of both GEMMs whole KB blocks (an odd count too: gpt-oss's 2880 is
+   * 45; the main loop's last pair of stages may be one) */
   const int64_t h = cfg->hidden_size, in = cfg->intermediate_size, g = cfg->group_size;
-  if (h % (2 * KB) || in % (2 * KB)) return false;
+  if (h % KB || in % KB) return false;
+  if (cfg->scheme == MOE_SCHEME_MXFP4) return true; /* groups of 32 */
   if (cfg->scheme != MOE_SCHEME_WNA16) return true;
   return g == -1 || g % KB == 0 || g == 16 || g == 32;
 }
@@ -1310,20 +1359,19 @@ moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_d
   for (int m = 0; m < 2; m++) {
     const bool w13 = m == 0;
     const int n = w13 ? 2 * in : h, k = w13 ? h : in;
-    const int ws =
-        cfg->scheme != MOE_SCHEME_WNA16 ? (w13 ? MOE_W13 : MOE_W2) : (w13 ? MOE_W13_QWEIGHT : MOE_W2_QWEIGHT);
+    const int ws = w == TW_16 ? (w13 ? MOE_W13 : MOE_W2) : (w13 ? MOE_W13_QWEIGHT : MOE_W2_QWEIGHT);
     const unsigned nb = blocks_for((size_t)e * (n / 16) * (k / KB) * 32, b);
     const uint8_t *s = (const uint8_t *)src[ws];
     uint8_t *d = (uint8_t *)dst[ws];
     if (w == TW_16)
       pack_weights<TW_16><<<nb, 256, 0, st>>>(s, d, e, n, k, w13, in, il);
-    else if (w == TW_INT4)
+    else if (four_bit(w)) /* fp4 codes are laid out as int4 ones */
       pack_weights<TW_INT4><<<nb, 256, 0, st>>>(s, d, e, n, k, w13, in, il);
     else
       pack_weights<TW_INT8><<<nb, 256, 0, st>>>(s, d, e, n, k, w13, in, il);
     if (w != TW_16) {
       const int ss = w13 ? MOE_W13_SCALES : MOE_W2_SCALES, zs = w13 ? MOE_W13_QZEROS : MOE_W2_QZEROS;
-      const int groups = cfg->group_size == -1 ? 1 : k / (int)cfg->group_size;
+      const int groups = w == TW_FP4 ? k / 32 : cfg->group_size == -1 ? 1 : k / (int)cfg->group_size;
       pack_groups<<<blocks_for((size_t)e * groups * n, b), 256, 0, st>>>(
           src[ss], (int)scale_dt[m], cfg->has_zero_points ? (const uint8_t *)src[zs] : NULL, cfg->bits,
           (float *)dst[ss], cfg->has_zero_points ? (uint8_t *)dst[zs] : NULL, e, n, groups, w13, in, il);
@@ -1340,6 +1388,7 @@ moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, in
   switch (tc_wkind(cfg)) {
   case TW_INT4: return launch_act<TW_INT4>(b, act, config, max_tiles, a, err);
   case TW_INT8: return launch_act<TW_INT8>(b, act, config, max_tiles, a, err);
+  case TW_FP4: return launch_act<TW_FP4>(b, act, config, max_tiles, a, err);
   default: return launch_act<TW_16>(b, act, config, max_tiles, a, err);
   }
 }

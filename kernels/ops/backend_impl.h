@@ -9,6 +9,7 @@
 #define MOE_OPS_BACKEND_IMPL_H
 
 #include "moe/backend.h"
+#include "moe/expert_set.h" /* moe_expert_config */
 
 #ifdef __cplusplus
 extern "C" {
@@ -35,6 +36,11 @@ struct moe_backend_i {
   size_t (*trim)(moe_backend *b);
   /* optional (NULL: zeros): moe_backend_memory_get */
   void (*memory)(const moe_backend *b, moe_backend_memory *out);
+  /* optional, for backends whose fused_moe serves some sets of a scheme the
+   * descriptor marks gpu and not others (NULL: every such set, no biases):
+   * what of the set has no kernel here ("expert biases ..."), NULL when it
+   * all runs (moe_call_check_backend) */
+  const char *(*fused_lacks)(const moe_backend *b, const moe_expert_config *cfg);
 };
 
 struct moe_backend {

@@ -40,10 +40,12 @@ moe_status moe_call_check_backend(const moe_call *c, const moe_backend *b, moe_e
     return moe_fail(err, MOE_EUNSUPPORTED,
                     "fused_moe: scheme %s has no GPU kernel yet (the CPU backend serves it)",
                     moe_scheme_names[set->cfg.scheme]);
-  if (set->cfg.has_bias)
-    return moe_fail(err, MOE_EUNSUPPORTED,
-                    "fused_moe: expert biases (w13_bias, w2_bias) have no GPU kernel yet (the CPU backend "
-                    "serves them)");
+  const char *lacks = b->iface->fused_lacks ? b->iface->fused_lacks(b, &set->cfg)
+                      : set->cfg.has_bias   ? "expert biases (w13_bias, w2_bias)"
+                                            : NULL;
+  if (lacks)
+    return moe_fail(err, MOE_EUNSUPPORTED, "fused_moe: %s: no kernel on %s (the CPU backend serves it)",
+                    lacks, b->name);
   return MOE_OK;
 }
 

@@ -589,31 +589,45 @@ typedef struct fm_case {
   bool zeros;
   moe_dtype scale_t;
   int64_t hidden, inter;
+  moe_dtype bias_t; /* w13_bias / w2_bias; MOE_DTYPE_INVALID (0): none */
 } fm_case;
 
 static const fm_case fm_cases[] = {
-    {"bf16", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 2048, 384},
-    {"fp16", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 1152, 256}, /* H: a half weight strip */
-    {"bf16 odd sizes", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 72, 20},
-    {"fp16 odd sizes", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 40, 36},
-    {"int4 g128 bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 128, false, MOE_BF16, 2048, 384},
-    {"int4 g128 zp fp16", MOE_SCHEME_WNA16, MOE_F16, 4, 128, true, MOE_F16, 1024, 256},
-    {"int4 g64 zp fp16", MOE_SCHEME_WNA16, MOE_F16, 4, 64, true, MOE_F16, 512, 256},
-    {"int4 g32 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 32, true, MOE_F32, 512, 128},
-    {"int4 g-1 fp16", MOE_SCHEME_WNA16, MOE_F16, 4, -1, false, MOE_F32, 512, 128},
-    {"int4 g-1 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, -1, true, MOE_BF16, 256, 128},
-    {"int4 g4 zp odd sizes", MOE_SCHEME_WNA16, MOE_BF16, 4, 4, true, MOE_F32, 72, 20},
-    {"int4 g3 odd groups", MOE_SCHEME_WNA16, MOE_F16, 4, 3, false, MOE_F16, 48, 18},
-    {"int4 g16 bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 16, false, MOE_BF16, 1024, 128},
-    {"int8 g128 bf16", MOE_SCHEME_WNA16, MOE_BF16, 8, 128, false, MOE_BF16, 1024, 256},
-    {"int8 g64 zp fp16", MOE_SCHEME_WNA16, MOE_F16, 8, 64, true, MOE_F32, 512, 128},
-    {"int8 g32 fp16", MOE_SCHEME_WNA16, MOE_F16, 8, 32, false, MOE_F16, 256, 128},
-    {"int8 g-1 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 8, -1, true, MOE_F32, 256, 128},
-    {"int8 g5 zp odd sizes", MOE_SCHEME_WNA16, MOE_BF16, 8, 5, true, MOE_BF16, 40, 30},
+    {"bf16", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 2048, 384, MOE_DTYPE_INVALID},
+    {"fp16", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 1152, 256,
+     MOE_DTYPE_INVALID}, /* H: a half weight strip */
+    {"bf16 odd sizes", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 72, 20, MOE_DTYPE_INVALID},
+    {"fp16 odd sizes", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 40, 36, MOE_DTYPE_INVALID},
+    {"int4 g128 bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 128, false, MOE_BF16, 2048, 384, MOE_DTYPE_INVALID},
+    {"int4 g128 zp fp16", MOE_SCHEME_WNA16, MOE_F16, 4, 128, true, MOE_F16, 1024, 256, MOE_DTYPE_INVALID},
+    {"int4 g64 zp fp16", MOE_SCHEME_WNA16, MOE_F16, 4, 64, true, MOE_F16, 512, 256, MOE_DTYPE_INVALID},
+    {"int4 g32 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 32, true, MOE_F32, 512, 128, MOE_DTYPE_INVALID},
+    {"int4 g-1 fp16", MOE_SCHEME_WNA16, MOE_F16, 4, -1, false, MOE_F32, 512, 128, MOE_DTYPE_INVALID},
+    {"int4 g-1 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, -1, true, MOE_BF16, 256, 128, MOE_DTYPE_INVALID},
+    {"int4 g4 zp odd sizes", MOE_SCHEME_WNA16, MOE_BF16, 4, 4, true, MOE_F32, 72, 20, MOE_DTYPE_INVALID},
+    {"int4 g3 odd groups", MOE_SCHEME_WNA16, MOE_F16, 4, 3, false, MOE_F16, 48, 18, MOE_DTYPE_INVALID},
+    {"int4 g16 bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 16, false, MOE_BF16, 1024, 128, MOE_DTYPE_INVALID},
+    {"int8 g128 bf16", MOE_SCHEME_WNA16, MOE_BF16, 8, 128, false, MOE_BF16, 1024, 256, MOE_DTYPE_INVALID},
+    {"int8 g64 zp fp16", MOE_SCHEME_WNA16, MOE_F16, 8, 64, true, MOE_F32, 512, 128, MOE_DTYPE_INVALID},
+    {"int8 g32 fp16", MOE_SCHEME_WNA16, MOE_F16, 8, 32, false, MOE_F16, 256, 128, MOE_DTYPE_INVALID},
+    {"int8 g-1 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 8, -1, true, MOE_F32, 256, 128, MOE_DTYPE_INVALID},
+    {"int8 g5 zp odd sizes", MOE_SCHEME_WNA16, MOE_BF16, 8, 5, true, MOE_BF16, 40, 30, MOE_DTYPE_INVALID},
     /* K not a multiple of 128: the portable GEMM on every GPU */
-    {"int4 g16 bf16 K%128", MOE_SCHEME_WNA16, MOE_BF16, 4, 16, false, MOE_BF16, 1056, 96},
+    {"int4 g16 bf16 K%128", MOE_SCHEME_WNA16, MOE_BF16, 4, 16, false, MOE_BF16, 1056, 96, MOE_DTYPE_INVALID},
     /* the down GEMM in K segments (moe_tc_split: few strips, K >= 8192) */
-    {"int4 g128 bf16 split K", MOE_SCHEME_WNA16, MOE_BF16, 4, 128, false, MOE_BF16, 256, 8192},
+    {"int4 g128 bf16 split K", MOE_SCHEME_WNA16, MOE_BF16, 4, 128, false, MOE_BF16, 256, 8192,
+     MOE_DTYPE_INVALID},
+    /* K an odd number of 64-column blocks (gpt-oss: 2880 = 45 x 64) */
+    {"int4 g64 zp bf16 odd KB", MOE_SCHEME_WNA16, MOE_BF16, 4, 64, true, MOE_F32, 320, 192,
+     MOE_DTYPE_INVALID},
+    {"bf16 odd KB", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 192, 320, MOE_DTYPE_INVALID},
+    /* mxfp4 (e2m1 codes, e8m0 scales per 32) and expert biases, every scheme */
+    {"mxfp4 bf16", MOE_SCHEME_MXFP4, MOE_BF16, 0, 32, false, MOE_UINT8, 512, 256, MOE_DTYPE_INVALID},
+    {"mxfp4 fp16 bias fp16 odd KB", MOE_SCHEME_MXFP4, MOE_F16, 0, 32, false, MOE_UINT8, 320, 192, MOE_F16},
+    {"mxfp4 bf16 bias f32", MOE_SCHEME_MXFP4, MOE_BF16, 0, 32, false, MOE_UINT8, 1024, 256, MOE_F32},
+    {"bf16 bias bf16", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 512, 256, MOE_BF16},
+    {"fp16 bias f32", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 256, 192, MOE_F32},
+    {"int4 g128 bf16 bias bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 128, false, MOE_BF16, 512, 256, MOE_BF16},
 };
 #define FM_EXPERTS 12
 #define FM_TOPK 4
@@ -651,6 +665,30 @@ static void fm_make(fm_model *m, const fm_case *c, moe_activation act, int64_t e
   m->activation = act;
   m->experts = experts;
   const int64_t e = experts, h = c->hidden, i2 = 2 * c->inter, in = c->inter;
+  if (c->bias_t) { /* U(-0.25, 0.25) */
+    fm_add(m, MOE_W13_BIAS, c->bias_t, e, i2, 1, c->bias_t == MOE_F32 ? 4 : 2);
+    fm_add(m, MOE_W2_BIAS, c->bias_t, e, h, 1, c->bias_t == MOE_F32 ? 4 : 2);
+    m->t[m->nt - 2].tensor.ndim = m->t[m->nt - 1].tensor.ndim = 2;
+    for (size_t j = 0; j < (size_t)(e * i2); j++)
+      store16(m->buf[MOE_W13_BIAS], c->bias_t, j, urand(-0.25f, 0.25f));
+    for (size_t j = 0; j < (size_t)(e * h); j++)
+      store16(m->buf[MOE_W2_BIAS], c->bias_t, j, urand(-0.25f, 0.25f));
+  }
+  if (c->scheme == MOE_SCHEME_MXFP4) { /* random codes, e8m0 scales near 1 / (2.93 sqrt(K)) */
+    for (int g = 0; g < 2; g++) {
+      const int64_t n = g ? h : i2, k = g ? in : h;
+      const moe_expert_tensor q = g ? MOE_W2_QWEIGHT : MOE_W13_QWEIGHT,
+                              sc = g ? MOE_W2_SCALES : MOE_W13_SCALES;
+      fm_add(m, q, MOE_UINT8, e, n, k / 2, 1);
+      fm_add(m, sc, MOE_UINT8, e, n, k / 32, 1);
+      for (size_t j = 0; j < (size_t)(e * n * k / 2); j++)
+        ((uint8_t *)m->buf[q])[j] = (uint8_t)rng();
+      const int base = 127 + (int)floor(log2(1.0 / (2.93 * sqrt((double)k))));
+      for (size_t j = 0; j < (size_t)(e * n * k / 32); j++)
+        ((uint8_t *)m->buf[sc])[j] = (uint8_t)(base + (int)(rng() % 2));
+    }
+    return;
+  }
   if (c->scheme != MOE_SCHEME_WNA16) {
     fm_add(m, MOE_W13, c->act, e, i2, h, 2);
     fm_add(m, MOE_W2, c->act, e, h, in, 2);
@@ -674,6 +712,7 @@ static void fm_make(fm_model *m, const fm_case *c, moe_activation act, int64_t e
   for (size_t i = 0; i < m->nt; i++) {
     moe_tensor *t = &m->t[i].tensor;
     const size_t n = (size_t)(t->shape[0] * t->shape[1] * t->shape[2]);
+    if (strstr(m->t[i].name, "_bias")) continue; /* set above */
     if (strstr(m->t[i].name, "_scales")) {
       const float k = strncmp(m->t[i].name, "w13", 3) == 0 ? (float)h : (float)in;
       for (size_t j = 0; j < n; j++)
@@ -744,10 +783,14 @@ static void fm_run(const fm_model *m, const moe_expert_set *set, const fm_tokens
   if (!set)
     for (size_t i = 0; i < m->nt; i++)
       in[n++] = m->t[i];
-  moe_param p[1] = {pstr("activation", moe_activation_names[m->activation])};
+  moe_param p[2] = {pstr("activation", moe_activation_names[m->activation]), pstr("scheme", "mxfp4")};
   void *r[8], *g[8];
   size_t nb[8];
-  run_both("fused_moe", in, n, p, set ? 0 : 1, set, misalign, label, r, g, nb);
+  run_both("fused_moe", in, n, p,
+           set                             ? 0
+           : c->scheme == MOE_SCHEME_MXFP4 ? 2
+                                           : 1,
+           set, misalign, label, r, g, nb);
   *ref = r[0];
   *got = g[0];
 }
@@ -816,8 +859,8 @@ END_TEST
  * odd sizes), a small batch (256 align threads) and a large one. */
 START_TEST(fused_many_experts) {
   static const fm_case cases[] = {
-      {"bf16 128", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 128, 128},
-      {"bf16 odd sizes", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 72, 20},
+      {"bf16 128", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 128, 128, MOE_DTYPE_INVALID},
+      {"bf16 odd sizes", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 72, 20, MOE_DTYPE_INVALID},
   };
   const int64_t experts = 2100, Ts[] = {3, 700};
   char label[200];
@@ -845,8 +888,9 @@ END_TEST
 /* GPU only: a token's output bits alone, in a batch, and in another batch at
  * another position (other tokens, other expert loads) are identical. */
 START_TEST(fused_batch_invariance) {
-  const size_t picks[] = {0,  2,  4,
-                          13, 16, 19}; /* bf16, odd sizes, int4 g128, int8 g128, int8 g-1 zp, split K */
+  const size_t picks[] = {0,  2,  4, 13, 16,
+                          19, 22, 27}; /* bf16, odd sizes, int4 g128, int8 g128, int8 g-1 zp, split K, mxfp4,
+                                          int4 + bias */
   char label[200];
   for (size_t pi = 0; pi < sizeof picks / sizeof picks[0]; pi++) {
     const fm_case *c = &fm_cases[picks[pi]];
@@ -900,9 +944,9 @@ END_TEST
  * the generic one (MOE_GPU_TC_BULK=0). Shapes the path does not take
  * ignore the variables and pass trivially. */
 START_TEST(fused_tile_configs) {
-  const size_t picks[] = {
-      0,  1,  4,  5, 7,
-      12, 13, 14, 19}; /* bf16, fp16, int4 g128, g128 zp, g32 zp, g16, int8 g128, g64 zp, split K */
+  const size_t picks[] = {0,  1,  4,  5,  7, 12, 13,
+                          14, 19, 20, 23, 25}; /* bf16, fp16, int4 g128, g128 zp, g32 zp, g16, int8 g128, g64
+                                                  zp, split K, odd KB, mxfp4 + bias, bf16 + bias */
   static const char *const configs[] = {"small", "medium", "wide", "large", "large"};
   static const char *const bulk[] = {"1", "1", "1", "1", "0"};
   char label[200];
@@ -1113,19 +1157,20 @@ END_TEST
 
 /* ---- schemes without a GPU kernel ------------------------------------------------------ */
 
-/* fp8, mxfp4 and expert biases have no GPU kernel yet: a call on the GPU is
- * refused with MOE_EUNSUPPORTED naming what is missing, before any memory is
- * touched (so host pointers are safe here), and never computed as if the
- * weights were 16-bit; the CPU runs the same call (docs/design.md "Weight
- * schemes on the GPU"). */
+/* fp8 has no GPU kernel yet, mxfp4 and expert biases none off the
+ * tensor-core path (K not whole 64-column blocks here: H = 96): a call on
+ * the GPU is refused with MOE_EUNSUPPORTED naming what is missing, before
+ * any memory is touched (so host pointers are safe here), and never
+ * computed as if the weights were 16-bit; the CPU runs the same call
+ * (docs/design.md "Weight schemes on the GPU"). */
 START_TEST(new_schemes_refused) {
   static const struct {
     moe_scheme scheme;
     bool bias;
     const char *needle;
   } cases[] = {{MOE_SCHEME_FP8, false, "scheme fp8"},
-               {MOE_SCHEME_MXFP4, false, "scheme mxfp4"},
-               {MOE_SCHEME_WNA16, true, "biases"}};
+               {MOE_SCHEME_MXFP4, false, "scheme mxfp4 off the tensor-core path"},
+               {MOE_SCHEME_WNA16, true, "biases (w13_bias, w2_bias) off the tensor-core path"}};
   char dir[] = "/tmp/moe_gpu_schemes_XXXXXX";
   ck_assert_ptr_nonnull(mkdtemp(dir));
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -1133,9 +1178,10 @@ START_TEST(new_schemes_refused) {
     moe_expert_config_defaults(&cfg);
     cfg.scheme = cases[i].scheme;
     cfg.num_experts = cfg.global_num_experts = 2;
-    cfg.hidden_size = 64;
+    cfg.hidden_size = 96;
     cfg.intermediate_size = 32;
     cfg.bits = cfg.scheme == MOE_SCHEME_WNA16 ? 4 : 0;
+    if (cfg.scheme == MOE_SCHEME_WNA16) cfg.group_size = 32;
     cfg.has_bias = cases[i].bias;
     char sub[64];
     snprintf(sub, sizeof sub, "%s/set%zu", dir, i);
@@ -1143,11 +1189,11 @@ START_TEST(new_schemes_refused) {
     moe_expert_set *set = NULL;
     ck_assert_msg(moe_expert_set_write_random(sub, &cfg, 1, &err) == MOE_OK, "%s", err.msg);
     ck_assert_msg(moe_expert_set_load(sub, "s", &set, &err) == MOE_OK, "%s", err.msg);
-    uint16_t x[64] = {0};
+    uint16_t x[96] = {0};
     int32_t ids[1] = {1};
     float w[1] = {1.0f};
-    uint16_t out[64];
-    moe_named_tensor in[] = {{"hidden_states", {MOE_BF16, 2, {1, 64}, x, sizeof x}},
+    uint16_t out[96];
+    moe_named_tensor in[] = {{"hidden_states", {MOE_BF16, 2, {1, 96}, x, sizeof x}},
                              {"topk_ids", {MOE_INT32, 2, {1, 1}, ids, sizeof ids}},
                              {"topk_weights", {MOE_F32, 2, {1, 1}, w, sizeof w}}};
     moe_params p = {NULL, 0};
