@@ -14,7 +14,7 @@
  * --matmul-tflops (bench/gpu/matmul_ceiling.py, same run).
  *
  *   moe-bench-gpu [--runs N] [--max-mib 1024]
- *   moe-bench-gpu --fused [--runs N] [--matmul-tflops X] [--max-tokens T] [--only NAME|bf16|int4[,...]]
+ *   moe-bench-gpu --fused [--runs N] [--matmul-tflops X] [--max-tokens T] [--only NAME|bf16|int4|mxfp4[,...]]
  *                 [--tokens T1,T2,...] [--tune FILE]
  *
  * --tune FILE: also times every tile configuration of the tensor-core path
@@ -134,14 +134,16 @@ static uint64_t bnext(void) {
 static float bunif(float lo, float hi) { return lo + (hi - lo) * (float)(bnext() >> 40) / (float)(1 << 24); }
 
 /* dst[0, n) on the device from a 64 MiB host pattern of kind: 0 bf16 U(-a, a),
- * 1 random bytes (int4 codes), 2 bf16 scales U(a/2, a). Patterns repeat
- * every 64 MiB (more than L2); never zeros. */
+ * 1 random bytes (int4 / e2m1 codes), 2 bf16 scales U(a/2, a), 3 e8m0 bytes
+ * a or a + 1. Patterns repeat every 64 MiB (more than L2); never zeros. */
 static void fill_device(moe_backend *b, void *dst, size_t n, int kind, float a) {
   const size_t tile = (size_t)64 << 20;
   size_t len = n < tile ? n : tile;
   uint8_t *h = malloc(len);
   for (size_t i = 0; i + 1 < len; i += 2) {
-    uint16_t v = kind == 1 ? (uint16_t)bnext() : moe_f32_to_bf16(kind == 0 ? bunif(-a, a) : bunif(a / 2, a));
+    uint16_t v = kind == 1   ? (uint16_t)bnext()
+                 : kind == 3 ? (uint16_t)((unsigned)a + (bnext() & 1) + ((unsigned)a + (bnext() & 1)) * 256u)
+                             : moe_f32_to_bf16(kind == 0 ? bunif(-a, a) : bunif(a / 2, a));
     memcpy(h + i, &v, 2);
   }
   moe_backend_copy_in(b, dst, h, len);
@@ -335,14 +337,35 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
          "matmul |\n"
          "|---|---|---|---|---|---|---|---|---|\n");
   for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++)
-    for (int int4 = 0; int4 < 2; int4++) {
-      if (!selected(only, models[mi].name, int4 ? "int4" : "bf16")) continue;
+    for (int sch = 0; sch < 3; sch++) { /* bf16, wna16 int4 g128, mxfp4 */
+      static const char *const sch_name[] = {"bf16", "int4", "mxfp4"}, *const sch_label[] = {
+                                                                           "bf16", "wna16 int4 g128",
+                                                                           "mxfp4"};
+      const int int4 = sch == 1, mx = sch == 2;
+      if (!selected(only, models[mi].name, sch_name[sch])) continue;
       const int64_t E = models[mi].e, K = models[mi].k, H = models[mi].h, I = models[mi].i;
       /* weights on the device, inline inputs of model fused_moe */
       moe_named_tensor w[4];
       size_t nw;
       size_t per_expert; /* bytes one routed expert costs: weights + scales */
-      if (!int4) {
+      if (mx) {          /* e2m1 codes, e8m0 scales near 1 / (2.93 sqrt(K)) per 32 */
+        size_t q13 = (size_t)(2 * I * H) / 2, s13 = (size_t)(2 * I * (H / 32));
+        size_t q2 = (size_t)(H * I) / 2, s2 = (size_t)(H * (I / 32));
+        w[0] = (moe_named_tensor){"w13_qweight",
+                                  {MOE_UINT8, 3, {E, 2 * I, H / 2}, dev_alloc(b, q13 * E), q13 * E}};
+        w[1] = (moe_named_tensor){"w13_scales",
+                                  {MOE_UINT8, 3, {E, 2 * I, H / 32}, dev_alloc(b, s13 * E), s13 * E}};
+        w[2] = (moe_named_tensor){"w2_qweight", {MOE_UINT8, 3, {E, H, I / 2}, dev_alloc(b, q2 * E), q2 * E}};
+        w[3] = (moe_named_tensor){"w2_scales", {MOE_UINT8, 3, {E, H, I / 32}, dev_alloc(b, s2 * E), s2 * E}};
+        fill_device(b, w[0].tensor.data, w[0].tensor.nbytes, 1, 0);
+        fill_device(b, w[1].tensor.data, w[1].tensor.nbytes, 3,
+                    127.0f + floorf(log2f(1.0f / (2.93f * sqrtf((float)H)))));
+        fill_device(b, w[2].tensor.data, w[2].tensor.nbytes, 1, 0);
+        fill_device(b, w[3].tensor.data, w[3].tensor.nbytes, 3,
+                    127.0f + floorf(log2f(1.0f / (2.93f * sqrtf((float)I)))));
+        nw = 4;
+        per_expert = q13 + s13 + q2 + s2;
+      } else if (!int4) {
         size_t b13 = (size_t)(2 * I * H) * 2, b2 = (size_t)(H * I) * 2;
         w[0] = (moe_named_tensor){"w13", {MOE_BF16, 3, {E, 2 * I, H}, dev_alloc(b, b13 * E), b13 * E}};
         w[1] = (moe_named_tensor){"w2", {MOE_BF16, 3, {E, H, I}, dev_alloc(b, b2 * E), b2 * E}};
@@ -405,7 +428,10 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
           for (size_t q = 0; q < nw; q++)
             in[3 + q] = w[q];
           moe_error err;
-          if (moe_op_prepare(moe_op_find("fused_moe"), in, 3 + nw, NULL, NULL, &calls[r], &err) != MOE_OK) {
+          const moe_param sp = {.name = "scheme", .type = MOE_PARAM_STRING, .s = "mxfp4"};
+          const moe_params ps = {&sp, 1};
+          if (moe_op_prepare(moe_op_find("fused_moe"), in, 3 + nw, mx ? &ps : NULL, NULL, &calls[r], &err) !=
+              MOE_OK) {
             fprintf(stderr, "fused_moe prepare: %s\n", err.msg);
             exit(1);
           }
@@ -425,14 +451,13 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
         rot_arg ra = {calls, ROT, 0, b};
         int used_runs;
         const double ms = time_cell(b, &ra, &used_runs, 0);
-        if (tune) tune_cell(b, &ra, models[mi].name, E, K, T, int4, ms, &tt);
+        if (tune && !mx) tune_cell(b, &ra, models[mi].name, E, K, T, int4, ms, &tt);
         const double bytes = wbytes + 2.0 * (double)(T * H) * 2 + (double)(T * K) * 8;
         const double gbs = bytes / (ms * 1e-3) / 1e9;
         const double flops = 2.0 * (double)T * (double)K * (double)(H * 2 * I + I * H);
         const double tf = flops / (ms * 1e-3) / 1e12;
-        printf("| %s | %s | %lld | %.1f | %.3f | %.0f | %.1f%% | %.2f | ", models[mi].name,
-               int4 ? "wna16 int4 g128" : "bf16", (long long)T, ms * 1e3, wbytes / 1e9, gbs,
-               100.0 * gbs / copy_gbs, tf);
+        printf("| %s | %s | %lld | %.1f | %.3f | %.0f | %.1f%% | %.2f | ", models[mi].name, sch_label[sch],
+               (long long)T, ms * 1e3, wbytes / 1e9, gbs, 100.0 * gbs / copy_gbs, tf);
         if (mm_tflops > 0)
           printf("%.2f%% |", 100.0 * tf / mm_tflops);
         else
@@ -448,7 +473,7 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
         free(tw);
         free(used);
       }
-      if (tune) tune_emit(&tt, device, E, H, I, int4);
+      if (tune && !mx) tune_emit(&tt, device, E, H, I, int4);
       moe_backend_free(b, x);
       moe_backend_free(b, out);
       for (size_t q = 0; q < nw; q++)
@@ -465,7 +490,7 @@ int main(int argc, char **argv) {
   bool fused = false;
   double mm_tflops = 0;
   int64_t max_tokens = 4096;
-  const char *only = NULL;        /* --only A,B: layers whose name contains each, or a scheme (bf16, int4) */
+  const char *only = NULL; /* --only A,B: layers whose name contains each, or a scheme (bf16, int4, mxfp4) */
   const char *only_tokens = NULL; /* --tokens T1,T2 */
   const char *tune_path = NULL;   /* --tune FILE: the tuned table (with --fused) */
   for (int i = 1; i < argc; i++) {
