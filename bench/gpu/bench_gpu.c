@@ -179,6 +179,29 @@ static void *dev_alloc(moe_backend *b, size_t n) {
   return p;
 }
 
+/* Packed 4-bit weights on the device, w[0..3] = w13 codes and scales, w2
+ * codes and scales: wna16 int4 with bf16 scales per 128 (U(a/2, a), a =
+ * 0.5 / sqrt(K)) or mxfp4 with e8m0 scales per 32 (near 1 / (2.93 sqrt(K)));
+ * returns the bytes of one expert. */
+static size_t packed4_weights(moe_backend *b, moe_named_tensor w[4], int64_t E, int64_t H, int64_t I,
+                              bool mx) {
+  static const char *const names[4] = {"w13_qweight", "w13_scales", "w2_qweight", "w2_scales"};
+  const int64_t g = mx ? 32 : 128;
+  size_t per_expert = 0;
+  for (int m = 0; m < 2; m++) {
+    const int64_t n = m ? H : 2 * I, k = m ? I : H;
+    const size_t q = (size_t)(n * k) / 2, sc = (size_t)(n * (k / g)) * (mx ? 1 : 2);
+    w[2 * m] = (moe_named_tensor){names[2 * m], {MOE_UINT8, 3, {E, n, k / 2}, dev_alloc(b, q * E), q * E}};
+    w[2 * m + 1] = (moe_named_tensor){
+        names[2 * m + 1], {mx ? MOE_UINT8 : MOE_BF16, 3, {E, n, k / g}, dev_alloc(b, sc * E), sc * E}};
+    fill_device(b, w[2 * m].tensor.data, q * E, 1, 0);
+    fill_device(b, w[2 * m + 1].tensor.data, sc * E, mx ? 3 : 2,
+                mx ? 127.0f + floorf(log2f(1.0f / (2.93f * sqrtf((float)k)))) : 0.5f / sqrtf((float)k));
+    per_expert += q + sc;
+  }
+  return per_expert;
+}
+
 #define ROT 8
 
 /* --only A,B,...: every entry names part of the layer or the scheme (bf16, int4) */
@@ -348,24 +371,7 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
       moe_named_tensor w[4];
       size_t nw;
       size_t per_expert; /* bytes one routed expert costs: weights + scales */
-      if (mx) {          /* e2m1 codes, e8m0 scales near 1 / (2.93 sqrt(K)) per 32 */
-        size_t q13 = (size_t)(2 * I * H) / 2, s13 = (size_t)(2 * I * (H / 32));
-        size_t q2 = (size_t)(H * I) / 2, s2 = (size_t)(H * (I / 32));
-        w[0] = (moe_named_tensor){"w13_qweight",
-                                  {MOE_UINT8, 3, {E, 2 * I, H / 2}, dev_alloc(b, q13 * E), q13 * E}};
-        w[1] = (moe_named_tensor){"w13_scales",
-                                  {MOE_UINT8, 3, {E, 2 * I, H / 32}, dev_alloc(b, s13 * E), s13 * E}};
-        w[2] = (moe_named_tensor){"w2_qweight", {MOE_UINT8, 3, {E, H, I / 2}, dev_alloc(b, q2 * E), q2 * E}};
-        w[3] = (moe_named_tensor){"w2_scales", {MOE_UINT8, 3, {E, H, I / 32}, dev_alloc(b, s2 * E), s2 * E}};
-        fill_device(b, w[0].tensor.data, w[0].tensor.nbytes, 1, 0);
-        fill_device(b, w[1].tensor.data, w[1].tensor.nbytes, 3,
-                    127.0f + floorf(log2f(1.0f / (2.93f * sqrtf((float)H)))));
-        fill_device(b, w[2].tensor.data, w[2].tensor.nbytes, 1, 0);
-        fill_device(b, w[3].tensor.data, w[3].tensor.nbytes, 3,
-                    127.0f + floorf(log2f(1.0f / (2.93f * sqrtf((float)I)))));
-        nw = 4;
-        per_expert = q13 + s13 + q2 + s2;
-      } else if (!int4) {
+      if (!int4 && !mx) {
         size_t b13 = (size_t)(2 * I * H) * 2, b2 = (size_t)(H * I) * 2;
         w[0] = (moe_named_tensor){"w13", {MOE_BF16, 3, {E, 2 * I, H}, dev_alloc(b, b13 * E), b13 * E}};
         w[1] = (moe_named_tensor){"w2", {MOE_BF16, 3, {E, H, I}, dev_alloc(b, b2 * E), b2 * E}};
@@ -374,20 +380,8 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
         nw = 2;
         per_expert = b13 + b2;
       } else {
-        size_t q13 = (size_t)(2 * I * H) / 2, s13 = (size_t)(2 * I * (H / 128)) * 2;
-        size_t q2 = (size_t)(H * I) / 2, s2 = (size_t)(H * (I / 128)) * 2;
-        w[0] = (moe_named_tensor){"w13_qweight",
-                                  {MOE_UINT8, 3, {E, 2 * I, H / 2}, dev_alloc(b, q13 * E), q13 * E}};
-        w[1] = (moe_named_tensor){"w13_scales",
-                                  {MOE_BF16, 3, {E, 2 * I, H / 128}, dev_alloc(b, s13 * E), s13 * E}};
-        w[2] = (moe_named_tensor){"w2_qweight", {MOE_UINT8, 3, {E, H, I / 2}, dev_alloc(b, q2 * E), q2 * E}};
-        w[3] = (moe_named_tensor){"w2_scales", {MOE_BF16, 3, {E, H, I / 128}, dev_alloc(b, s2 * E), s2 * E}};
-        fill_device(b, w[0].tensor.data, w[0].tensor.nbytes, 1, 0);
-        fill_device(b, w[1].tensor.data, w[1].tensor.nbytes, 2, 0.5f / sqrtf((float)H));
-        fill_device(b, w[2].tensor.data, w[2].tensor.nbytes, 1, 0);
-        fill_device(b, w[3].tensor.data, w[3].tensor.nbytes, 2, 0.5f / sqrtf((float)I));
+        per_expert = packed4_weights(b, w, E, H, I, mx);
         nw = 4;
-        per_expert = q13 + s13 + q2 + s2;
       }
       const int64_t tmax = max_tokens < 4096 ? max_tokens : 4096;
       void *x = dev_alloc(b, (size_t)(tmax * H) * 2), *out = dev_alloc(b, (size_t)(tmax * H) * 2);
