@@ -92,6 +92,26 @@ def main():
             else:
                 r.parameters[key].string_param = v
         write("infer_request", f"{k:02d}_{model}", r.SerializeToString())
+    # the same requests as REST infer bodies (fuzz_rest_infer.c: byte 0 the
+    # model's index in this list, byte 1 the header-length case, bytes 2..5
+    # the length): JSON tensors, and the binary-data extension
+    out_name = {"quant": "q", "dequant": "y", "moe": "topk_ids", "fused_moe": "output"}
+    for k, (model, ins, params) in enumerate(cases):
+        def as_json(dt, a):
+            if dt == "BF16":  # the bits -> the values they stand for
+                return (a.astype(np.uint32) << 16).view(np.float32).ravel().tolist()
+            return a.ravel().tolist()
+        body = {"id": f"req{k}", "parameters": params,
+                "inputs": [{"name": n, "datatype": dt, "shape": list(a.shape), "data": as_json(dt, a)}
+                           for n, (dt, a) in ins.items()]}
+        write("rest_infer", f"{k:02d}_{model}_json", bytes([k, 0, 0, 0, 0, 0]) + json.dumps(body).encode())
+        header = {"parameters": params,
+                  "inputs": [{"name": n, "datatype": dt, "shape": list(a.shape),
+                              "parameters": {"binary_data_size": a.nbytes}} for n, (dt, a) in ins.items()],
+                  "outputs": [{"name": out_name[model.split(".")[0]], "parameters": {"binary_data": True}}]}
+        h = json.dumps(header).encode()
+        raw = b"".join(a.tobytes() for _, a in ins.values())
+        write("rest_infer", f"{k:02d}_{model}_binary", bytes([k, 1]) + len(h).to_bytes(4, "little") + h + raw)
     # typed contents instead of raw bytes, and a requested output
     r = pb.ModelInferRequest(model_name="quant.per_token")
     t = r.inputs.add()

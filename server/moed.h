@@ -625,5 +625,11 @@ int moed_rest_start(moed_server *s, const char *address, int port, moed_rest **o
 /* Closes the port and its connections; calls still in work are freed when
  * they finish (any thread). */
 void moed_rest_stop(moed_rest *r);
+/* The ModelInferRequest a REST infer body for `model` becomes, as the port
+ * builds it: the JSON header (hlen bytes: Inference-Header-Content-Length,
+ * -1 none, -2 not a number) then the binary data. NULL when refused: *code
+ * the HTTP status, why[MOED_ERR_LEN] the message. (fuzz/fuzz_rest_infer.c) */
+grpc_byte_buffer *moed_rest_infer_message(const moed_config *cfg, const char *body, size_t len, int64_t hlen,
+                                          const char *model, int *code, char *why);
 
 #endif

@@ -528,50 +528,85 @@ static bool build_infer(infer_build *b, const moed_config *cfg, const cJSON *j, 
   return true;
 }
 
-static void infer(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const char *model,
-                  const char *version) {
-  size_t json_len = rq->body_len;
-  if (rq->inference_header_length == -2)
-    return moed_http_respond_error(c, 400, "Inference-Header-Content-Length: not a non-negative integer");
-  if (rq->inference_header_length >= 0) {
-    if ((uint64_t)rq->inference_header_length > rq->body_len)
-      return moed_http_respond_error(c, 400, "Inference-Header-Content-Length: larger than the request body");
-    json_len = (size_t)rq->inference_header_length;
+/* The ModelInferRequest of a REST infer body: body[0..len) is the JSON
+ * header (hlen bytes, Inference-Header-Content-Length; -1: all of it; -2:
+ * that header was not a number) and then the inputs' binary data. NULL
+ * when refused: *code the HTTP status, why[MOED_ERR_LEN] the message. k
+ * learns which outputs go back as binary. */
+static grpc_byte_buffer *infer_message(const moed_config *cfg, const char *body, size_t len, int64_t hlen,
+                                       const char *model, const char *version, rest_call *k, int *code,
+                                       char *why) {
+  size_t json_len = len;
+  *code = 400;
+  if (hlen == -2) {
+    moed_failf(why, 0, "Inference-Header-Content-Length: not a non-negative integer");
+    return NULL;
   }
-  if (!rq->body || json_len == 0) return moed_http_respond_error(c, 400, "request: no JSON body");
+  if (hlen >= 0) {
+    if ((uint64_t)hlen > len) {
+      moed_failf(why, 0, "Inference-Header-Content-Length: larger than the request body");
+      return NULL;
+    }
+    json_len = (size_t)hlen;
+  }
+  if (!body || json_len == 0) {
+    moed_failf(why, 0, "request: no JSON body");
+    return NULL;
+  }
   if (json_len > MAX_JSON_BYTES) {
-    char why[200];
-    snprintf(why, sizeof why,
-             "request: its JSON is %zu bytes, over %zu: send large tensors as binary data (binary_data_size)",
-             json_len, MAX_JSON_BYTES);
-    return moed_http_respond_error(c, 413, why);
+    *code = 413;
+    moed_failf(
+        why, 0,
+        "request: its JSON is %zu bytes, over %zu: send large tensors as binary data (binary_data_size)",
+        json_len, (size_t)MAX_JSON_BYTES);
+    return NULL;
   }
-  cJSON *j = cJSON_ParseWithLength(rq->body, json_len);
+  cJSON *j = cJSON_ParseWithLength(body, json_len);
   if (!j) {
-    char why[200];
     const char *at = cJSON_GetErrorPtr();
-    size_t off = at && at >= rq->body && at <= rq->body + json_len ? (size_t)(at - rq->body) : 0;
-    snprintf(why, sizeof why, "request: malformed JSON at byte %zu", off);
-    return moed_http_respond_error(c, 400, why);
+    const size_t off = at && at >= body && at <= body + json_len ? (size_t)(at - body) : 0;
+    moed_failf(why, 0, "request: malformed JSON at byte %zu", off);
+    return NULL;
   }
   infer_build *b = calloc(1, sizeof *b);
-  rest_call *k = calloc(1, sizeof *k);
   grpc_byte_buffer *payload = NULL;
-  if (!b || !k) {
-    moed_http_respond_error(c, 500, "server out of memory");
-  } else if (!build_infer(b, r->srv->cfg, j, model, version, rq->body + json_len, rq->body_len - json_len,
-                          k)) {
-    moed_http_respond_error(c, 400, b->err);
+  if (!b) {
+    *code = 500;
+    moed_failf(why, 0, "server out of memory");
+  } else if (!build_infer(b, cfg, j, model, version, body + json_len, len - json_len, k)) {
+    moed_failf(why, 0, "%s", b->err);
   } else if (!(payload = moed_rpc_pack(&b->m.base))) {
-    moed_http_respond_error(c, 500, "server out of memory");
+    *code = 500;
+    moed_failf(why, 0, "server out of memory");
   }
   for (size_t i = 0; b && i < MOED_MAX_TENSORS; i++)
     free(b->owned[i]);
   free(b);
   cJSON_Delete(j);
+  return payload;
+}
+
+grpc_byte_buffer *moed_rest_infer_message(const moed_config *cfg, const char *body, size_t len, int64_t hlen,
+                                          const char *model, int *code, char *why) {
+  rest_call *k = calloc(1, sizeof *k);
+  *code = 500;
+  if (!k) return NULL;
+  grpc_byte_buffer *m = infer_message(cfg, body, len, hlen, model, "", k, code, why);
+  free(k);
+  return m;
+}
+
+static void infer(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const char *model,
+                  const char *version) {
+  rest_call *k = calloc(1, sizeof *k);
+  if (!k) return moed_http_respond_error(c, 500, "server out of memory");
+  char why[MOED_ERR_LEN];
+  int code;
+  grpc_byte_buffer *payload = infer_message(r->srv->cfg, rq->body, rq->body_len, rq->inference_header_length,
+                                            model, version, k, &code, why);
   if (!payload) {
     free(k);
-    return;
+    return moed_http_respond_error(c, code, why);
   }
   free(rq->body); /* the message holds its own copy now: one at a time in memory */
   rq->body = NULL;
