@@ -959,6 +959,7 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t b
 }
 #endif
 
+#if defined(MOE_TC_WGMMA)
 /* The token columns a block multiplies: its tile's rows rounded up to a
  * wgmma width (16, 32, 64 or 128), so an expert's last, mostly empty tile
  * costs what its rows need (bench/RESULTS.md, tenth pass: DeepSeek-V3 bf16
@@ -969,7 +970,6 @@ __device__ __forceinline__ int bulk_cols(int rows) {
   return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : 128;
 }
 
-#if defined(MOE_TC_WGMMA)
 /* The block's products and epilogue on consumer warp `warp` with N token
  * columns (the copying warp copied N rows of each stage's token tile). */
 template <int N, int ACT>
