@@ -108,14 +108,17 @@ static void call_gone(void *arg) {
 static void submit(moed_rest *r, moed_http_conn *c, const moed_http_request *rq, moed_method method,
                    grpc_byte_buffer *payload, rest_call *k) {
   /* --auth-tokens: the gRPC port's tokens and roles, from the Authorization header */
-  char who[128], why[MOED_ERR_LEN], peer[320];
+  char who[128], why[MOED_ERR_LEN], peer[320] = "";
   grpc_status_code auth = moed_auth_check_value(method, rq->authorization_len < 0 ? NULL : rq->authorization,
                                                 rq->authorization_len < 0 ? 0 : (size_t)rq->authorization_len,
                                                 who, sizeof who, why);
-  /* as rpc.c names a gRPC peer ("ipv4:ADDR:PORT token 'NAME'"), marked as REST */
-  memcpy(peer, "rest:", 5);
-  moed_http_peer(c, peer + 5, sizeof peer - 5);
-  if (who[0]) snprintf(peer + strlen(peer), sizeof peer - strlen(peer), " token '%s'", who);
+  /* the peer only where a log line names it (a refusal, a repository
+   * change), as rpc.c does: "rest:ADDR:PORT token 'NAME'" */
+  if (auth != GRPC_STATUS_OK || moed_method_changes(method)) {
+    memcpy(peer, "rest:", 5);
+    moed_http_peer(c, peer + 5, sizeof peer - 5);
+    if (who[0]) snprintf(peer + strlen(peer), sizeof peer - strlen(peer), " token '%s'", who);
+  }
   if (auth != GRPC_STATUS_OK) {
     moed_log(moed_method_changes(method) ? MOED_LOG_WARN : MOED_LOG_DEBUG, "auth_refused",
              "REST %s from %s: %s", moed_method_name(method), peer, why);
