@@ -14,7 +14,8 @@
  * --matmul-tflops (bench/gpu/matmul_ceiling.py, same run).
  *
  *   moe-bench-gpu [--runs N] [--max-mib 1024]
- *   moe-bench-gpu --fused [--runs N] [--matmul-tflops X] [--max-tokens T] [--only NAME|bf16|int4|mxfp4[,...]]
+ *   moe-bench-gpu --fused [--runs N] [--matmul-tflops X] [--max-tokens T] [--only
+ * NAME|bf16|int4|mxfp4|fp8[,...]]
  *                 [--tokens T1,T2,...] [--tune FILE]
  *
  * --tune FILE: also times every tile configuration of the tensor-core path
@@ -135,15 +136,24 @@ static float bunif(float lo, float hi) { return lo + (hi - lo) * (float)(bnext()
 
 /* dst[0, n) on the device from a 64 MiB host pattern of kind: 0 bf16 U(-a, a),
  * 1 random bytes (int4 / e2m1 codes), 2 bf16 scales U(a/2, a), 3 e8m0 bytes
- * a or a + 1. Patterns repeat every 64 MiB (more than L2); never zeros. */
+ * a or a + 1, 4 e4m3fn codes (random bytes but NaN), 5 f32 scales U(a/2, a).
+ * Patterns repeat every 64 MiB (more than L2); never zeros. */
 static void fill_device(moe_backend *b, void *dst, size_t n, int kind, float a) {
   const size_t tile = (size_t)64 << 20;
   size_t len = n < tile ? n : tile;
   uint8_t *h = malloc(len);
   for (size_t i = 0; i + 1 < len; i += 2) {
-    uint16_t v = kind == 1   ? (uint16_t)bnext()
+    if (kind == 5) { /* n is whole f32s */
+      const float f = bunif(a / 2, a);
+      memcpy(h + i, &f, 4);
+      i += 2;
+      continue;
+    }
+    uint16_t v = kind == 1 || kind == 4 ? (uint16_t)bnext()
                  : kind == 3 ? (uint16_t)((unsigned)a + (bnext() & 1) + ((unsigned)a + (bnext() & 1)) * 256u)
                              : moe_f32_to_bf16(kind == 0 ? bunif(-a, a) : bunif(a / 2, a));
+    if (kind == 4) /* 0x7F / 0xFF are NaN: 0x7E / 0xFE instead */
+      v ^= ((v & 0x7F) == 0x7F ? 1u : 0u) | (((v >> 8) & 0x7F) == 0x7F ? 0x100u : 0u);
     memcpy(h + i, &v, 2);
   }
   moe_backend_copy_in(b, dst, h, len);
@@ -200,6 +210,36 @@ static size_t packed4_weights(moe_backend *b, moe_named_tensor w[4], int64_t E, 
     per_expert += q + sc;
   }
   return per_expert;
+}
+
+/* fp8 W8A8 weights on the device (w as packed4_weights'): e4m3fn codes
+ * and F32 scales per 128 x 128 block, U(a/2, a) with a = 2 / (224 sqrt(K));
+ * returns the bytes of one expert. */
+static size_t fp8_weights(moe_backend *b, moe_named_tensor w[4], int64_t E, int64_t H, int64_t I) {
+  static const char *const names[4] = {"w13_qweight", "w13_scales", "w2_qweight", "w2_scales"};
+  size_t per_expert = 0;
+  for (int m = 0; m < 2; m++) {
+    const int64_t n = m ? H : 2 * I, k = m ? I : H, nb = (n + 127) / 128, kb = k / 128;
+    const size_t q = (size_t)(n * k), sc = (size_t)(nb * kb) * 4;
+    w[2 * m] = (moe_named_tensor){names[2 * m], {MOE_UINT8, 3, {E, n, k}, dev_alloc(b, q * E), q * E}};
+    w[2 * m + 1] =
+        (moe_named_tensor){names[2 * m + 1], {MOE_F32, 3, {E, nb, kb}, dev_alloc(b, sc * E), sc * E}};
+    fill_device(b, w[2 * m].tensor.data, q * E, 4, 0);
+    fill_device(b, w[2 * m + 1].tensor.data, sc * E, 5, 2.0f / (224.0f * sqrtf((float)k)));
+    per_expert += q + sc;
+  }
+  return per_expert;
+}
+
+/* n host bytes of a valid e8m0 scale (the caller frees them) */
+static void *host_e8m0(size_t n) {
+  void *p = malloc(n);
+  if (!p) {
+    fprintf(stderr, "out of host memory\n");
+    exit(1);
+  }
+  memset(p, 127, n);
+  return p;
 }
 
 #define ROT 8
@@ -360,18 +400,21 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
          "matmul |\n"
          "|---|---|---|---|---|---|---|---|---|\n");
   for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++)
-    for (int sch = 0; sch < 3; sch++) { /* bf16, wna16 int4 g128, mxfp4 */
-      static const char *const sch_name[] = {"bf16", "int4", "mxfp4"}, *const sch_label[] = {
-                                                                           "bf16", "wna16 int4 g128",
-                                                                           "mxfp4"};
-      const int int4 = sch == 1, mx = sch == 2;
+    for (int sch = 0; sch < 4; sch++) { /* bf16, wna16 int4 g128, mxfp4, fp8 W8A8 block 128 x 128 */
+      static const char *const sch_name[] = {"bf16", "int4", "mxfp4", "fp8"}, *const sch_label[] = {
+                                                                                  "bf16", "wna16 int4 g128",
+                                                                                  "mxfp4", "fp8 block 128"};
+      const int int4 = sch == 1, mx = sch == 2, fp8 = sch == 3;
       if (!selected(only, models[mi].name, sch_name[sch])) continue;
       const int64_t E = models[mi].e, K = models[mi].k, H = models[mi].h, I = models[mi].i;
       /* weights on the device, inline inputs of model fused_moe */
       moe_named_tensor w[4];
       size_t nw;
       size_t per_expert; /* bytes one routed expert costs: weights + scales */
-      if (!int4 && !mx) {
+      if (fp8) {
+        per_expert = fp8_weights(b, w, E, H, I);
+        nw = 4;
+      } else if (!int4 && !mx) {
         size_t b13 = (size_t)(2 * I * H) * 2, b2 = (size_t)(H * I) * 2;
         w[0] = (moe_named_tensor){"w13", {MOE_BF16, 3, {E, 2 * I, H}, dev_alloc(b, b13 * E), b13 * E}};
         w[1] = (moe_named_tensor){"w2", {MOE_BF16, 3, {E, H, I}, dev_alloc(b, b2 * E), b2 * E}};
@@ -383,6 +426,9 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
         per_expert = packed4_weights(b, w, E, H, I, mx);
         nw = 4;
       }
+      void *hsc[4] = {0}; /* mxfp4: host copies of the scales for prepare (host_e8m0) */
+      for (size_t q = 0; mx && q < nw; q++)
+        if (strstr(w[q].name, "_scales")) hsc[q] = host_e8m0(w[q].tensor.nbytes);
       const int64_t tmax = max_tokens < 4096 ? max_tokens : 4096;
       void *x = dev_alloc(b, (size_t)(tmax * H) * 2), *out = dev_alloc(b, (size_t)(tmax * H) * 2);
       fill_device(b, x, (size_t)(tmax * H) * 2, 0, 1.0f);
@@ -419,13 +465,17 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
               {"topk_ids", {MOE_INT32, 2, {T, K}, ids, (size_t)(T * K) * 4}},
               {"topk_weights", {MOE_F32, 2, {T, K}, tw, (size_t)(T * K) * 4}},
           };
-          for (size_t q = 0; q < nw; q++)
+          for (size_t q = 0; q < nw; q++) {
             in[3 + q] = w[q];
+            /* mxfp4: prepare reads the scale bytes (0xFF is refused): host copies of the same
+             * pattern's range, the device buffers put back below */
+            if (hsc[q]) in[3 + q].tensor.data = hsc[q];
+          }
           moe_error err;
-          const moe_param sp = {.name = "scheme", .type = MOE_PARAM_STRING, .s = "mxfp4"};
+          const moe_param sp = {.name = "scheme", .type = MOE_PARAM_STRING, .s = mx ? "mxfp4" : "fp8"};
           const moe_params ps = {&sp, 1};
-          if (moe_op_prepare(moe_op_find("fused_moe"), in, 3 + nw, mx ? &ps : NULL, NULL, &calls[r], &err) !=
-              MOE_OK) {
+          if (moe_op_prepare(moe_op_find("fused_moe"), in, 3 + nw, mx || fp8 ? &ps : NULL, NULL, &calls[r],
+                             &err) != MOE_OK) {
             fprintf(stderr, "fused_moe prepare: %s\n", err.msg);
             exit(1);
           }
@@ -438,6 +488,8 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
             moe_named_tensor *t = moe_call_input(calls[r], q);
             if (t->name && !strcmp(t->name, "topk_ids")) t->tensor.data = dids[r];
             if (t->name && !strcmp(t->name, "topk_weights")) t->tensor.data = dw[r];
+            for (size_t v = 0; mx && t->name && v < nw; v++)
+              if (!strcmp(t->name, w[v].name) && hsc[v]) t->tensor.data = w[v].tensor.data;
           }
           moe_call_output(calls[r], 0)->tensor.data = out;
         }
@@ -445,7 +497,7 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
         rot_arg ra = {calls, ROT, 0, b};
         int used_runs;
         const double ms = time_cell(b, &ra, &used_runs, 0);
-        if (tune && !mx) tune_cell(b, &ra, models[mi].name, E, K, T, int4, ms, &tt);
+        if (tune && !mx && !fp8) tune_cell(b, &ra, models[mi].name, E, K, T, int4, ms, &tt);
         const double bytes = wbytes + 2.0 * (double)(T * H) * 2 + (double)(T * K) * 8;
         const double gbs = bytes / (ms * 1e-3) / 1e9;
         const double flops = 2.0 * (double)T * (double)K * (double)(H * 2 * I + I * H);
@@ -467,11 +519,13 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
         free(tw);
         free(used);
       }
-      if (tune && !mx) tune_emit(&tt, device, E, H, I, int4);
+      if (tune && !mx && !fp8) tune_emit(&tt, device, E, H, I, int4);
       moe_backend_free(b, x);
       moe_backend_free(b, out);
-      for (size_t q = 0; q < nw; q++)
+      for (size_t q = 0; q < nw; q++) {
         moe_backend_free(b, w[q].tensor.data);
+        free(hsc[q]);
+      }
     }
   if (tune) {
     fprintf(tune, "    {nullptr, 0, 0, 0, 0, 0, 0, 0},\n};\n");
@@ -484,7 +538,8 @@ int main(int argc, char **argv) {
   bool fused = false;
   double mm_tflops = 0;
   int64_t max_tokens = 4096;
-  const char *only = NULL; /* --only A,B: layers whose name contains each, or a scheme (bf16, int4, mxfp4) */
+  const char *only =
+      NULL; /* --only A,B: layers whose name contains each, or a scheme (bf16, int4, mxfp4, fp8) */
   const char *only_tokens = NULL; /* --tokens T1,T2 */
   const char *tune_path = NULL;   /* --tune FILE: the tuned table (with --fused) */
   for (int i = 1; i < argc; i++) {

@@ -545,12 +545,15 @@ static void gpu_destroy(moe_backend *b) {
   b->context = NULL;
 }
 
-/* Biases and mxfp4 codes are handled by the tensor-core GEMM's epilogue
- * and tile loader only; the portable GEMM (AMD, shapes the tensor cores do
- * not take) reads 16-bit or wna16 weights without biases. */
+/* Biases, mxfp4 and fp8 codes are handled by the tensor-core GEMM's
+ * epilogue and tile loader only; the portable GEMM (AMD, shapes the tensor
+ * cores do not take) reads 16-bit or wna16 weights without biases. */
 static const char *gpu_fused_lacks(const moe_backend *b, const moe_expert_config *cfg) {
   if (moe_gpu_fused_packs((moe_backend *)b, cfg)) return NULL; /* reads the device's properties only */
   if (cfg->scheme == MOE_SCHEME_MXFP4) return "scheme mxfp4 off the tensor-core path";
+  if (cfg->scheme == MOE_SCHEME_FP8)
+    return "scheme fp8 off the tensor-core path (it needs compute capability 9.0 or later, K of both GEMMs a "
+           "multiple of 64 and, with block scales, block_k a multiple of 64 and block_n of 16)";
   if (cfg->has_bias) return "expert biases (w13_bias, w2_bias) off the tensor-core path";
   return NULL;
 }

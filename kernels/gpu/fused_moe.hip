@@ -762,6 +762,8 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   if (const char *force = getenv("MOE_GPU_FUSED_TILE"))
     for (int i = 0; i < TC_CONFIGS; i++)
       if (!strcmp(force, moe_tc_config_names[i])) tc_config = i;
+  const bool fp8 = cfg->scheme == MOE_SCHEME_FP8, blockwise = fp8 && cfg->weight_scale == MOE_WSCALE_BLOCK;
+  if (fp8 && tc_config == TC_LARGE) tc_config = TC_WIDE; /* fp8's largest tile (moe_tc_choose) */
   const int bm = tc ? moe_tc_rows(tc_config) : avg < 4 ? 1 : 8;
   const int64_t max_tiles = (n64 + bm - 1) / bm + (el < n64 ? el : n64);
   Plan p;
@@ -781,6 +783,12 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   /* a split down GEMM's segment sums (moe_tc_split) */
   const int split = tc && !bulk ? moe_tc_split(cfg) : 1;
   const size_t o_part = p.take(split > 1 ? (size_t)split * (size_t)n * (size_t)hidden : 0, 4);
+  /* fp8: each GEMM's activations as codes (fp16 values, a row per slot) and their scales */
+  const int64_t xg1 = blockwise ? cfg->block_k : hidden, xg2 = blockwise ? cfg->block_k : inter;
+  const size_t o_xq = p.take(fp8 ? (size_t)n * (size_t)hidden : 0, 2),
+               o_xs = p.take(fp8 ? (size_t)n * (size_t)(hidden / xg1) : 0, 4),
+               o_aq = p.take(fp8 ? (size_t)n * (size_t)inter : 0, 2),
+               o_as = p.take(fp8 ? (size_t)n * (size_t)(inter / xg2) : 0, 4);
   if (p.overflow) return moe_fail(err, MOE_EOVERFLOW, "fused_moe: workspace size overflows");
   char *ws = (char *)moe_gpu_workspace(b, p.size);
   if (!ws) return moe_fail(err, MOE_ENOMEM, "fused_moe: %zu bytes of device workspace", p.size);
@@ -852,7 +860,8 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
     t2.part = split > 1 ? (float *)(ws + o_part) : NULL;
     for (int m = 0; m < 2; m++) {
       TcArgs &t = m == 0 ? t1 : t2;
-      const int ws_ = wna16 ? (m == 0 ? MOE_W13_QWEIGHT : MOE_W2_QWEIGHT) : (m == 0 ? MOE_W13 : MOE_W2);
+      const int ws_ =
+          wna16 || fp8 ? (m == 0 ? MOE_W13_QWEIGHT : MOE_W2_QWEIGHT) : (m == 0 ? MOE_W13 : MOE_W2);
       const int ss = m == 0 ? MOE_W13_SCALES : MOE_W2_SCALES, zs = m == 0 ? MOE_W13_QZEROS : MOE_W2_QZEROS;
       t.n = (int)(m == 0 ? 2 * inter : hidden);
       t.k = (int)(m == 0 ? hidden : inter);
@@ -863,6 +872,15 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
         t.scale = (const float *)dev[ss];
         t.zero = cfg->has_zero_points ? (const uint8_t *)dev[zs] : NULL;
         t.scale16 = args->set->t[ss].dtype == args->act;
+      }
+      if (fp8) {
+        t.fp8 = 1;
+        t.wscale = (int)cfg->weight_scale;
+        t.wsc = (const float *)dev[ss];
+        t.bn = (int)cfg->block_n;
+        t.bk = blockwise ? (int)cfg->block_k : t.k;
+        t.xg = (int)(m == 0 ? xg1 : xg2);
+        t.xs = (float *)(ws + (m == 0 ? o_xs : o_as));
       }
       /* the expert biases, added to the sums in the epilogue (docs/numerics.md) */
       const int bs = m == 0 ? MOE_W13_BIAS : MOE_W2_BIAS;
@@ -883,7 +901,23 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
       if ((s = moe_tc_gather(b, (int)max_tiles, t1, (uint16_t *)(ws + o_xk), err))) return s;
       t1.x = ws + o_xk;
     }
+    /* fp8: each GEMM's activations quantized first (static scales: the set's a13 / a2) */
+    const bool st_sc = fp8 && cfg->has_act_scales;
+    if (fp8) {
+      t1.x = ws + o_xq;
+      t1.x_vec = 1;
+      if ((s = moe_tc_fp8_act(b, act, (int)max_tiles, t1, x, st_sc ? (const float *)dev[MOE_A13_SCALE] : NULL,
+                              cfg->exact_division, (uint16_t *)(ws + o_xq), err)))
+        return s;
+    }
     if ((s = moe_tc_gemm(b, cfg, act, tc_config, (int)max_tiles, t1, err))) return s;
+    if (fp8) {
+      t2.x = ws + o_aq;
+      if ((s = moe_tc_fp8_act(b, act, (int)max_tiles, t2, a_buf,
+                              st_sc ? (const float *)dev[MOE_A2_SCALE] : NULL, cfg->exact_division,
+                              (uint16_t *)(ws + o_aq), err)))
+        return s;
+    }
     if ((s = moe_tc_gemm(b, cfg, act, tc_config, (int)max_tiles, t2, err))) return s;
   } else {
     GemmArgs g1;

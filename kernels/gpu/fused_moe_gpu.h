@@ -129,6 +129,14 @@ struct TcArgs {
   float *part; /* split > 1: the segments' fp32 sums [split][slots][hidden], no routing weight */
   const void *bias; /* the GEMM's expert biases [E][N] in the files' row order (NULL: none) */
   int bias_dt;      /* their moe_dtype: F32, F16 or BF16 */
+  /* fp8 W8A8: x holds the e4m3 codes' values in fp16 (moe_tc_fp8_act), its
+   * rows in the tile list's order in both phases */
+  int fp8;
+  int wscale;       /* moe_weight_scale: per_tensor, per_channel or block */
+  float *xs;        /* the activations' scales [rows][K / xg] (written by moe_tc_fp8_act) */
+  int xg;           /* columns per activation scale: BK (block) or K */
+  const float *wsc; /* the weight scales as the files have them: [E], [E][N] or [E][ceil(N / bn)][K / bk] */
+  int bn, bk;
 };
 
 /* Whether a set takes this path: gpu.h's moe_gpu_fused_packs. */
@@ -147,6 +155,14 @@ moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_d
  * x 128 rows and sizes the intermediate the same (TcArgs.cap). */
 bool moe_tc_bulk(moe_backend *b, const moe_expert_config *cfg, int config);
 moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_t *xk, moe_error *err);
+/* fp8 W8A8: the GEMM's activations (phase 1: hidden_states, by token;
+ * phase 2: a) to e4m3fn codes, one scale per a.xg columns (dynamic: the
+ * amax's, docs/numerics.md quant.per_token_group / per_token; static: the
+ * expert's entry of `static_scale`), for the rows of every tile, written in
+ * the tile list's order as the codes' fp16 values into xq and the scales
+ * into a.xs. x: a.x's rows (act dtype). */
+moe_status moe_tc_fp8_act(moe_backend *b, int act, int max_tiles, const TcArgs &a, const void *x,
+                          const float *static_scale, int exact, uint16_t *xq, moe_error *err);
 /* One GEMM launch (grid over the worst-case tile count). */
 moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, int config, int max_tiles,
                        const TcArgs &a, moe_error *err);

@@ -72,6 +72,8 @@ size_t moe_tc_packed_bytes(const moe_expert_config *cfg, int slot) {
   const size_t n = w13 ? 2 * in : h, k = w13 ? h : in;
   const bool fp4 = cfg->scheme == MOE_SCHEME_MXFP4;
   const size_t groups = fp4 ? k / 32 : cfg->group_size == -1 ? 1 : k / (size_t)cfg->group_size;
+  /* fp8: the codes in the int8 fragment order; the scales stay as the files have them */
+  if (cfg->scheme == MOE_SCHEME_FP8) return slot == MOE_W13_QWEIGHT || slot == MOE_W2_QWEIGHT ? e * n * k : 0;
   if (cfg->scheme != MOE_SCHEME_WNA16 && !fp4) return slot == MOE_W13 || slot == MOE_W2 ? e * n * k * 2 : 0;
   if (slot == MOE_W13_QWEIGHT || slot == MOE_W2_QWEIGHT) return e * n * k * (fp4 ? 4 : (size_t)cfg->bits) / 8;
   if (slot == MOE_W13_SCALES || slot == MOE_W2_SCALES) return e * groups * n * 4;
@@ -111,15 +113,22 @@ constexpr int KB = 64;    /* K columns per pipeline stage */
 constexpr int RASTER = 8; /* tiles per group of the block order (tc_gemm) */
 
 /* weight kinds: 16-bit rows, int4 / int8 codes (wna16), fp4 e2m1 codes
- * (mxfp4: packed as int4, dequantized by value) */
-enum { TW_16, TW_INT4, TW_INT8, TW_FP4 };
+ * (mxfp4: packed as int4, dequantized by value), fp8 e4m3fn codes (W8A8:
+ * packed as int8; the tokens are e4m3 codes too, both multiplied as fp16,
+ * which holds every e4m3 value exactly) */
+enum { TW_16, TW_INT4, TW_INT8, TW_FP4, TW_FP8, TW_KINDS };
 __host__ __device__ constexpr bool four_bit(int w) { return w == TW_INT4 || w == TW_FP4; }
+/* codes with per-group scales (and zero points) staged with the weights */
+__host__ __device__ constexpr bool grouped(int w) { return w == TW_INT4 || w == TW_INT8 || w == TW_FP4; }
 
 /* bytes of one packed 16-row x KB block */
-__host__ __device__ constexpr int chunk_bytes(int w) { return w == TW_16 ? 2048 : w == TW_INT8 ? 1024 : 512; }
+__host__ __device__ constexpr int chunk_bytes(int w) {
+  return w == TW_16 ? 2048 : w == TW_INT8 || w == TW_FP8 ? 1024 : 512;
+}
 
 int tc_wkind(const moe_expert_config *cfg) {
   return cfg->scheme == MOE_SCHEME_MXFP4   ? TW_FP4
+         : cfg->scheme == MOE_SCHEME_FP8   ? TW_FP8
          : cfg->scheme != MOE_SCHEME_WNA16 ? TW_16
          : cfg->bits == 4                  ? TW_INT4
                                            : TW_INT8;
@@ -156,7 +165,7 @@ using CfgQM = Cfg<1, 32, 49152, 2>;
  * aligned), A (packed weights, per KB block), and for wna16 the scales
  * and zero points of the groups that start in the stage. */
 template <int W, class C> struct Smem {
-  static constexpr bool WNA16 = W != TW_16;
+  static constexpr bool WNA16 = grouped(W);
   static constexpr int KS = C::KS, COLS = KS * KB;
   static constexpr int B1 = C::BT * KB * 2, B = KS * B1;
   static constexpr int A1 = C::BN / 16 * chunk_bytes(W), A = KS * A1;
@@ -251,41 +260,43 @@ __device__ __forceinline__ void keep_alive(uint32_t (&r)[4]) {
  * the operand lists are spelled by the macros. */
 #define MOE_D4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
 #define MOE_D16(j) MOE_D4(j), MOE_D4(j + 1), MOE_D4(j + 2), MOE_D4(j + 3)
-#define MOE_WGMMA_TY(SHAPE, TY, DREGS, AREGS, TAIL, ...)                                                     \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." TY      \
+#define MOE_WGMMA_TY(SHAPE, TY, SD, DREGS, AREGS, TAIL, ...)                                                 \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SD ", 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." TY \
                "." TY " " DREGS ", " AREGS ", p, 1, 1" TAIL ";\n}\n"                                         \
                : __VA_ARGS__                                                                                 \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "l"(adesc)                           \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "l"(adesc), "r"(sd)                  \
                : "memory")
-#define MOE_WGMMA(SHAPE, DREGS, RS_A, SS_A, ...)                                                             \
+#define MOE_WGMMA(SHAPE, SD, DREGS, RS_A, SS_A, ...)                                                         \
   do {                                                                                                       \
     if (SS && ACT == A_BF16)                                                                                 \
-      MOE_WGMMA_TY(SHAPE, "bf16", DREGS, SS_A, ", 0, 0", __VA_ARGS__);                                       \
+      MOE_WGMMA_TY(SHAPE, "bf16", SD, DREGS, SS_A, ", 0, 0", __VA_ARGS__);                                   \
     else if (SS)                                                                                             \
-      MOE_WGMMA_TY(SHAPE, "f16", DREGS, SS_A, ", 0, 0", __VA_ARGS__);                                        \
+      MOE_WGMMA_TY(SHAPE, "f16", SD, DREGS, SS_A, ", 0, 0", __VA_ARGS__);                                    \
     else if (ACT == A_BF16)                                                                                  \
-      MOE_WGMMA_TY(SHAPE, "bf16", DREGS, RS_A, ", 0", __VA_ARGS__);                                          \
+      MOE_WGMMA_TY(SHAPE, "bf16", SD, DREGS, RS_A, ", 0", __VA_ARGS__);                                      \
     else                                                                                                     \
-      MOE_WGMMA_TY(SHAPE, "f16", DREGS, RS_A, ", 0", __VA_ARGS__);                                           \
+      MOE_WGMMA_TY(SHAPE, "f16", SD, DREGS, RS_A, ", 0", __VA_ARGS__);                                       \
   } while (0)
+/* sd = 0: D = A x B (the sums restart without an instruction that writes
+ * them: fp8's K blocks), else D += A x B */
 template <int N, int ACT, bool SS>
 __device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t adesc,
-                                      uint64_t desc) {
+                                      uint64_t desc, uint32_t sd = 1) {
   if constexpr (N == 8)
-    MOE_WGMMA("m64n8k16", "{%0, %1, %2, %3}", "{%4, %5, %6, %7}, %8", "%9, %8", MOE_D4(0));
+    MOE_WGMMA("m64n8k16", "%10", "{%0, %1, %2, %3}", "{%4, %5, %6, %7}, %8", "%9, %8", MOE_D4(0));
   else if constexpr (N == 16)
-    MOE_WGMMA("m64n16k16", "{%0, %1, %2, %3, %4, %5, %6, %7}", "{%8, %9, %10, %11}, %12", "%13, %12",
+    MOE_WGMMA("m64n16k16", "%14", "{%0, %1, %2, %3, %4, %5, %6, %7}", "{%8, %9, %10, %11}, %12", "%13, %12",
               MOE_D4(0), MOE_D4(1));
   else if constexpr (N == 32)
-    MOE_WGMMA("m64n32k16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}",
+    MOE_WGMMA("m64n32k16", "%22", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}",
               "{%16, %17, %18, %19}, %20", "%21, %20", MOE_D16(0));
   else if constexpr (N == 64)
-    MOE_WGMMA("m64n64k16",
+    MOE_WGMMA("m64n64k16", "%38",
               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
               "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
               "{%32, %33, %34, %35}, %36", "%37, %36", MOE_D16(0), MOE_D16(4));
   else if constexpr (N == 128)
-    MOE_WGMMA("m64n128k16",
+    MOE_WGMMA("m64n128k16", "%70",
               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
               "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
               "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
@@ -347,6 +358,21 @@ template <int ACT> __device__ __forceinline__ void unpack2(uint32_t v, float &lo
   hi = from16<ACT>(v >> 16);
 }
 
+/* Two e4m3fn codes (lo | hi << 8) as an fp16 pair, exactly (NaN codes
+ * NaN). sm_89+ has the instruction; older targets never run fp8 sets
+ * (moe_gpu_fused_packs) but compile this: the codes' bits under fp16's
+ * exponent field are the values x 2^-8 (subnormals included), then x 256. */
+__device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t two) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t d;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(d) : "h"((unsigned short)two));
+  return d;
+#else
+  const uint32_t t = (two & 0xFFu) | (two & 0xFF00u) << 8;
+  return mul2<A_F16>((t & 0x007F007Fu) << 7 | (t & 0x00800080u) << 8, 0x5C005C00u);
+#endif
+}
+
 /* Per-row dequantization state of one lane's two rows (r and r + 8). */
 struct Deq {
   uint32_t s16[2];  /* {s, s} in act (scale16) */
@@ -377,6 +403,10 @@ __device__ __forceinline__ void dequant(const uint32_t *words, const Deq &d, boo
       unpack2<ACT>(bits, lo, hi);
       out[p] = pack2<ACT>(lo * mag * d.s[p & 1], hi * mag * d.s[p & 1]);
     }
+  } else if (W == TW_FP8) { /* as int8: words[0] = a0..a3, words[1] = a4..a7; no scale here */
+#pragma unroll
+    for (int p = 0; p < 4; p++)
+      out[p] = e4m3x2_f16x2(words[p >> 1] >> (16 * (p & 1)));
   } else if (W == TW_INT4) {
     const uint32_t base = ACT == A_BF16 ? 0x43004300u : 0x64006400u, w = words[0];
 #pragma unroll
@@ -457,6 +487,15 @@ __device__ __forceinline__ float bias_at(const TcArgs &a, size_t i) {
                                  : ((const float *)a.bias)[i];
 }
 
+/* The files' row of this lane's accumulator rows in 16-row block mt (h =
+ * 0: c0, c1; h = 1: c2, c3): phase 1 packs 8 units' gate rows, then their
+ * up rows (moe_tc_pack's orig_row) */
+__device__ __forceinline__ int file_row(const TcArgs &a, int mt, int lane, int h) {
+  if (a.phase == 2) return 16 * mt + (lane >> 2) + 8 * h;
+  const int u = 8 * mt + (lane >> 2);
+  return a.activation == MOE_ACT_SWIGLU_OAI ? 2 * u + h : h * a.inter + u;
+}
+
 template <int ACT, bool KMAJOR, int NT>
 __device__ __forceinline__ void store_tile(const TcArgs &a, const float (&acc)[NT][4], int mt, int lane,
                                            int rows, int row, const int *slot_of, const float *tw_of, int seg,
@@ -467,11 +506,9 @@ __device__ __forceinline__ void store_tile(const TcArgs &a, const float (&acc)[N
    * is never split in K: moe_tc_split) */
   float b0 = 0.0f, b1 = 0.0f;
   if (a.bias) {
-    const int u = 8 * mt + (lane >> 2), il = a.activation == MOE_ACT_SWIGLU_OAI;
     const size_t base = (size_t)e * (size_t)a.n;
-    b0 = bias_at(a, base + (size_t)(a.phase == 1 ? (il ? 2 * u : u) : 16 * mt + (lane >> 2)));
-    b1 = bias_at(a,
-                 base + (size_t)(a.phase == 1 ? (il ? 2 * u + 1 : a.inter + u) : 16 * mt + (lane >> 2) + 8));
+    b0 = bias_at(a, base + (size_t)file_row(a, mt, lane, 0));
+    b1 = bias_at(a, base + (size_t)file_row(a, mt, lane, 1));
   }
 #pragma unroll
   for (int j = 0; j < NT; j++)
@@ -518,7 +555,9 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
   using S = Smem<W, C>;
   constexpr int BN = C::BN, BT = C::BT, NT = C::NT, CH = chunk_bytes(W), THREADS = C::THREADS, KS = C::KS;
   constexpr int ST = S::STAGES;
-  constexpr bool WNA16 = S::WNA16;
+  constexpr bool WNA16 = S::WNA16, FP8 = W == TW_FP8;
+  /* the multiplied type: fp8 codes' values are fp16 values */
+  constexpr int MT = FP8 ? A_F16 : ACT;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   __shared__ int src_row[BT], slot_of[BT];
   __shared__ float tw_of[BT]; /* phase 2: the slots' routing weights, read before the main loop */
@@ -546,7 +585,7 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
   const int mt = n0 / 16 + warp; /* this warp's 16-row block */
   for (int i = tid; i < BT; i += THREADS) {
     const int slot = load_slot(a, row0, rows, i, slot_of, tw_of);
-    src_row[i] = i >= rows ? -1 : a.phase == 1 ? slot / a.top_k : row0 + i;
+    src_row[i] = i >= rows ? -1 : a.phase == 1 && !FP8 ? slot / a.top_k : row0 + i;
   }
   /* token rows past the tile's count are zero in every stage: written once
    * here and never copied (a decode tile is mostly such rows) */
@@ -595,8 +634,8 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
      * (one 32-byte sector per pair), so a decode tile's few rows are copied
      * by every warp, not all by the first one: the warpgroup's products wait
      * for its slowest warp, and the first one also dequantizes */
-    const int i =
-        WNA16 && THREADS == 128 ? q * THREADS + (lane >> 1) * 8 + 2 * warp + (lane & 1) : tid + q * THREADS;
+    const int i = W != TW_16 && THREADS == 128 ? q * THREADS + (lane >> 1) * 8 + 2 * warp + (lane & 1)
+                                               : tid + q * THREADS;
     const int r = i >> 3, c = i & 7;
     const int xr = i < BT * 8 ? src_row[r] : -1;
     b_ok[q] = xr >= 0;
@@ -684,7 +723,8 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
   };
 
   struct Acc {
-    float v[NT][4]; /* the tile's fp32 sums (per main-loop copy) */
+    float v[NT][4];           /* the tile's fp32 sums (per main-loop copy) */
+    float t[FP8 ? NT : 1][4]; /* fp8 block scales: the scaled K blocks' sum (v: the current block's) */
   };
   const uint32_t zdef = W == TW_INT4 ? 8 : 128;
   Deq dq;           /* the group's scales and zero points: reloaded where a group starts */
@@ -697,6 +737,58 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
    * columns further are plain adds to the address field (16-byte units) */
   const uint64_t desc0 = wgmma_desc(smem_addr(smem));
 #endif
+  /* fp8 (docs/numerics.md "fp8"): activation scale of this lane's token
+   * column (j, q) for K block b, and the weight scale of its row h; 0 for
+   * absent tokens and rows past N (their sums are zero or unused) */
+  [[maybe_unused]] const int kbb = FP8 ? a.bk / KB : 1; /* KB blocks per K block */
+  [[maybe_unused]] auto fp8_sx = [&](int j, int q, int b) {
+    const int row = src_row[j * 8 + 2 * (lane & 3) + q];
+    return row < 0 ? 0.0f : a.xs[(size_t)row * (size_t)(K / a.xg) + (size_t)b];
+  };
+  [[maybe_unused]] auto fp8_sw = [&](int h, int b) {
+    if (mt >= mtc) return 0.0f;
+    const int r = file_row(a, mt, lane, h);
+    if (a.wscale == MOE_WSCALE_PER_TENSOR) return a.wsc[e];
+    if (a.wscale == MOE_WSCALE_PER_CHANNEL) return a.wsc[(size_t)e * (size_t)N + (size_t)r];
+    const size_t nbn = (size_t)((N + a.bn - 1) / a.bn);
+    return a.wsc[((size_t)e * nbn + (size_t)(r / a.bn)) * (size_t)(K / a.bk) + (size_t)b];
+  };
+  /* fp8 block scales: K block b's products (ac.v, summed from 0) join ac.t
+   * as p_b * (sx * sw), blocks in ascending order. The scales of block b + 1
+   * are loaded when block b's join, a K block before their use (measured the
+   * same as loading them at the join: bench/RESULTS.md, fp8). */
+  [[maybe_unused]] float sx[FP8 ? NT : 1][2], sw0 = 0.0f, sw1 = 0.0f;
+  [[maybe_unused]] auto fp8_load_scales = [&](int b) {
+    if (b * a.bk >= K) return;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+      for (int q = 0; q < 2; q++)
+        sx[j][q] = fp8_sx(j, q, b);
+    sw0 = fp8_sw(0, b);
+    sw1 = fp8_sw(1, b);
+  };
+  if constexpr (FP8)
+    if (a.wscale == MOE_WSCALE_BLOCK) fp8_load_scales(0);
+  [[maybe_unused]] auto fp8_block_end = [&](Acc &ac, int b) {
+  /* wgmma: the next block's first product restarts the sums (nothing but
+   * wgmma may write them between its products, or ptxas serializes
+   * them); mma.sync: zeroed here */
+#if defined(MOE_TC_WGMMA)
+    wgmma_wait<0>();
+#endif
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+      for (int q = 0; q < 2; q++) {
+        ac.t[j][q] += ac.v[j][q] * (sx[j][q] * sw0);
+        ac.t[j][2 + q] += ac.v[j][2 + q] * (sx[j][q] * sw1);
+#if !defined(MOE_TC_WGMMA)
+        ac.v[j][q] = ac.v[j][2 + q] = 0.0f;
+#endif
+      }
+    fp8_load_scales(b + 1);
+  };
   /* compute: for each KB block of the stage at sb, this warp's A fragments
    * into af (rows past N: zeros, results unused), then the block's
    * multiply-adds. With wgmma they stay in flight when the block is done
@@ -704,8 +796,8 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
    * between two buffers by KB block (afA for even blocks of the stage). */
   auto compute = [&](Acc &ac, int st, const uint8_t *sb, uint32_t(&afA)[KB / 16][4],
                      uint32_t(&afB)[KB / 16][4], auto mode) {
-    constexpr int MODE = decltype(mode)::value;
-    int j = 0; /* the stage's group slot */
+    [[maybe_unused]] constexpr int MODE = decltype(mode)::value; /* fp8 has one route */
+    int j = 0;                                                   /* the stage's group slot */
 #pragma unroll
     for (int u = 0; u < KS; u++) {
       const int kb = st * KS + u; /* in the segment */
@@ -739,11 +831,11 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
       auto deq = [&](int ks, bool scale16) {
         if (four_bit(W)) {
           const uint32_t wd[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
-          dequant<W, ACT>(&wd[ks], dq, scale16, af[ks]);
+          dequant<W, MT>(&wd[ks], dq, scale16, af[ks]);
         } else {
           const uint4 v = raw[(ks >> 1) & (CH / 512 - 1)];
           const uint32_t wd[2] = {(ks & 1) ? v.z : v.x, (ks & 1) ? v.w : v.y};
-          dequant<W, ACT>(wd, dq, scale16, af[ks]);
+          dequant<W, MT>(wd, dq, scale16, af[ks]);
         }
       };
       if constexpr (W == TW_16) {
@@ -755,6 +847,10 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
                         sb + S::B + u * S::A1 + r * 128 + ((chunk ^ (r & 7)) << 4));
           }
         }
+      } else if constexpr (FP8) { /* no scales in the weights (they join per K block or at the end) */
+#pragma unroll
+        for (int ks = 0; ks < KB / 16; ks++)
+          deq(ks, false);
       } else if constexpr (MODE == M_SMALL_GROUPS) {
         /* groups of 16 or 32 columns: a group can start at any 16 */
 #pragma unroll
@@ -794,6 +890,12 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
 #pragma unroll
         for (int ks = 0; ks < KB / 16; ks++)
           keep_alive(af[ks]);
+      /* fp8 block scales: a K block's first product starts its sums (scale-d 0) */
+      [[maybe_unused]] uint32_t sd0 = 1;
+      if constexpr (FP8) {
+        sd0 = a.wscale == MOE_WSCALE_BLOCK && kb % kbb == 0 ? 0u : 1u;
+        asm volatile("" : "+r"(sd0));
+      }
       wgmma_fence();
       const uint32_t none[4] = {0, 0, 0, 0}; /* SS: no A registers */
       const uint64_t db = desc0 + ((uint32_t)(sb - smem + u * S::B1) >> 4),
@@ -801,11 +903,15 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
 #pragma unroll
       for (int ks = 0; ks < KB / 16; ks++) {
         if constexpr (A_SMEM) /* this warpgroup's 64 rows of the stage */
-          wgmma<BT, ACT, true>(ac.v, none, da + ks * 2, db + ks * 2);
+          wgmma<BT, MT, true>(ac.v, none, da + ks * 2, db + ks * 2);
+        else if constexpr (FP8)
+          wgmma<BT, MT, false>(ac.v, af[ks], 0, db + ks * 2, ks == 0 ? sd0 : 1u);
         else
-          wgmma<BT, ACT, false>(ac.v, af[ks], 0, db + ks * 2);
+          wgmma<BT, MT, false>(ac.v, af[ks], 0, db + ks * 2);
       }
       wgmma_commit();
+      if constexpr (FP8)
+        if (a.wscale == MOE_WSCALE_BLOCK && (kb + 1) % kbb == 0) fp8_block_end(ac, (kb + 1) / kbb - 1);
       /* This block's products stay in flight while the next block's
        * fragments are made; the previous block's are done here. Its
        * fragments (af_prev) must stay in their registers until this point,
@@ -828,14 +934,16 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
           uint32_t b0, b1, b2, b3;
           if (NT > 1) {
             ldmatrix_x4(b0, b1, b2, b3, p);
-            mma<ACT>(ac.v[jj], af[ks], b0, b1);
-            mma<ACT>(ac.v[jj + 1], af[ks], b2, b3);
+            mma<MT>(ac.v[jj], af[ks], b0, b1);
+            mma<MT>(ac.v[jj + 1], af[ks], b2, b3);
           } else {
             ldmatrix_x2(b0, b1, p);
-            mma<ACT>(ac.v[jj], af[ks], b0, b1);
+            mma<MT>(ac.v[jj], af[ks], b0, b1);
           }
         }
       }
+      if constexpr (FP8)
+        if (a.wscale == MOE_WSCALE_BLOCK && (kb + 1) % kbb == 0) fp8_block_end(ac, (kb + 1) / kbb - 1);
 #endif
     }
   };
@@ -875,7 +983,19 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
     fence_acc(ac.v); /* the epilogue reads the accumulators after the wait */
 #endif
     cp_async_wait<0>();
-    pdl_next(); /* the next GEMM (or the sum) may launch: only this block's stores are left */
+    pdl_next();          /* the next GEMM (or the sum) may launch: only this block's stores are left */
+    if constexpr (FP8) { /* the sums with their scales: block ones done, else (sum * sx) * sw */
+      const bool blk = a.wscale == MOE_WSCALE_BLOCK;
+      const float sw0 = blk ? 1.0f : fp8_sw(0, 0), sw1 = blk ? 1.0f : fp8_sw(1, 0);
+#pragma unroll
+      for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+          const float sx = blk ? 1.0f : fp8_sx(j, q, 0);
+          ac.v[j][q] = blk ? ac.t[j][q] : ac.v[j][q] * sx * sw0;
+          ac.v[j][2 + q] = blk ? ac.t[j][2 + q] : ac.v[j][2 + q] * sx * sw1;
+        }
+    }
     if (mt < mtc)
       store_tile<ACT, false>(a, ac.v, mt, lane, rows, row0, slot_of, tw_of, SPLIT ? seg_of : -1, e);
   };
@@ -886,6 +1006,11 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
 #pragma unroll
       for (int q = 0; q < 4; q++)
         ac.v[j][q] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < (FP8 ? NT : 1); j++)
+#pragma unroll
+      for (int q = 0; q < 4; q++)
+        ac.t[j][q] = 0.0f;
     if constexpr (KS % 2 == 0) { /* each stage ends on afB: the next starts on afA */
       for (int st = 0; st < nst; st++)
         step(ac, st, af0, af1, mode);
@@ -1214,7 +1339,12 @@ moe_status launch_packed(moe_backend *b, int config, int max_tiles, const TcArgs
   switch (config) {
   case TC_SMALL: return launch<W, ACT, CfgQS, SPLIT>(b, max_tiles, a, err);
   case TC_MEDIUM: return launch<W, ACT, CfgQM, SPLIT>(b, max_tiles, a, err);
-  default: return launch<W, ACT, CfgL, SPLIT>(b, max_tiles, a, err);
+  default:
+    /* fp8 block scales keep two sets of sums: the large tile's would pass the register cap */
+    if constexpr (W == TW_FP8)
+      return launch<W, ACT, CfgW, SPLIT>(b, max_tiles, a, err);
+    else
+      return launch<W, ACT, CfgL, SPLIT>(b, max_tiles, a, err);
   }
 }
 
@@ -1229,8 +1359,11 @@ moe_status launch_cfg(moe_backend *b, int config, int max_tiles, const TcArgs &a
     }
   } else { /* packed codes: the wide tile is never chosen (moe_tc_choose), so forcing it takes the large one
             */
-    return a.split > 1 ? launch_packed<W, ACT, true>(b, config, max_tiles, a, err)
-                       : launch_packed<W, ACT, false>(b, config, max_tiles, a, err);
+    if constexpr (W == TW_FP8) /* never split (moe_tc_split) */
+      return launch_packed<W, ACT, false>(b, config, max_tiles, a, err);
+    else
+      return a.split > 1 ? launch_packed<W, ACT, true>(b, config, max_tiles, a, err)
+                         : launch_packed<W, ACT, false>(b, config, max_tiles, a, err);
   }
 }
 
@@ -1254,6 +1387,44 @@ template <int ACT> moe_status launch_bulk(moe_backend *b, int max_tiles, const T
   return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), tc_gemm_bulk<ACT>, grid, dim3(bulk::THREADS), bulk::BYTES,
                                   moe_gpu_stream(b), a),
                        "fused_moe tensor-core gemm", err);
+}
+
+/* fp8 W8A8 (moe_tc_fp8_act): one warp per (tile row, group of a.xg
+ * columns): the group's amax (finite values), its scale, the codes as
+ * quant.per_token_group makes them (codec.h, x * (1 / s) or x / s), their
+ * values in fp16 */
+template <int ACT>
+__global__ void __launch_bounds__(256)
+    fp8_act_kernel(TcArgs a, const void *x, const float *static_scale, int exact, uint16_t *xq) {
+  const moe_narrow_fmt f = MOE_FMT_E4M3FN;
+  const int ti = (int)blockIdx.x, lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
+  pdl_wait();
+  if (ti >= *a.ntiles) return;
+  const int4 tile = a.tiles[ti];
+  const int e = tile.x, row0 = tile.y, rows = tile.z, K = a.k, g = a.xg, nb = K / g;
+  for (int u = warp; u < rows * nb; u += (int)blockDim.x >> 5) {
+    const int p = row0 + u / nb, blk = u % nb;
+    const size_t src = a.phase == 1 ? (size_t)(a.sorted[p] / a.top_k) : (size_t)p;
+    const uint16_t *in = (const uint16_t *)x + src * (size_t)K + (size_t)blk * g;
+    uint32_t m = 0; /* |v| bits of the finite values: their max is the amax */
+    for (int j = lane; j < g; j += 32) {
+      const uint32_t bits = moe_f32_bits(from16<ACT>(in[j])) & 0x7FFFFFFFu;
+      m = bits < 0x7F800000u && bits > m ? bits : m;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const uint32_t t = MOE_SHFL_XOR(m, o);
+      m = t > m ? t : m;
+    }
+    const float s = static_scale ? static_scale[e] : moe_dynamic_scale(moe_f32_from_bits(m), 448.0f, false);
+    const float r = 1.0f / s;
+    uint16_t *out = xq + (size_t)p * (size_t)K + (size_t)blk * g;
+    for (int j = lane; j < g; j += 32) {
+      const float v = from16<ACT>(in[j]);
+      out[j] = moe_f32_to_f16(moe_narrow_to_f32(moe_f32_to_narrow(exact ? v / s : v * r, &f, false), &f));
+    }
+    if (lane == 0) a.xs[(size_t)p * (size_t)nb + (size_t)blk] = s;
+  }
+  pdl_next();
 }
 
 unsigned blocks_for(size_t items, moe_backend *b) {
@@ -1295,11 +1466,12 @@ int moe_tc_choose(moe_backend *b, const moe_expert_config *cfg, int64_t avg) {
    * kind (0: never); measured on the H200 (bench/RESULTS.md, tile choice).
    * The 128 x 64 tile pays for 16-bit weights only: with int4/int8 its
    * two warpgroups per block leave too few warps for the dequantization. */
-  static const int64_t upto[4][TC_CONFIGS] = {
+  static const int64_t upto[TW_KINDS][TC_CONFIGS] = {
       /* TW_16 */ {4, 16, 48, INT64_MAX},
       /* TW_INT4 */ {4, 48, 0, INT64_MAX},
       /* TW_INT8 */ {4, 48, 0, INT64_MAX},
       /* TW_FP4 */ {4, 48, 0, INT64_MAX},
+      /* TW_FP8 */ {4, 48, INT64_MAX, 0}, /* the wide tile is its largest (launch_packed) */
   };
   for (int c = 0; c < TC_CONFIGS; c++)
     if (avg <= upto[w][c]) return c;
@@ -1332,6 +1504,14 @@ bool moe_tc_bulk(moe_backend *b, const moe_expert_config *cfg, int config) {
 #endif
 }
 
+moe_status moe_tc_fp8_act(moe_backend *b, int act, int max_tiles, const TcArgs &a, const void *x,
+                          const float *static_scale, int exact, uint16_t *xq, moe_error *err) {
+  return moe_gpu_check(
+      pdl_launch(moe_gpu_pdl(b), act == A_BF16 ? fp8_act_kernel<A_BF16> : fp8_act_kernel<A_F16>,
+                 dim3((unsigned)max_tiles), dim3(256), 0, moe_gpu_stream(b), a, x, static_scale, exact, xq),
+      "fused_moe fp8 activations", err);
+}
+
 moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_t *xk, moe_error *err) {
   return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), gather_rows,
                                   dim3((unsigned)max_tiles, (unsigned)(a.k / KB)), dim3(256), 0,
@@ -1346,6 +1526,12 @@ extern "C" bool moe_gpu_fused_packs(moe_backend *b, const moe_expert_config *cfg
   const int64_t h = cfg->hidden_size, in = cfg->intermediate_size, g = cfg->group_size;
   if (h % KB || in % KB) return false;
   if (cfg->scheme == MOE_SCHEME_MXFP4) return true; /* groups of 32 */
+  /* fp8: e4m3 conversions (sm_89+; Hopper here: the major is what the
+   * backend keeps); block scales whole KB blocks along K and whole 16-row
+   * blocks (a warp's rows) along N */
+  if (cfg->scheme == MOE_SCHEME_FP8)
+    return moe_gpu_cc_major(b) >= 9 &&
+           (cfg->weight_scale != MOE_WSCALE_BLOCK || (cfg->block_k % KB == 0 && cfg->block_n % 16 == 0));
   if (cfg->scheme != MOE_SCHEME_WNA16) return true;
   return g == -1 || g % KB == 0 || g == 16 || g == 32;
 }
@@ -1367,9 +1553,9 @@ moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_d
       pack_weights<TW_16><<<nb, 256, 0, st>>>(s, d, e, n, k, w13, in, il);
     else if (four_bit(w)) /* fp4 codes are laid out as int4 ones */
       pack_weights<TW_INT4><<<nb, 256, 0, st>>>(s, d, e, n, k, w13, in, il);
-    else
+    else /* int8 and fp8 codes */
       pack_weights<TW_INT8><<<nb, 256, 0, st>>>(s, d, e, n, k, w13, in, il);
-    if (w != TW_16) {
+    if (grouped(w)) {
       const int ss = w13 ? MOE_W13_SCALES : MOE_W2_SCALES, zs = w13 ? MOE_W13_QZEROS : MOE_W2_QZEROS;
       const int groups = w == TW_FP4 ? k / 32 : cfg->group_size == -1 ? 1 : k / (int)cfg->group_size;
       pack_groups<<<blocks_for((size_t)e * groups * n, b), 256, 0, st>>>(
@@ -1389,6 +1575,7 @@ moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, in
   case TW_INT4: return launch_act<TW_INT4>(b, act, config, max_tiles, a, err);
   case TW_INT8: return launch_act<TW_INT8>(b, act, config, max_tiles, a, err);
   case TW_FP4: return launch_act<TW_FP4>(b, act, config, max_tiles, a, err);
+  case TW_FP8: return launch_act<TW_FP8>(b, act, config, max_tiles, a, err);
   default: return launch_act<TW_16>(b, act, config, max_tiles, a, err);
   }
 }
@@ -1400,6 +1587,10 @@ int moe_tc_choose(moe_backend *b, const moe_expert_config *cfg, int64_t avg) { r
 int moe_tc_split(const moe_expert_config *cfg) { return 1; }
 bool moe_tc_bulk(moe_backend *b, const moe_expert_config *cfg, int config) { return false; }
 moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_t *xk, moe_error *err) {
+  return moe_fail(err, MOE_EUNSUPPORTED, "fused_moe: no tensor-core path on this GPU");
+}
+moe_status moe_tc_fp8_act(moe_backend *b, int act, int max_tiles, const TcArgs &a, const void *x,
+                          const float *static_scale, int exact, uint16_t *xq, moe_error *err) {
   return moe_fail(err, MOE_EUNSUPPORTED, "fused_moe: no tensor-core path on this GPU");
 }
 extern "C" bool moe_gpu_fused_packs(moe_backend *b, const moe_expert_config *cfg) { return false; }

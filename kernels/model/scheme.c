@@ -358,7 +358,7 @@ const moe_scheme_desc moe_schemes[MOE_SCHEME_COUNT] = {
                           .from_inline = wna16_from_inline},
     [MOE_SCHEME_FP8] = {.act = MOE_DTYPE_INVALID,
                         .quantized = true,
-                        .gpu = false, /* kernels/gpu has no fp8 GEMM yet */
+                        .gpu = true, /* the tensor-core path's (backend_gpu.c's fused_lacks) */
                         .check_config = fp8_check,
                         .layout = fp8_layout,
                         .check_values = fp8_values,

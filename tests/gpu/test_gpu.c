@@ -10,8 +10,9 @@
  * why not bit-exact). fused_moe: every scheme, group size, zero points and
  * activation within docs/numerics.md's tolerance of the CPU backend, never NaN
  * (outputs poisoned), bit-identical across batchings on the GPU; loaded
- * sets (the backend's device copies), routing on the device, shards; fp8,
- * mxfp4 and biases refused (no GPU kernel yet) and served by the CPU.
+ * sets (the backend's device copies), routing on the device, shards; fp8
+ * W8A8 (block, per channel, per tensor, static) within its own bound; fp8,
+ * mxfp4 and biases refused off the tensor-core path and served by the CPU.
  *
  * MOE_GPU_TEST_QUICK=1: a handful of scales per case (for compute-sanitizer). */
 #include <check.h>
@@ -590,45 +591,93 @@ typedef struct fm_case {
   moe_dtype scale_t;
   int64_t hidden, inter;
   moe_dtype bias_t; /* w13_bias / w2_bias; MOE_DTYPE_INVALID (0): none */
+  /* fp8: the weight scales' layout, block [bn, bk] (0: 128), static activation scales */
+  moe_weight_scale wscale;
+  int64_t bn, bk;
+  bool static_act;
 } fm_case;
 
 static const fm_case fm_cases[] = {
-    {"bf16", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 2048, 384, MOE_DTYPE_INVALID},
-    {"fp16", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 1152, 256,
-     MOE_DTYPE_INVALID}, /* H: a half weight strip */
-    {"bf16 odd sizes", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 72, 20, MOE_DTYPE_INVALID},
-    {"fp16 odd sizes", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 40, 36, MOE_DTYPE_INVALID},
-    {"int4 g128 bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 128, false, MOE_BF16, 2048, 384, MOE_DTYPE_INVALID},
-    {"int4 g128 zp fp16", MOE_SCHEME_WNA16, MOE_F16, 4, 128, true, MOE_F16, 1024, 256, MOE_DTYPE_INVALID},
-    {"int4 g64 zp fp16", MOE_SCHEME_WNA16, MOE_F16, 4, 64, true, MOE_F16, 512, 256, MOE_DTYPE_INVALID},
-    {"int4 g32 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 32, true, MOE_F32, 512, 128, MOE_DTYPE_INVALID},
-    {"int4 g-1 fp16", MOE_SCHEME_WNA16, MOE_F16, 4, -1, false, MOE_F32, 512, 128, MOE_DTYPE_INVALID},
-    {"int4 g-1 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, -1, true, MOE_BF16, 256, 128, MOE_DTYPE_INVALID},
-    {"int4 g4 zp odd sizes", MOE_SCHEME_WNA16, MOE_BF16, 4, 4, true, MOE_F32, 72, 20, MOE_DTYPE_INVALID},
-    {"int4 g3 odd groups", MOE_SCHEME_WNA16, MOE_F16, 4, 3, false, MOE_F16, 48, 18, MOE_DTYPE_INVALID},
-    {"int4 g16 bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 16, false, MOE_BF16, 1024, 128, MOE_DTYPE_INVALID},
-    {"int8 g128 bf16", MOE_SCHEME_WNA16, MOE_BF16, 8, 128, false, MOE_BF16, 1024, 256, MOE_DTYPE_INVALID},
-    {"int8 g64 zp fp16", MOE_SCHEME_WNA16, MOE_F16, 8, 64, true, MOE_F32, 512, 128, MOE_DTYPE_INVALID},
-    {"int8 g32 fp16", MOE_SCHEME_WNA16, MOE_F16, 8, 32, false, MOE_F16, 256, 128, MOE_DTYPE_INVALID},
-    {"int8 g-1 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 8, -1, true, MOE_F32, 256, 128, MOE_DTYPE_INVALID},
-    {"int8 g5 zp odd sizes", MOE_SCHEME_WNA16, MOE_BF16, 8, 5, true, MOE_BF16, 40, 30, MOE_DTYPE_INVALID},
+    {"bf16", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 2048, 384, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"fp16", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 1152, 256, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false}, /* H: a half weight strip */
+    {"bf16 odd sizes", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 72, 20, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"fp16 odd sizes", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 40, 36, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int4 g128 bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 128, false, MOE_BF16, 2048, 384, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int4 g128 zp fp16", MOE_SCHEME_WNA16, MOE_F16, 4, 128, true, MOE_F16, 1024, 256, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int4 g64 zp fp16", MOE_SCHEME_WNA16, MOE_F16, 4, 64, true, MOE_F16, 512, 256, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int4 g32 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 32, true, MOE_F32, 512, 128, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int4 g-1 fp16", MOE_SCHEME_WNA16, MOE_F16, 4, -1, false, MOE_F32, 512, 128, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int4 g-1 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, -1, true, MOE_BF16, 256, 128, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int4 g4 zp odd sizes", MOE_SCHEME_WNA16, MOE_BF16, 4, 4, true, MOE_F32, 72, 20, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int4 g3 odd groups", MOE_SCHEME_WNA16, MOE_F16, 4, 3, false, MOE_F16, 48, 18, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int4 g16 bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 16, false, MOE_BF16, 1024, 128, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int8 g128 bf16", MOE_SCHEME_WNA16, MOE_BF16, 8, 128, false, MOE_BF16, 1024, 256, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int8 g64 zp fp16", MOE_SCHEME_WNA16, MOE_F16, 8, 64, true, MOE_F32, 512, 128, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int8 g32 fp16", MOE_SCHEME_WNA16, MOE_F16, 8, 32, false, MOE_F16, 256, 128, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int8 g-1 zp bf16", MOE_SCHEME_WNA16, MOE_BF16, 8, -1, true, MOE_F32, 256, 128, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int8 g5 zp odd sizes", MOE_SCHEME_WNA16, MOE_BF16, 8, 5, true, MOE_BF16, 40, 30, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
     /* K not a multiple of 128: the portable GEMM on every GPU */
-    {"int4 g16 bf16 K%128", MOE_SCHEME_WNA16, MOE_BF16, 4, 16, false, MOE_BF16, 1056, 96, MOE_DTYPE_INVALID},
+    {"int4 g16 bf16 K%128", MOE_SCHEME_WNA16, MOE_BF16, 4, 16, false, MOE_BF16, 1056, 96, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
     /* the down GEMM in K segments (moe_tc_split: few strips, K >= 8192) */
     {"int4 g128 bf16 split K", MOE_SCHEME_WNA16, MOE_BF16, 4, 128, false, MOE_BF16, 256, 8192,
-     MOE_DTYPE_INVALID},
+     MOE_DTYPE_INVALID, MOE_WSCALE_PER_TENSOR, 0, 0, false},
     /* K an odd number of 64-column blocks (gpt-oss: 2880 = 45 x 64) */
-    {"int4 g64 zp bf16 odd KB", MOE_SCHEME_WNA16, MOE_BF16, 4, 64, true, MOE_F32, 320, 192,
-     MOE_DTYPE_INVALID},
-    {"bf16 odd KB", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 192, 320, MOE_DTYPE_INVALID},
+    {"int4 g64 zp bf16 odd KB", MOE_SCHEME_WNA16, MOE_BF16, 4, 64, true, MOE_F32, 320, 192, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"bf16 odd KB", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 192, 320, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
     /* mxfp4 (e2m1 codes, e8m0 scales per 32) and expert biases, every scheme */
-    {"mxfp4 bf16", MOE_SCHEME_MXFP4, MOE_BF16, 0, 32, false, MOE_UINT8, 512, 256, MOE_DTYPE_INVALID},
-    {"mxfp4 fp16 bias fp16 odd KB", MOE_SCHEME_MXFP4, MOE_F16, 0, 32, false, MOE_UINT8, 320, 192, MOE_F16},
-    {"mxfp4 bf16 bias f32", MOE_SCHEME_MXFP4, MOE_BF16, 0, 32, false, MOE_UINT8, 1024, 256, MOE_F32},
-    {"bf16 bias bf16", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 512, 256, MOE_BF16},
-    {"fp16 bias f32", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 256, 192, MOE_F32},
-    {"int4 g128 bf16 bias bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 128, false, MOE_BF16, 512, 256, MOE_BF16},
+    {"mxfp4 bf16", MOE_SCHEME_MXFP4, MOE_BF16, 0, 32, false, MOE_UINT8, 512, 256, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"mxfp4 fp16 bias fp16 odd KB", MOE_SCHEME_MXFP4, MOE_F16, 0, 32, false, MOE_UINT8, 320, 192, MOE_F16,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"mxfp4 bf16 bias f32", MOE_SCHEME_MXFP4, MOE_BF16, 0, 32, false, MOE_UINT8, 1024, 256, MOE_F32,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"bf16 bias bf16", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 512, 256, MOE_BF16,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"fp16 bias f32", MOE_SCHEME_FP16, MOE_F16, 0, -1, false, MOE_F32, 256, 192, MOE_F32,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int4 g128 bf16 bias bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 128, false, MOE_BF16, 512, 256, MOE_BF16,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    /* fp8 W8A8: block scales (DeepSeek-V3's 128 x 128, and 64 x 64 with a partial row block), per
+     * channel, per tensor with dynamic and with static activation scales */
+    {"fp8 block bf16", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, MOE_F32, 1024, 256, MOE_DTYPE_INVALID,
+     MOE_WSCALE_BLOCK, 0, 0, false},
+    {"fp8 block 48x64 fp16 bias", MOE_SCHEME_FP8, MOE_F16, 0, -1, false, MOE_F32, 320, 192, MOE_F32,
+     MOE_WSCALE_BLOCK, 48, 64, false},
+    {"fp8 per_channel bf16", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, MOE_F32, 512, 128, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_CHANNEL, 0, 0, false},
+    {"fp8 per_tensor fp16", MOE_SCHEME_FP8, MOE_F16, 0, -1, false, MOE_F32, 256, 192, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"fp8 per_tensor static bf16", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, MOE_F32, 512, 256,
+     MOE_DTYPE_INVALID, MOE_WSCALE_PER_TENSOR, 0, 0, true},
 };
+/* fp8 W8A8's bound (docs/numerics.md): a one-ulp difference of a can move a code */
+static double fm_tol(const fm_case *c) {
+  if (c->scheme == MOE_SCHEME_FP8) return c->act == MOE_BF16 ? 4e-3 : 2e-3;
+  return c->act == MOE_BF16 ? 1e-3 : 2.5e-4;
+}
+static int64_t fm_bn(const fm_case *c) { return c->bn ? c->bn : 128; }
+static int64_t fm_bk(const fm_case *c) { return c->bk ? c->bk : 128; }
 #define FM_EXPERTS 12
 #define FM_TOPK 4
 
@@ -686,6 +735,33 @@ static void fm_make(fm_model *m, const fm_case *c, moe_activation act, int64_t e
       const int base = 127 + (int)floor(log2(1.0 / (2.93 * sqrt((double)k))));
       for (size_t j = 0; j < (size_t)(e * n * k / 32); j++)
         ((uint8_t *)m->buf[sc])[j] = (uint8_t)(base + (int)(rng() % 2));
+    }
+    return;
+  }
+  if (c->scheme == MOE_SCHEME_FP8) { /* e4m3 codes of U(-224, 224), scales to about U(-2, 2) / sqrt(K) */
+    static const moe_narrow_fmt e4m3 = MOE_FMT_E4M3FN;
+    for (int g = 0; g < 2; g++) {
+      const int64_t n = g ? h : i2, k = g ? in : h;
+      const moe_expert_tensor q = g ? MOE_W2_QWEIGHT : MOE_W13_QWEIGHT,
+                              sc = g ? MOE_W2_SCALES : MOE_W13_SCALES;
+      fm_add(m, q, MOE_UINT8, e, n, k, 1);
+      for (size_t j = 0; j < (size_t)(e * n * k); j++)
+        ((uint8_t *)m->buf[q])[j] = moe_f32_to_narrow(urand(-224, 224), &e4m3, false);
+      const int64_t nb = (n + fm_bn(c) - 1) / fm_bn(c), kb = k / fm_bk(c);
+      if (c->wscale == MOE_WSCALE_BLOCK)
+        fm_add(m, sc, MOE_F32, e, nb, kb, 4);
+      else
+        fm_add(m, sc, MOE_F32, e, c->wscale == MOE_WSCALE_PER_CHANNEL ? n : 1, 1, 4);
+      moe_tensor *t = &m->t[m->nt - 1].tensor;
+      t->ndim = c->wscale == MOE_WSCALE_BLOCK ? 3 : c->wscale == MOE_WSCALE_PER_CHANNEL ? 2 : 1;
+      for (size_t j = 0; j < t->nbytes / 4; j++)
+        ((float *)t->data)[j] = urand(1.0f, 3.0f) / sqrtf((float)k) / 224.0f;
+      if (c->static_act) { /* activations of order one: codes up to about 112 */
+        fm_add(m, g ? MOE_A2_SCALE : MOE_A13_SCALE, MOE_F32, e, 1, 1, 4);
+        m->t[m->nt - 1].tensor.ndim = 1;
+        for (int64_t j = 0; j < e; j++)
+          ((float *)m->buf[g ? MOE_A2_SCALE : MOE_A13_SCALE])[j] = urand(0.75f, 1.25f) / 112.0f;
+      }
     }
     return;
   }
@@ -783,13 +859,17 @@ static void fm_run(const fm_model *m, const moe_expert_set *set, const fm_tokens
   if (!set)
     for (size_t i = 0; i < m->nt; i++)
       in[n++] = m->t[i];
-  moe_param p[2] = {pstr("activation", moe_activation_names[m->activation]), pstr("scheme", "mxfp4")};
+  /* the scheme named where the inputs do not tell it (and fp8's block size) */
+  moe_param p[4] = {pstr("activation", moe_activation_names[m->activation]),
+                    pstr("scheme", moe_scheme_names[c->scheme]), pint("block_n", fm_bn(c)),
+                    pint("block_k", fm_bk(c))};
   void *r[8], *g[8];
   size_t nb[8];
   run_both("fused_moe", in, n, p,
-           set                             ? 0
-           : c->scheme == MOE_SCHEME_MXFP4 ? 2
-                                           : 1,
+           set                                                            ? 0
+           : c->scheme == MOE_SCHEME_FP8 && c->wscale == MOE_WSCALE_BLOCK ? 4
+           : c->scheme == MOE_SCHEME_FP8 || c->scheme == MOE_SCHEME_MXFP4 ? 2
+                                                                          : 1,
            set, misalign, label, r, g, nb);
   *ref = r[0];
   *got = g[0];
@@ -812,14 +892,14 @@ static double fm_compare(const fm_case *c, const uint16_t *ref, const uint16_t *
   }
   ck_assert_msg(den > 0, "%s: all-zero reference", label);
   double rel = sqrt(num / den);
-  double tol = c->act == MOE_BF16 ? 1e-3 : 2.5e-4;
+  double tol = fm_tol(c);
   ck_assert_msg(rel <= 2 * tol, "%s: ||gpu - cpu|| / ||cpu|| = %.3g > 2 x %.3g", label, rel, tol);
   if (num_acc) *num_acc += num;
   if (den_acc) *den_acc += den;
   return rel;
 }
 
-static double worst_rel[2];
+static double worst_rel[3]; /* bf16, fp16, fp8 W8A8 */
 
 START_TEST(fused_vs_cpu) {
   char label[200];
@@ -844,10 +924,10 @@ START_TEST(fused_vs_cpu) {
         free(got);
         fm_tokens_free(&tk);
       }
-      const double rel = sqrt(num / den), tol = m.c->act == MOE_BF16 ? 1e-3 : 2.5e-4;
+      const double rel = sqrt(num / den), tol = fm_tol(m.c);
       ck_assert_msg(rel <= tol, "fused_moe %s %s: over all T, ||gpu - cpu|| / ||cpu|| = %.3g > %.3g",
                     m.c->name, moe_activation_names[a], rel, tol);
-      double *w = &worst_rel[m.c->act == MOE_F16];
+      double *w = &worst_rel[m.c->scheme == MOE_SCHEME_FP8 ? 2 : m.c->act == MOE_F16];
       if (rel > *w) *w = rel;
       fm_free(&m);
     }
@@ -859,8 +939,10 @@ END_TEST
  * odd sizes), a small batch (256 align threads) and a large one. */
 START_TEST(fused_many_experts) {
   static const fm_case cases[] = {
-      {"bf16 128", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 128, 128, MOE_DTYPE_INVALID},
-      {"bf16 odd sizes", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 72, 20, MOE_DTYPE_INVALID},
+      {"bf16 128", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 128, 128, MOE_DTYPE_INVALID,
+       MOE_WSCALE_PER_TENSOR, 0, 0, false},
+      {"bf16 odd sizes", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 72, 20, MOE_DTYPE_INVALID,
+       MOE_WSCALE_PER_TENSOR, 0, 0, false},
   };
   const int64_t experts = 2100, Ts[] = {3, 700};
   char label[200];
@@ -888,9 +970,9 @@ END_TEST
 /* GPU only: a token's output bits alone, in a batch, and in another batch at
  * another position (other tokens, other expert loads) are identical. */
 START_TEST(fused_batch_invariance) {
-  const size_t picks[] = {0,  2,  4, 13, 16,
-                          19, 22, 27}; /* bf16, odd sizes, int4 g128, int8 g128, int8 g-1 zp, split K, mxfp4,
-                                          int4 + bias */
+  const size_t picks[] = {0,  2,  4,  13, 16, 19,
+                          22, 27, 28, 32}; /* bf16, odd sizes, int4 g128, int8 g128, int8 g-1 zp, split K,
+                                              mxfp4, int4 + bias, fp8 block, fp8 static */
   char label[200];
   for (size_t pi = 0; pi < sizeof picks / sizeof picks[0]; pi++) {
     const fm_case *c = &fm_cases[picks[pi]];
@@ -944,9 +1026,10 @@ END_TEST
  * the generic one (MOE_GPU_TC_BULK=0). Shapes the path does not take
  * ignore the variables and pass trivially. */
 START_TEST(fused_tile_configs) {
-  const size_t picks[] = {0,  1,  4,  5,  7, 12, 13,
-                          14, 19, 20, 23, 25}; /* bf16, fp16, int4 g128, g128 zp, g32 zp, g16, int8 g128, g64
-                                                  zp, split K, odd KB, mxfp4 + bias, bf16 + bias */
+  const size_t picks[] = {0,  1,  4,  5,  7,  12, 13, 14,
+                          19, 20, 23, 25, 28, 29, 32}; /* bf16, fp16, int4 g128, g128 zp, g32 zp, g16, int8
+                                                          g128, g64 zp, split K, odd KB, mxfp4 + bias, bf16 +
+                                                          bias, fp8 block, fp8 block 48x64, fp8 static */
   static const char *const configs[] = {"small", "medium", "wide", "large", "large"};
   static const char *const bulk[] = {"1", "1", "1", "1", "0"};
   char label[200];
@@ -988,8 +1071,9 @@ END_TEST
  * expert shard [offset, offset + E_local) of E global. */
 START_TEST(fused_set_routing_shard) {
   char label[200];
-  for (int variant = 0; variant < 4; variant++) {
-    const fm_case *c = &fm_cases[variant & 1 ? 5 : 0]; /* int4 g128 zp fp16, bf16 */
+  for (int variant = 0; variant < 6; variant++) {
+    /* bf16, int4 g128 zp fp16; shards of those, of fp8 block and of fp8 static (per expert scales) */
+    const fm_case *c = &fm_cases[variant == 4 ? 28 : variant == 5 ? 32 : variant & 1 ? 5 : 0];
     const bool shard = variant >= 2;
     fm_model m;
     fm_make(&m, c, MOE_ACT_SILU, FM_EXPERTS);
@@ -1004,6 +1088,10 @@ START_TEST(fused_set_routing_shard) {
     cfg.bits = c->bits;
     cfg.group_size = c->group;
     cfg.has_zero_points = c->zeros;
+    cfg.weight_scale = c->wscale;
+    cfg.block_n = fm_bn(c);
+    cfg.block_k = fm_bk(c);
+    cfg.has_act_scales = c->static_act;
     cfg.routing.top_k = FM_TOPK;
     cfg.routing.scoring = MOE_SCORING_SIGMOID;
     cfg.routing.renormalize = true;
@@ -1157,8 +1245,8 @@ END_TEST
 
 /* ---- schemes without a GPU kernel ------------------------------------------------------ */
 
-/* fp8 has no GPU kernel yet, mxfp4 and expert biases none off the
- * tensor-core path (K not whole 64-column blocks here: H = 96): a call on
+/* fp8, mxfp4 and expert biases have no GPU kernel off the tensor-core
+ * path (K not whole 64-column blocks here: H = 96): a call on
  * the GPU is refused with MOE_EUNSUPPORTED naming what is missing, before
  * any memory is touched (so host pointers are safe here), and never
  * computed as if the weights were 16-bit; the CPU runs the same call
@@ -1265,11 +1353,12 @@ int main(void) {
   srunner_run_all(sr, CK_VERBOSE);
   int failed = srunner_ntests_failed(sr);
   srunner_free(sr);
-  printf(
-      "gpu vs cpu: %llu op runs compared, %llu output bytes, quant ops bit-identical and moe.topk ids "
-      "identical "
-      "unless reported above; fused_moe worst case (all T) ||gpu - cpu|| / ||cpu||: bf16 %.3g, fp16 %.3g\n",
-      runs, bytes_compared, worst_rel[0], worst_rel[1]);
+  printf("gpu vs cpu: %llu op runs compared, %llu output bytes, quant ops bit-identical and moe.topk ids "
+         "identical "
+         "unless reported above; fused_moe worst case (all T) ||gpu - cpu|| / ||cpu||: bf16 %.3g, fp16 %.3g, "
+         "fp8 "
+         "W8A8 %.3g\n",
+         runs, bytes_compared, worst_rel[0], worst_rel[1], worst_rel[2]);
   moe_backend_destroy(gpu);
   moe_backend_destroy(cpu);
   return failed ? 1 : 0;
