@@ -507,8 +507,8 @@ static moe_status gpu_sync(moe_backend *b) {
 }
 
 static moe_status gpu_run(moe_backend *b, moe_call *c, moe_error *err) {
-  /* the op, and fused_moe's scheme and biases: fp8, mxfp4 and biases have
-   * no GPU kernel yet, and the kernels would read such a set as 16-bit */
+  /* the op, and fused_moe's scheme and biases: off the tensor-core path fp8,
+   * mxfp4 and biases have no kernel, which would read such a set as 16-bit */
   moe_status s = moe_call_check_backend(c, b, err);
   if (s) return s;
   s = moe_gpu_enter(b, err);
