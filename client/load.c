@@ -551,7 +551,7 @@ int load_run(const load_config *cfg, load_result *out) {
     }
     from = to;
   }
-  atomic_store(&s.stop, true); /* the calls in flight finish; they are in no window */
+  if (windows) atomic_store(&s.stop, true); /* the calls in flight finish; they are in no window */
   for (int i = 0; i < created; i++) {
     pthread_join(th[i], NULL);
     if (ta[i].rc) rc = -1;
