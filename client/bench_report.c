@@ -91,9 +91,9 @@ cJSON *bench_report_json(const bench_run *b) {
   cJSON_AddNumberToObject(j, "channels", b->channels);
   cJSON_AddNumberToObject(j, "rate", b->rate);
   if (b->tokens)
-    cJSON_AddStringToObject(j, "tokens", b->tokens);
+    cJSON_AddStringToObject(j, "tokens_spec", b->tokens);
   else
-    cJSON_AddNullToObject(j, "tokens");
+    cJSON_AddNullToObject(j, "tokens_spec");
   cJSON_AddNumberToObject(j, "seed", b->seed);
   if (b->requests > 0) {
     cJSON_AddNumberToObject(j, "requests_per_level", (double)b->requests);
