@@ -410,20 +410,20 @@ static int harvest_thread(harvest *h, thread_arg *a, double from, double to, loa
     if (x->start < h->first_start) h->first_start = x->start;
     if (x->end > h->last_end) h->last_end = x->end;
     if (x->status != GRPC_STATUS_OK) continue;
-    c->n_ok++;
-    c->tokens_ok += x->tokens;
-    if (r->c.n_ok + c->n_ok > h->cap_lat) {
+    if (r->c.n_ok + c->n_ok == h->cap_lat) {
       size_t cap = h->cap_lat ? 2 * h->cap_lat : 4096;
       double *g = cap <= SIZE_MAX / sizeof *g ? realloc(r->latency_s, cap * sizeof *g) : NULL;
       if (!g) {
         rc = -1;
-        k = a->n; /* dropped: the run fails anyway */
+        k = a->n; /* the rest dropped: the run fails anyway */
         break;
       }
       r->latency_s = g;
       h->cap_lat = cap;
     }
-    r->latency_s[r->c.n_ok + c->n_ok - 1] = x->end - x->start;
+    r->latency_s[r->c.n_ok + c->n_ok] = x->end - x->start;
+    c->n_ok++;
+    c->tokens_ok += x->tokens;
   }
   memmove(a->samples, a->samples + k, (a->n - k) * sizeof *a->samples);
   a->n -= k;

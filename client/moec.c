@@ -286,6 +286,7 @@ static int input_random(const char *input, const char *spec, npy_array *a, const
 typedef struct infer_request {
   npy_array arr[MAX_TENSORS];
   const moed_kserve_type *random[MAX_TENSORS]; /* a random input's type (NULL: read from a file) */
+  bool token_axis[MAX_TENSORS];                /* bench --tokens: leads with the token axis */
   int loaded;
   Inference__ModelInferRequest__InferInputTensor it[MAX_TENSORS], *pit[MAX_TENSORS];
   ProtobufCBinaryData raw[MAX_TENSORS];
@@ -697,32 +698,26 @@ bad:
   return false;
 }
 
-/* The token axis: the first dim of the first input, and of every input
- * whose first dim equals it. */
-static bool on_token_axis(const infer_request *ir, int i) {
-  return ir->arr[0].ndim >= 1 && ir->arr[i].ndim >= 1 && ir->arr[i].shape[0] == ir->arr[0].shape[0];
-}
-
-/* The inputs on the token axis made `rows` long: random ones generated
- * anew, .npy ones must have that many rows (each request sends a prefix).
- * 0, or -1 said on stderr. */
+/* Marks the inputs on the token axis (the first input's first dim, and
+ * every input whose first dim equals it) and makes them at least `rows`
+ * long: random ones generated anew, .npy ones must have that many rows
+ * (each request sends a prefix). 0, or -1 said on stderr. */
 static int token_rows(infer_request *ir, int64_t rows) {
   if (ir->loaded == 0 || ir->arr[0].ndim < 1 || ir->arr[0].shape[0] < 1) {
     fprintf(stderr, "moec: --tokens: the first input needs a first dim >= 1 (the token axis)\n");
     return -1;
   }
-  bool axis[MAX_TENSORS];
   for (int i = 0; i < ir->loaded; i++)
-    axis[i] = on_token_axis(ir, i);
+    ir->token_axis[i] = ir->arr[i].ndim >= 1 && ir->arr[i].shape[0] == ir->arr[0].shape[0];
   for (int i = 0; i < ir->loaded; i++) {
     npy_array *a = &ir->arr[i];
-    if (!axis[i] || a->shape[0] == rows) continue;
+    if (!ir->token_axis[i] || a->shape[0] >= rows) continue;
     if (ir->random[i]) {
       a->shape[0] = rows;
       if (random_fill(ir->it[i].name, a, ir->random[i]) != 0) return -1;
       ir->raw[i].data = a->data;
       ir->raw[i].len = a->nbytes;
-    } else if (a->shape[0] < rows) {
+    } else {
       fprintf(stderr, "moec: --tokens: input %s has %lld rows, fewer than the largest count %lld\n",
               ir->it[i].name, (long long)a->shape[0], (long long)rows);
       return -1;
@@ -731,7 +726,8 @@ static int token_rows(infer_request *ir, int64_t rows) {
   return 0;
 }
 
-/* The message for `rows` tokens (0: the request as given): its fields
+/* The message for `rows` tokens (0: the request as given; else after
+ * token_rows): its fields
  * without the raw contents, packed, then each input's contents as field 7
  * (raw_input_contents, the message's last field) referencing ir's arrays
  * without a copy; ir outlives the message. NULL: out of memory. */
@@ -744,7 +740,7 @@ static grpc_byte_buffer *bench_message(infer_request *ir, int64_t rows) {
     const npy_array *a = &ir->arr[i];
     memcpy(shapes[i], a->shape, sizeof shapes[i]);
     len[i] = a->nbytes;
-    if (rows > 0 && on_token_axis(ir, i)) {
+    if (rows > 0 && ir->token_axis[i]) {
       len[i] = a->nbytes / (size_t)a->shape[0] * (size_t)rows; /* a prefix of a: no overflow */
       shapes[i][0] = rows;
     }

@@ -18,9 +18,9 @@ static int whole(const char **p, long lo, long hi, long *out) {
   return 0;
 }
 
-/* weight[k] for count lo + k, k < n: normalized into a cdf over the counts
- * with a weight. */
-static int from_weights(const double *weight, long lo, long n, token_dist *out) {
+/* weight[k] for count k + 1, k < n: normalized into a cdf over the counts
+ * with a weight (at least one). */
+static int from_weights(const double *weight, long n, token_dist *out) {
   size_t m = 0;
   double total = 0;
   for (long k = 0; k < n; k++)
@@ -36,7 +36,7 @@ static int from_weights(const double *weight, long lo, long n, token_dist *out) 
   for (long k = 0; k < n; k++)
     if (weight[k] > 0) {
       acc += weight[k];
-      out->tokens[out->n] = (uint32_t)(lo + k);
+      out->tokens[out->n] = (uint32_t)(k + 1);
       out->cdf[out->n++] = acc / total;
     }
   out->cdf[out->n - 1] = 1; /* exactly, whatever the rounding */
@@ -77,7 +77,7 @@ int token_dist_parse(const char *spec, token_dist *out, char *err, size_t err_ca
       if (*p++ != ',') goto bad;
     }
   }
-  if (from_weights(weight, 1, TOKEN_DIST_MAX_COUNT, out) != 0) {
+  if (from_weights(weight, TOKEN_DIST_MAX_COUNT, out) != 0) {
     snprintf(err, err_cap, "--tokens %s: out of memory", spec);
     token_dist_free(out);
     goto done;

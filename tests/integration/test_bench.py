@@ -221,6 +221,13 @@ def test_tokens(port, tmp):
                    "--warmup", "0")
     check(r.returncode == 0 and rep is not None and 20 <= rep["tokens"] <= 80,
           f"--tokens within a .npy input's rows: prefixes sent ({r.stderr.strip()})")
+    # a .npy input longer than the largest count next to a random one: both cut to each request's count
+    h = (np.random.default_rng(2).standard_normal((8, 128)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    np.save(os.path.join(tmp, "h8.npy"), h)
+    r, rep = bench(port, "-m", "set", "--input", f"hidden_states={tmp}/h8.npy:BF16", "--input",
+                   "router_logits=random:8x8:FP32", "--tokens", "1,3", "--requests", "20", "--warmup", "0")
+    check(r.returncode == 0 and rep is not None and rep["ok"] == 20 and 20 <= rep["tokens"] <= 60,
+          f"--tokens over a .npy and a random input of 8 rows: every request consistent ({r.stderr.strip()})")
 
 
 def test_errors(port):
