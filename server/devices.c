@@ -209,6 +209,7 @@ int moed_devices_load(moed_devices *d, int queued[MOED_PRIORITY_LEVELS]) {
 }
 
 const char *moed_devices_memory(const moed_devices *d, int i, moe_backend_memory *out) {
+  if (moe_backend_is_host(d->workers[i].backend)) return NULL;
   moe_backend_memory_get(d->workers[i].backend, out);
   return moe_backend_name(d->workers[i].backend);
 }

@@ -241,13 +241,15 @@ static void render_metrics(moed_http *h, wbuf *b) {
               (unsigned long long)cs.hits, (unsigned long long)cs.misses, (unsigned long long)cs.evictions,
               (unsigned long long)cs.bytes);
   }
-  wb_printf(b, "# HELP moed_device_memory_bytes Device memory per worker: resident (expert sets and packed "
-               "weights kept on the device) and held (all the backend took from the device).\n"
+  wb_printf(b, "# HELP moed_device_memory_bytes Device memory per GPU worker: resident (expert sets and "
+               "packed weights kept on the device) and held (all the backend took from the device).\n"
                "# TYPE moed_device_memory_bytes gauge\n");
   for (int i = 0; i < moed_devices_count(s->devices); i++) {
     moe_backend_memory mem;
     char name[MOED_PROM_LABEL_SIZE(128)];
-    moed_prom_label(name, sizeof name, moed_devices_memory(s->devices, i, &mem));
+    const char *backend = moed_devices_memory(s->devices, i, &mem);
+    if (!backend) continue; /* host memory: no device memory to show */
+    moed_prom_label(name, sizeof name, backend);
     wb_printf(b, "moed_device_memory_bytes{worker=\"%d\",backend=\"%s\",kind=\"resident\"} %zu\n", i, name,
               mem.resident);
     wb_printf(b, "moed_device_memory_bytes{worker=\"%d\",backend=\"%s\",kind=\"held\"} %zu\n", i, name,

@@ -9,7 +9,7 @@ bucket holds exactly the batch_stats executions of sizes up to its bound,
 buckets are cumulative and monotone with +Inf = _count; the queue-time
 histogram counts every success. While requests wait in open batches (a
 long max_queue_delay_us) the batcher gauge shows them; idle, every queue
-gauge is 0.
+gauge is 0; CPU workers show no device memory sample.
 
 env: MOED, MOEC, MOE_MKSET."""
 import os
@@ -103,6 +103,10 @@ def test_histograms(tmp, repo):
                                   "--max-queue-delay-us", "2000")
     try:
         idle_gauges(http_port, "idle at start")
+        text, s = scrape(http_port)
+        check("# TYPE moed_device_memory_bytes gauge" in text and
+              not [n for n, _, _ in s if n == "moed_device_memory_bytes"],
+              "CPU workers: no device memory samples (host memory)")
         r = bench(port, "set", ["hidden_states=random:4x128:BF16", "router_logits=random:4x8:FP32"], 120, 8)
         check(r.returncode == 0, f"120 requests of 4 rows to the expert set ({r.stderr.strip()})")
         sizes = batch_histogram(port, http_port, "set", 120, 4)
