@@ -230,6 +230,17 @@ def test_tokens(port, tmp):
           f"--tokens over a .npy and a random input of 8 rows: every request consistent ({r.stderr.strip()})")
 
 
+def test_help():
+    """`moec bench --help` documents every flag bench takes."""
+    r = subprocess.run([MOEC, "bench", "--help"], capture_output=True, text=True, timeout=10)
+    flags = ["-m MODEL", "--input", "--param", "--concurrency", "--channels", "--rate", "--poisson", "--warmup",
+             "--window-ms", "--stability-pct", "--max-windows", "--duration", "--requests", "--tokens", "--seed",
+             "--stream", "--json", "--csv", "--svg", "--timeout-ms", "--tls-ca", "--tls-cert", "--tls-key",
+             "--token-file", "-a HOST:PORT"]
+    missing = [f for f in flags if f not in r.stdout]
+    check(r.returncode == 0 and not missing, f"moec bench --help documents every flag (missing {missing})")
+
+
 def test_errors(port):
     r, rep = bench(port, "-m", "no-such-model", "--input", "x=random:1x64:FP32", "--duration", "0.5",
                    "--warmup", "0")
@@ -271,6 +282,7 @@ def main():
             test_sweep(port, tmp)
             test_tokens(port, tmp)
             test_errors(port)
+            test_help()
             ts.stop(p)
         finally:
             if p.poll() is None:
