@@ -374,14 +374,14 @@ const char *moed_devices_backend_name(moed_devices *d);
  * set was left to device caches since the last call; workers also check
  * after each job. Any thread (main.c's tick). */
 void moed_devices_poll(moed_devices *d);
-/* Workers, and the device memory of worker i's backend (its name returned);
- * any thread. */
+/* Workers; any thread. */
 int moed_devices_count(const moed_devices *d);
 /* Jobs waiting in the device queues per priority level (queued[0]: level
  * 1); returns the jobs the workers are running now. Any thread. */
 int moed_devices_load(moed_devices *d, int queued[MOED_PRIORITY_LEVELS]);
 /* The device memory of worker i's backend, and its name; NULL (out left
- * alone) when it works in host memory (the CPU's: no device memory). */
+ * alone) when it works in host memory (the CPU's: no device memory). Any
+ * thread. */
 const char *moed_devices_memory(const moed_devices *d, int i, moe_backend_memory *out);
 
 /* ---- handlers.c: the protocol ---------------------------------------------- */
