@@ -832,6 +832,18 @@ static int cmd_bench(client *c, const char *model, char **inputs, int n_in, char
   bench_run *b = &o->run;
   int rc = 2;
   char err[512];
+  /* the output files are written after the sweep: a path that cannot be
+   * written is said before the sweep runs */
+  const char *const outs[3][2] = {{"--json", o->json}, {"--csv", o->csv}, {"--svg", o->svg}};
+  for (int i = 0; i < 3; i++) {
+    if (!outs[i][1] || strcmp(outs[i][1], "-") == 0) continue;
+    FILE *f = fopen(outs[i][1], "w");
+    if (!f) {
+      fprintf(stderr, "moec: %s %s: %s\n", outs[i][0], outs[i][1], strerror(errno));
+      return 2;
+    }
+    fclose(f);
+  }
   if (infer_request_init(&ir, model, inputs, n_in, params, n_params) != 0) return 2;
   if (b->tokens) {
     if (token_dist_parse(b->tokens, &td, err, sizeof err) != 0) {

@@ -264,6 +264,11 @@ def test_errors(port):
     for spec in ["x=random:4q:FP32", "x=random:4x8:FP99", "x=random:4x8"]:
         r, _ = bench(port, "-m", "quant.per_tensor", "--input", spec)
         check(r.returncode == 2 and spec.split("=")[1] in r.stderr, f"bad --input {spec}: exit 2 naming it ({r.stderr.strip()})")
+    for flag in ("--json", "--csv", "--svg"):
+        r, _ = bench(port, "-m", "quant.per_tensor", "--input", "x=random:1x64:FP32", flag, "/nonexistent/dir/out",
+                     json_out=False)
+        check(r.returncode == 2 and flag in r.stderr and "/nonexistent/dir/out" in r.stderr,
+              f"an unwritable {flag} path: exit 2 before the sweep ({r.stderr.strip()})")
     r, _ = bench(port, "--input", "x=random:1x64:FP32")
     check(r.returncode == 2 and "-m MODEL" in r.stderr, "bench without -m: exit 2")
 
