@@ -80,14 +80,15 @@ static void wb_printf(wbuf *b, const char *fmt, ...) {
 
 /* ---- /metrics ------------------------------------------------------------------ */
 
-/* A histogram's buckets: its bounds, and the unit they and the sum are
- * shown in (1e9: ns as seconds; 1: as counted). */
+/* A histogram's buckets: its bounds, the unit they and the sum are shown
+ * in (1e9: ns as seconds; 1: as counted) and the sum's decimals (ns). */
 typedef struct hist_kind {
   const uint64_t *bounds;
   double unit;
+  int decimals;
 } hist_kind;
 
-static const hist_kind seconds = {moed_hist_bounds_ns, 1e9}, rows = {moed_hist_bounds_rows, 1};
+static const hist_kind seconds = {moed_hist_bounds_ns, 1e9, 9}, rows = {moed_hist_bounds_rows, 1, 0};
 
 /* _count is the +Inf bucket as read, so the two agree while requests land
  * between the reads of one scrape (Prometheus requires them equal). */
@@ -101,7 +102,8 @@ static void hist(wbuf *b, const char *metric, const char *model, const moed_hist
     else
       wb_printf(b, "%s_bucket{model=\"%s\",le=\"+Inf\"} %llu\n", metric, model, (unsigned long long)cum);
   }
-  wb_printf(b, "%s_sum{model=\"%s\"} %.9g\n", metric, model, (double)atomic_load(&h->sum) / k->unit);
+  wb_printf(b, "%s_sum{model=\"%s\"} %.*f\n", metric, model, k->decimals,
+            (double)atomic_load(&h->sum) / k->unit);
   wb_printf(b, "%s_count{model=\"%s\"} %llu\n", metric, model, (unsigned long long)cum);
 }
 
