@@ -113,36 +113,39 @@ int main(int argc, char **argv) {
   if (threads > concurrency) threads = concurrency;
   grpc_init();
   size_t bytes = 0;
+  load_message msg = {make_request(large, out_dtype, &bytes), 1, 1};
   load_config cfg = {.target = target,
                      .method = "/inference.GRPCInferenceService/ModelInfer",
-                     .request = make_request(large, out_dtype, &bytes),
+                     .messages = &msg,
+                     .n_messages = 1,
                      .channels = threads,
                      .concurrency = concurrency,
                      .warmup_s = large ? 0 : warmup,
                      .warmup_requests = large ? 1 : 0, /* the first large call warms the allocators */
-                     .duration_s = seconds,
+                     .window_s = seconds,              /* one window of `seconds` */
+                     .max_windows = 1,
                      .requests = large ? calls : 0};
-  if (!cfg.request) return 1;
+  if (!msg.bytes) return 1;
   load_result r;
   int rc = load_run(&cfg, &r) == 0 ? 0 : 1;
   if (rc == 0 && large) {
     double med = load_percentile(&r, 0.5);
     printf("mode=large request_bytes=%zu response_bytes=%zu calls=%zu median_ms=%.2f min_ms=%.2f gbps=%.3f\n",
-           bytes, r.n_ok ? (size_t)(r.bytes_received / r.n_ok) : 0, r.n_ok, med * 1e3,
-           r.n_ok ? r.latency_s[0] * 1e3 : 0, med > 0 ? (double)bytes / med / 1e9 : 0);
+           bytes, r.c.n_ok ? (size_t)(r.c.bytes_received / r.c.n_ok) : 0, r.c.n_ok, med * 1e3,
+           r.c.n_ok ? r.latency_s[0] * 1e3 : 0, med > 0 ? (double)bytes / med / 1e9 : 0);
   } else if (rc == 0) {
     printf("mode=small concurrency=%d calls=%zu errors=%zu p50_us=%.1f p90_us=%.1f p99_us=%.1f max_us=%.1f "
            "calls_per_s=%.0f\n",
-           concurrency, r.n_ok, r.n_calls - r.n_ok, load_percentile(&r, 0.5) * 1e6,
+           concurrency, r.c.n_ok, r.c.n_calls - r.c.n_ok, load_percentile(&r, 0.5) * 1e6,
            load_percentile(&r, 0.9) * 1e6, load_percentile(&r, 0.99) * 1e6, load_percentile(&r, 1.0) * 1e6,
-           r.elapsed_s > 0 ? (double)r.n_ok / r.elapsed_s : 0);
+           r.elapsed_s > 0 ? (double)r.c.n_ok / r.elapsed_s : 0);
   }
-  if (rc == 0 && r.n_calls != r.n_ok) {
-    fprintf(stderr, "bench_service: %zu calls failed (first: %s)\n", r.n_calls - r.n_ok, r.first_error);
+  if (rc == 0 && r.c.n_calls != r.c.n_ok) {
+    fprintf(stderr, "bench_service: %zu calls failed (first: %s)\n", r.c.n_calls - r.c.n_ok, r.first_error);
     rc = 1;
   }
   load_result_free(&r);
-  grpc_byte_buffer_destroy(cfg.request);
+  grpc_byte_buffer_destroy(msg.bytes);
   grpc_shutdown();
   return rc;
 }

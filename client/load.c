@@ -1,6 +1,8 @@
 /* load: see load.h. Every thread owns a completion queue and a fixed set of
- * call slots; the shared state is two atomic counters (calls started, calls
- * measured) and the merge of each thread's samples at its end. */
+ * call slots. Shared state: two atomic counters (calls started, calls
+ * measured), the stop flag, and each thread's measured samples, which the
+ * thread appends and the caller's thread takes at each window's end (under
+ * the thread's own mutex). */
 #include "load.h"
 
 #include <grpc/byte_buffer_reader.h>
@@ -52,19 +54,16 @@ typedef struct call_slot {
   grpc_slice details;
   double start; /* open loop: the scheduled time, so that a server falling behind shows */
   bool measured;
+  bool late;               /* open loop: started > 1 ms after its scheduled time */
+  const load_message *msg; /* what it sends */
   slot_phase phase;
 } call_slot;
 
 typedef struct load_run_state {
   const load_config *cfg;
-  grpc_channel **ch;
-  double t0, measure_from, measure_to;
+  double t0, measure_from;
   atomic_long started, measured;
   atomic_bool stop;
-  pthread_mutex_t mu; /* guards out */
-  load_result *out;
-  size_t cap_lat;
-  double first_start, last_end;
 } load_run_state;
 
 static void batch(call_slot *c, const grpc_op *ops, size_t n) {
@@ -94,12 +93,13 @@ static void call_release(call_slot *c) {
 /* One request on slot c: a new unary call, or the next message on its stream
  * (opened with the first). */
 static void request_start(load_run_state *s, grpc_channel *ch, grpc_completion_queue *cq, call_slot *c,
-                          double start, bool measured) {
+                          const load_message *msg, double start, bool measured) {
   bool first = !c->call;
   if (first) call_open(s, ch, cq, c);
   c->measured = measured;
   c->start = start;
-  c->send = grpc_byte_buffer_copy(s->cfg->request);
+  c->msg = msg;
+  c->send = grpc_byte_buffer_copy(msg->bytes);
   c->recv = NULL;
   c->status = GRPC_STATUS_OK;
   grpc_op ops[6];
@@ -198,13 +198,14 @@ static void stream_response_status(call_slot *c) {
   grpc_slice_unref(all);
 }
 
-/* Whether one more call may start at `now`; *measured says if it counts. */
+/* Whether one more call may start at `now`; *measured says if it counts
+ * (requests: started after the warm-up; windows: any call after the first
+ * warmup_requests, placed in a window by its completion). */
 static bool may_start(load_run_state *s, double now, bool *measured) {
   const load_config *cfg = s->cfg;
   if (atomic_load(&s->stop)) return false;
-  if (cfg->requests <= 0 && now >= s->measure_to) return false;
   long idx = atomic_fetch_add(&s->started, 1);
-  *measured = idx >= cfg->warmup_requests && now >= s->measure_from;
+  *measured = idx >= cfg->warmup_requests && (cfg->requests <= 0 || now >= s->measure_from);
   if (*measured && cfg->requests > 0 && atomic_fetch_add(&s->measured, 1) >= cfg->requests) {
     atomic_store(&s->stop, true);
     return false;
@@ -214,6 +215,14 @@ static bool may_start(load_run_state *s, double now, bool *measured) {
 
 /* ---- one thread: its channel, completion queue and share of the calls ---------- */
 
+/* One measured call. */
+typedef struct sample {
+  double start, end;
+  uint32_t tokens, sent, received;
+  uint8_t status;
+  bool late;
+} sample;
+
 typedef struct thread_arg {
   load_run_state *s;
   grpc_channel *ch;
@@ -221,41 +230,45 @@ typedef struct thread_arg {
   double rate; /* this thread's share; 0 = closed loop */
   unsigned seed;
   int rc;
+  pthread_mutex_t mu; /* guards the samples */
+  sample *samples;    /* in order of completion */
+  size_t n, cap;
+  size_t all_calls, all_ok; /* every call completed (read after the join) */
+  char first_error[256];    /* the first failure after the warm-up (read after the join) */
 } thread_arg;
 
-typedef struct thread_tally {
-  double *lat;
-  size_t n, cap;
-  load_result r; /* counts only */
-  double first_start, last_end;
-  size_t request_bytes; /* the send buffer is emptied by the call: measured once */
-} thread_tally;
-
-static int tally(thread_tally *t, call_slot *c, double end) {
-  load_result *r = &t->r;
+/* Records call c that just completed: 0, or -1 out of memory. The end time
+ * is read under the mutex, so that a harvest holding it at time t has every
+ * sample that ended before t. */
+static int tally(thread_arg *a, call_slot *c) {
   unsigned st = (unsigned)c->status < LOAD_STATUS_CODES ? (unsigned)c->status : GRPC_STATUS_UNKNOWN;
-  r->n_calls++;
-  r->by_status[st]++;
-  r->bytes_sent += t->request_bytes;
-  if (c->recv) r->bytes_received += grpc_byte_buffer_length(c->recv);
-  if (c->start < t->first_start) t->first_start = c->start;
-  if (end > t->last_end) t->last_end = end;
-  if (st != GRPC_STATUS_OK) {
-    if (!r->first_error[0])
-      snprintf(r->first_error, sizeof r->first_error, "%s: %.*s", load_status_name((grpc_status_code)st),
-               (int)GRPC_SLICE_LENGTH(c->details), (const char *)GRPC_SLICE_START_PTR(c->details));
-    return 0;
+  a->all_calls++;
+  a->all_ok += st == GRPC_STATUS_OK;
+  if (!c->measured) return 0;
+  size_t sent = grpc_byte_buffer_length(c->msg->bytes),
+         received = c->recv ? grpc_byte_buffer_length(c->recv) : 0;
+  pthread_mutex_lock(&a->mu);
+  double end = now_s();
+  if (a->n == a->cap) {
+    size_t cap = a->cap ? 2 * a->cap : 4096;
+    sample *g = cap <= SIZE_MAX / sizeof *g ? realloc(a->samples, cap * sizeof *g) : NULL;
+    if (!g) {
+      pthread_mutex_unlock(&a->mu);
+      return -1;
+    }
+    a->samples = g;
+    a->cap = cap;
   }
-  if (t->n == t->cap) {
-    size_t cap = t->cap ? 2 * t->cap : 4096;
-    double *g = realloc(t->lat, cap * sizeof *g);
-    if (!g) return -1;
-    t->lat = g;
-    t->cap = cap;
-  }
-  t->lat[t->n++] = end - c->start;
+  a->samples[a->n++] =
+      (sample){c->start, end, c->msg->tokens, (uint32_t)sent, (uint32_t)received, (uint8_t)st, c->late};
+  pthread_mutex_unlock(&a->mu);
+  if (st != GRPC_STATUS_OK && !a->first_error[0] && end >= a->s->measure_from)
+    snprintf(a->first_error, sizeof a->first_error, "%s: %.*s", load_status_name((grpc_status_code)st),
+             (int)GRPC_SLICE_LENGTH(c->details), (const char *)GRPC_SLICE_START_PTR(c->details));
   return 0;
 }
+
+static double uniform01(unsigned *seed) { return (double)rand_r(seed) / ((double)RAND_MAX + 1.0); }
 
 static double next_gap(const thread_arg *a, unsigned *seed) {
   if (!a->s->cfg->poisson) return 1.0 / a->rate;
@@ -263,12 +276,26 @@ static double next_gap(const thread_arg *a, unsigned *seed) {
   return -log(u) / a->rate;
 }
 
+/* The message of the next call: the first whose cdf exceeds a uniform draw. */
+static const load_message *draw(const load_config *cfg, unsigned *seed) {
+  if (cfg->n_messages == 1) return cfg->messages;
+  double u = uniform01(seed);
+  size_t lo = 0, hi = cfg->n_messages - 1;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (cfg->messages[mid].cdf > u)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  return &cfg->messages[lo];
+}
+
 static void *load_thread(void *arg) {
   thread_arg *a = arg;
   load_run_state *s = a->s;
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
   call_slot *slots = calloc((size_t)a->slots, sizeof *slots);
-  thread_tally t = {.first_start = 1e300, .request_bytes = grpc_byte_buffer_length(s->cfg->request)};
   int live = 0;
   bool open = a->rate > 0, stopping = false;
   double next = s->t0;
@@ -283,11 +310,12 @@ static void *load_thread(void *arg) {
         stopping = true;
         break;
       }
-      request_start(s, a->ch, cq, &slots[i], open ? next : now, measured);
+      request_start(s, a->ch, cq, &slots[i], draw(s->cfg, &a->seed), open ? next : now, measured);
+      slots[i].late = open && now - next > 1e-3;
       live++;
-      if (open && measured && now - next > 1e-3) t.r.late++;
       if (open) next += next_gap(a, &a->seed);
     }
+    if (!stopping && atomic_load(&s->stop)) stopping = true;
     for (int i = 0; stopping && i < a->slots; i++) /* streams idle at the end: closed */
       if (slots[i].phase == SLOT_IDLE && slots[i].call) {
         stream_status(&slots[i], SLOT_STREAM_CLOSE);
@@ -302,7 +330,6 @@ static void *load_thread(void *arg) {
     grpc_event ev = grpc_completion_queue_next(cq, dl, NULL);
     if (ev.type != GRPC_OP_COMPLETE) continue;
     call_slot *c = ev.tag;
-    double end = now_s();
     if (c->phase == SLOT_STREAM_CLOSE) {
       call_release(c);
       c->phase = SLOT_IDLE;
@@ -316,36 +343,13 @@ static void *load_thread(void *arg) {
       }
       stream_response_status(c);
     }
-    bool oom = c->measured && tally(&t, c, end) != 0;
+    bool oom = tally(a, c) != 0;
     bool release = c->phase != SLOT_STREAM_MSG; /* unary, or a stream that died */
     request_end(c);
     if (release) call_release(c);
     live--;
     if (oom) goto fail;
   }
-  pthread_mutex_lock(&s->mu);
-  load_result *r = s->out;
-  if (r->n_ok + t.n > s->cap_lat) {
-    double *g = realloc(r->latency_s, (r->n_ok + t.n) * sizeof *g);
-    if (!g) {
-      pthread_mutex_unlock(&s->mu);
-      goto fail;
-    }
-    r->latency_s = g;
-    s->cap_lat = r->n_ok + t.n;
-  }
-  if (t.n) memcpy(r->latency_s + r->n_ok, t.lat, t.n * sizeof *t.lat);
-  r->n_ok += t.n;
-  r->n_calls += t.r.n_calls;
-  for (int i = 0; i < LOAD_STATUS_CODES; i++)
-    r->by_status[i] += t.r.by_status[i];
-  r->bytes_sent += t.r.bytes_sent;
-  r->bytes_received += t.r.bytes_received;
-  r->late += t.r.late;
-  if (!r->first_error[0]) memcpy(r->first_error, t.r.first_error, sizeof r->first_error);
-  if (t.first_start < s->first_start) s->first_start = t.first_start;
-  if (t.last_end > s->last_end) s->last_end = t.last_end;
-  pthread_mutex_unlock(&s->mu);
   goto done;
 fail:
   fprintf(stderr, "load: out of memory\n");
@@ -364,7 +368,6 @@ fail:
   for (int i = 0; slots && i < a->slots; i++)
     if (slots[i].call) call_release(&slots[i]);
 done:
-  free(t.lat);
   free(slots);
   grpc_completion_queue_shutdown(cq);
   while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type !=
@@ -374,12 +377,117 @@ done:
   return NULL;
 }
 
-/* ---- the run --------------------------------------------------------------------- */
+/* ---- windows: the samples of every thread, taken as each window ends ---------------- */
+
+typedef struct harvest {
+  load_result *out;
+  size_t cap_lat;
+  double first_start, last_end; /* requests: the span of the measured calls */
+} harvest;
 
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
 }
+
+/* Moves the samples of thread a that ended before `to` into w (those that
+ * ended before `from` are dropped: the warm-up) and their OK latencies onto
+ * out->latency_s. 0, or -1 out of memory. */
+static int harvest_thread(harvest *h, thread_arg *a, double from, double to, load_window *w) {
+  load_result *r = h->out;
+  int rc = 0;
+  pthread_mutex_lock(&a->mu);
+  size_t k = 0;
+  for (; k < a->n && a->samples[k].end < to; k++) {
+    const sample *x = &a->samples[k];
+    if (x->end < from) continue;
+    load_counts *c = &w->c;
+    c->n_calls++;
+    c->by_status[x->status]++;
+    c->bytes_sent += x->sent;
+    c->bytes_received += x->received;
+    c->late += x->late;
+    if (x->start < h->first_start) h->first_start = x->start;
+    if (x->end > h->last_end) h->last_end = x->end;
+    if (x->status != GRPC_STATUS_OK) continue;
+    if (r->c.n_ok + c->n_ok == h->cap_lat) {
+      size_t cap = h->cap_lat ? 2 * h->cap_lat : 4096;
+      double *g = cap <= SIZE_MAX / sizeof *g ? realloc(r->latency_s, cap * sizeof *g) : NULL;
+      if (!g) {
+        rc = -1;
+        k = a->n; /* the rest dropped: the run fails anyway */
+        break;
+      }
+      r->latency_s = g;
+      h->cap_lat = cap;
+    }
+    r->latency_s[r->c.n_ok + c->n_ok] = x->end - x->start;
+    c->n_ok++;
+    c->tokens_ok += x->tokens;
+  }
+  memmove(a->samples, a->samples + k, (a->n - k) * sizeof *a->samples);
+  a->n -= k;
+  pthread_mutex_unlock(&a->mu);
+  return rc;
+}
+
+static void counts_add(load_counts *to, const load_counts *c) {
+  to->n_calls += c->n_calls;
+  to->n_ok += c->n_ok;
+  for (int i = 0; i < LOAD_STATUS_CODES; i++)
+    to->by_status[i] += c->by_status[i];
+  to->tokens_ok += c->tokens_ok;
+  to->bytes_sent += c->bytes_sent;
+  to->bytes_received += c->bytes_received;
+  to->late += c->late;
+}
+
+/* Window `index` [from, to) out of every thread's samples, added to the
+ * run's totals. 0, or -1 out of memory. */
+static int harvest_window(harvest *h, thread_arg *ta, int n_threads, double from, double to, int index) {
+  load_result *r = h->out;
+  load_window *w = &r->windows[index];
+  memset(w, 0, sizeof *w);
+  int rc = 0;
+  for (int i = 0; i < n_threads; i++)
+    if (harvest_thread(h, &ta[i], from, to, w) != 0) rc = -1;
+  double *lat = r->latency_s + r->c.n_ok; /* this window's, sorted for its p99 */
+  if (w->c.n_ok) qsort(lat, w->c.n_ok, sizeof *lat, cmp_double);
+  w->elapsed_s = to - from;
+  w->requests_per_s = w->elapsed_s > 0 ? (double)w->c.n_ok / w->elapsed_s : 0;
+  w->p99_s = load_quantile(lat, w->c.n_ok, 0.99);
+  counts_add(&r->c, &w->c);
+  r->n_windows = index + 1;
+  return rc;
+}
+
+/* Whether windows w[0..n) agree: requests/s and p99 each within tol of
+ * their mean. */
+static bool windows_agree(const load_window *w, int n, double tol) {
+  double rate = 0, p99 = 0;
+  for (int i = 0; i < n; i++) {
+    rate += w[i].requests_per_s / n;
+    p99 += w[i].p99_s / n;
+  }
+  if (!(rate > 0 && p99 > 0)) return false;
+  for (int i = 0; i < n; i++)
+    if (fabs(w[i].requests_per_s - rate) > tol * rate || fabs(w[i].p99_s - p99) > tol * p99) return false;
+  return true;
+}
+
+/* Sleeps until time t (true) or until the run stops (false). */
+static bool sleep_until(load_run_state *s, double t) {
+  for (;;) {
+    if (atomic_load(&s->stop)) return false;
+    double left = t - now_s();
+    if (left <= 0) return true;
+    if (left > 0.05) left = 0.05;
+    struct timespec ts = {0, (long)(left * 1e9)};
+    nanosleep(&ts, NULL);
+  }
+}
+
+/* ---- the run --------------------------------------------------------------------- */
 
 int load_run(const load_config *cfg, load_result *out) {
   memset(out, 0, sizeof *out);
@@ -387,13 +495,14 @@ int load_run(const load_config *cfg, load_result *out) {
   load_run_state s;
   memset(&s, 0, sizeof s);
   s.cfg = cfg;
-  s.out = out;
-  s.first_start = 1e300;
-  pthread_mutex_init(&s.mu, NULL);
+  harvest h = {out, 0, 1e300, 0};
+  bool windows = cfg->requests <= 0;
+  int max_windows = windows ? cfg->max_windows : 1;
   grpc_channel **ch = calloc((size_t)n, sizeof *ch);
   pthread_t *th = calloc((size_t)n, sizeof *th);
   thread_arg *ta = calloc((size_t)n, sizeof *ta);
-  if (!ch || !th || !ta) {
+  out->windows = max_windows >= 1 ? calloc((size_t)max_windows, sizeof *out->windows) : NULL;
+  if (!ch || !th || !ta || !out->windows) {
     fprintf(stderr, "load: out of memory\n");
     goto fail;
   }
@@ -412,15 +521,15 @@ int load_run(const load_config *cfg, load_result *out) {
   if (creds) grpc_channel_credentials_release(creds);
   s.t0 = now_s();
   s.measure_from = s.t0 + cfg->warmup_s;
-  s.measure_to = s.measure_from + cfg->duration_s;
   for (int i = 0; i < n; i++) {
-    ta[i] = (thread_arg){&s,
-                         ch[i],
-                         cfg->concurrency / n + (i < cfg->concurrency % n),
-                         cfg->rate / n,
-                         (unsigned)i * 2654435761u + 1u,
-                         0};
+    ta[i] = (thread_arg){.s = &s,
+                         .ch = ch[i],
+                         .slots = cfg->concurrency / n + (i < cfg->concurrency % n),
+                         .rate = cfg->rate / n,
+                         .seed = cfg->seed + (unsigned)i * 2654435761u + 1u};
+    pthread_mutex_init(&ta[i].mu, NULL);
     if (pthread_create(&th[i], NULL, load_thread, &ta[i]) != 0) {
+      pthread_mutex_destroy(&ta[i].mu);
       fprintf(stderr, "load: cannot start a client thread\n");
       atomic_store(&s.stop, true);
       break;
@@ -428,31 +537,63 @@ int load_run(const load_config *cfg, load_result *out) {
     created++;
   }
   rc = created == n ? 0 : -1;
+  /* windows: each taken as it ends, until stable or max_windows */
+  double from = s.measure_from;
+  for (int k = 0; windows && rc == 0 && k < max_windows; k++) {
+    double to = from + cfg->window_s;
+    if (!sleep_until(&s, to)) break; /* a thread failed */
+    if (harvest_window(&h, ta, created, from, to, k) != 0) rc = -1;
+    if (cfg->on_window) cfg->on_window(&out->windows[k], k, cfg->on_window_arg);
+    if (cfg->stability > 0 && k + 1 >= LOAD_STABLE_WINDOWS &&
+        windows_agree(&out->windows[k + 1 - LOAD_STABLE_WINDOWS], LOAD_STABLE_WINDOWS, cfg->stability)) {
+      out->stable = true;
+      break;
+    }
+    from = to;
+  }
+  if (windows) atomic_store(&s.stop, true); /* the calls in flight finish; they are in no window */
   for (int i = 0; i < created; i++) {
     pthread_join(th[i], NULL);
     if (ta[i].rc) rc = -1;
   }
+  if (!windows && rc == 0) { /* requests: every measured call, one window */
+    if (harvest_window(&h, ta, created, -1e300, 1e300, 0) != 0) rc = -1;
+    out->windows[0].elapsed_s = out->c.n_calls ? h.last_end - h.first_start : 0;
+    out->windows[0].requests_per_s =
+        out->windows[0].elapsed_s > 0 ? (double)out->c.n_ok / out->windows[0].elapsed_s : 0;
+    if (cfg->on_window) cfg->on_window(&out->windows[0], 0, cfg->on_window_arg);
+  }
+  for (int i = 0; i < out->n_windows; i++)
+    out->elapsed_s += out->windows[i].elapsed_s;
+  for (int i = 0; i < created; i++) {
+    out->all_calls += ta[i].all_calls;
+    out->all_ok += ta[i].all_ok;
+    if (!out->first_error[0]) memcpy(out->first_error, ta[i].first_error, sizeof out->first_error);
+    free(ta[i].samples);
+    pthread_mutex_destroy(&ta[i].mu);
+  }
   for (int i = 0; i < n; i++)
     grpc_channel_destroy(ch[i]);
-  if (out->n_ok) qsort(out->latency_s, out->n_ok, sizeof *out->latency_s, cmp_double);
-  out->elapsed_s = out->n_calls ? s.last_end - s.first_start : 0;
+  if (out->c.n_ok) qsort(out->latency_s, out->c.n_ok, sizeof *out->latency_s, cmp_double);
 fail:
   free(ta);
   free(th);
   free(ch);
-  pthread_mutex_destroy(&s.mu);
   return rc;
 }
 
 void load_result_free(load_result *r) {
   free(r->latency_s);
+  free(r->windows);
   r->latency_s = NULL;
+  r->windows = NULL;
 }
 
-double load_percentile(const load_result *r, double p) {
-  if (!r->n_ok) return 0;
-  double rank =
-      ceil(p * (double)r->n_ok); /* nearest rank: the smallest value with >= p of them at or below */
+double load_quantile(const double *sorted, size_t n, double p) {
+  if (!n) return 0;
+  double rank = ceil(p * (double)n); /* nearest rank: the smallest value with >= p of them at or below */
   size_t i = rank < 1 ? 0 : (size_t)rank - 1;
-  return r->latency_s[i < r->n_ok ? i : r->n_ok - 1];
+  return sorted[i < n ? i : n - 1];
 }
+
+double load_percentile(const load_result *r, double p) { return load_quantile(r->latency_s, r->c.n_ok, p); }

@@ -23,9 +23,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <xxhash.h>
 
+#include "bench_report.h"
 #include "expert_store.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "grpc_args.h"
@@ -36,8 +38,10 @@
 #include "moe/ops.h"
 #include "moe/safetensors.h"
 #include "npy.h"
+#include "token_dist.h"
 
 #define MAX_TENSORS 16
+#define BENCH_MAX_LEVELS 64
 
 typedef struct client {
   grpc_channel *ch;
@@ -208,10 +212,47 @@ static int parse_param(char *kv, Inference__ModelInferRequest__ParametersEntry *
   return 0;
 }
 
-/* "random:SHAPE:DATATYPE" (SHAPE as 4x1024): deterministic values, finite
- * and small for float types (uniform in [-1, 1)), [0, 8) for integers,
- * random bytes for narrow formats. 0, or -1 said on stderr. */
-static int input_random(const char *input, const char *spec, npy_array *a, const char **kserve) {
+/* Deterministic values for a->shape and k: finite and small for float
+ * types (uniform in [-1, 1)), [0, 8) for integers, random bytes for narrow
+ * formats. 0, or -1 said on stderr. */
+static int random_fill(const char *input, npy_array *a, const moed_kserve_type *k) {
+  size_t count = 1;
+  bool big = false;
+  for (int d = 0; d < a->ndim; d++) {
+    if (a->shape[d] && count > ((size_t)1 << 30) / (size_t)a->shape[d]) big = true;
+    count = big ? 0 : count * (size_t)a->shape[d];
+  }
+  if (big || count > ((size_t)1 << 30) / k->size) {
+    fprintf(stderr, "moec: --input %s: more than 1 GiB\n", input);
+    return -1;
+  }
+  snprintf(a->descr, sizeof a->descr, "%s", k->npy);
+  a->nbytes = count * k->size;
+  free(a->data);
+  if (!(a->data = malloc(a->nbytes ? a->nbytes : 1))) {
+    fprintf(stderr, "moec: --input %s: out of memory\n", input);
+    return -1;
+  }
+  unsigned seed = 12345;
+  uint8_t *p = a->data;
+  for (size_t i = 0; i < count; i++) {
+    float f = (float)rand_r(&seed) / ((float)RAND_MAX + 1.0f) * 2.0f - 1.0f;
+    int v = rand_r(&seed);
+    switch (k->dtype) {
+    case MOE_F32: memcpy(p + 4 * i, &f, 4); break;
+    case MOE_F16: ((uint16_t *)a->data)[i] = moe_f32_to_f16(f); break;
+    case MOE_BF16: ((uint16_t *)a->data)[i] = moe_f32_to_bf16(f); break;
+    case MOE_INT32: ((int32_t *)a->data)[i] = v & 7; break;
+    case MOE_INT8: ((int8_t *)a->data)[i] = (int8_t)(v & 7); break;
+    default: memset(p + k->size * i, v & 0xFF, k->size); break; /* UINT8: narrow formats' codes */
+    }
+  }
+  return 0;
+}
+
+/* "random:SHAPE:DATATYPE" (SHAPE as 4x1024): random_fill's values. 0, or
+ * -1 said on stderr. */
+static int input_random(const char *input, const char *spec, npy_array *a, const moed_kserve_type **kt) {
   memset(a, 0, sizeof *a);
   char buf[256];
   snprintf(buf, sizeof buf, "%s", spec);
@@ -236,38 +277,16 @@ static int input_random(const char *input, const char *spec, npy_array *a, const
     a->shape[a->ndim++] = d;
     count *= (size_t)d;
   }
-  if (count > ((size_t)1 << 30) / k->size) {
-    fprintf(stderr, "moec: --input %s=random:%s: more than 1 GiB\n", input, spec);
-    return -1;
-  }
-  snprintf(a->descr, sizeof a->descr, "%s", k->npy);
-  a->nbytes = count * k->size;
-  if (!(a->data = malloc(a->nbytes ? a->nbytes : 1))) {
-    fprintf(stderr, "moec: --input %s: out of memory\n", input);
-    return -1;
-  }
-  unsigned seed = 12345;
-  uint8_t *p = a->data;
-  for (size_t i = 0; i < count; i++) {
-    float f = (float)rand_r(&seed) / ((float)RAND_MAX + 1.0f) * 2.0f - 1.0f;
-    int v = rand_r(&seed);
-    switch (k->dtype) {
-    case MOE_F32: memcpy(p + 4 * i, &f, 4); break;
-    case MOE_F16: ((uint16_t *)a->data)[i] = moe_f32_to_f16(f); break;
-    case MOE_BF16: ((uint16_t *)a->data)[i] = moe_f32_to_bf16(f); break;
-    case MOE_INT32: ((int32_t *)a->data)[i] = v & 7; break;
-    case MOE_INT8: ((int8_t *)a->data)[i] = (int8_t)(v & 7); break;
-    default: memset(p + k->size * i, v & 0xFF, k->size); break; /* UINT8: narrow formats' codes */
-    }
-  }
-  *kserve = k->name;
-  return 0;
+  *kt = k;
+  return random_fill(input, a, k);
 }
 
 /* A ModelInferRequest from --input and --param specs (parsed in place);
  * infer_request_free releases the arrays. */
 typedef struct infer_request {
   npy_array arr[MAX_TENSORS];
+  const moed_kserve_type *random[MAX_TENSORS]; /* a random input's type (NULL: read from a file) */
+  bool token_axis[MAX_TENSORS];                /* bench --tokens: leads with the token axis */
   int loaded;
   Inference__ModelInferRequest__InferInputTensor it[MAX_TENSORS], *pit[MAX_TENSORS];
   ProtobufCBinaryData raw[MAX_TENSORS];
@@ -298,9 +317,11 @@ static int infer_request_init(infer_request *r, const char *model, char **inputs
     *eq = 0;
     char *file = eq + 1;
     const char *kserve = NULL;
+    r->random[i] = NULL;
     if (strncmp(file, "random:", 7) == 0) {
-      if (input_random(spec, file + 7, &r->arr[i], &kserve) != 0) goto fail;
+      if (input_random(spec, file + 7, &r->arr[i], &r->random[i]) != 0) goto fail;
       r->loaded++;
+      kserve = r->random[i]->name;
     } else {
       char *dt = strrchr(file, ':');
       if (dt) *dt++ = 0;
@@ -630,108 +651,260 @@ done:
   return rc;
 }
 
-/* ---- bench: load on one model (client/load.c) -------------------------------------- */
+/* ---- bench: load on one model (client/load.c), a sweep of levels -------------------- */
 
 typedef struct bench_opts {
-  load_config load;
-  bool json;
+  bench_run run;
+  int levels[BENCH_MAX_LEVELS]; /* --concurrency: the sweep */
+  int n_levels;
+  load_config load; /* what every level shares */
+  const char *json, *csv, *svg;
 } bench_opts;
 
-static cJSON *bench_json(const char *model, const bench_opts *o, const load_result *r) {
-  const load_config *l = &o->load;
-  double el = r->elapsed_s > 0 ? r->elapsed_s : 1;
-  cJSON *j = cJSON_CreateObject(), *lat = cJSON_CreateObject(), *err = cJSON_CreateObject();
-  cJSON_AddStringToObject(j, "model", model);
-  cJSON_AddStringToObject(j, "target", l->target);
-  cJSON_AddStringToObject(j, "mode", l->rate > 0 ? (l->poisson ? "open-poisson" : "open") : "closed");
-  cJSON_AddBoolToObject(j, "stream", l->stream);
-  cJSON_AddNumberToObject(j, "concurrency", l->concurrency);
-  cJSON_AddNumberToObject(j, "channels", l->channels);
-  cJSON_AddNumberToObject(j, "rate", l->rate);
-  cJSON_AddNumberToObject(j, "requests", (double)r->n_calls);
-  cJSON_AddNumberToObject(j, "ok", (double)r->n_ok);
-  cJSON_AddNumberToObject(j, "errors", (double)(r->n_calls - r->n_ok));
-  for (int i = 1; i < LOAD_STATUS_CODES; i++)
-    if (r->by_status[i])
-      cJSON_AddNumberToObject(err, load_status_name((grpc_status_code)i), (double)r->by_status[i]);
-  cJSON_AddItemToObject(j, "errors_by_status", err);
-  if (r->first_error[0]) cJSON_AddStringToObject(j, "first_error", r->first_error);
-  cJSON_AddNumberToObject(j, "late", (double)r->late);
-  cJSON_AddNumberToObject(j, "elapsed_s", r->elapsed_s);
-  cJSON_AddNumberToObject(j, "requests_per_s", (double)r->n_ok / el);
-  cJSON_AddNumberToObject(j, "sent_bytes_per_s", (double)r->bytes_sent / el);
-  cJSON_AddNumberToObject(j, "received_bytes_per_s", (double)r->bytes_received / el);
-  cJSON_AddNumberToObject(j, "request_bytes", r->n_calls ? (double)r->bytes_sent / (double)r->n_calls : 0);
-  static const struct {
-    const char *name;
-    double p;
-  } pcts[] = {{"p50", 0.5}, {"p90", 0.9}, {"p99", 0.99}, {"max", 1.0}};
-  for (size_t i = 0; i < sizeof pcts / sizeof pcts[0]; i++)
-    cJSON_AddNumberToObject(lat, pcts[i].name, load_percentile(r, pcts[i].p) * 1e3);
-  cJSON_AddItemToObject(j, "latency_ms", lat);
-  return j;
-}
-
-static void bench_table(const cJSON *j) {
-#define NUM(obj, key) cJSON_GetObjectItemCaseSensitive(obj, key)->valuedouble
-  const cJSON *lat = cJSON_GetObjectItemCaseSensitive(j, "latency_ms");
-  const cJSON *err = cJSON_GetObjectItemCaseSensitive(j, "errors_by_status"), *e;
-  printf("model            %s at %s\n", cJSON_GetObjectItemCaseSensitive(j, "model")->valuestring,
-         cJSON_GetObjectItemCaseSensitive(j, "target")->valuestring);
-  printf("load             %s%s, concurrency %.0f over %.0f channel(s)",
-         cJSON_GetObjectItemCaseSensitive(j, "mode")->valuestring,
-         cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j, "stream")) ? " (streams)" : "",
-         NUM(j, "concurrency"), NUM(j, "channels"));
-  if (NUM(j, "rate") > 0)
-    printf(", %.1f requests/s offered, %.0f started > 1 ms late", NUM(j, "rate"), NUM(j, "late"));
-  printf("\nrequests         %.0f in %.3f s (ok %.0f, errors %.0f)\n", NUM(j, "requests"),
-         NUM(j, "elapsed_s"), NUM(j, "ok"), NUM(j, "errors"));
-  printf("requests/s       %.1f\n", NUM(j, "requests_per_s"));
-  printf("sent             %.3f MB/s (%.0f bytes per request)\n", NUM(j, "sent_bytes_per_s") / 1e6,
-         NUM(j, "request_bytes"));
-  printf("received         %.3f MB/s\n", NUM(j, "received_bytes_per_s") / 1e6);
-  printf("latency ms       p50 %.3f  p90 %.3f  p99 %.3f  max %.3f\n", NUM(lat, "p50"), NUM(lat, "p90"),
-         NUM(lat, "p99"), NUM(lat, "max"));
-  for (e = err->child; e; e = e->next) /* cJSON_ArrayForEach, spelled out for cppcheck */
-    printf("error            %-20s %.0f\n", e->string, e->valuedouble);
-  const cJSON *first = cJSON_GetObjectItemCaseSensitive(j, "first_error");
-  if (first) printf("first error      %s\n", first->valuestring);
-#undef NUM
-}
-
-/* 0 when every measured call succeeded (and there was one), 1 otherwise. */
-static int cmd_bench(const char *model, char **inputs, int n_in, char **params, int n_params, bench_opts *o) {
-  infer_request ir;
-  if (infer_request_init(&ir, model, inputs, n_in, params, n_params) != 0) return 2;
-  size_t n = inference__model_infer_request__get_packed_size(&ir.req);
-  grpc_slice s = grpc_slice_malloc(n);
-  inference__model_infer_request__pack(&ir.req, GRPC_SLICE_START_PTR(s));
-  infer_request_free(&ir);
-  o->load.request = grpc_raw_byte_buffer_create(&s, 1);
-  grpc_slice_unref(s);
-  o->load.method = o->load.stream ? "/inference.GRPCInferenceService/ModelStreamInfer"
-                                  : "/inference.GRPCInferenceService/ModelInfer";
-  load_result r;
-  int rc = load_run(&o->load, &r) == 0 ? 0 : 1;
-  grpc_byte_buffer_destroy(o->load.request);
-  if (rc == 0) {
-    cJSON *j = bench_json(model, o, &r);
-    if (o->json) {
-      char *text = cJSON_Print(j);
-      if (text) puts(text);
-      free(text);
+/* --concurrency: "N", "START:END[:STEP]" (STEP default 1) or "N,N,...". */
+static bool parse_levels(const char *spec, bench_opts *o) {
+  char *end;
+  const char *p = spec;
+  long v[3] = {0, 0, 1};
+  int n = 0;
+  o->n_levels = 0;
+  bool list = strchr(spec, ',') != NULL;
+  for (;;) {
+    errno = 0;
+    long x = strtol(p, &end, 10);
+    if (end == p || errno || x < 1 || x > 65536) goto bad;
+    p = end;
+    if (list) {
+      if (o->n_levels == BENCH_MAX_LEVELS) goto bad;
+      o->levels[o->n_levels++] = (int)x;
     } else {
-      bench_table(j);
+      if (n == 3) goto bad;
+      v[n++] = x;
     }
-    cJSON_Delete(j);
-    if (r.n_ok == 0 || r.n_ok != r.n_calls) rc = 1;
-    if (r.n_calls != r.n_ok)
-      fprintf(stderr, "moec: bench: %zu of %zu requests failed (first: %s)\n", r.n_calls - r.n_ok, r.n_calls,
-              r.first_error);
-    else if (r.n_ok == 0)
-      fprintf(stderr, "moec: bench: no request completed in the measured window\n");
+    if (!*p) break;
+    if (*p++ != (list ? ',' : ':')) goto bad;
   }
-  load_result_free(&r);
+  if (list) return true;
+  if (n == 1) v[1] = v[0];
+  if (v[1] < v[0] || (v[1] - v[0]) / v[2] + 1 > BENCH_MAX_LEVELS) goto bad;
+  for (long c = v[0]; c <= v[1]; c += v[2])
+    o->levels[o->n_levels++] = (int)c;
+  return true;
+bad:
+  fprintf(
+      stderr,
+      "moec: --concurrency %s: expected N, START:END[:STEP] or N,N,... (each 1..65536, at most %d levels)\n",
+      spec, BENCH_MAX_LEVELS);
+  return false;
+}
+
+/* Marks the inputs on the token axis (the first input's first dim, and
+ * every input whose first dim equals it) and makes them at least `rows`
+ * long: random ones generated anew, .npy ones must have that many rows
+ * (each request sends a prefix). 0, or -1 said on stderr. */
+static int token_rows(infer_request *ir, int64_t rows) {
+  if (ir->loaded == 0 || ir->arr[0].ndim < 1 || ir->arr[0].shape[0] < 1) {
+    fprintf(stderr, "moec: --tokens: the first input needs a first dim >= 1 (the token axis)\n");
+    return -1;
+  }
+  for (int i = 0; i < ir->loaded; i++)
+    ir->token_axis[i] = ir->arr[i].ndim >= 1 && ir->arr[i].shape[0] == ir->arr[0].shape[0];
+  for (int i = 0; i < ir->loaded; i++) {
+    npy_array *a = &ir->arr[i];
+    if (!ir->token_axis[i] || a->shape[0] >= rows) continue;
+    if (ir->random[i]) {
+      a->shape[0] = rows;
+      if (random_fill(ir->it[i].name, a, ir->random[i]) != 0) return -1;
+      ir->raw[i].data = a->data;
+      ir->raw[i].len = a->nbytes;
+    } else {
+      fprintf(stderr, "moec: --tokens: input %s has %lld rows, fewer than the largest count %lld\n",
+              ir->it[i].name, (long long)a->shape[0], (long long)rows);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+/* The message for `rows` tokens (0: the request as given; else after
+ * token_rows): its fields
+ * without the raw contents, packed, then each input's contents as field 7
+ * (raw_input_contents, the message's last field) referencing ir's arrays
+ * without a copy; ir outlives the message. NULL: out of memory. */
+static grpc_byte_buffer *bench_message(infer_request *ir, int64_t rows) {
+  int n = (int)ir->req.n_inputs;
+  int64_t shapes[MAX_TENSORS][NPY_MAX_DIMS];
+  size_t len[MAX_TENSORS];
+  grpc_slice slices[1 + 2 * MAX_TENSORS];
+  for (int i = 0; i < n; i++) {
+    const npy_array *a = &ir->arr[i];
+    memcpy(shapes[i], a->shape, sizeof shapes[i]);
+    len[i] = a->nbytes;
+    if (rows > 0 && ir->token_axis[i]) {
+      len[i] = a->nbytes / (size_t)a->shape[0] * (size_t)rows; /* a prefix of a: no overflow */
+      shapes[i][0] = rows;
+    }
+    ir->it[i].shape = shapes[i];
+  }
+  ir->req.n_raw_input_contents = 0;
+  size_t hn = inference__model_infer_request__get_packed_size(&ir->req);
+  slices[0] = grpc_slice_malloc(hn);
+  inference__model_infer_request__pack(&ir->req, GRPC_SLICE_START_PTR(slices[0]));
+  ir->req.n_raw_input_contents = (size_t)n;
+  for (int i = 0; i < n; i++) {
+    ir->it[i].shape = ir->arr[i].shape;
+    uint8_t head[11] = {(7 << 3) | 2}; /* field 7, length-delimited; then the length as a varint */
+    size_t k = 1;
+    for (uint64_t v = len[i]; k == 1 || v; v >>= 7)
+      head[k++] = (uint8_t)(v & 0x7F) | (v >> 7 ? 0x80 : 0);
+    slices[1 + 2 * i] = grpc_slice_from_copied_buffer((const char *)head, k);
+    slices[2 + 2 * i] = grpc_slice_from_static_buffer(ir->arr[i].data, len[i]);
+  }
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(slices, (size_t)(1 + 2 * n));
+  for (int i = 0; i < 1 + 2 * n; i++)
+    grpc_slice_unref(slices[i]);
+  return bb;
+}
+
+/* A model's ModelStatistics summed over its versions: successes and the
+ * time they spent in each phase. */
+typedef struct stat_totals {
+  uint64_t count, queue_ns, input_ns, infer_ns, output_ns;
+} stat_totals;
+
+static bool stat_totals_get(client *c, const char *model, stat_totals *t) {
+  char msg[1024];
+  ProtobufCMessage *r;
+  Inference__ModelStatisticsRequest q = INFERENCE__MODEL_STATISTICS_REQUEST__INIT;
+  q.name = (char *)model;
+  memset(t, 0, sizeof *t);
+  grpc_status_code st = unary(c, "/inference.GRPCInferenceService/ModelStatistics", &q.base,
+                              &inference__model_statistics_response__descriptor, &r, msg, sizeof msg);
+  if (st) {
+    fprintf(stderr, "moec: bench: ModelStatistics: %s: %s (no server-side breakdown)\n", load_status_name(st),
+            msg);
+    return false;
+  }
+  Inference__ModelStatisticsResponse *resp = (Inference__ModelStatisticsResponse *)r;
+  for (size_t i = 0; i < resp->n_model_stats; i++) {
+    const Inference__InferStatistics *is = resp->model_stats[i]->inference_stats;
+    if (!is) continue;
+#define ADD(field, dur)                                                                                      \
+  if (is->dur) t->field += is->dur->ns
+    if (is->success) t->count += is->success->count;
+    ADD(queue_ns, queue);
+    ADD(input_ns, compute_input);
+    ADD(infer_ns, compute_infer);
+    ADD(output_ns, compute_output);
+#undef ADD
+  }
+  protobuf_c_message_free_unpacked(r, NULL);
+  return true;
+}
+
+/* after - before, per successful request of the level. */
+static bench_server_side server_side(const stat_totals *before, const stat_totals *after) {
+  bench_server_side s = {.valid = true, .requests = after->count - before->count};
+  double n = s.requests ? (double)s.requests * 1e3 : 1; /* ns per request -> us */
+  s.queue_us = (double)(after->queue_ns - before->queue_ns) / n;
+  s.compute_input_us = (double)(after->input_ns - before->input_ns) / n;
+  s.compute_infer_us = (double)(after->infer_ns - before->infer_ns) / n;
+  s.compute_output_us = (double)(after->output_ns - before->output_ns) / n;
+  return s;
+}
+
+/* The progress line on a terminal: each window as it ends. */
+static void bench_progress(const load_window *w, int index, void *arg) {
+  const int *concurrency = arg;
+  fprintf(stderr, "\rconcurrency %d: window %d: %zu requests, %.1f requests/s, p99 %.3f ms   ", *concurrency,
+          index + 1, w->c.n_calls, w->requests_per_s, w->p99_s * 1e3);
+  fflush(stderr);
+}
+
+/* 0 when every level's measured calls succeeded (and there was one), 1
+ * otherwise; 2 for inputs that do not load. */
+static int cmd_bench(client *c, const char *model, char **inputs, int n_in, char **params, int n_params,
+                     bench_opts *o) {
+  infer_request ir;
+  token_dist td = {0};
+  load_message *msgs = NULL;
+  size_t n_msgs = 0;
+  bench_run *b = &o->run;
+  int rc = 2;
+  char err[512];
+  /* the output files are written after the sweep: a path that cannot be
+   * written is said before the sweep runs */
+  const char *const outs[3][2] = {{"--json", o->json}, {"--csv", o->csv}, {"--svg", o->svg}};
+  for (int i = 0; i < 3; i++) {
+    if (!outs[i][1] || strcmp(outs[i][1], "-") == 0) continue;
+    FILE *f = fopen(outs[i][1], "w");
+    if (!f) {
+      fprintf(stderr, "moec: %s %s: %s\n", outs[i][0], outs[i][1], strerror(errno));
+      return 2;
+    }
+    fclose(f);
+  }
+  if (infer_request_init(&ir, model, inputs, n_in, params, n_params) != 0) return 2;
+  if (b->tokens) {
+    if (token_dist_parse(b->tokens, &td, err, sizeof err) != 0) {
+      fprintf(stderr, "moec: %s\n", err);
+      goto done;
+    }
+    if (token_rows(&ir, td.tokens[td.n - 1]) != 0) goto done;
+  }
+  n_msgs = b->tokens ? td.n : 1;
+  if (!(msgs = calloc(n_msgs, sizeof *msgs))) goto done;
+  for (size_t i = 0; i < n_msgs; i++) {
+    msgs[i].tokens = b->tokens ? td.tokens[i] : ir.arr[0].ndim >= 1 ? (uint32_t)ir.arr[0].shape[0] : 1;
+    msgs[i].cdf = b->tokens ? td.cdf[i] : 1;
+    if (!(msgs[i].bytes = bench_message(&ir, b->tokens ? td.tokens[i] : 0))) goto done;
+  }
+  o->load.messages = msgs;
+  o->load.n_messages = n_msgs;
+  o->load.method = b->stream ? "/inference.GRPCInferenceService/ModelStreamInfer"
+                             : "/inference.GRPCInferenceService/ModelInfer";
+  if (!(b->levels = calloc((size_t)o->n_levels, sizeof *b->levels))) goto done;
+  rc = 0;
+  bool tty = isatty(STDERR_FILENO);
+  for (int k = 0; k < o->n_levels && rc == 0; k++) {
+    bench_level *l = &b->levels[k];
+    load_config cfg = o->load;
+    cfg.concurrency = l->concurrency = o->levels[k];
+    if (cfg.channels > cfg.concurrency) cfg.channels = cfg.concurrency;
+    cfg.on_window = tty ? bench_progress : NULL;
+    cfg.on_window_arg = &l->concurrency;
+    stat_totals before, after;
+    bool have = stat_totals_get(c, model, &before);
+    if (load_run(&cfg, &l->r) != 0) rc = 1;
+    b->n_levels = k + 1;
+    if (have && stat_totals_get(c, model, &after)) l->server = server_side(&before, &after);
+    if (tty) fputc('\n', stderr);
+  }
+  if (rc) goto done;
+  if (!(o->json && strcmp(o->json, "-") == 0)) bench_report_table(stdout, b);
+  if (o->json && bench_report_write_json(o->json, b) != 0) rc = 1;
+  if (o->csv && bench_report_write_csv(o->csv, b) != 0) rc = 1;
+  if (o->svg && bench_report_write_svg(o->svg, b) != 0) rc = 1;
+  for (int k = 0; k < b->n_levels; k++) {
+    const load_result *r = &b->levels[k].r;
+    if (r->c.n_calls != r->c.n_ok)
+      fprintf(stderr, "moec: bench: concurrency %d: %zu of %zu requests failed (first: %s)\n",
+              b->levels[k].concurrency, r->c.n_calls - r->c.n_ok, r->c.n_calls, r->first_error);
+    else if (r->c.n_ok == 0)
+      fprintf(stderr, "moec: bench: concurrency %d: no request completed in the measured window\n",
+              b->levels[k].concurrency);
+    if (r->c.n_ok == 0 || r->c.n_ok != r->c.n_calls) rc = 1;
+  }
+done:
+  for (int k = 0; b->levels && k < b->n_levels; k++)
+    load_result_free(&b->levels[k].r);
+  free(b->levels);
+  b->levels = NULL;
+  for (size_t i = 0; msgs && i < n_msgs; i++)
+    if (msgs[i].bytes) grpc_byte_buffer_destroy(msgs[i].bytes);
+  free(msgs);
+  token_dist_free(&td);
+  infer_request_free(&ir);
   return rc;
 }
 
@@ -769,19 +942,36 @@ static void usage(FILE *f) {
       "  upload DIR [--name NAME] [--replace] [--chunk-bytes N]\n"
       "                              stream an expert set (config.json + *.safetensors) to ExpertStore\n"
       "  bench -m MODEL --input ... [--param K=V]... [load flags]\n"
-      "                              send one request over and over (ModelInfer); report requests/s,\n"
-      "                              bytes/s, latency p50/p90/p99/max and errors by gRPC status\n"
+      "                              load one model (ModelInfer) at each level of a sweep; per level:\n"
+      "                              requests/s, tokens/s, latency p50/p90/p95/p99/max, errors by gRPC\n"
+      "                              status, the server's queue/compute split (ModelStatistics deltas)\n"
       "inputs (infer, bench): NAME=FILE.npy[:DATATYPE] or NAME=random:SHAPE:DATATYPE\n"
       "  (e.g. x=random:4x1024:FP32; floats uniform in [-1, 1), integers in [0, 8))\n"
       "bench load flags:\n"
-      "  --concurrency N   requests in flight (closed loop; default 1); with --rate, the cap (default 256)\n"
-      "  --channels M      gRPC channels (connections), each with one client thread (default 1, <= N)\n"
+      "  --concurrency C   requests in flight (closed loop; default 1): N, a sweep START:END[:STEP]\n"
+      "                    (STEP default 1) or a list N,N,...; with --rate one N, the cap (default 256)\n"
+      "  --channels M      gRPC channels (connections), each with one client thread (default 1; a level\n"
+      "                    uses at most its concurrency)\n"
       "  --rate R          open loop: start R requests/s whatever the replies (latency from the\n"
       "                    scheduled start); --poisson: exponential gaps instead of even ones\n"
-      "  --duration S      measure S seconds (default 10) ...\n"
-      "  --requests K      ... or exactly K requests\n"
-      "  --warmup S        seconds sent before measuring (default 1)\n"
-      "  --json            the report as JSON instead of a table\n"
+      "  --warmup S        seconds of load before each level is measured (default 1)\n"
+      "  --window-ms W     measure each level in windows of W ms (default 1000; a window holds the\n"
+      "                    requests that completed in it) until the last 3 windows agree ...\n"
+      "  --stability-pct P ... requests/s and p99 each within P % of their mean (default 10; 0: no\n"
+      "                    check) ...\n"
+      "  --max-windows N   ... or N windows passed (default 10)\n"
+      "  --duration S      instead: one window of S seconds per level ...\n"
+      "  --requests K      ... or exactly K requests per level (counted from the warm-up's end)\n"
+      "  --tokens T        token counts of the requests (the first dim of the first input and of every\n"
+      "                    input whose first dim equals it): N,N,... (each request one of them),\n"
+      "                    uniform:MIN:MAX or zipf:S:MAX (count k with probability ~ k^-S); shorter\n"
+      "                    random inputs are made MAX rows long, .npy inputs need MAX rows (each\n"
+      "                    request sends a prefix)\n"
+      "  --seed N          the draws of --tokens and --poisson (default 1)\n"
+      "  --stream          ModelStreamInfer: one stream per request in flight carries its requests\n"
+      "  --json FILE       the report as JSON (- : stdout, instead of the table)\n"
+      "  --csv FILE        one row per level (- : stdout)\n"
+      "  --svg FILE        a plot of p50 and p99 latency against requests/s, one point per level\n"
       "  exit status: 0 when every measured request succeeded, 1 when any failed, 2 for bad flags\n"
       "--timeout-ms N: each call's deadline (bench: each request's)\n"
       "TLS (moed's --tls-cert): --tls-ca FILE verifies the server (PEM roots; TLS with the system roots\n"
@@ -800,7 +990,14 @@ enum {
   OPT_DURATION,
   OPT_REQUESTS,
   OPT_WARMUP,
+  OPT_WINDOW_MS,
+  OPT_STABILITY_PCT,
+  OPT_MAX_WINDOWS,
+  OPT_TOKENS,
+  OPT_SEED,
   OPT_JSON,
+  OPT_CSV,
+  OPT_SVG,
   OPT_STREAM,
   OPT_TLS_CA,
   OPT_TLS_CERT,
@@ -815,9 +1012,11 @@ int main(int argc, char **argv) {
   int n_in = 0, n_params = 0;
   long timeout_ms = 0, v;
   const char *name = NULL;
-  bool replace = false, concurrency_set = false;
+  bool replace = false, concurrency_set = false, windows_set = false;
+  double duration = 0, window_ms = 1000, stability_pct = 10;
   size_t chunk = (size_t)4 << 20;
-  bench_opts bo = {.load = {.channels = 1, .concurrency = 1, .warmup_s = 1, .duration_s = 10}};
+  bench_opts bo = {
+      .levels = {1}, .n_levels = 1, .load = {.channels = 1, .warmup_s = 1, .max_windows = 10, .seed = 1}};
   moec_tls tls = {0};
   const char *token_file = NULL;
   char token[512] = "";
@@ -839,7 +1038,14 @@ int main(int argc, char **argv) {
       {"duration", required_argument, NULL, OPT_DURATION},
       {"requests", required_argument, NULL, OPT_REQUESTS},
       {"warmup", required_argument, NULL, OPT_WARMUP},
-      {"json", no_argument, NULL, OPT_JSON},
+      {"window-ms", required_argument, NULL, OPT_WINDOW_MS},
+      {"stability-pct", required_argument, NULL, OPT_STABILITY_PCT},
+      {"max-windows", required_argument, NULL, OPT_MAX_WINDOWS},
+      {"tokens", required_argument, NULL, OPT_TOKENS},
+      {"seed", required_argument, NULL, OPT_SEED},
+      {"json", required_argument, NULL, OPT_JSON},
+      {"csv", required_argument, NULL, OPT_CSV},
+      {"svg", required_argument, NULL, OPT_SVG},
       {"stream", no_argument, NULL, OPT_STREAM},
       {"tls-ca", required_argument, NULL, OPT_TLS_CA},
       {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
@@ -873,8 +1079,7 @@ int main(int argc, char **argv) {
       chunk = (size_t)v;
       break;
     case OPT_CONCURRENCY:
-      if (!flag_long("--concurrency", optarg, 1, 65536, &v)) return 2;
-      bo.load.concurrency = (int)v;
+      if (!parse_levels(optarg, &bo)) return 2;
       concurrency_set = true;
       break;
     case OPT_CHANNELS:
@@ -886,7 +1091,7 @@ int main(int argc, char **argv) {
       break;
     case OPT_POISSON: bo.load.poisson = true; break;
     case OPT_DURATION:
-      if (!flag_double("--duration", optarg, 1e-3, 86400, &bo.load.duration_s)) return 2;
+      if (!flag_double("--duration", optarg, 1e-3, 86400, &duration)) return 2;
       break;
     case OPT_REQUESTS:
       if (!flag_long("--requests", optarg, 1, 1000000000L, &bo.load.requests)) return 2;
@@ -894,7 +1099,27 @@ int main(int argc, char **argv) {
     case OPT_WARMUP:
       if (!flag_double("--warmup", optarg, 0, 86400, &bo.load.warmup_s)) return 2;
       break;
-    case OPT_JSON: bo.json = true; break;
+    case OPT_WINDOW_MS:
+      if (!flag_double("--window-ms", optarg, 1, 3600000, &window_ms)) return 2;
+      windows_set = true;
+      break;
+    case OPT_STABILITY_PCT:
+      if (!flag_double("--stability-pct", optarg, 0, 100, &stability_pct)) return 2;
+      windows_set = true;
+      break;
+    case OPT_MAX_WINDOWS:
+      if (!flag_long("--max-windows", optarg, 1, 10000, &v)) return 2;
+      bo.load.max_windows = (int)v;
+      windows_set = true;
+      break;
+    case OPT_TOKENS: bo.run.tokens = optarg; break;
+    case OPT_SEED:
+      if (!flag_long("--seed", optarg, 0, 2147483647L, &v)) return 2;
+      bo.load.seed = (unsigned)v;
+      break;
+    case OPT_JSON: bo.json = optarg; break;
+    case OPT_CSV: bo.csv = optarg; break;
+    case OPT_SVG: bo.svg = optarg; break;
     case OPT_STREAM: bo.load.stream = true; break;
     case OPT_TLS_CA: tls.ca = optarg; break;
     case OPT_TLS_CERT: tls.cert = optarg; break;
@@ -962,17 +1187,33 @@ int main(int argc, char **argv) {
     } else if (bo.load.poisson && bo.load.rate <= 0) {
       fprintf(stderr, "moec: --poisson needs --rate\n");
       rc = 2;
+    } else if (bo.load.rate > 0 && bo.n_levels > 1) {
+      fprintf(stderr, "moec: --concurrency: a sweep is of closed-loop levels; with --rate give one cap\n");
+      rc = 2;
+    } else if ((duration > 0) + (bo.load.requests > 0) + windows_set > 1) {
+      fprintf(stderr, "moec: --duration, --requests and --window-ms/--stability-pct/--max-windows: one of "
+                      "them says how a level is measured\n");
+      rc = 2;
     } else {
-      if (bo.load.rate > 0 && !concurrency_set) bo.load.concurrency = 256;
-      if (bo.load.channels > bo.load.concurrency) {
-        fprintf(stderr, "moec: --channels %d: more channels than --concurrency %d\n", bo.load.channels,
-                bo.load.concurrency);
-        rc = 2;
-      } else {
-        bo.load.target = addr;
-        bo.load.timeout_ms = (int)timeout_ms;
-        rc = cmd_bench(model, inputs, n_in, params, n_params, &bo);
-      }
+      if (bo.load.rate > 0 && !concurrency_set) bo.levels[0] = 256;
+      bo.load.target = addr;
+      bo.load.timeout_ms = (int)timeout_ms;
+      bo.load.window_s = duration > 0 ? duration : window_ms / 1e3;
+      bo.load.stability = duration > 0 ? 0 : stability_pct / 100;
+      if (duration > 0) bo.load.max_windows = 1;
+      bo.run = (bench_run){.model = model,
+                           .target = addr,
+                           .stream = bo.load.stream,
+                           .channels = bo.load.channels,
+                           .rate = bo.load.rate,
+                           .poisson = bo.load.poisson,
+                           .tokens = bo.run.tokens,
+                           .seed = bo.load.seed,
+                           .requests = bo.load.requests,
+                           .window_s = bo.load.window_s,
+                           .max_windows = bo.load.max_windows,
+                           .stability = bo.load.stability};
+      rc = cmd_bench(&c, model, inputs, n_in, params, n_params, &bo);
     }
   } else {
     fprintf(stderr, "moec: unknown command '%s'\n", cmd);

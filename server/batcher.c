@@ -324,6 +324,8 @@ int moed_batcher_create(moed_server *s, moed_batcher **out) {
   return 0;
 }
 
+size_t moed_batcher_held(const moed_batcher *b) { return b ? b->held : 0; }
+
 void moed_batcher_flush_all(moed_batcher *b) {
   while (b->open)
     flush(b, b->open);

@@ -24,6 +24,8 @@ struct moed_devices {
   pthread_cond_t cv;
   moed_job *head[MOED_PRIORITY_LEVELS], *tail[MOED_PRIORITY_LEVELS]; /* [0]: level 1, the highest */
   int queued, max_queued;
+  int queued_at[MOED_PRIORITY_LEVELS]; /* of queued, per level (/metrics) */
+  int running;                         /* jobs a worker has taken and not finished */
   bool stopping;
   bool stopped; /* workers joined */
   /* expert sets left to device caches only (moe_expert_set_unused_count)
@@ -67,6 +69,7 @@ static moed_job *take_locked(moed_devices *d) {
     d->head[l] = job->next;
     if (!d->head[l]) d->tail[l] = NULL;
     d->queued--;
+    d->queued_at[l]--;
     return job;
   }
   return NULL;
@@ -88,10 +91,12 @@ static void *worker_main(void *arg) {
     }
     moed_job *job = take_locked(d);
     if (!job) break; /* stopping and nothing left */
+    d->running++;
     pthread_mutex_unlock(&d->mu);
     job->next = NULL;
     job->run(job, w->backend);
     pthread_mutex_lock(&d->mu);
+    d->running--;
     poll_locked(d); /* the job may have dropped a set's last use */
   }
   pthread_mutex_unlock(&d->mu);
@@ -185,6 +190,7 @@ bool moed_devices_submit(moed_devices *d, moed_job *job) {
     d->head[l] = job;
   d->tail[l] = job;
   d->queued++;
+  d->queued_at[l]++;
   pthread_cond_signal(&d->cv);
   pthread_mutex_unlock(&d->mu);
   return true;
@@ -194,7 +200,16 @@ moe_backend *moed_devices_inline_backend(moed_devices *d) { return d->inline_bac
 
 int moed_devices_count(const moed_devices *d) { return d ? d->num_workers : 0; }
 
+int moed_devices_load(moed_devices *d, int queued[MOED_PRIORITY_LEVELS]) {
+  pthread_mutex_lock(&d->mu);
+  memcpy(queued, d->queued_at, sizeof d->queued_at);
+  int running = d->running;
+  pthread_mutex_unlock(&d->mu);
+  return running;
+}
+
 const char *moed_devices_memory(const moed_devices *d, int i, moe_backend_memory *out) {
+  if (moe_backend_is_host(d->workers[i].backend)) return NULL;
   moe_backend_memory_get(d->workers[i].backend, out);
   return moe_backend_name(d->workers[i].backend);
 }

@@ -80,18 +80,31 @@ static void wb_printf(wbuf *b, const char *fmt, ...) {
 
 /* ---- /metrics ------------------------------------------------------------------ */
 
-static void hist(wbuf *b, const char *metric, const char *model, const moed_hist *h) {
+/* A histogram's buckets: its bounds, the unit they and the sum are shown
+ * in (1e9: ns as seconds; 1: as counted) and the sum's decimals (ns). */
+typedef struct hist_kind {
+  const uint64_t *bounds;
+  double unit;
+  int decimals;
+} hist_kind;
+
+static const hist_kind seconds = {moed_hist_bounds_ns, 1e9, 9}, rows = {moed_hist_bounds_rows, 1, 0};
+
+/* _count is the +Inf bucket as read, so the two agree while requests land
+ * between the reads of one scrape (Prometheus requires them equal). */
+static void hist(wbuf *b, const char *metric, const char *model, const moed_hist *h, const hist_kind *k) {
   uint64_t cum = 0;
   for (int i = 0; i < MOED_HIST_BUCKETS; i++) {
     cum += atomic_load(&h->le[i]);
     if (i < MOED_HIST_BUCKETS - 1)
-      wb_printf(b, "%s_bucket{model=\"%s\",le=\"%g\"} %llu\n", metric, model,
-                (double)moed_hist_bounds_ns[i] / 1e9, (unsigned long long)cum);
+      wb_printf(b, "%s_bucket{model=\"%s\",le=\"%g\"} %llu\n", metric, model, (double)k->bounds[i] / k->unit,
+                (unsigned long long)cum);
     else
       wb_printf(b, "%s_bucket{model=\"%s\",le=\"+Inf\"} %llu\n", metric, model, (unsigned long long)cum);
   }
-  wb_printf(b, "%s_sum{model=\"%s\"} %.9f\n", metric, model, (double)atomic_load(&h->sum_ns) / 1e9);
-  wb_printf(b, "%s_count{model=\"%s\"} %llu\n", metric, model, (unsigned long long)atomic_load(&h->count));
+  wb_printf(b, "%s_sum{model=\"%s\"} %.*f\n", metric, model, k->decimals,
+            (double)atomic_load(&h->sum) / k->unit);
+  wb_printf(b, "%s_count{model=\"%s\"} %llu\n", metric, model, (unsigned long long)cum);
 }
 
 /* Triton's per-model counters under Triton's names (what dashboards written
@@ -123,7 +136,7 @@ static const struct {
      offsetof(moed_model_stats, compute_output_ns), true},
 };
 #define N_TRITON_METRICS (sizeof triton_metrics / sizeof triton_metrics[0])
-#define N_MOED_SECTIONS 6
+#define N_MOED_SECTIONS 7
 
 typedef struct metrics_pass {
   wbuf *b;
@@ -150,9 +163,9 @@ static void model_metrics(moed_model *m, void *arg) {
     wb_printf(b, "moed_requests_total{model=\"%s\",outcome=\"failure\"} %llu\n", name,
               (unsigned long long)atomic_load(&st->fail_count));
     break;
-  case 1: hist(b, "moed_queue_seconds", name, &st->queue_hist); break;
-  case 2: hist(b, "moed_compute_seconds", name, &st->compute_hist); break;
-  case 3: hist(b, "moed_request_seconds", name, &st->total_hist); break;
+  case 1: hist(b, "moed_queue_seconds", name, &st->queue_hist, &seconds); break;
+  case 2: hist(b, "moed_compute_seconds", name, &st->compute_hist, &seconds); break;
+  case 3: hist(b, "moed_request_seconds", name, &st->total_hist, &seconds); break;
   case 4:
     wb_printf(b, "moed_bytes_in_total{model=\"%s\"} %llu\n", name,
               (unsigned long long)atomic_load(&st->bytes_in));
@@ -161,6 +174,7 @@ static void model_metrics(moed_model *m, void *arg) {
     wb_printf(b, "moed_bytes_out_total{model=\"%s\"} %llu\n", name,
               (unsigned long long)atomic_load(&st->bytes_out));
     break;
+  case 6: hist(b, "moed_batch_size", name, &st->batch_hist, &rows); break;
   }
 }
 
@@ -175,6 +189,9 @@ static void render_metrics(moed_http *h, wbuf *b) {
       "# HELP moed_request_seconds Time from arrival to response.\n# TYPE moed_request_seconds histogram\n",
       "# HELP moed_bytes_in_total Input tensor bytes received.\n# TYPE moed_bytes_in_total counter\n",
       "# HELP moed_bytes_out_total Output tensor bytes sent.\n# TYPE moed_bytes_out_total counter\n",
+      "# HELP moed_batch_size Rows per execution along the batch axis (tokens for fused_moe and the quant "
+      "ops; requests for a model without one), as ModelStatistics batch_stats counts them.\n"
+      "# TYPE moed_batch_size histogram\n",
   };
   for (size_t sec = 0; sec < N_MOED_SECTIONS + N_TRITON_METRICS; sec++) {
     if (sec < N_MOED_SECTIONS)
@@ -189,6 +206,19 @@ static void render_metrics(moed_http *h, wbuf *b) {
             "# HELP moed_inflight_requests Admitted inference requests not yet answered.\n"
             "# TYPE moed_inflight_requests gauge\nmoed_inflight_requests %d\n",
             atomic_load(&s->inflight));
+  int queued[MOED_PRIORITY_LEVELS];
+  int running = moed_devices_load(s->devices, queued);
+  wb_printf(b, "# HELP moed_device_queue_jobs Jobs (a batch, or one request) waiting in the device queues "
+               "(one queue per priority level, shared by every worker).\n"
+               "# TYPE moed_device_queue_jobs gauge\n");
+  for (int l = 0; l < MOED_PRIORITY_LEVELS; l++)
+    wb_printf(b, "moed_device_queue_jobs{priority=\"%d\"} %d\n", l + 1, queued[l]);
+  wb_printf(b,
+            "# HELP moed_batches_in_flight Jobs the device workers are running now.\n"
+            "# TYPE moed_batches_in_flight gauge\nmoed_batches_in_flight %d\n"
+            "# HELP moed_batcher_requests Requests held in open batches, waiting for max_batch_tokens rows "
+            "or max_queue_delay_us.\n# TYPE moed_batcher_requests gauge\nmoed_batcher_requests %zu\n",
+            running, moed_batcher_held(s->batcher));
   wb_printf(b,
             "# HELP moed_stream_buffered_bytes ModelStreamInfer responses queued for clients, not yet "
             "written (bounded by --stream-buffer-bytes per stream, --response-buffer-bytes in all).\n"
@@ -213,13 +243,15 @@ static void render_metrics(moed_http *h, wbuf *b) {
               (unsigned long long)cs.hits, (unsigned long long)cs.misses, (unsigned long long)cs.evictions,
               (unsigned long long)cs.bytes);
   }
-  wb_printf(b, "# HELP moed_device_memory_bytes Device memory per worker: resident (expert sets and packed "
-               "weights kept on the device) and held (all the backend took from the device).\n"
+  wb_printf(b, "# HELP moed_device_memory_bytes Device memory per GPU worker: resident (expert sets and "
+               "packed weights kept on the device) and held (all the backend took from the device).\n"
                "# TYPE moed_device_memory_bytes gauge\n");
   for (int i = 0; i < moed_devices_count(s->devices); i++) {
     moe_backend_memory mem;
     char name[MOED_PROM_LABEL_SIZE(128)];
-    moed_prom_label(name, sizeof name, moed_devices_memory(s->devices, i, &mem));
+    const char *backend = moed_devices_memory(s->devices, i, &mem);
+    if (!backend) continue; /* host memory: no device memory to show */
+    moed_prom_label(name, sizeof name, backend);
     wb_printf(b, "moed_device_memory_bytes{worker=\"%d\",backend=\"%s\",kind=\"resident\"} %zu\n", i, name,
               mem.resident);
     wb_printf(b, "moed_device_memory_bytes{worker=\"%d\",backend=\"%s\",kind=\"held\"} %zu\n", i, name,

@@ -7,19 +7,23 @@
 
 #include "moed.h"
 
-/* Upper bounds of the latency histogram buckets (the last is +Inf). */
 const uint64_t moed_hist_bounds_ns[MOED_HIST_BUCKETS - 1] = {
     10000,   25000,    50000,    100000,   250000,    500000,     1000000,     2500000,
     5000000, 10000000, 25000000, 50000000, 100000000, 1000000000, 10000000000,
 };
 
-void moed_hist_observe(moed_hist *h, uint64_t ns) {
+/* powers of two: a batch fills up to max_batch_tokens, usually one of them */
+const uint64_t moed_hist_bounds_rows[MOED_HIST_BUCKETS - 1] = {
+    1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+};
+
+void moed_hist_observe(moed_hist *h, const uint64_t *bounds, uint64_t v) {
   int b = 0;
-  while (b < MOED_HIST_BUCKETS - 1 && ns > moed_hist_bounds_ns[b])
+  while (b < MOED_HIST_BUCKETS - 1 && v > bounds[b])
     b++;
   atomic_fetch_add(&h->le[b], 1);
-  atomic_fetch_add(&h->count, 1);
-  atomic_fetch_add(&h->sum_ns, ns);
+  atomic_fetch_add(&h->sum, v);
+  atomic_fetch_add(&h->count, 1); /* last: a reader that sees the count sees its bucket and sum */
 }
 
 void moed_stats_record(moed_model_stats *st, bool ok, uint64_t queue_ns, const moed_timing *t,
@@ -37,13 +41,13 @@ void moed_stats_record(moed_model_stats *st, bool ok, uint64_t queue_ns, const m
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
     atomic_store(&st->last_inference_ms, (uint64_t)now.tv_sec * 1000u + (uint64_t)now.tv_nsec / 1000000u);
-    moed_hist_observe(&st->queue_hist, queue_ns);
-    moed_hist_observe(&st->compute_hist, t->infer_ns);
+    moed_hist_observe(&st->queue_hist, moed_hist_bounds_ns, queue_ns);
+    moed_hist_observe(&st->compute_hist, moed_hist_bounds_ns, t->infer_ns);
   } else {
     atomic_fetch_add(&st->fail_count, 1);
     atomic_fetch_add(&st->fail_ns, total_ns);
   }
-  moed_hist_observe(&st->total_hist, total_ns);
+  moed_hist_observe(&st->total_hist, moed_hist_bounds_ns, total_ns);
   atomic_fetch_add(&st->bytes_in, in);
   atomic_fetch_add(&st->bytes_out, out);
 }
@@ -66,6 +70,7 @@ static moed_batch_stat *batch_slot(moed_model_stats *st, uint64_t size) {
 
 void moed_stats_record_execution(moed_model_stats *st, uint64_t size, const moed_timing *t) {
   atomic_fetch_add(&st->execution_count, 1);
+  moed_hist_observe(&st->batch_hist, moed_hist_bounds_rows, size);
   moed_batch_stat *b = size ? batch_slot(st, size) : NULL;
   if (!b) {
     atomic_fetch_add(&st->batch_untracked, 1);

@@ -229,7 +229,7 @@ uint64_t moed_now_ns(void);
 
 typedef struct moed_hist {
   _Atomic uint64_t le[MOED_HIST_BUCKETS]; /* counts per bucket (not cumulative) */
-  _Atomic uint64_t count, sum_ns;
+  _Atomic uint64_t count, sum;            /* sum: of the observed values (ns, rows) */
 } moed_hist;
 
 /* Distinct batch sizes tracked per model (Triton's batch_stats); executions
@@ -251,11 +251,15 @@ typedef struct moed_model_stats {
   _Atomic uint64_t bytes_in, bytes_out;
   moed_batch_stat batch[MOED_BATCH_SIZES]; /* open addressing by size */
   _Atomic uint64_t batch_untracked;
-  moed_hist queue_hist, compute_hist, total_hist;
+  moed_hist queue_hist, compute_hist, total_hist; /* ns */
+  moed_hist batch_hist;                           /* rows per execution, as batch[] counts them */
 } moed_model_stats;
 
-void moed_hist_observe(moed_hist *h, uint64_t ns);
+/* Upper bounds of the buckets but the last (+Inf): latencies in ns, 10 us
+ * to 10 s; batch sizes in rows, 1, 2, 4, ... 16384. */
 extern const uint64_t moed_hist_bounds_ns[MOED_HIST_BUCKETS - 1];
+extern const uint64_t moed_hist_bounds_rows[MOED_HIST_BUCKETS - 1];
+void moed_hist_observe(moed_hist *h, const uint64_t *bounds, uint64_t v);
 /* Where a request's time went on its worker, split as Triton's statistics
  * split it (ModelStatistics compute_input, compute_infer, compute_output;
  * perf_analyzer requires the three counted for every success). */
@@ -275,7 +279,7 @@ void moed_stats_record(moed_model_stats *st, bool ok, uint64_t queue_ns, const m
 /* One execution of batch size `size` (Triton's batch statistics: the rows
  * of every request merged, along the batch axis; requests merged for a
  * model without one); t's output is the copy to the host (encoding is per
- * request). */
+ * request). Also observed in batch_hist. */
 void moed_stats_record_execution(moed_model_stats *st, uint64_t size, const moed_timing *t);
 typedef struct moed_batch_snapshot {
   uint64_t size, count, input_ns, infer_ns, output_ns;
@@ -370,9 +374,14 @@ const char *moed_devices_backend_name(moed_devices *d);
  * set was left to device caches since the last call; workers also check
  * after each job. Any thread (main.c's tick). */
 void moed_devices_poll(moed_devices *d);
-/* Workers, and the device memory of worker i's backend (its name returned);
- * any thread. */
+/* Workers; any thread. */
 int moed_devices_count(const moed_devices *d);
+/* Jobs waiting in the device queues per priority level (queued[0]: level
+ * 1); returns the jobs the workers are running now. Any thread. */
+int moed_devices_load(moed_devices *d, int queued[MOED_PRIORITY_LEVELS]);
+/* The device memory of worker i's backend, and its name; NULL (out left
+ * alone) when it works in host memory (the CPU's: no device memory). Any
+ * thread. */
 const char *moed_devices_memory(const moed_devices *d, int i, moe_backend_memory *out);
 
 /* ---- handlers.c: the protocol ---------------------------------------------- */
@@ -490,6 +499,8 @@ void moed_batcher_submit(moed_batcher *b, moed_infer_req *r);
 void moed_infer_dispatch(moed_server *s, moed_infer_req **reqs, size_t n);
 /* Queues an admitted request that is decoded on the worker (large). */
 void moed_infer_dispatch_raw(moed_server *s, moed_request *req);
+/* Requests held in open batches, not yet sent to the device queues (loop). */
+size_t moed_batcher_held(const moed_batcher *b);
 /* Sends every open batch to the device queues now (drain). */
 void moed_batcher_flush_all(moed_batcher *b);
 /* Flushes, then closes its handles (the loop frees it). */

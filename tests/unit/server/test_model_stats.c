@@ -100,12 +100,31 @@ START_TEST(successes_count_once_with_their_times) {
 }
 END_TEST
 
+/* Each execution lands in the first bucket whose bound is >= its size:
+ * sizes 1, 2, 3, 4, 5 and 20000 go to le=1, 2, 4, 4, 8 and +Inf. */
+START_TEST(batch_histogram_buckets) {
+  moed_model_stats *st = stats_new();
+  const moed_timing t = {1, 1, 1, 1};
+  const uint64_t sizes[] = {1, 2, 3, 4, 5, 20000};
+  for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++)
+    moed_stats_record_execution(st, sizes[i], &t);
+  const uint64_t want[MOED_HIST_BUCKETS] = {[0] = 1, [1] = 1, [2] = 2, [3] = 1, [MOED_HIST_BUCKETS - 1] = 1};
+  for (int b = 0; b < MOED_HIST_BUCKETS; b++)
+    ck_assert_uint_eq(atomic_load(&st->batch_hist.le[b]), want[b]);
+  ck_assert_uint_eq(atomic_load(&st->batch_hist.count), 6);
+  ck_assert_uint_eq(atomic_load(&st->batch_hist.sum), 1 + 2 + 3 + 4 + 5 + 20000);
+  ck_assert_uint_eq(moed_hist_bounds_rows[MOED_HIST_BUCKETS - 2], 16384);
+  free(st);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("model_stats");
   TCase *tc = tcase_create("stats");
   tcase_add_test(tc, batch_sizes_sorted_and_bounded);
   tcase_add_test(tc, racing_threads_share_one_slot_per_size);
   tcase_add_test(tc, successes_count_once_with_their_times);
+  tcase_add_test(tc, batch_histogram_buckets);
   suite_add_tcase(s, tc);
   SRunner *sr = srunner_create(s);
   srunner_run_all(sr, CK_NORMAL);

@@ -1,0 +1,168 @@
+"""Integration test: moed's /metrics histograms and gauges against a real
+moed on a free loopback port, loaded by `moec bench`.
+
+After a known number of requests with a known number of rows each, per
+model: the batch-size histogram's _count is the number of executions
+ModelStatistics reports (execution_count, and the sum of its batch_stats
+counts), its _sum is the rows sent (requests x rows, worked out here), each
+bucket holds exactly the batch_stats executions of sizes up to its bound,
+buckets are cumulative and monotone with +Inf = _count; the queue-time
+histogram counts every success. While requests wait in open batches (a
+long max_queue_delay_us) the batcher gauge shows them; idle, every queue
+gauge is 0; CPU workers show no device memory sample.
+
+env: MOED, MOEC, MOE_MKSET."""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import tritonclient.grpc as tc
+
+sys.path.insert(0, os.path.dirname(__file__))
+import test_server as ts  # noqa: E402  (start, stop, check)
+from test_server import check  # noqa: E402
+
+MOEC, MKSET = os.environ["MOEC"], os.environ["MOE_MKSET"]
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
+LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape(http_port):
+    """[(name, {label: value}, value)] of every sample line."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+    out = []
+    for line in text.splitlines():
+        m = SAMPLE.match(line)
+        if m and not line.startswith("#"):
+            out.append((m.group(1), dict(LABEL.findall(m.group(2) or "")), float(m.group(3))))
+    return text, out
+
+
+def value(samples, name, **labels):
+    vals = [v for n, l, v in samples if n == name and all(l.get(k) == w for k, w in labels.items())]
+    return vals[0] if len(vals) == 1 else None
+
+
+def bench(port, model, inputs, requests, concurrency):
+    args = [MOEC, "-a", f"127.0.0.1:{port}", "bench", "-m", model, "--requests", str(requests), "--concurrency",
+            str(concurrency), "--warmup", "0"]
+    for i in inputs:
+        args += ["--input", i]
+    return subprocess.run(args, capture_output=True, text=True, timeout=120)
+
+
+def batch_histogram(port, http_port, model, requests, rows):
+    """model ran `requests` requests of `rows` rows each, nothing else."""
+    st = tc.InferenceServerClient(f"127.0.0.1:{port}").get_inference_statistics(model).model_stats[0]
+    text, s = scrape(http_port)
+    check(f"# TYPE moed_batch_size histogram" in text, "moed_batch_size typed as a histogram")
+    buckets = [(float(l["le"]), v) for n, l, v in s if n == "moed_batch_size_bucket" and l.get("model") == model]
+    count, total = value(s, "moed_batch_size_count", model=model), value(s, "moed_batch_size_sum", model=model)
+    les = [le for le, _ in buckets]
+    check(len(buckets) == 16 and les == sorted(les) and les[-1] == float("inf"),
+          f"{model}: 16 buckets in increasing order ending at +Inf ({les})")
+    vals = [v for _, v in buckets]
+    check(all(a <= b for a, b in zip(vals, vals[1:])) and vals[-1] == count,
+          f"{model}: buckets cumulative and monotone, +Inf = _count ({vals}, {count})")
+    sizes = {int(b.batch_size): int(b.compute_infer.count) for b in st.batch_stats}
+    check(count == st.execution_count == sum(sizes.values()) and count > 0,
+          f"{model}: _count = executions in ModelStatistics ({count}, {st.execution_count}, {sum(sizes.values())})")
+    check(total == requests * rows == sum(k * n for k, n in sizes.items()) == st.inference_count,
+          f"{model}: _sum = the rows sent, {requests} x {rows} ({total}, batch_stats {sizes})")
+    want = [sum(n for k, n in sizes.items() if k <= le) for le in les]
+    check(vals == want, f"{model}: each bucket = the executions of sizes up to its bound ({vals} vs {want})")
+    q = value(s, "moed_queue_seconds_count", model=model)
+    qsum = value(s, "moed_queue_seconds_sum", model=model)
+    check(q == requests == st.inference_stats.success.count and
+          abs(qsum - st.inference_stats.queue.ns / 1e9) <= 1e-6 * max(1.0, qsum),
+          f"{model}: queue-time histogram counts every success, sum = ModelStatistics queue ({q}, {qsum})")
+    return sizes
+
+
+def idle_gauges(http_port, what):
+    """A worker answers a request before its job returns: the gauges get
+    a moment to settle."""
+    for _ in range(100):
+        _, s = scrape(http_port)
+        got = {f"priority {p}": value(s, "moed_device_queue_jobs", priority=str(p)) for p in (1, 2, 3)}
+        got["in flight"] = value(s, "moed_batches_in_flight")
+        got["batcher"] = value(s, "moed_batcher_requests")
+        if all(v == 0 for v in got.values()):
+            break
+        time.sleep(0.02)
+    check(all(v == 0 for v in got.values()), f"{what}: every queue gauge present and 0 ({got})")
+
+
+def test_histograms(tmp, repo):
+    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--max-batch-tokens", "64",
+                                  "--max-queue-delay-us", "2000")
+    try:
+        idle_gauges(http_port, "idle at start")
+        text, s = scrape(http_port)
+        check("# TYPE moed_device_memory_bytes gauge" in text and
+              not [n for n, _, _ in s if n == "moed_device_memory_bytes"],
+              "CPU workers: no device memory samples (host memory)")
+        r = bench(port, "set", ["hidden_states=random:4x128:BF16", "router_logits=random:4x8:FP32"], 120, 8)
+        check(r.returncode == 0, f"120 requests of 4 rows to the expert set ({r.stderr.strip()})")
+        sizes = batch_histogram(port, http_port, "set", 120, 4)
+        print(f"info: set batch sizes {sizes}")
+        r = bench(port, "quant.per_token", ["x=random:3x64:FP32"], 90, 6)
+        check(r.returncode == 0, f"90 requests of 3 rows to quant.per_token ({r.stderr.strip()})")
+        batch_histogram(port, http_port, "quant.per_token", 90, 3)
+        idle_gauges(http_port, "idle after the load")
+        ts.stop(p)
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_batcher_gauge(tmp, repo):
+    """Requests wait up to 50 ms in an open batch: scrapes during the load
+    see some held, never more than are in flight."""
+    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--max-batch-tokens", "4096",
+                                  "--max-queue-delay-us", "50000")
+    try:
+        seen, in_flight = [], []
+        done = threading.Event()
+
+        def load():
+            bench(port, "set", ["hidden_states=random:1x128:BF16", "router_logits=random:1x8:FP32"], 200, 8)
+            done.set()
+
+        t = threading.Thread(target=load)
+        t.start()
+        while not done.is_set():
+            _, s = scrape(http_port)
+            seen.append(value(s, "moed_batcher_requests"))
+            in_flight.append(value(s, "moed_batches_in_flight"))
+            time.sleep(0.01)
+        t.join()
+        check(max(seen) >= 1 and all(0 <= v <= 8 for v in seen),
+              f"under load: requests held in open batches seen, at most the 8 in flight (max {max(seen)})")
+        check(all(0 <= v <= 2 for v in in_flight), f"batches in flight at most the 2 workers ({max(in_flight)})")
+        idle_gauges(http_port, "idle after the batched load")
+        ts.stop(p)
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def main():
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = os.path.join(tmp, "repo")
+        os.makedirs(repo)
+        subprocess.run([MKSET, "--out", f"{repo}/set", "--scheme", "bf16", "--experts", "8", "--hidden", "128",
+                        "--intermediate", "64", "--top-k", "2"], check=True, capture_output=True)
+        test_histograms(tmp, repo)
+        test_batcher_gauge(tmp, repo)
+        ts.print_log_tail(tmp)
+    ts.exit_with_summary()
+
+
+if __name__ == "__main__":
+    main()
