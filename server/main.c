@@ -231,6 +231,7 @@ out:
   moed_devices_destroy(s->devices);
   moed_repository_destroy(s->repo);
   moed_auth_destroy();
+  moed_tls_destroy();
   uv_loop_close(&a.loop);
   grpc_shutdown();
   moed_hostmem_trim();
