@@ -226,6 +226,7 @@ int main(int argc, char **argv) {
 out:
   moed_poller_stop(a.poller);
   moed_batcher_destroy(s->batcher); /* set only when the loop never ran */
+  uv_run(&a.loop, UV_RUN_NOWAIT);   /* ... then its timer's close */
   moed_devices_stop(s->devices);
   moed_weight_cache_destroy(s->weights); /* no request uses it; its backends still live */
   moed_devices_destroy(s->devices);
