@@ -58,8 +58,11 @@ struct moed_http_conn {
   size_t body_cap;
   bool in_request; /* its first byte came: the deadline is the request's, not the idle one */
   bool url_long, too_large, in_body;
-  int header;    /* the header whose value comes: H_* */
-  char hval[32]; /* the Inference-Header-Content-Length value */
+  char hname[40]; /* the header name arriving (a read may end inside it); longer: none moed reads */
+  size_t hname_len;
+  bool in_value;  /* the last piece was a value: a name piece starts the next header */
+  int header;     /* the header whose value comes: H_* */
+  char hval[32];  /* its value (but Authorization's, kept in rq), cut at 31 bytes */
   size_t hval_len;
   bool expect_continue; /* Expect: 100-continue (curl sends it before a body over 1 KiB) */
   bool encoded;         /* Content-Encoding other than identity: 415 */
@@ -218,7 +221,8 @@ static int on_message_begin(http_parser *p) {
   c->url_long = c->too_large = c->in_body = c->expect_continue = c->encoded = false;
   c->header = H_OTHER;
   c->in_request = true;
-  c->hval_len = 0;
+  c->hname_len = c->hval_len = 0;
+  c->in_value = false;
   arm(c, c->l->o.cfg->handshake_timeout_s);
   return 0;
 }
@@ -226,32 +230,67 @@ static int on_message_begin(http_parser *p) {
 static int on_url(http_parser *p, const char *at, size_t len) {
   moed_http_conn *c = p->data;
   size_t have = strlen(c->rq.path);
-  if (len > sizeof c->rq.path - 1 - have) {
+  if (c->url_long || len > sizeof c->rq.path - 1 - have) { /* refused once the headers are whole */
     c->url_long = true;
-    return 1;
+    return 0;
   }
   memcpy(c->rq.path + have, at, len);
   c->rq.path[have + len] = 0;
   return 0;
 }
 
+/* Names and values may arrive in pieces (a read can end anywhere): each is
+ * gathered whole, and a header is read once its value ended (the next
+ * name begins or the headers end). */
+static void header_done(moed_http_conn *c) {
+  const char *v = c->hval;
+  size_t n = c->hval_len;
+  const bool cut = n >= sizeof c->hval - 1;
+  while (n && (v[n - 1] == ' ' || v[n - 1] == '\t')) /* trailing whitespace is no part of a value */
+    c->hval[--n] = 0;
+  switch (c->header) {
+  case H_ENCODING: /* no decompression here: a compressed body would read as malformed JSON */
+    if (!(n == 8 && strncasecmp(v, "identity", 8) == 0)) c->encoded = true;
+    break;
+  case H_EXPECT: c->expect_continue = n == 12 && strncasecmp(v, "100-continue", 12) == 0; break;
+  case H_IHCL: {
+    char *end;
+    long long x = strtoll(v, &end, 10);
+    c->rq.inference_header_length = (n == 0 || cut || *end || x < 0) ? -2 : x;
+    break;
+  }
+  default: break;
+  }
+}
+
 static int on_header_field(http_parser *p, const char *at, size_t len) {
   moed_http_conn *c = p->data;
-  /* a name may arrive in pieces: only a whole one that matches counts */
-  c->header = len == strlen(IHCL) && strncasecmp(at, IHCL, len) == 0      ? H_IHCL
-              : len == 6 && strncasecmp(at, "expect", 6) == 0             ? H_EXPECT
-              : len == 16 && strncasecmp(at, "content-encoding", 16) == 0 ? H_ENCODING
-              : len == 13 && strncasecmp(at, "authorization", 13) == 0    ? H_AUTH
-                                                                          : H_OTHER;
+  if (c->in_value) {
+    header_done(c);
+    c->in_value = false;
+    c->hname_len = 0;
+  }
+  if (len > sizeof c->hname - c->hname_len) len = sizeof c->hname - c->hname_len; /* too long: no match */
+  memcpy(c->hname + c->hname_len, at, len);
+  c->hname_len += len;
   return 0;
 }
 
 static int on_header_value(http_parser *p, const char *at, size_t len) {
   moed_http_conn *c = p->data;
-  /* no decompression here: a compressed body would read as malformed JSON */
-  if (c->header == H_ENCODING && !(len == 8 && strncasecmp(at, "identity", 8) == 0)) c->encoded = true;
-  if (c->header == H_EXPECT) c->expect_continue = len == 12 && strncasecmp(at, "100-continue", 12) == 0;
-  if (c->header == H_AUTH) { /* a value may arrive in pieces; past the buffer it is cut */
+  if (!c->in_value) { /* the name is whole */
+    const char *h = c->hname;
+    const size_t n = c->hname_len;
+    c->header = n == strlen(IHCL) && strncasecmp(h, IHCL, n) == 0      ? H_IHCL
+                : n == 6 && strncasecmp(h, "expect", 6) == 0             ? H_EXPECT
+                : n == 16 && strncasecmp(h, "content-encoding", 16) == 0 ? H_ENCODING
+                : n == 13 && strncasecmp(h, "authorization", 13) == 0    ? H_AUTH
+                                                                         : H_OTHER;
+    c->in_value = true;
+    c->hval_len = 0;
+    c->hval[0] = 0;
+  }
+  if (c->header == H_AUTH) { /* past the buffer it is cut */
     moed_http_request *rq = &c->rq;
     size_t have = rq->authorization_len < 0 ? 0 : (size_t)rq->authorization_len;
     size_t take = len < sizeof rq->authorization - 1 - have ? len : sizeof rq->authorization - 1 - have;
@@ -260,8 +299,8 @@ static int on_header_value(http_parser *p, const char *at, size_t len) {
     rq->authorization[have + take] = 0;
     return 0;
   }
-  if (c->header != H_IHCL) return 0;
-  if (len >= sizeof c->hval - c->hval_len) len = sizeof c->hval - 1 - c->hval_len;
+  if (c->header == H_OTHER) return 0;
+  if (len > sizeof c->hval - 1 - c->hval_len) len = sizeof c->hval - 1 - c->hval_len;
   memcpy(c->hval + c->hval_len, at, len);
   c->hval_len += len;
   c->hval[c->hval_len] = 0;
@@ -270,11 +309,9 @@ static int on_header_value(http_parser *p, const char *at, size_t len) {
 
 static int on_headers_complete(http_parser *p) {
   moed_http_conn *c = p->data;
-  if (c->hval_len) {
-    char *end;
-    long long v = strtoll(c->hval, &end, 10);
-    c->rq.inference_header_length = (end == c->hval || *end || v < 0) ? -2 : v;
-  }
+  if (c->in_value) header_done(c);
+  c->in_value = false;
+  if (c->url_long) return -1;
   /* chunked bodies have no length: they are checked as they arrive */
   if (!(p->flags & F_CHUNKED) && p->content_length != ULLONG_MAX && p->content_length > c->l->o.max_body) {
     c->too_large = true;
@@ -341,23 +378,24 @@ static void fail_request(moed_http_conn *c, int code, const char *why) {
 /* Feeds data[0..n) to the parser; a whole request goes to the handler. */
 static void feed(moed_http_conn *c, const char *data, size_t n) {
   size_t used = http_parser_execute(&c->parser, &settings, data, n);
-  if (c->too_large) {
+  const enum http_errno e = HTTP_PARSER_ERRNO(&c->parser);
+  /* a refusal once the parse stopped, whatever the reads' sizes were: the
+   * callbacks' own stops (HPE_CB_*) by their reason, the rest malformed */
+  if (e != HPE_OK && e != HPE_PAUSED) {
     char why[160];
-    snprintf(why, sizeof why, "request body exceeds the limit of %zu bytes (--max-message-bytes)",
-             c->l->o.max_body);
-    return fail_request(c, 413, why);
-  }
-  if (c->url_long) return fail_request(c, 414, "request URL too long");
-  if (c->encoded) return fail_request(c, 415, "Content-Encoding: moed takes uncompressed bodies only");
-  if (!c->busy) {
-    if (c->parser.http_errno != HPE_OK) {
-      char why[160];
-      snprintf(why, sizeof why, "malformed HTTP request: %s",
-               http_errno_description(HTTP_PARSER_ERRNO(&c->parser)));
-      fail_request(c, 400, why);
-    } else if (c->in_body) {
-      arm(c, c->l->o.cfg->handshake_timeout_s); /* the body is coming: the next read has as long */
+    if (c->too_large) {
+      snprintf(why, sizeof why, "request body exceeds the limit of %zu bytes (--max-message-bytes)",
+               c->l->o.max_body);
+      return fail_request(c, 413, why);
     }
+    if (c->url_long && e == HPE_CB_headers_complete) return fail_request(c, 414, "request URL too long");
+    if (c->encoded && e == HPE_CB_headers_complete)
+      return fail_request(c, 415, "Content-Encoding: moed takes uncompressed bodies only");
+    snprintf(why, sizeof why, "malformed HTTP request: %s", http_errno_description(e));
+    return fail_request(c, 400, why);
+  }
+  if (!c->busy) {
+    if (c->in_body) arm(c, c->l->o.cfg->handshake_timeout_s); /* the body is coming: the next read has as long */
     return;
   }
   pause_input(c);

@@ -522,6 +522,16 @@ void moed_weight_cache_stats_get(moed_weight_cache *c, moed_weight_cache_stats *
 void moed_upload_handle(moed_server *s, moed_request *req);
 /* Uploads in progress (the drain waits for them; loop thread). */
 int moed_upload_count(const moed_server *s);
+/* The same state machine without a call, on the calling thread
+ * (fuzz/fuzz_upload.c): open, then each UploadRequest message (data NULL:
+ * the client closed, or with cancelled went away); false once answered,
+ * with moed_upload_status's code (UNKNOWN while not) and message; close
+ * frees it and its files. */
+typedef struct moed_upload moed_upload;
+moed_upload *moed_upload_open(moed_server *s);
+bool moed_upload_message(moed_upload *u, const uint8_t *data, size_t len, bool cancelled);
+grpc_status_code moed_upload_status(const moed_upload *u, const char **msg);
+void moed_upload_close(moed_upload *u);
 
 /* ---- fd_budget.c: descriptors for connections, a reserve kept --------------- */
 
