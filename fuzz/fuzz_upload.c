@@ -49,7 +49,8 @@ static const char *const configs[] = {
     "{\"num_experts\": 2, \"hidden_size\": 16, \"intermediate_size\": 8, \"scheme\": \"bf16\", \"top_k\": 1}",
     "{}",
     "{\"num_experts\": 0}",
-    ("{\"num_experts\": 2, \"hidden_size\": 16, \"intermediate_size\": 8, \"scheme\": \"wna16\", \"bits\": 4, "
+    ("{\"num_experts\": 2, \"hidden_size\": 16, \"intermediate_size\": 8, \"scheme\": \"wna16\", \"bits\": "
+     "4, "
      "\"group_size\": 8}"),
 };
 static const char *const names[] = {"fz", "fz2", "quant.per_tensor", "bad/name", "", ".hidden"};
@@ -139,12 +140,8 @@ static bool step(moed_upload *u, reader *r, state *st, bool *ended) {
     m.chunk = &c;
     return send_msg(u, &m);
   }
-  case 4: /* the client closes: commit */
-    *ended = true;
-    return moed_upload_message(u, NULL, 0, false);
-  default: /* the client goes away */
-    *ended = true;
-    return moed_upload_message(u, NULL, 0, true);
+  case 4: /* the client closes: commit */ *ended = true; return moed_upload_message(u, NULL, 0, false);
+  default: /* the client goes away */ *ended = true; return moed_upload_message(u, NULL, 0, true);
   }
 }
 
@@ -172,13 +169,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   grpc_status_code code = moed_upload_status(u, &msg);
   if (getenv("FUZZ_UPLOAD_VERBOSE")) /* what a seed ends with (fuzz/make_corpus.py) */
     fprintf(stderr, "upload: status %d %s\n", (int)code, msg);
-  if (more != (code == GRPC_STATUS_UNKNOWN)) abort(); /* answered exactly when it says it is */
+  if (more != (code == GRPC_STATUS_UNKNOWN)) abort();           /* answered exactly when it says it is */
   if (!more && moed_upload_message(u, NULL, 0, false)) abort(); /* nothing after the answer */
   if (code == GRPC_STATUS_OK && !ended) abort();
   if (code != GRPC_STATUS_OK && code != GRPC_STATUS_UNKNOWN && !msg[0]) abort();
   if (code == GRPC_STATUS_OK) { /* served: unloaded again, so that every run starts alike */
     moe_error err;
-    if (moed_repository_unload(srv.repo, "fz", &err) != MOE_OK && moed_repository_unload(srv.repo, "fz2", &err) != MOE_OK)
+    if (moed_repository_unload(srv.repo, "fz", &err) != MOE_OK &&
+        moed_repository_unload(srv.repo, "fz2", &err) != MOE_OK)
       abort(); /* it answered OK, so one of them is served */
   }
   moed_upload_close(u);

@@ -175,11 +175,11 @@ static pthread_mutex_t watch_mu = PTHREAD_MUTEX_INITIALIZER;
 typedef struct infer_job {
   moed_job job;
   moed_server *srv;
-  moed_request *raw;                        /* a large request, decoded on the worker */
-  struct infer_job *wnext, **wprev;         /* in the batcher's watch list (watch_mu); wprev NULL: not */
-  uint64_t deadline_ns;                     /* its requests' earliest (watch_mu) */
-  bool expired;                             /* every request answered at its deadline (watch_mu) */
-  size_t n;                                 /* requests left to run (watch_mu until taken) */
+  moed_request *raw;                /* a large request, decoded on the worker */
+  struct infer_job *wnext, **wprev; /* in the batcher's watch list (watch_mu); wprev NULL: not */
+  uint64_t deadline_ns;             /* its requests' earliest (watch_mu) */
+  bool expired;                     /* every request answered at its deadline (watch_mu) */
+  size_t n;                         /* requests left to run (watch_mu until taken) */
   moed_infer_req *reqs[];
 } infer_job;
 
@@ -336,7 +336,8 @@ static void on_expiry(uv_timer_t *t) {
                         code ? err : "deadline exceeded before the work started", NULL, NULL, 0);
     }
     for (size_t k = 0; k < n_raw; k++)
-      moed_request_reject(s, raw[k], GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded before the work started");
+      moed_request_reject(s, raw[k], GRPC_STATUS_DEADLINE_EXCEEDED,
+                          "deadline exceeded before the work started");
   } while (n + n_raw == EXPIRE_BATCH);
   if (next != UINT64_MAX) expiry_arm(b, next);
 }

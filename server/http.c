@@ -176,7 +176,8 @@ static void http_closed(const char *port, const moed_http_stats *n, void *arg) {
   const struct {
     const char *reason;
     uint64_t v;
-  } r[] = {{"refused", n->refused}, {"timeout", n->timeouts}, {"idle", n->idle_closed}, {"tls", n->tls_failed}};
+  } r[] = {
+      {"refused", n->refused}, {"timeout", n->timeouts}, {"idle", n->idle_closed}, {"tls", n->tls_failed}};
   for (size_t i = 0; i < sizeof r / sizeof r[0]; i++)
     wb_printf(arg, "moed_http_connections_closed_total{port=\"%s\",reason=\"%s\"} %llu\n", port, r[i].reason,
               (unsigned long long)r[i].v);
@@ -243,9 +244,8 @@ static void render_metrics(moed_http *h, wbuf *b) {
     wb_printf(b, "moed_device_memory_bytes{worker=\"%d\",backend=\"%s\",kind=\"held\"} %zu\n", i, name,
               mem.held);
   }
-  wb_printf(b,
-            "# HELP moed_http_connections Open HTTP connections, per port (rest: the KServe REST port, "
-            "http: this one).\n# TYPE moed_http_connections gauge\n");
+  wb_printf(b, "# HELP moed_http_connections Open HTTP connections, per port (rest: the KServe REST port, "
+               "http: this one).\n# TYPE moed_http_connections gauge\n");
   moed_http_foreach_listener(http_open, b);
   wb_printf(b, "# HELP moed_http_connections_accepted_total HTTP connections accepted (not refused).\n"
                "# TYPE moed_http_connections_accepted_total counter\n");

@@ -38,7 +38,7 @@ struct moed_http_listener {
   moed_http_options o;
   moed_http_handler fn;
   void *arg;
-  moed_http_conn *conns; /* open connections (loop thread) */
+  moed_http_conn *conns;                              /* open connections (loop thread) */
   moed_http_listener *next_listener, **prev_listener; /* every listener, for /metrics (loop thread) */
   moed_http_stats n;
   bool memory; /* no socket (moed_http_memory_listener) */
@@ -60,9 +60,9 @@ struct moed_http_conn {
   bool url_long, too_large, in_body;
   char hname[40]; /* the header name arriving (a read may end inside it); longer: none moed reads */
   size_t hname_len;
-  bool in_value;  /* the last piece was a value: a name piece starts the next header */
-  int header;     /* the header whose value comes: H_* */
-  char hval[32];  /* its value (but Authorization's, kept in rq), cut at 31 bytes */
+  bool in_value; /* the last piece was a value: a name piece starts the next header */
+  int header;    /* the header whose value comes: H_* */
+  char hval[32]; /* its value (but Authorization's, kept in rq), cut at 31 bytes */
   size_t hval_len;
   bool expect_continue; /* Expect: 100-continue (curl sends it before a body over 1 KiB) */
   bool encoded;         /* Content-Encoding other than identity: 415 */
@@ -73,7 +73,7 @@ struct moed_http_conn {
   void *gone_arg;
   char *pending; /* bytes read past the current request (pipelined) */
   size_t pending_len;
-  SSL *ssl; /* TLS: its BIOs hold records read and to write */
+  SSL *ssl;                                   /* TLS: its BIOs hold records read and to write */
   void (*sink)(void *, const char *, size_t); /* a memory connection's output (no tcp) */
   void *sink_arg;
   struct write_req *unfinished; /* a memory connection's answer, written, its completion not yet run */
@@ -281,7 +281,7 @@ static int on_header_value(http_parser *p, const char *at, size_t len) {
   if (!c->in_value) { /* the name is whole */
     const char *h = c->hname;
     const size_t n = c->hname_len;
-    c->header = n == strlen(IHCL) && strncasecmp(h, IHCL, n) == 0      ? H_IHCL
+    c->header = n == strlen(IHCL) && strncasecmp(h, IHCL, n) == 0        ? H_IHCL
                 : n == 6 && strncasecmp(h, "expect", 6) == 0             ? H_EXPECT
                 : n == 16 && strncasecmp(h, "content-encoding", 16) == 0 ? H_ENCODING
                 : n == 13 && strncasecmp(h, "authorization", 13) == 0    ? H_AUTH
@@ -395,7 +395,8 @@ static void feed(moed_http_conn *c, const char *data, size_t n) {
     return fail_request(c, 400, why);
   }
   if (!c->busy) {
-    if (c->in_body) arm(c, c->l->o.cfg->handshake_timeout_s); /* the body is coming: the next read has as long */
+    if (c->in_body)
+      arm(c, c->l->o.cfg->handshake_timeout_s); /* the body is coming: the next read has as long */
     return;
   }
   pause_input(c);
@@ -681,7 +682,8 @@ void moed_http_peer(moed_http_conn *c, char *out, size_t size) {
     snprintf(out, size, "unknown");
 }
 
-void moed_http_foreach_listener(void (*fn)(const char *name, const moed_http_stats *n, void *arg), void *arg) {
+void moed_http_foreach_listener(void (*fn)(const char *name, const moed_http_stats *n, void *arg),
+                                void *arg) {
   for (const moed_http_listener *l = listeners; l; l = l->next_listener)
     if (!l->memory) fn(l->o.name, &l->n, arg);
 }
@@ -702,8 +704,8 @@ void moed_http_listener_close(moed_http_listener *l) {
 
 /* ---- memory connections (the fuzz target) ------------------------------------------ */
 
-moed_http_listener *moed_http_memory_listener(uv_loop_t *loop, const moed_http_options *o, moed_http_handler fn,
-                                              void *arg) {
+moed_http_listener *moed_http_memory_listener(uv_loop_t *loop, const moed_http_options *o,
+                                              moed_http_handler fn, void *arg) {
   moed_http_options plain = *o;
   plain.tls = false;
   moed_http_listener *l = listener_new(loop, &plain, fn, arg);

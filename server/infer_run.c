@@ -45,7 +45,8 @@ static bool run_stop(void *ctx) {
  * its deadline passed, or, for an op that ran and was stopped (`stopped`),
  * the drain timeout passed. Work is skipped when nobody waits for it or it
  * is already too late. */
-grpc_status_code moed_infer_unwanted(const moed_server *srv, const moed_infer_req *r, bool stopped, char *err) {
+grpc_status_code moed_infer_unwanted(const moed_server *srv, const moed_infer_req *r, bool stopped,
+                                     char *err) {
   if (stopped && atomic_load(&srv->stop_work))
     return moed_failf(err, GRPC_STATUS_UNAVAILABLE,
                       "server shutting down: work stopped at the drain timeout");

@@ -576,12 +576,13 @@ typedef struct moed_http_options {
 
 /* A listener's connection counts (loop thread). */
 typedef struct moed_http_stats {
-  int open;             /* open now */
-  uint64_t accepted;    /* accepted and served (not refused) */
-  uint64_t refused;     /* closed at accept: over --http-max-connections */
-  uint64_t timeouts;    /* closed with a request begun but not whole within the deadlines */
-  uint64_t idle_closed; /* closed with no request begun within --idle-timeout (--handshake-timeout at first) */
-  uint64_t tls_failed;  /* closed by a failed TLS handshake or record */
+  int open;          /* open now */
+  uint64_t accepted; /* accepted and served (not refused) */
+  uint64_t refused;  /* closed at accept: over --http-max-connections */
+  uint64_t timeouts; /* closed with a request begun but not whole within the deadlines */
+  uint64_t
+      idle_closed;     /* closed with no request begun within --idle-timeout (--handshake-timeout at first) */
+  uint64_t tls_failed; /* closed by a failed TLS handshake or record */
 } moed_http_stats;
 
 int moed_http_listen(uv_loop_t *loop, const char *address, int port, const moed_http_options *o,
@@ -608,8 +609,8 @@ void moed_http_peer(moed_http_conn *c, char *out, size_t size);
  * connections whose written bytes go to sink. memory_feed hands bytes in
  * as a read would, then completes each answer's write as the loop would;
  * false once the connection closed (memory_close is still called). */
-moed_http_listener *moed_http_memory_listener(uv_loop_t *loop, const moed_http_options *o, moed_http_handler fn,
-                                              void *arg);
+moed_http_listener *moed_http_memory_listener(uv_loop_t *loop, const moed_http_options *o,
+                                              moed_http_handler fn, void *arg);
 moed_http_conn *moed_http_memory_conn(moed_http_listener *l, void (*sink)(void *, const char *, size_t),
                                       void *arg);
 bool moed_http_memory_feed(moed_http_conn *c, const char *data, size_t n);

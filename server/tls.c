@@ -164,10 +164,10 @@ static SSL_CTX *http_context(char *why, size_t n) {
         !(names = SSL_load_client_CA_file(tls.client_ca)))
       goto fail;
     SSL_CTX_set_client_CA_list(ctx, names); /* the CAs named in the CertificateRequest; taken */
-    SSL_CTX_set_verify(ctx,
-                       SSL_VERIFY_PEER |
-                           (tls.client_auth == MOED_CLIENT_AUTH_REQUIRE ? SSL_VERIFY_FAIL_IF_NO_PEER_CERT : 0),
-                       NULL);
+    SSL_CTX_set_verify(
+        ctx,
+        SSL_VERIFY_PEER | (tls.client_auth == MOED_CLIENT_AUTH_REQUIRE ? SSL_VERIFY_FAIL_IF_NO_PEER_CERT : 0),
+        NULL);
   }
   /* resumed sessions keep their verified peer: OpenSSL wants a context id for that */
   static const unsigned char sid[] = "moed-http";
