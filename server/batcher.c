@@ -250,7 +250,8 @@ static void expiry_arm(moed_batcher *b, uint64_t at) {
  * thread). false: the queue is full (j is not queued). */
 static bool watch_submit(moed_server *s, infer_job *j) {
   moed_batcher *b = s->batcher;
-  const bool watch = b && j->deadline_ns != UINT64_MAX;
+  const uint64_t deadline = j->deadline_ns; /* once submitted, j is the worker's to free */
+  const bool watch = b && deadline != UINT64_MAX;
   if (watch) { /* before the submit: a worker may take j at once, and unwatches it then */
     pthread_mutex_lock(&watch_mu);
     j->wnext = b->watched;
@@ -267,7 +268,7 @@ static bool watch_submit(moed_server *s, infer_job *j) {
     }
     return false;
   }
-  if (watch) expiry_arm(b, j->deadline_ns);
+  if (watch) expiry_arm(b, deadline);
   return true;
 }
 
