@@ -676,8 +676,19 @@ void moed_http_peer(moed_http_conn *c, char *out, size_t size) {
       port = ntohs(((const struct sockaddr_in *)&sa)->sin_port);
     }
   }
+  char subject[160] = ""; /* mTLS: the verified client certificate's, as rpc.c names gRPC peers */
+  X509 *cert = c->ssl ? SSL_get0_peer_certificate(c->ssl) : NULL;
+  BIO *mem = cert && SSL_get_verify_result(c->ssl) == X509_V_OK ? BIO_new(BIO_s_mem()) : NULL;
+  if (mem && X509_NAME_print_ex(mem, X509_get_subject_name(cert), 0, XN_FLAG_RFC2253) >= 0) {
+    int n = BIO_read(mem, subject, sizeof subject - 1);
+    subject[n > 0 ? n : 0] = 0;
+  }
+  BIO_free(mem);
+  for (char *p = subject; *p; p++) /* the client's text: one log line */
+    if ((unsigned char)*p < 0x20 || *p == '\'' || *p == 0x7f) *p = '?';
   if (host[0])
-    snprintf(out, size, sa.ss_family == AF_INET6 ? "[%s]:%d" : "%s:%d", host, port);
+    snprintf(out, size, sa.ss_family == AF_INET6 ? "[%s]:%d%s%s%s" : "%s:%d%s%s%s", host, port,
+             *subject ? " cert '" : "", subject, *subject ? "'" : "");
   else
     snprintf(out, size, "unknown");
 }

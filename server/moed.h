@@ -603,7 +603,8 @@ void moed_http_respond_error(moed_http_conn *c, int code, const char *msg);
 /* The answer comes later: if the connection closes first, gone(arg) is
  * called (on the loop) and the answer must not be sent. */
 void moed_http_defer(moed_http_conn *c, void (*gone)(void *), void *arg);
-/* The client's address, "ADDR:PORT" ("unknown" when it cannot be read). */
+/* The client's address, "ADDR:PORT" ("unknown" when it cannot be read),
+ * and under mTLS " cert 'SUBJECT'" of its verified certificate. */
 void moed_http_peer(moed_http_conn *c, char *out, size_t size);
 /* Memory connections (fuzz/fuzz_http_conn.c): a listener without a socket,
  * connections whose written bytes go to sink. memory_feed hands bytes in

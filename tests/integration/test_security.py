@@ -219,15 +219,15 @@ def tls_live(port, ca=None, client=None, pem=None):
         return code_of(lambda: raw_unary(ch, "/inference.GRPCInferenceService/ServerLive")(b"", timeout=5))[0]
 
 
-def https_get(port, path, ca, client=None, pem=None):
-    """GET over a fresh TLS connection verifying the server against ca (client: name of a client
-    certificate to present): the status, or the name of the exception that ended the call."""
+def https_get(port, path, ca, client=None, pem=None, method="GET", body=None):
+    """GET (or method) over a fresh TLS connection verifying the server against ca (client: name of a
+    client certificate to present): the status, or the name of the exception that ended the call."""
     ctx = ssl.create_default_context(cafile=pem(ca))
     if client:
         ctx.load_cert_chain(pem(f"{client}.pem"), pem(f"{client}.key"))
     c = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=10)
     try:
-        c.request("GET", path)
+        c.request(method, path, body=body)
         return c.getresponse().status
     except (OSError, http.client.HTTPException) as e:
         return type(e).__name__
@@ -350,6 +350,13 @@ def test_tls(tmp):
             got = https_get(r, "/v2/health/ready", "ca1.pem", "client-ca2", pem)
             check(got != 200, f"mTLS {mode}: REST with a client certificate from another CA is refused ({got})")
             if mode == "require":
+                log_at = os.path.getsize(log)
+                got = https_get(r, "/v2/repository/models/nosuch/unload", "ca1.pem", "client-ca1", pem, "POST", b"{}")
+                time.sleep(0.2)
+                with open(log, errors="replace") as f:
+                    text = f.read()[log_at:]
+                check(got == 404 and re.search(r"repository_unload: nosuch: .*, by rest:127.0.0.1:\d+ cert 'CN=client-ca1'", text),
+                      f"mTLS: a REST repository change's log line names the client certificate ({got})")
                 ready, q, ref = rest_tls_infer(r, pem, "client-ca1")
                 check(ready and q is not None and np.array_equal(q, ref),
                       "mTLS: tritonclient.http with a client certificate infers (bit-equal)")
