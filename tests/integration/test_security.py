@@ -374,6 +374,10 @@ def test_tls(tmp):
     try:
         check(plain_get(http_port, "/v2/health/ready") == 200, "--http-port-plaintext: the probes answer in plaintext")
         check(plain_get(p.rest_port, "/v2/health/ready") != 200, "--http-port-plaintext: the REST port is still TLS")
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        m = re.search(r'^moed_http_connections_closed_total\{port="rest",reason="tls"\} (\d+)$', text, re.M)
+        check(m is not None and int(m.group(1)) == 1, f"the plaintext client's failed handshake counted ({m and m.group(0)})")
     finally:
         ts.stop(p)
 
