@@ -121,7 +121,44 @@ def main():
     r.parameters["out_dtype"].string_param = "int8"
     r.outputs.add().name = "q"
     write("infer_request", "typed_contents", r.SerializeToString())
+    http_conn_seeds()
+    upload_seeds(rng)
     return 0
+
+
+def http_conn_seeds():
+    """fuzz_http_conn.c: byte 0 seeds the split points, then the byte stream of one connection."""
+    get = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n"
+    body = b'{"inputs": []}'
+    seeds = {
+        "get": get,
+        "pipelined": get + b"GET /v2 HTTP/1.1\r\nHost: x\r\n\r\n" + b"GET /e HTTP/1.1\r\nConnection: close\r\n\r\n",
+        "post_length": b"POST /v2/models/m/infer HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body) + body + get,
+        "chunked": b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n" + get,
+        "expect_ihcl_auth": b"POST /x HTTP/1.1\r\nExpect: 100-continue\r\nInference-Header-Content-Length: 4\r\n"
+                            b"Authorization: Bearer abcdefghijklmnop\r\nContent-Length: 8\r\n\r\n{}  rest",
+        "encoded": b"POST /x HTTP/1.1\r\nContent-Encoding: gzip\r\nContent-Length: 2\r\n\r\nab",
+        "too_large": b"POST /x HTTP/1.1\r\nContent-Length: 5000\r\n\r\n" + b"a" * 64,
+        "http10": b"GET /metrics HTTP/1.0\r\n\r\n",
+        "malformed": b"GET / HTTP/1.1\r\nBad Header\r\n\r\n",
+    }
+    for k, (name, stream) in enumerate(seeds.items()):
+        write("http_conn", name, bytes([k * 37 % 256]) + stream)
+
+
+def upload_seeds(rng):
+    """fuzz_upload.c: a program of steps (its comments say how each reads)."""
+    w13 = rng.integers(0, 1 << 16, 2 * 16 * 16, dtype=np.uint16).tobytes()  # bf16 [2, 16, 16]
+    w2 = rng.integers(0, 1 << 16, 2 * 16 * 8, dtype=np.uint16).tobytes()    # bf16 [2, 16, 8]
+    header = bytes([1, 0b110])  # name fz, the valid config, chunk offsets and checksums
+    whole = lambda which, data: bytes([2, which, 0b111, len(data) // 8]) + data  # shape, nbytes, xxh3 right
+    write("upload", "valid", header + whole(0, w13) + whole(1, w2) + bytes([4]))
+    # w13 in two chunks (no checksums: one chunk's would not be the tensor's)
+    split = bytes([1, 0b010, 2, 0, 0b011, 64]) + w13[:512] + bytes([0, 3, 0, 64]) + w13[512:]
+    write("upload", "split", split + whole(1, w2) + bytes([4]))
+    write("upload", "abort", header + whole(0, w13) + bytes([5]))
+    write("upload", "bad_nbytes", header + bytes([2, 0, 8, 3, 4, 6, 1, 0, 9, 0, 4]))
+    write("upload", "builtin_name", bytes([1, 2 << 3, 4]))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ pkgs=(
   libgrpc-dev protobuf-c-compiler libprotobuf-c-dev grpc-proto libprotobuf-dev protobuf-compiler
   libuv1-dev libhttp-parser-dev             # event loop, HTTP side port
   libcjson-dev libxxhash-dev libjemalloc-dev
+  libssl-dev                                # TLS on the HTTP ports (server/http_conn.c, server/tls.c)
   python3 python3-venv python3-dev
   valgrind
   clang-format                              # .ci/run: the tree stays formatted (scripts/check-format.sh)

@@ -14,7 +14,7 @@ build="build-fuzz"
 if [ ! -f "$build/CMakeCache.txt" ]; then
   CC=clang CXX=clang++ cmake -S . -B "$build" -DMOE_GPU=OFF -DMOE_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 fi
-targets=(infer_request rest_infer safetensors expert_config)
+targets=(infer_request rest_infer http_conn upload safetensors expert_config)
 cmake --build "$build" -j2 --target "${targets[@]/#/fuzz_}" >/dev/null
 mkdir -p "$build/crashes"
 # leaks: the fuzzers' one-time state (gRPC, the repository) lives until exit

@@ -9,8 +9,12 @@
  * are bounded by max_queue_size (beyond: UNAVAILABLE).
  *
  * Also the inference jobs themselves: one job = one batch (or one large
- * request decoded on the worker). */
+ * request decoded on the worker), and their deadlines while they wait in
+ * the device queues: a request whose deadline (the call's, or
+ * parameters['timeout']) passes there is answered then, by a timer on the
+ * loop, not when a worker reaches it; the worker skips what was answered. */
 #include <grpc/byte_buffer_reader.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -147,24 +151,58 @@ typedef struct open_batch {
   int64_t rows;
 } open_batch;
 
+struct infer_job;
+
 struct moed_batcher {
   moed_server *srv;
   open_batch *open;
   size_t held; /* requests in open batches */
+  /* jobs in the device queues whose requests have a deadline (watch_mu);
+   * the timer fires at the earliest (loop thread) */
+  struct infer_job *watched;
+  uv_timer_t expiry;
+  uint64_t armed_ns; /* the deadline the timer is set for; UINT64_MAX: none */
 };
 
 /* ---- jobs ------------------------------------------------------------------------- */
 
+/* A queued job's requests are answered by whoever comes first: the worker
+ * that takes the job, or the expiry timer for those past their deadline.
+ * One lock for the process's one batcher: a job may outlive the batcher
+ * (the device queues stop after the loop), never this lock. */
+static pthread_mutex_t watch_mu = PTHREAD_MUTEX_INITIALIZER;
+
 typedef struct infer_job {
   moed_job job;
   moed_server *srv;
-  moed_request *raw; /* a large request, decoded on the worker */
-  size_t n;
+  moed_request *raw;                /* a large request, decoded on the worker */
+  struct infer_job *wnext, **wprev; /* in the batcher's watch list (watch_mu); wprev NULL: not */
+  uint64_t deadline_ns;             /* its requests' earliest (watch_mu) */
+  bool expired;                     /* every request answered at its deadline (watch_mu) */
+  size_t n;                         /* requests left to run (watch_mu until taken) */
   moed_infer_req *reqs[];
 } infer_job;
 
+static void unwatch_locked(infer_job *j) {
+  if (!j->wprev) return;
+  *j->wprev = j->wnext;
+  if (j->wnext) j->wnext->wprev = j->wprev;
+  j->wprev = NULL;
+}
+
+/* The worker's claim on j: false when the timer answered all of it. */
+static bool take(infer_job *j) {
+  pthread_mutex_lock(&watch_mu);
+  bool expired = j->expired;
+  unwatch_locked(j);
+  pthread_mutex_unlock(&watch_mu);
+  if (expired) free(j);
+  return !expired;
+}
+
 static void infer_job_run(moed_job *job, moe_backend *b) {
   infer_job *j = (infer_job *)job;
+  if (!take(j)) return;
   if (j->raw) {
     moed_infer_req *r = moed_infer_decode(j->srv, j->raw);
     if (r) moed_infer_run(j->srv, b, &r, 1);
@@ -177,6 +215,7 @@ static void infer_job_run(moed_job *job, moe_backend *b) {
 static void infer_job_cancel(moed_job *job, moe_backend *b) {
   (void)b;
   infer_job *j = (infer_job *)job;
+  if (!take(j)) return;
   if (j->raw) moed_request_reject(j->srv, j->raw, GRPC_STATUS_UNAVAILABLE, "server shutting down");
   for (size_t k = 0; k < j->n; k++)
     moed_infer_reject(j->srv, j->reqs[k], GRPC_STATUS_UNAVAILABLE, "server shutting down");
@@ -194,14 +233,127 @@ static infer_job *job_new(moed_server *s, size_t n) {
   return j;
 }
 
+/* ---- deadlines in the device queues ------------------------------------------------ */
+
+static void on_expiry(uv_timer_t *t);
+
+/* Sets the timer for `at` if that is sooner than the one set (loop thread). */
+static void expiry_arm(moed_batcher *b, uint64_t at) {
+  if (at >= b->armed_ns) return;
+  const uint64_t now = moed_now_ns();
+  const uint64_t ms = at > now ? (at - now + 999999) / 1000000 : 0; /* never early: libuv counts ms */
+  b->armed_ns = at;
+  uv_timer_start(&b->expiry, on_expiry, ms, 0);
+}
+
+/* Queues j on the devices, watched when a request has a deadline (loop
+ * thread). false: the queue is full (j is not queued). */
+static bool watch_submit(moed_server *s, infer_job *j) {
+  moed_batcher *b = s->batcher;
+  const uint64_t deadline = j->deadline_ns; /* once submitted, j is the worker's to free */
+  const bool watch = b && deadline != UINT64_MAX;
+  if (watch) { /* before the submit: a worker may take j at once, and unwatches it then */
+    pthread_mutex_lock(&watch_mu);
+    j->wnext = b->watched;
+    if (j->wnext) j->wnext->wprev = &j->wnext;
+    j->wprev = &b->watched;
+    b->watched = j;
+    pthread_mutex_unlock(&watch_mu);
+  }
+  if (!moed_devices_submit(s->devices, &j->job)) {
+    if (watch) {
+      pthread_mutex_lock(&watch_mu);
+      unwatch_locked(j);
+      pthread_mutex_unlock(&watch_mu);
+    }
+    return false;
+  }
+  if (watch) expiry_arm(b, deadline);
+  return true;
+}
+
+#define EXPIRE_BATCH 64 /* answered per pass, outside the lock */
+
+/* Takes up to max requests past their deadline at `now` out of the watched
+ * jobs (raw: the job's undecoded request); a job left without requests is
+ * marked for its worker to skip. *next: the earliest deadline left. */
+static size_t collect_expired(moed_batcher *b, uint64_t now, moed_infer_req **out, moed_request **raw_out,
+                              size_t *n_raw, size_t max, uint64_t *next) {
+  size_t got = 0;
+  *next = UINT64_MAX;
+  *n_raw = 0;
+  pthread_mutex_lock(&watch_mu);
+  for (infer_job *j = b->watched, *jn; j; j = jn) {
+    jn = j->wnext;
+    if (j->deadline_ns > now) {
+      if (j->deadline_ns < *next) *next = j->deadline_ns;
+      continue;
+    }
+    if (got + *n_raw + (j->raw ? 1 : j->n) > max) { /* the next pass takes it */
+      *next = now;
+      continue;
+    }
+    size_t live = 0;
+    j->deadline_ns = UINT64_MAX;
+    if (j->raw) {
+      raw_out[(*n_raw)++] = j->raw;
+      j->raw = NULL;
+    }
+    for (size_t k = 0; k < j->n; k++) {
+      moed_infer_req *r = j->reqs[k];
+      if (r->deadline_ns <= now) {
+        out[got++] = r;
+      } else {
+        j->reqs[live++] = r;
+        if (r->deadline_ns < j->deadline_ns) j->deadline_ns = r->deadline_ns;
+      }
+    }
+    j->n = live;
+    if (!live) {
+      j->expired = true; /* the job stays queued; its worker frees it */
+      unwatch_locked(j);
+    } else if (j->deadline_ns < *next) {
+      *next = j->deadline_ns;
+    }
+  }
+  pthread_mutex_unlock(&watch_mu);
+  return got;
+}
+
+static void on_expiry(uv_timer_t *t) {
+  moed_batcher *b = t->data;
+  moed_server *s = b->srv;
+  moed_infer_req *reqs[EXPIRE_BATCH];
+  moed_request *raw[EXPIRE_BATCH];
+  size_t n, n_raw;
+  uint64_t next;
+  b->armed_ns = UINT64_MAX;
+  do {
+    n = collect_expired(b, moed_now_ns(), reqs, raw, &n_raw, EXPIRE_BATCH, &next);
+    for (size_t k = 0; k < n; k++) {
+      char err[MOED_ERR_LEN];
+      grpc_status_code code = moed_infer_unwanted(s, reqs[k], false, err);
+      moed_infer_finish(s, reqs[k], code ? code : GRPC_STATUS_DEADLINE_EXCEEDED,
+                        code ? err : "deadline exceeded before the work started", NULL, NULL, 0);
+    }
+    for (size_t k = 0; k < n_raw; k++)
+      moed_request_reject(s, raw[k], GRPC_STATUS_DEADLINE_EXCEEDED,
+                          "deadline exceeded before the work started");
+  } while (n + n_raw == EXPIRE_BATCH);
+  if (next != UINT64_MAX) expiry_arm(b, next);
+}
+
 void moed_infer_dispatch(moed_server *s, moed_infer_req **reqs, size_t n) {
   infer_job *j = job_new(s, n);
   if (j) {
     memcpy(j->reqs, reqs, n * sizeof *reqs);
     j->job.priority = MOED_PRIORITY_LEVELS; /* a merged call runs at its highest request's level */
-    for (size_t k = 0; k < n; k++)
+    j->deadline_ns = UINT64_MAX;
+    for (size_t k = 0; k < n; k++) {
       if (reqs[k]->priority < j->job.priority) j->job.priority = reqs[k]->priority;
-    if (moed_devices_submit(s->devices, &j->job)) return;
+      if (reqs[k]->deadline_ns < j->deadline_ns) j->deadline_ns = reqs[k]->deadline_ns;
+    }
+    if (watch_submit(s, j)) return;
     free(j);
   }
   atomic_fetch_add(&s->rejected, n);
@@ -229,7 +381,8 @@ void moed_infer_dispatch_raw(moed_server *s, moed_request *req) {
   if (j) {
     j->raw = req;
     j->job.priority = raw_priority(req);
-    if (moed_devices_submit(s->devices, &j->job)) return;
+    j->deadline_ns = moed_rpc_deadline_ns(req->rpc); /* parameters['timeout'] is read on the worker */
+    if (watch_submit(s, j)) return;
     free(j);
   }
   atomic_fetch_add(&s->rejected, 1);
@@ -320,6 +473,9 @@ int moed_batcher_create(moed_server *s, moed_batcher **out) {
   moed_batcher *b = calloc(1, sizeof *b);
   if (!b) return -1;
   b->srv = s;
+  b->armed_ns = UINT64_MAX;
+  uv_timer_init(s->loop, &b->expiry);
+  b->expiry.data = b;
   *out = b;
   return 0;
 }
@@ -331,8 +487,15 @@ void moed_batcher_flush_all(moed_batcher *b) {
     flush(b, b->open);
 }
 
+static void on_expiry_closed(uv_handle_t *h) { free(h->data); }
+
 void moed_batcher_destroy(moed_batcher *b) {
   if (!b) return;
   moed_batcher_flush_all(b);
-  free(b); /* the batches' timers only point at their batch, freed on close */
+  pthread_mutex_lock(&watch_mu); /* jobs still queued run (or are cancelled) unwatched */
+  while (b->watched)
+    unwatch_locked(b->watched);
+  pthread_mutex_unlock(&watch_mu);
+  /* the batches' timers only point at their batch, freed on close; b goes with its own */
+  uv_close((uv_handle_t *)&b->expiry, on_expiry_closed);
 }

@@ -55,8 +55,11 @@ static const char usage[] =
     "  --fd-reserve N            descriptors kept free of connections: a connection accepted into the\n"
     "                            last N below the open-file limit is closed at once (MOED_FD_RESERVE,\n"
     "                            default 64; at most a quarter of the limit)\n"
-    "  --tls-cert FILE           PEM certificate chain: the gRPC port speaks TLS (MOED_TLS_CERT; reread\n"
-    "                            with the key and client CA on SIGHUP, for new connections)\n"
+    "  --tls-cert FILE           PEM certificate chain: the gRPC, REST and metrics ports speak TLS\n"
+    "                            (MOED_TLS_CERT; reread with the key and client CA on SIGHUP, for new\n"
+    "                            connections)\n"
+    "  --http-port-plaintext     the metrics/health port (--http-port) stays plaintext under --tls-cert\n"
+    "                            (MOED_HTTP_PORT_PLAINTEXT)\n"
     "  --tls-key FILE            its PEM private key (MOED_TLS_KEY)\n"
     "  --tls-client-ca FILE      PEM CA bundle client certificates are verified against "
     "(MOED_TLS_CLIENT_CA)\n"
@@ -138,6 +141,7 @@ enum {
   OPT_TLS_KEY,
   OPT_TLS_CLIENT_CA,
   OPT_TLS_CLIENT_AUTH,
+  OPT_HTTP_PLAINTEXT,
   OPT_AUTH_TOKENS,
   OPT_AUTH_HEALTH_EXEMPT,
   OPT_MAX_UPLOADS,
@@ -181,6 +185,7 @@ static const struct option options[] = {
     {"tls-key", required_argument, NULL, OPT_TLS_KEY},
     {"tls-client-ca", required_argument, NULL, OPT_TLS_CLIENT_CA},
     {"tls-client-auth", required_argument, NULL, OPT_TLS_CLIENT_AUTH},
+    {"http-port-plaintext", no_argument, NULL, OPT_HTTP_PLAINTEXT},
     {"auth-tokens", required_argument, NULL, OPT_AUTH_TOKENS},
     {"auth-health-exempt", no_argument, NULL, OPT_AUTH_HEALTH_EXEMPT},
     {"max-uploads", required_argument, NULL, OPT_MAX_UPLOADS},
@@ -339,6 +344,7 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
     break;
   case OPT_AUTH_TOKENS: c->auth_tokens = v; break;
   case OPT_AUTH_HEALTH_EXEMPT: c->auth_health_exempt = !v || strcmp(v, "0") != 0; break;
+  case OPT_HTTP_PLAINTEXT: c->http_port_plaintext = !v || strcmp(v, "0") != 0; break;
   case OPT_MAX_UPLOADS: ok = parse_i64(v, 1, 1 << 16, &n) && (c->max_uploads = (int)n, true); break;
   case OPT_UPLOAD_BUDGET:
     ok = parse_i64(v, 1, INT64_MAX, &n) && (c->upload_budget_bytes = (size_t)n, true);
@@ -382,6 +388,7 @@ static const struct {
     {"MOED_TLS_KEY", OPT_TLS_KEY},
     {"MOED_TLS_CLIENT_CA", OPT_TLS_CLIENT_CA},
     {"MOED_TLS_CLIENT_AUTH", OPT_TLS_CLIENT_AUTH},
+    {"MOED_HTTP_PORT_PLAINTEXT", OPT_HTTP_PLAINTEXT},
     {"MOED_AUTH_TOKENS", OPT_AUTH_TOKENS},
     {"MOED_AUTH_HEALTH_EXEMPT", OPT_AUTH_HEALTH_EXEMPT},
     {"MOED_MAX_UPLOADS", OPT_MAX_UPLOADS},

@@ -178,6 +178,25 @@ static void model_metrics(moed_model *m, void *arg) {
   }
 }
 
+/* The HTTP ports' connection counts, one series per port. */
+static void http_open(const char *port, const moed_http_stats *n, void *arg) {
+  wb_printf(arg, "moed_http_connections{port=\"%s\"} %d\n", port, n->open);
+}
+static void http_accepted(const char *port, const moed_http_stats *n, void *arg) {
+  wb_printf(arg, "moed_http_connections_accepted_total{port=\"%s\"} %llu\n", port,
+            (unsigned long long)n->accepted);
+}
+static void http_closed(const char *port, const moed_http_stats *n, void *arg) {
+  const struct {
+    const char *reason;
+    uint64_t v;
+  } r[] = {
+      {"refused", n->refused}, {"timeout", n->timeouts}, {"idle", n->idle_closed}, {"tls", n->tls_failed}};
+  for (size_t i = 0; i < sizeof r / sizeof r[0]; i++)
+    wb_printf(arg, "moed_http_connections_closed_total{port=\"%s\",reason=\"%s\"} %llu\n", port, r[i].reason,
+              (unsigned long long)r[i].v);
+}
+
 static void render_metrics(moed_http *h, wbuf *b) {
   moed_server *s = h->srv;
   static const char *const heads[N_MOED_SECTIONS] = {
@@ -257,19 +276,18 @@ static void render_metrics(moed_http *h, wbuf *b) {
     wb_printf(b, "moed_device_memory_bytes{worker=\"%d\",backend=\"%s\",kind=\"held\"} %zu\n", i, name,
               mem.held);
   }
-  int open;
-  uint64_t refused, timeouts;
-  moed_http_counts(h->l, &open, &refused, &timeouts);
-  wb_printf(b,
-            "# HELP moed_http_connections_closed_total HTTP connections closed by moed: over "
-            "--http-max-connections at accept (refused), or without a whole request within "
-            "--handshake-timeout (timeout).\n"
-            "# TYPE moed_http_connections_closed_total counter\n"
-            "moed_http_connections_closed_total{reason=\"refused\"} %llu\n"
-            "moed_http_connections_closed_total{reason=\"timeout\"} %llu\n"
-            "# HELP moed_http_connections Open HTTP connections.\n# TYPE moed_http_connections gauge\n"
-            "moed_http_connections %d\n",
-            (unsigned long long)refused, (unsigned long long)timeouts, open);
+  wb_printf(b, "# HELP moed_http_connections Open HTTP connections, per port (rest: the KServe REST port, "
+               "http: this one).\n# TYPE moed_http_connections gauge\n");
+  moed_http_foreach_listener(http_open, b);
+  wb_printf(b, "# HELP moed_http_connections_accepted_total HTTP connections accepted (not refused).\n"
+               "# TYPE moed_http_connections_accepted_total counter\n");
+  moed_http_foreach_listener(http_accepted, b);
+  wb_printf(b, "# HELP moed_http_connections_closed_total HTTP connections closed by moed: over "
+               "--http-max-connections at accept (refused), a request begun but not whole within "
+               "--handshake-timeout (timeout), no request within --idle-timeout (idle), a failed TLS "
+               "handshake (tls).\n"
+               "# TYPE moed_http_connections_closed_total counter\n");
+  moed_http_foreach_listener(http_closed, b);
   uint64_t fd_reserve, fd_exhausted;
   moed_fd_budget_refused(&fd_reserve, &fd_exhausted);
   wb_printf(b,
@@ -462,7 +480,11 @@ int moed_http_start(moed_server *s, const char *address, int port, moed_http **o
                                                                  : g;
   h->grpc_ok = parse_addr(ghost, s->grpc_port, &h->grpc);
   /* requests here are GETs: a body is not needed, 4 KiB bounds one */
-  const moed_http_options o = {.name = "http", .cfg = s->cfg, .max_body = 4096, .side = true};
+  const moed_http_options o = {.name = "http",
+                               .cfg = s->cfg,
+                               .max_body = 4096,
+                               .side = true,
+                               .tls = s->cfg->tls_cert && !s->cfg->http_port_plaintext};
   if (moed_http_listen(s->loop, address, port, &o, on_request, h, &h->l, bound_port) != 0) {
     free(h);
     return -1;

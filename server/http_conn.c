@@ -10,9 +10,18 @@
  * its next request. While the handler works (the answer may come from a
  * worker), no deadline runs: the answer has its own bounds. One request at
  * a time per connection: reading stops until the answer is written, and
- * bytes of a pipelined next request are kept for then. */
+ * bytes of a pipelined next request are kept for then.
+ *
+ * Transport: the socket as is, or TLS (OpenSSL through memory BIOs: the
+ * records go through libuv's stream like any bytes; tls.c owns the
+ * context and its reload), or, for the fuzz target, no socket at all (a
+ * memory connection: bytes fed in, written bytes handed to a sink). The
+ * parsing and answering above do not know which. */
 #include <cjson/cJSON.h>
 #include <http_parser.h>
+#include <limits.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,11 +38,14 @@ struct moed_http_listener {
   moed_http_options o;
   moed_http_handler fn;
   void *arg;
-  moed_http_conn *conns; /* open connections (loop thread) */
-  int open;
-  uint64_t refused, timeouts;
+  moed_http_conn *conns;                              /* open connections (loop thread) */
+  moed_http_listener *next_listener, **prev_listener; /* every listener, for /metrics (loop thread) */
+  moed_http_stats n;
+  bool memory; /* no socket (moed_http_memory_listener) */
   bool closing;
 };
+
+static moed_http_listener *listeners; /* loop thread */
 
 struct moed_http_conn {
   moed_http_conn *next, **prev;
@@ -46,8 +58,11 @@ struct moed_http_conn {
   size_t body_cap;
   bool in_request; /* its first byte came: the deadline is the request's, not the idle one */
   bool url_long, too_large, in_body;
+  char hname[40]; /* the header name arriving (a read may end inside it); longer: none moed reads */
+  size_t hname_len;
+  bool in_value; /* the last piece was a value: a name piece starts the next header */
   int header;    /* the header whose value comes: H_* */
-  char hval[32]; /* the Inference-Header-Content-Length value */
+  char hval[32]; /* its value (but Authorization's, kept in rq), cut at 31 bytes */
   size_t hval_len;
   bool expect_continue; /* Expect: 100-continue (curl sends it before a body over 1 KiB) */
   bool encoded;         /* Content-Encoding other than identity: 415 */
@@ -58,6 +73,10 @@ struct moed_http_conn {
   void *gone_arg;
   char *pending; /* bytes read past the current request (pipelined) */
   size_t pending_len;
+  SSL *ssl;                                   /* TLS: its BIOs hold records read and to write */
+  void (*sink)(void *, const char *, size_t); /* a memory connection's output (no tcp) */
+  void *sink_arg;
+  struct write_req *unfinished; /* a memory connection's answer, written, its completion not yet run */
 };
 
 /* ---- connections ---------------------------------------------------------------- */
@@ -65,10 +84,13 @@ struct moed_http_conn {
 static void on_closed(uv_handle_t *hd) {
   moed_http_conn *c = hd->data;
   if (--c->handles) return;
+  SSL_free(c->ssl); /* and its BIOs */
   free(c->rq.body);
   free(c->pending);
   free(c);
 }
+
+static void tls_flush(moed_http_conn *c, struct write_req *wr);
 
 static void close_conn(moed_http_conn *c) {
   if (c->closing) return;
@@ -77,19 +99,115 @@ static void close_conn(moed_http_conn *c) {
   c->gone = NULL;
   *c->prev = c->next;
   if (c->next) c->next->prev = c->prev;
-  c->l->open--;
-  uv_close((uv_handle_t *)&c->tcp, on_closed);
+  c->l->n.open--;
+  if (c->ssl && SSL_is_init_finished(c->ssl)) { /* close_notify, best effort: the socket closes next */
+    SSL_shutdown(c->ssl);
+    tls_flush(c, NULL);
+  }
+  if (!c->sink) uv_close((uv_handle_t *)&c->tcp, on_closed);
   uv_close((uv_handle_t *)&c->timer, on_closed);
 }
 
 static void on_deadline(uv_timer_t *t) {
   moed_http_conn *c = t->data;
-  if (c->in_request) c->l->timeouts++; /* an idle keep-alive connection's end is no timeout */
+  if (c->in_request) /* an idle keep-alive connection's end is no timeout */
+    c->l->n.timeouts++;
+  else
+    c->l->n.idle_closed++;
   close_conn(c);
 }
 
 static void arm(moed_http_conn *c, int seconds) {
   uv_timer_start(&c->timer, on_deadline, (uint64_t)seconds * 1000, 0);
+}
+
+/* ---- transport: plain, TLS or memory ----------------------------------------------- */
+
+/* An answer being written: its bytes (or their TLS records), then the next request. */
+typedef struct write_req {
+  uv_write_t w;
+  moed_http_conn *c;
+  char *head;
+  void (*release)(void *);
+  void *release_arg;
+  char *records; /* TLS: the encrypted answer */
+} write_req;
+
+/* Bytes written by TLS itself (handshake, alerts, close_notify): freed when sent. */
+typedef struct tls_out {
+  uv_write_t w;
+  char data[];
+} tls_out;
+
+static void on_written(uv_write_t *w, int status);
+static void on_tls_out(uv_write_t *w, int status) {
+  (void)status; /* a failed write shows as a read error too: the connection closes there */
+  free(w);
+}
+
+/* Writes the records TLS has produced: with wr, as the answer wr (its
+ * completion runs on_written), else on their own. */
+static void tls_flush(moed_http_conn *c, write_req *wr) {
+  BIO *out = SSL_get_wbio(c->ssl);
+  size_t n = BIO_ctrl_pending(out);
+  if (!n && !wr) return;
+  char *data = NULL;
+  tls_out *o = NULL;
+  if (wr)
+    data = wr->records = malloc(n ? n : 1);
+  else if ((o = malloc(sizeof *o + n)))
+    data = o->data;
+  if (!data || BIO_read(out, data, (int)n) != (int)n) goto fail; /* one answer's records: n < INT_MAX */
+  uv_buf_t b = uv_buf_init(data, (unsigned)n);
+  if (wr ? uv_write(&wr->w, (uv_stream_t *)&c->tcp, &b, 1, on_written) == 0
+         : uv_write(&o->w, (uv_stream_t *)&c->tcp, &b, 1, on_tls_out) == 0)
+    return;
+fail:
+  free(o);
+  (void)BIO_reset(out);
+  if (wr) on_written(&wr->w, UV_ENOMEM); /* frees wr and closes */
+}
+
+/* Writes bufs[0..n) as the answer wr; its completion runs on_written. */
+static int send_answer(moed_http_conn *c, write_req *wr, const uv_buf_t *bufs, unsigned n) {
+  if (c->sink) { /* completed by moed_http_memory_feed, as the loop would after the write */
+    for (unsigned i = 0; i < n; i++)
+      c->sink(c->sink_arg, bufs[i].base, bufs[i].len);
+    c->unfinished = wr;
+    return 0;
+  }
+  if (!c->ssl) return uv_write(&wr->w, (uv_stream_t *)&c->tcp, bufs, n, on_written);
+  for (unsigned i = 0; i < n; i++) /* a memory BIO takes all: SSL_write never writes part */
+    for (size_t at = 0; at < bufs[i].len;) {
+      int step = bufs[i].len - at > INT_MAX ? INT_MAX : (int)(bufs[i].len - at);
+      if (SSL_write(c->ssl, bufs[i].base + at, step) != step) return -1;
+      at += (size_t)step;
+    }
+  tls_flush(c, wr);
+  return 0;
+}
+
+/* Bytes ahead of the answer (100 Continue), best effort. */
+static void send_now(moed_http_conn *c, const char *data, size_t len) {
+  if (c->sink) return c->sink(c->sink_arg, data, len);
+  if (c->ssl) {
+    if (SSL_write(c->ssl, data, (int)len) == (int)len) tls_flush(c, NULL);
+    return;
+  }
+  uv_buf_t b = uv_buf_init((char *)data, (unsigned)len);
+  uv_try_write((uv_stream_t *)&c->tcp, &b, 1); /* a fresh connection's socket takes 25 bytes; if not, the
+                                                 client sends the body after its own wait (curl: 1 s) */
+}
+
+static void on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf);
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
+
+static void pause_input(moed_http_conn *c) {
+  if (!c->sink) uv_read_stop((uv_stream_t *)&c->tcp);
+}
+
+static int resume_input(moed_http_conn *c) {
+  return c->sink ? 0 : uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
 }
 
 /* ---- parsing ----------------------------------------------------------------------- */
@@ -103,7 +221,8 @@ static int on_message_begin(http_parser *p) {
   c->url_long = c->too_large = c->in_body = c->expect_continue = c->encoded = false;
   c->header = H_OTHER;
   c->in_request = true;
-  c->hval_len = 0;
+  c->hname_len = c->hval_len = 0;
+  c->in_value = false;
   arm(c, c->l->o.cfg->handshake_timeout_s);
   return 0;
 }
@@ -111,32 +230,67 @@ static int on_message_begin(http_parser *p) {
 static int on_url(http_parser *p, const char *at, size_t len) {
   moed_http_conn *c = p->data;
   size_t have = strlen(c->rq.path);
-  if (len > sizeof c->rq.path - 1 - have) {
+  if (c->url_long || len > sizeof c->rq.path - 1 - have) { /* refused once the headers are whole */
     c->url_long = true;
-    return 1;
+    return 0;
   }
   memcpy(c->rq.path + have, at, len);
   c->rq.path[have + len] = 0;
   return 0;
 }
 
+/* Names and values may arrive in pieces (a read can end anywhere): each is
+ * gathered whole, and a header is read once its value ended (the next
+ * name begins or the headers end). */
+static void header_done(moed_http_conn *c) {
+  const char *v = c->hval;
+  size_t n = c->hval_len;
+  const bool cut = n >= sizeof c->hval - 1;
+  while (n && (v[n - 1] == ' ' || v[n - 1] == '\t')) /* trailing whitespace is no part of a value */
+    c->hval[--n] = 0;
+  switch (c->header) {
+  case H_ENCODING: /* no decompression here: a compressed body would read as malformed JSON */
+    if (!(n == 8 && strncasecmp(v, "identity", 8) == 0)) c->encoded = true;
+    break;
+  case H_EXPECT: c->expect_continue = n == 12 && strncasecmp(v, "100-continue", 12) == 0; break;
+  case H_IHCL: {
+    char *end;
+    long long x = strtoll(v, &end, 10);
+    c->rq.inference_header_length = (n == 0 || cut || *end || x < 0) ? -2 : x;
+    break;
+  }
+  default: break;
+  }
+}
+
 static int on_header_field(http_parser *p, const char *at, size_t len) {
   moed_http_conn *c = p->data;
-  /* a name may arrive in pieces: only a whole one that matches counts */
-  c->header = len == strlen(IHCL) && strncasecmp(at, IHCL, len) == 0      ? H_IHCL
-              : len == 6 && strncasecmp(at, "expect", 6) == 0             ? H_EXPECT
-              : len == 16 && strncasecmp(at, "content-encoding", 16) == 0 ? H_ENCODING
-              : len == 13 && strncasecmp(at, "authorization", 13) == 0    ? H_AUTH
-                                                                          : H_OTHER;
+  if (c->in_value) {
+    header_done(c);
+    c->in_value = false;
+    c->hname_len = 0;
+  }
+  if (len > sizeof c->hname - c->hname_len) len = sizeof c->hname - c->hname_len; /* too long: no match */
+  memcpy(c->hname + c->hname_len, at, len);
+  c->hname_len += len;
   return 0;
 }
 
 static int on_header_value(http_parser *p, const char *at, size_t len) {
   moed_http_conn *c = p->data;
-  /* no decompression here: a compressed body would read as malformed JSON */
-  if (c->header == H_ENCODING && !(len == 8 && strncasecmp(at, "identity", 8) == 0)) c->encoded = true;
-  if (c->header == H_EXPECT) c->expect_continue = len == 12 && strncasecmp(at, "100-continue", 12) == 0;
-  if (c->header == H_AUTH) { /* a value may arrive in pieces; past the buffer it is cut */
+  if (!c->in_value) { /* the name is whole */
+    const char *h = c->hname;
+    const size_t n = c->hname_len;
+    c->header = n == strlen(IHCL) && strncasecmp(h, IHCL, n) == 0        ? H_IHCL
+                : n == 6 && strncasecmp(h, "expect", 6) == 0             ? H_EXPECT
+                : n == 16 && strncasecmp(h, "content-encoding", 16) == 0 ? H_ENCODING
+                : n == 13 && strncasecmp(h, "authorization", 13) == 0    ? H_AUTH
+                                                                         : H_OTHER;
+    c->in_value = true;
+    c->hval_len = 0;
+    c->hval[0] = 0;
+  }
+  if (c->header == H_AUTH) { /* past the buffer it is cut */
     moed_http_request *rq = &c->rq;
     size_t have = rq->authorization_len < 0 ? 0 : (size_t)rq->authorization_len;
     size_t take = len < sizeof rq->authorization - 1 - have ? len : sizeof rq->authorization - 1 - have;
@@ -145,8 +299,8 @@ static int on_header_value(http_parser *p, const char *at, size_t len) {
     rq->authorization[have + take] = 0;
     return 0;
   }
-  if (c->header != H_IHCL) return 0;
-  if (len >= sizeof c->hval - c->hval_len) len = sizeof c->hval - 1 - c->hval_len;
+  if (c->header == H_OTHER) return 0;
+  if (len > sizeof c->hval - 1 - c->hval_len) len = sizeof c->hval - 1 - c->hval_len;
   memcpy(c->hval + c->hval_len, at, len);
   c->hval_len += len;
   c->hval[c->hval_len] = 0;
@@ -155,11 +309,9 @@ static int on_header_value(http_parser *p, const char *at, size_t len) {
 
 static int on_headers_complete(http_parser *p) {
   moed_http_conn *c = p->data;
-  if (c->hval_len) {
-    char *end;
-    long long v = strtoll(c->hval, &end, 10);
-    c->rq.inference_header_length = (end == c->hval || *end || v < 0) ? -2 : v;
-  }
+  if (c->in_value) header_done(c);
+  c->in_value = false;
+  if (c->url_long) return -1;
   /* chunked bodies have no length: they are checked as they arrive */
   if (!(p->flags & F_CHUNKED) && p->content_length != ULLONG_MAX && p->content_length > c->l->o.max_body) {
     c->too_large = true;
@@ -168,10 +320,8 @@ static int on_headers_complete(http_parser *p) {
   if (c->encoded) return -1;
   c->in_body = true;
   if (c->expect_continue && p->content_length > 0) { /* the client waits for this before its body */
-    static char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
-    uv_buf_t b = uv_buf_init(cont, sizeof cont - 1);
-    uv_try_write((uv_stream_t *)&c->tcp, &b, 1); /* a fresh connection's socket takes 25 bytes; if not, the
-                                                   client sends the body after its own wait (curl: 1 s) */
+    static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
+    send_now(c, cont, sizeof cont - 1);
   }
   return 0;
 }
@@ -221,33 +371,35 @@ static const http_parser_settings settings = {
 static void fail_request(moed_http_conn *c, int code, const char *why) {
   c->busy = true;
   c->keep_alive = false;
-  uv_read_stop((uv_stream_t *)&c->tcp);
+  pause_input(c);
   moed_http_respond_error(c, code, why);
 }
 
 /* Feeds data[0..n) to the parser; a whole request goes to the handler. */
 static void feed(moed_http_conn *c, const char *data, size_t n) {
   size_t used = http_parser_execute(&c->parser, &settings, data, n);
-  if (c->too_large) {
+  const enum http_errno e = HTTP_PARSER_ERRNO(&c->parser);
+  /* a refusal once the parse stopped, whatever the reads' sizes were: the
+   * callbacks' own stops (HPE_CB_*) by their reason, the rest malformed */
+  if (e != HPE_OK && e != HPE_PAUSED) {
     char why[160];
-    snprintf(why, sizeof why, "request body exceeds the limit of %zu bytes (--max-message-bytes)",
-             c->l->o.max_body);
-    return fail_request(c, 413, why);
-  }
-  if (c->url_long) return fail_request(c, 414, "request URL too long");
-  if (c->encoded) return fail_request(c, 415, "Content-Encoding: moed takes uncompressed bodies only");
-  if (!c->busy) {
-    if (c->parser.http_errno != HPE_OK) {
-      char why[160];
-      snprintf(why, sizeof why, "malformed HTTP request: %s",
-               http_errno_description(HTTP_PARSER_ERRNO(&c->parser)));
-      fail_request(c, 400, why);
-    } else if (c->in_body) {
-      arm(c, c->l->o.cfg->handshake_timeout_s); /* the body is coming: the next read has as long */
+    if (c->too_large) {
+      snprintf(why, sizeof why, "request body exceeds the limit of %zu bytes (--max-message-bytes)",
+               c->l->o.max_body);
+      return fail_request(c, 413, why);
     }
+    if (c->url_long && e == HPE_CB_headers_complete) return fail_request(c, 414, "request URL too long");
+    if (c->encoded && e == HPE_CB_headers_complete)
+      return fail_request(c, 415, "Content-Encoding: moed takes uncompressed bodies only");
+    snprintf(why, sizeof why, "malformed HTTP request: %s", http_errno_description(e));
+    return fail_request(c, 400, why);
+  }
+  if (!c->busy) {
+    if (c->in_body)
+      arm(c, c->l->o.cfg->handshake_timeout_s); /* the body is coming: the next read has as long */
     return;
   }
-  uv_read_stop((uv_stream_t *)&c->tcp);
+  pause_input(c);
   uv_timer_stop(&c->timer);
   if (used < n) { /* a pipelined request: kept for after this answer */
     char *keep = malloc(n - used);
@@ -270,12 +422,45 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   buf->len = buf->base ? suggested : 0;
 }
 
+/* Decrypts what TLS holds and feeds it, until a request is whole (the
+ * rest stays in TLS's buffers for next_request) or more records are
+ * needed; a failed handshake (no client certificate under mTLS, a client
+ * that does not speak TLS) closes the connection after its alert. */
+static void tls_input(moed_http_conn *c) {
+  char plain[16384]; /* one TLS record's plaintext at most */
+  while (!c->busy && !c->closing) {
+    int n = SSL_read(c->ssl, plain, sizeof plain);
+    if (n > 0) {
+      feed(c, plain, (size_t)n);
+      continue;
+    }
+    int e = SSL_get_error(c->ssl, n);
+    if (e == SSL_ERROR_WANT_READ) break;
+    if (e != SSL_ERROR_ZERO_RETURN) {
+      char why[160];
+      ERR_error_string_n(ERR_get_error(), why, sizeof why);
+      c->l->n.tls_failed++;
+      moed_log(MOED_LOG_DEBUG, "tls_handshake_failed", "%s: %s", c->l->o.name, why);
+      ERR_clear_error();
+    }
+    tls_flush(c, NULL); /* the alert */
+    return close_conn(c);
+  }
+  if (!c->closing) tls_flush(c, NULL); /* the handshake's answers */
+}
+
 static void on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
   moed_http_conn *c = st->data;
-  if (n > 0 && !c->busy && !c->closing)
-    feed(c, buf->base, (size_t)n);
-  else if (n < 0)
+  if (n > 0 && !c->busy && !c->closing) {
+    if (!c->ssl)
+      feed(c, buf->base, (size_t)n);
+    else if (BIO_write(SSL_get_rbio(c->ssl), buf->base, (int)n) != (int)n) /* n <= 64 KiB (on_alloc) */
+      close_conn(c);
+    else
+      tls_input(c);
+  } else if (n < 0) {
     close_conn(c);
+  }
   free(buf->base);
 }
 
@@ -290,7 +475,7 @@ static void next_request(moed_http_conn *c) {
   c->in_body = false;
   http_parser_pause(&c->parser, 0);
   arm(c, c->l->o.cfg->idle_timeout_s);
-  if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) != 0) return close_conn(c);
+  if (resume_input(c) != 0) return close_conn(c);
   if (c->pending) {
     char *p = c->pending;
     size_t len = c->pending_len;
@@ -299,23 +484,17 @@ static void next_request(moed_http_conn *c) {
     feed(c, p, len);
     free(p);
   }
+  if (c->ssl) tls_input(c); /* records that came with the last request */
 }
 
 /* ---- answers ---------------------------------------------------------------------- */
-
-typedef struct write_req {
-  uv_write_t w;
-  moed_http_conn *c;
-  char *head;
-  void (*release)(void *);
-  void *release_arg;
-} write_req;
 
 static void on_written(uv_write_t *w, int status) {
   write_req *wr = (write_req *)w;
   moed_http_conn *c = wr->c;
   if (wr->release) wr->release(wr->release_arg);
   free(wr->head);
+  free(wr->records);
   free(wr);
   if (status < 0)
     close_conn(c);
@@ -351,9 +530,10 @@ void moed_http_respond(moed_http_conn *c, int code, const char *ctype, const cha
   bufs[0] = uv_buf_init(wr->head, (unsigned)hn);
   for (size_t i = 0; i < nbody; i++)
     bufs[i + 1] = body[i];
-  if (uv_write(&wr->w, (uv_stream_t *)&c->tcp, bufs, (unsigned)nbody + 1, on_written) != 0) {
+  if (send_answer(c, wr, bufs, (unsigned)nbody + 1) != 0) {
     if (release) release(arg);
     free(wr->head);
+    free(wr->records);
     free(wr);
     close_conn(c);
   }
@@ -384,30 +564,68 @@ void moed_http_defer(moed_http_conn *c, void (*gone)(void *), void *arg) {
 
 /* ---- the listener ---------------------------------------------------------------- */
 
-static void on_connection(uv_stream_t *server, int status) {
-  moed_http_listener *l = server->data;
-  if (status < 0) return;
+/* A connection on l, in the open list, its timer armed (not its socket). */
+static moed_http_conn *conn_new(moed_http_listener *l) {
   moed_http_conn *c = calloc(1, sizeof *c);
-  if (!c) return;
+  if (!c) return NULL;
   c->l = l;
-  l->open++;
+  l->n.open++;
   c->next = l->conns;
   if (c->next) c->next->prev = &c->next;
   c->prev = &l->conns;
   l->conns = c;
-  uv_tcp_init(l->loop, &c->tcp);
   uv_timer_init(l->loop, &c->timer);
-  c->handles = 2;
-  c->tcp.data = c->timer.data = c;
-  if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0) return close_conn(c);
-  if (l->open > l->o.cfg->http_max_connections) { /* accepted only to leave the backlog */
-    l->refused++;
-    return close_conn(c);
-  }
+  c->handles = 1;
+  c->timer.data = c;
   http_parser_init(&c->parser, HTTP_REQUEST);
   c->parser.data = c;
-  arm(c, l->o.cfg->handshake_timeout_s);
+  arm(c, l->o.cfg->handshake_timeout_s); /* TLS's handshake included */
+  return c;
+}
+
+static void on_connection(uv_stream_t *server, int status) {
+  moed_http_listener *l = server->data;
+  if (status < 0) return;
+  moed_http_conn *c = conn_new(l);
+  if (!c) return;
+  uv_tcp_init(l->loop, &c->tcp);
+  c->handles++;
+  c->tcp.data = c;
+  if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0) return close_conn(c);
+  if (l->n.open > l->o.cfg->http_max_connections) { /* accepted only to leave the backlog */
+    l->n.refused++;
+    return close_conn(c);
+  }
+  l->n.accepted++;
+  uv_tcp_nodelay(&c->tcp, 1); /* an answer is one write: nothing to gain from Nagle */
+  if (l->o.tls) {
+    SSL_CTX *ctx = moed_tls_http_context();
+    BIO *in = BIO_new(BIO_s_mem()), *out = BIO_new(BIO_s_mem());
+    c->ssl = ctx && in && out ? SSL_new(ctx) : NULL;
+    if (!c->ssl) {
+      BIO_free(in);
+      BIO_free(out);
+      return close_conn(c);
+    }
+    SSL_set_bio(c->ssl, in, out); /* owned by ssl from here */
+    SSL_set_accept_state(c->ssl);
+  }
   if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) != 0) close_conn(c);
+}
+
+static moed_http_listener *listener_new(uv_loop_t *loop, const moed_http_options *o, moed_http_handler fn,
+                                        void *arg) {
+  moed_http_listener *l = calloc(1, sizeof *l);
+  if (!l) return NULL;
+  l->loop = loop;
+  l->o = *o;
+  l->fn = fn;
+  l->arg = arg;
+  l->next_listener = listeners;
+  if (listeners) listeners->prev_listener = &l->next_listener;
+  l->prev_listener = &listeners;
+  listeners = l;
+  return l;
 }
 
 int moed_http_listen(uv_loop_t *loop, const char *address, int port, const moed_http_options *o,
@@ -418,12 +636,9 @@ int moed_http_listen(uv_loop_t *loop, const char *address, int port, const moed_
     moed_log(MOED_LOG_ERROR, "bind_failed", "%s %s:%d: not an IP address", o->name, address, port);
     return -1;
   }
-  moed_http_listener *l = calloc(1, sizeof *l);
+  if (o->tls && !moed_tls_http_context()) return -1; /* logged; the files were read for gRPC already */
+  moed_http_listener *l = listener_new(loop, o, fn, arg);
   if (!l) return -1;
-  l->loop = loop;
-  l->o = *o;
-  l->fn = fn;
-  l->arg = arg;
   uv_tcp_init(loop, &l->tcp);
   l->tcp.data = l;
   int rc = uv_tcp_bind(&l->tcp, (const struct sockaddr *)&addr, 0);
@@ -444,6 +659,10 @@ int moed_http_listen(uv_loop_t *loop, const char *address, int port, const moed_
 }
 
 void moed_http_peer(moed_http_conn *c, char *out, size_t size) {
+  if (c->sink) {
+    snprintf(out, size, "memory");
+    return;
+  }
   struct sockaddr_storage sa;
   int len = sizeof sa;
   char host[INET6_ADDRSTRLEN] = "";
@@ -457,16 +676,27 @@ void moed_http_peer(moed_http_conn *c, char *out, size_t size) {
       port = ntohs(((const struct sockaddr_in *)&sa)->sin_port);
     }
   }
+  char subject[160] = ""; /* mTLS: the verified client certificate's, as rpc.c names gRPC peers */
+  X509 *cert = c->ssl ? SSL_get0_peer_certificate(c->ssl) : NULL;
+  BIO *mem = cert && SSL_get_verify_result(c->ssl) == X509_V_OK ? BIO_new(BIO_s_mem()) : NULL;
+  if (mem && X509_NAME_print_ex(mem, X509_get_subject_name(cert), 0, XN_FLAG_RFC2253) >= 0) {
+    int n = BIO_read(mem, subject, sizeof subject - 1);
+    subject[n > 0 ? n : 0] = 0;
+  }
+  BIO_free(mem);
+  for (char *p = subject; *p; p++) /* the client's text: one log line */
+    if ((unsigned char)*p < 0x20 || *p == '\'' || *p == 0x7f) *p = '?';
   if (host[0])
-    snprintf(out, size, sa.ss_family == AF_INET6 ? "[%s]:%d" : "%s:%d", host, port);
+    snprintf(out, size, sa.ss_family == AF_INET6 ? "[%s]:%d%s%s%s" : "%s:%d%s%s%s", host, port,
+             *subject ? " cert '" : "", subject, *subject ? "'" : "");
   else
     snprintf(out, size, "unknown");
 }
 
-void moed_http_counts(const moed_http_listener *l, int *open, uint64_t *refused, uint64_t *timeouts) {
-  *open = l->open;
-  *refused = l->refused;
-  *timeouts = l->timeouts;
+void moed_http_foreach_listener(void (*fn)(const char *name, const moed_http_stats *n, void *arg),
+                                void *arg) {
+  for (const moed_http_listener *l = listeners; l; l = l->next_listener)
+    if (!l->memory) fn(l->o.name, &l->n, arg);
 }
 
 static void on_listener_closed(uv_handle_t *hd) { free(hd->data); }
@@ -475,5 +705,51 @@ void moed_http_listener_close(moed_http_listener *l) {
   if (!l) return;
   while (l->conns)
     close_conn(l->conns);
-  uv_close((uv_handle_t *)&l->tcp, on_listener_closed);
+  *l->prev_listener = l->next_listener;
+  if (l->next_listener) l->next_listener->prev_listener = l->prev_listener;
+  if (l->memory)
+    free(l);
+  else
+    uv_close((uv_handle_t *)&l->tcp, on_listener_closed);
+}
+
+/* ---- memory connections (the fuzz target) ------------------------------------------ */
+
+moed_http_listener *moed_http_memory_listener(uv_loop_t *loop, const moed_http_options *o,
+                                              moed_http_handler fn, void *arg) {
+  moed_http_options plain = *o;
+  plain.tls = false;
+  moed_http_listener *l = listener_new(loop, &plain, fn, arg);
+  if (l) l->memory = true;
+  return l;
+}
+
+moed_http_conn *moed_http_memory_conn(moed_http_listener *l, void (*sink)(void *, const char *, size_t),
+                                      void *arg) {
+  moed_http_conn *c = conn_new(l);
+  if (!c) return NULL;
+  c->sink = sink;
+  c->sink_arg = arg;
+  return c;
+}
+
+bool moed_http_memory_feed(moed_http_conn *c, const char *data, size_t n) {
+  if (!c->closing && !c->busy && n) feed(c, data, n);
+  while (!c->closing && c->unfinished) { /* answered: the write "completes", pipelined requests follow */
+    write_req *wr = c->unfinished;
+    c->unfinished = NULL;
+    on_written(&wr->w, 0);
+  }
+  return !c->closing;
+}
+
+void moed_http_memory_close(moed_http_conn *c) {
+  if (c->unfinished) { /* its completion will not run: release what it holds */
+    write_req *wr = c->unfinished;
+    c->unfinished = NULL;
+    if (wr->release) wr->release(wr->release_arg);
+    free(wr->head);
+    free(wr);
+  }
+  close_conn(c);
 }

@@ -45,6 +45,14 @@ struct moed_infer_req {
  * leaves them empty (never batched) otherwise. */
 void moed_batch_key(moed_infer_req *r, const moed_server *srv);
 
+/* ---- infer_run.c ----------------------------------------------------------------------- */
+
+/* Why r's work is not done (OK: it is still wanted; else err[] says, naming
+ * parameters['timeout'] when that set the deadline): cancelled, past its
+ * deadline, or (stopped: the op ran and was stopped) the drain timeout. */
+grpc_status_code moed_infer_unwanted(const moed_server *srv, const moed_infer_req *r, bool stopped,
+                                     char *err);
+
 /* ---- infer_answer.c ------------------------------------------------------------------- */
 
 /* r's batch size as Triton counts it: its rows along the batch axis for a

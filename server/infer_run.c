@@ -45,7 +45,8 @@ static bool run_stop(void *ctx) {
  * its deadline passed, or, for an op that ran and was stopped (`stopped`),
  * the drain timeout passed. Work is skipped when nobody waits for it or it
  * is already too late. */
-static grpc_status_code unwanted(const moed_server *srv, const moed_infer_req *r, bool stopped, char *err) {
+grpc_status_code moed_infer_unwanted(const moed_server *srv, const moed_infer_req *r, bool stopped,
+                                     char *err) {
   if (stopped && atomic_load(&srv->stop_work))
     return moed_failf(err, GRPC_STATUS_UNAVAILABLE,
                       "server shutting down: work stopped at the drain timeout");
@@ -213,11 +214,11 @@ static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r) {
   void *host[MOED_MAX_TENSORS] = {NULL};
   grpc_slice data[MOED_MAX_TENSORS];
   size_t nd = 0;
-  grpc_status_code code = unwanted(srv, r, false, c.err);
+  grpc_status_code code = moed_infer_unwanted(srv, r, false, c.err);
   if (code) goto done;
   t.start_ns = moed_now_ns();
   code = run_call(&c, r->model, r->in, r->n_in, r->params, r->n_params, host, &t);
-  if (c.stopped) code = unwanted(srv, r, true, c.err);
+  if (c.stopped) code = moed_infer_unwanted(srv, r, true, c.err);
   if (code) goto done;
   moed_stats_record_execution(r->model->stats, moed_infer_batch_size(srv, r), &t);
   const uint64_t encoding = moed_now_ns();
@@ -302,7 +303,7 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
     if (!c.stopped) goto out;
     for (size_t k = 0; k < n; k++) { /* stopped: answered here, not run again one by one */
       char err[MOED_ERR_LEN];
-      grpc_status_code code = unwanted(srv, reqs[k], true, err);
+      grpc_status_code code = moed_infer_unwanted(srv, reqs[k], true, err);
       moed_infer_finish(srv, reqs[k], code, err, NULL, NULL, 0);
       reqs[k] = NULL;
     }
@@ -368,7 +369,7 @@ void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, siz
   for (size_t k = 0; k < n; k++) { /* answer what failed or is no longer wanted */
     moed_infer_req *r = reqs[k];
     char err[MOED_ERR_LEN];
-    grpc_status_code code = r->code ? r->code : unwanted(srv, r, false, err);
+    grpc_status_code code = r->code ? r->code : moed_infer_unwanted(srv, r, false, err);
     if (code)
       moed_infer_finish(srv, r, code, r->code ? r->err : err, NULL, NULL, 0);
     else

@@ -226,11 +226,13 @@ int main(int argc, char **argv) {
 out:
   moed_poller_stop(a.poller);
   moed_batcher_destroy(s->batcher); /* set only when the loop never ran */
+  uv_run(&a.loop, UV_RUN_NOWAIT);   /* ... then its timer's close */
   moed_devices_stop(s->devices);
   moed_weight_cache_destroy(s->weights); /* no request uses it; its backends still live */
   moed_devices_destroy(s->devices);
   moed_repository_destroy(s->repo);
   moed_auth_destroy();
+  moed_tls_destroy();
   uv_loop_close(&a.loop);
   grpc_shutdown();
   moed_hostmem_trim();

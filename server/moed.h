@@ -63,10 +63,11 @@ typedef struct moed_config {
   int fd_reserve;               /* descriptors kept from connections (fd_budget.c) */
   size_t stream_buffer_bytes;   /* unsent responses of one stream; beyond: its reads pause */
   size_t response_buffer_bytes; /* of all streams; beyond: a stream holding some is ended */
-  const char *tls_cert;         /* PEM chain for the gRPC port (NULL: plaintext) */
+  const char *tls_cert;         /* PEM chain for the gRPC and HTTP ports (NULL: plaintext) */
   const char *tls_key;          /* its private key */
   const char *tls_client_ca;    /* CA bundle client certificates are verified against */
   int tls_client_auth;          /* MOED_CLIENT_AUTH_* */
+  bool http_port_plaintext;     /* the metrics/health port stays plain under --tls-cert */
   const char *auth_tokens;      /* "NAME ROLE TOKEN" lines (auth.c); NULL: no authorization */
   bool auth_health_exempt;      /* health RPCs need no token */
   int max_uploads;              /* uploads in progress at once; beyond: RESOURCE_EXHAUSTED */
@@ -532,6 +533,16 @@ void moed_weight_cache_stats_get(moed_weight_cache *c, moed_weight_cache_stats *
 void moed_upload_handle(moed_server *s, moed_request *req);
 /* Uploads in progress (the drain waits for them; loop thread). */
 int moed_upload_count(const moed_server *s);
+/* The same state machine without a call, on the calling thread
+ * (fuzz/fuzz_upload.c): open, then each UploadRequest message (data NULL:
+ * the client closed, or with cancelled went away); false once answered,
+ * with moed_upload_status's code (UNKNOWN while not) and message; close
+ * frees it and its files. */
+typedef struct moed_upload moed_upload;
+moed_upload *moed_upload_open(moed_server *s);
+bool moed_upload_message(moed_upload *u, const uint8_t *data, size_t len, bool cancelled);
+grpc_status_code moed_upload_status(const moed_upload *u, const char **msg);
+void moed_upload_close(moed_upload *u);
 
 /* ---- fd_budget.c: descriptors for connections, a reserve kept --------------- */
 
@@ -571,15 +582,26 @@ typedef struct moed_http_options {
   size_t max_body;        /* larger: 413 */
   bool keep_alive;        /* false: one request per connection */
   bool side;              /* a side port (moed_fd_budget_side_listener) */
+  bool tls;               /* TLS with tls.c's context (--tls-cert) */
 } moed_http_options;
+
+/* A listener's connection counts (loop thread). */
+typedef struct moed_http_stats {
+  int open;          /* open now */
+  uint64_t accepted; /* accepted and served (not refused) */
+  uint64_t refused;  /* closed at accept: over --http-max-connections */
+  uint64_t timeouts; /* closed with a request begun but not whole within the deadlines */
+  uint64_t
+      idle_closed;     /* closed with no request begun within --idle-timeout (--handshake-timeout at first) */
+  uint64_t tls_failed; /* closed by a failed TLS handshake or record */
+} moed_http_stats;
 
 int moed_http_listen(uv_loop_t *loop, const char *address, int port, const moed_http_options *o,
                      moed_http_handler fn, void *arg, moed_http_listener **out, int *bound_port);
 /* Closes the listener and every connection (deferred ones: gone is called). */
 void moed_http_listener_close(moed_http_listener *l);
-/* Open connections; closed at accept (over --http-max-connections); closed
- * for want of a whole request within the deadlines. */
-void moed_http_counts(const moed_http_listener *l, int *open, uint64_t *refused, uint64_t *timeouts);
+/* fn(name, counts) for every listening HTTP port (loop thread). */
+void moed_http_foreach_listener(void (*fn)(const char *name, const moed_http_stats *n, void *arg), void *arg);
 /* The answer: status, Content-Type, `extra` header lines ("Name: v\r\n...",
  * or NULL), body[0..nbody) (nbody <= 3) written in place, then release(arg)
  * (also when the connection is gone). */
@@ -592,8 +614,19 @@ void moed_http_respond_error(moed_http_conn *c, int code, const char *msg);
 /* The answer comes later: if the connection closes first, gone(arg) is
  * called (on the loop) and the answer must not be sent. */
 void moed_http_defer(moed_http_conn *c, void (*gone)(void *), void *arg);
-/* The client's address, "ADDR:PORT" ("unknown" when it cannot be read). */
+/* The client's address, "ADDR:PORT" ("unknown" when it cannot be read),
+ * and under mTLS " cert 'SUBJECT'" of its verified certificate. */
 void moed_http_peer(moed_http_conn *c, char *out, size_t size);
+/* Memory connections (fuzz/fuzz_http_conn.c): a listener without a socket,
+ * connections whose written bytes go to sink. memory_feed hands bytes in
+ * as a read would, then completes each answer's write as the loop would;
+ * false once the connection closed (memory_close is still called). */
+moed_http_listener *moed_http_memory_listener(uv_loop_t *loop, const moed_http_options *o,
+                                              moed_http_handler fn, void *arg);
+moed_http_conn *moed_http_memory_conn(moed_http_listener *l, void (*sink)(void *, const char *, size_t),
+                                      void *arg);
+bool moed_http_memory_feed(moed_http_conn *c, const char *data, size_t n);
+void moed_http_memory_close(moed_http_conn *c);
 
 /* ---- tls.c: the gRPC port's credentials ----------------------------------- */
 
@@ -603,6 +636,12 @@ void moed_http_peer(moed_http_conn *c, char *out, size_t size);
 grpc_server_credentials *moed_tls_server_credentials(const moed_config *cfg);
 /* SIGHUP: the next handshake reads the certificate files again. */
 void moed_tls_reload(void);
+/* The HTTP ports' OpenSSL context (an SSL_CTX, owned by tls.c) from the
+ * same files, rebuilt at the first call after moed_tls_reload (loop
+ * thread); NULL (logged) when they never loaded. */
+struct ssl_ctx_st *moed_tls_http_context(void);
+/* Frees the HTTP ports' context (at exit). */
+void moed_tls_destroy(void);
 
 /* ---- auth.c: bearer tokens and roles ---------------------------------------- */
 

@@ -940,8 +940,11 @@ int moed_rest_start(moed_server *s, const char *address, int port, moed_rest **o
   if (!r) return -1;
   r->srv = s;
   pthread_mutex_init(&r->mu, NULL);
-  const moed_http_options o = {
-      .name = "rest", .cfg = s->cfg, .max_body = s->cfg->max_message_bytes, .keep_alive = true};
+  const moed_http_options o = {.name = "rest",
+                               .cfg = s->cfg,
+                               .max_body = s->cfg->max_message_bytes,
+                               .keep_alive = true,
+                               .tls = s->cfg->tls_cert != NULL};
   if (moed_http_listen(s->loop, address, port, &o, on_request, r, &r->l, bound_port) != 0) {
     rest_free(r);
     return -1;

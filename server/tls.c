@@ -1,6 +1,8 @@
-/* tls: the gRPC port's credentials. Without --tls-cert the port is
- * plaintext; with it, TLS through gRPC core's SSL server credentials,
- * optionally verifying client certificates against --tls-client-ca
+/* tls: the ports' credentials. Without --tls-cert every port is
+ * plaintext; with it, the gRPC port speaks TLS through gRPC core's SSL
+ * server credentials and the HTTP ports through an OpenSSL context built
+ * here from the same files (http_conn.c runs the records), both optionally
+ * verifying client certificates against --tls-client-ca
  * (--tls-client-auth optional|require).
  *
  * The certificate, key and client CA are read through gRPC core's
@@ -11,6 +13,8 @@
  * files that do not read or parse keep the previous certificate (logged). */
 #include <errno.h>
 #include <grpc/grpc_security.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -23,10 +27,13 @@
 
 static struct {
   const char *cert, *key, *client_ca;
+  int client_auth;        /* MOED_CLIENT_AUTH_* */
   atomic_uint generation; /* bumped by moed_tls_reload */
   pthread_mutex_t mu;     /* fetches may run on several handshake threads */
   unsigned loaded;        /* the generation last fetched (mu) */
   bool have;              /* a config was handed to gRPC (mu) */
+  SSL_CTX *http;          /* the HTTP ports' context (loop thread) */
+  unsigned http_loaded;   /* the generation it was built at */
 } tls = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 /* The whole file, NUL-terminated (malloc'ed); NULL with why[] set. */
@@ -117,6 +124,7 @@ grpc_server_credentials *moed_tls_server_credentials(const moed_config *cfg) {
   tls.cert = cfg->tls_cert;
   tls.key = cfg->tls_key;
   tls.client_ca = cfg->tls_client_ca;
+  tls.client_auth = cfg->tls_client_auth;
   /* read once here, so that bad files stop the start with their reason
    * rather than as a port gRPC cannot add */
   char why[512];
@@ -134,4 +142,65 @@ grpc_server_credentials *moed_tls_server_credentials(const moed_config *cfg) {
   grpc_ssl_server_credentials_options *o =
       grpc_ssl_server_credentials_create_options_using_config_fetcher(req[cfg->tls_client_auth], fetch, NULL);
   return o ? grpc_ssl_server_credentials_create_with_options(o) : NULL;
+}
+
+/* ---- the HTTP ports: an OpenSSL context from the same files --------------------------- */
+
+/* NULL with why[] set (OpenSSL's reason). */
+static SSL_CTX *http_context(char *why, size_t n) {
+  SSL_CTX *ctx = SSL_CTX_new(TLS_server_method());
+  STACK_OF(X509_NAME) *names = NULL;
+  const char *step = "TLS context";
+  if (!ctx) goto fail;
+  SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION);
+  step = tls.cert;
+  if (SSL_CTX_use_certificate_chain_file(ctx, tls.cert) != 1) goto fail;
+  step = tls.key;
+  if (SSL_CTX_use_PrivateKey_file(ctx, tls.key, SSL_FILETYPE_PEM) != 1 || SSL_CTX_check_private_key(ctx) != 1)
+    goto fail;
+  if (tls.client_auth != MOED_CLIENT_AUTH_NONE) {
+    step = tls.client_ca;
+    if (SSL_CTX_load_verify_locations(ctx, tls.client_ca, NULL) != 1 ||
+        !(names = SSL_load_client_CA_file(tls.client_ca)))
+      goto fail;
+    SSL_CTX_set_client_CA_list(ctx, names); /* the CAs named in the CertificateRequest; taken */
+    SSL_CTX_set_verify(
+        ctx,
+        SSL_VERIFY_PEER | (tls.client_auth == MOED_CLIENT_AUTH_REQUIRE ? SSL_VERIFY_FAIL_IF_NO_PEER_CERT : 0),
+        NULL);
+  }
+  /* resumed sessions keep their verified peer: OpenSSL wants a context id for that */
+  static const unsigned char sid[] = "moed-http";
+  SSL_CTX_set_session_id_context(ctx, sid, sizeof sid - 1);
+  return ctx;
+fail:;
+  char reason[256];
+  ERR_error_string_n(ERR_get_error(), reason, sizeof reason);
+  ERR_clear_error();
+  snprintf(why, n, "%s: %s", step, reason);
+  SSL_CTX_free(ctx);
+  return NULL;
+}
+
+SSL_CTX *moed_tls_http_context(void) {
+  if (!tls.cert) return NULL;
+  unsigned want = atomic_load(&tls.generation);
+  if (tls.http && tls.http_loaded == want) return tls.http;
+  char why[512];
+  SSL_CTX *ctx = http_context(why, sizeof why);
+  tls.http_loaded = want; /* a failed reload is not retried on every connection: SIGHUP again */
+  if (!ctx) {
+    moed_log(MOED_LOG_ERROR, "tls_reload_failed", "HTTP ports: %s; %s", why,
+             tls.http ? "the previous certificate is kept" : "TLS cannot start");
+    return tls.http;
+  }
+  if (tls.http) moed_log(MOED_LOG_INFO, "tls_loaded", "HTTP ports: %s", tls.cert);
+  SSL_CTX_free(tls.http); /* connections made with it hold their own reference */
+  tls.http = ctx;
+  return ctx;
+}
+
+void moed_tls_destroy(void) {
+  SSL_CTX_free(tls.http);
+  tls.http = NULL;
 }

@@ -65,6 +65,9 @@ typedef struct moed_upload {
   grpc_byte_buffer *response;
 } moed_upload;
 
+/* Who uploads, for the log ("memory": no call, the fuzz target's). */
+static const char *upload_peer(const moed_upload *u) { return u->rpc ? moed_rpc_peer(u->rpc) : "memory"; }
+
 static bool upload_fail(moed_upload *u, grpc_status_code code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static bool upload_fail(moed_upload *u, grpc_status_code code, const char *fmt, ...) {
@@ -339,29 +342,24 @@ static void commit(moed_upload *u) {
   }
   moed_log(MOED_LOG_INFO, "model_uploaded", "%s: %llu bytes, xxh3 %016llx%s, by %s", u->name,
            (unsigned long long)r.bytes, (unsigned long long)r.checksum, u->replace ? ", replacing" : "",
-           moed_rpc_peer(u->rpc));
+           upload_peer(u));
   u->code = GRPC_STATUS_OK;
   u->done = true;
 }
 
 /* ---- the thread pool and the loop ----------------------------------------------------- */
 
-static void upload_work(uv_work_t *w) {
-  moed_upload *u = w->data;
-  moed_request *req = u->cur;
-  if (!req->payload) {
-    if (moed_rpc_cancelled(u->rpc))
+/* One message of the stream (data NULL: the client closed; cancelled: it
+ * went away instead): the state machine's one entry. */
+static void upload_message(moed_upload *u, const uint8_t *data, size_t len, bool cancelled) {
+  if (!data) {
+    if (cancelled)
       upload_fail(u, GRPC_STATUS_CANCELLED, "upload cancelled");
     else
       commit(u);
     return;
   }
-  grpc_slice s = moed_rpc_flatten(req->payload);
-  grpc_byte_buffer_destroy(req->payload);
-  req->payload = NULL;
-  Moe__V1__UploadRequest *m =
-      moe__v1__upload_request__unpack(NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
-  grpc_slice_unref(s);
+  Moe__V1__UploadRequest *m = moe__v1__upload_request__unpack(NULL, len, data);
   if (!m) {
     upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid UploadRequest message");
     return;
@@ -373,6 +371,37 @@ static void upload_work(uv_work_t *w) {
   else
     upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "part: neither header nor chunk");
   moe__v1__upload_request__free_unpacked(m, NULL);
+}
+
+static void upload_work(uv_work_t *w) {
+  moed_upload *u = w->data;
+  moed_request *req = u->cur;
+  if (!req->payload) return upload_message(u, NULL, 0, moed_rpc_cancelled(u->rpc));
+  grpc_slice s = moed_rpc_flatten(req->payload);
+  grpc_byte_buffer_destroy(req->payload);
+  req->payload = NULL;
+  upload_message(u, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), false);
+  grpc_slice_unref(s);
+}
+
+/* A new upload in s->uploads (rpc: its call, NULL for none); NULL: out of memory. */
+static moed_upload *upload_new(moed_server *s, moed_rpc *rpc) {
+  moed_upload *u = calloc(1, sizeof *u);
+  if (!u || !(u->hash = XXH3_createState()) || !(u->tensor_hash = XXH3_createState())) {
+    if (u) XXH3_freeState(u->hash);
+    free(u);
+    return NULL;
+  }
+  XXH3_64bits_reset(u->hash);
+  u->srv = s;
+  u->rpc = rpc;
+  u->fd = -1;
+  u->work.data = u;
+  pthread_mutex_lock(&names_mu);
+  u->next = s->uploads;
+  s->uploads = u;
+  pthread_mutex_unlock(&names_mu);
+  return u;
 }
 
 static void upload_free(moed_server *s, moed_upload *u) {
@@ -401,7 +430,7 @@ static void upload_after(uv_work_t *w, int status) {
   if (u->done) {
     if (u->code) /* before the finish, which may free the call */
       moed_log(MOED_LOG_INFO, "upload_failed", "%s: %s, by %s", u->name[0] ? u->name : "?", u->msg,
-               moed_rpc_peer(req->rpc));
+               upload_peer(u));
     moed_rpc_finish(req->rpc, u->code, u->code ? u->msg : NULL, u->response); /* the hand-off's reference */
     u->response = NULL;
     upload_free(u->srv, u);
@@ -434,24 +463,12 @@ void moed_upload_handle(moed_server *s, moed_request *req) {
       free(req);
       return;
     }
-    u = calloc(1, sizeof *u);
-    if (!u || !(u->hash = XXH3_createState()) || !(u->tensor_hash = XXH3_createState())) {
-      if (u) XXH3_freeState(u->hash);
-      free(u);
+    if (!(u = upload_new(s, req->rpc))) {
       moed_rpc_finish(req->rpc, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory", NULL);
       grpc_byte_buffer_destroy(req->payload);
       free(req);
       return;
     }
-    XXH3_64bits_reset(u->hash);
-    u->srv = s;
-    u->rpc = req->rpc;
-    u->fd = -1;
-    u->work.data = u;
-    pthread_mutex_lock(&names_mu);
-    u->next = s->uploads;
-    s->uploads = u;
-    pthread_mutex_unlock(&names_mu);
   }
   u->cur = req;
   if (uv_queue_work(s->loop, &u->work, upload_work, upload_after) != 0) {
@@ -465,4 +482,23 @@ int moed_upload_count(const moed_server *s) {
   for (const moed_upload *u = s->uploads; u; u = u->next)
     n++;
   return n;
+}
+
+/* ---- without a call (fuzz/fuzz_upload.c) ------------------------------------------------ */
+
+moed_upload *moed_upload_open(moed_server *s) { return upload_new(s, NULL); }
+
+bool moed_upload_message(moed_upload *u, const uint8_t *data, size_t len, bool cancelled) {
+  if (!u->done) upload_message(u, data, len, cancelled);
+  return !u->done;
+}
+
+grpc_status_code moed_upload_status(const moed_upload *u, const char **msg) {
+  *msg = u->code ? u->msg : "";
+  return u->done ? u->code : GRPC_STATUS_UNKNOWN;
+}
+
+void moed_upload_close(moed_upload *u) {
+  if (u->response) grpc_byte_buffer_destroy(u->response);
+  upload_free(u->srv, u);
 }

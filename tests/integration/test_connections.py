@@ -7,6 +7,8 @@
 - HTTP: a request not whole within --handshake-timeout (slowloris) is
   closed; past --http-max-connections a connection is closed at accept;
   both counted in /metrics.
+- The REST port's own connection counts in /metrics (port="rest"): open,
+  accepted, refused at the cap, closed idle after --idle-timeout.
 - Descriptors: under a 96-descriptor limit, a storm of idle connections
   must not make gRPC core's accept fail with EMFILE (after which it never
   accepts again): connections into --fd-reserve are closed at accept, the
@@ -95,7 +97,7 @@ def test_timeouts_and_cap(tmp):
         w = closed_within(slow, 4 * TIMEOUT_S + 2)
         check(w is not None and w >= 0.5 * TIMEOUT_S, f"partial HTTP request closed after the timeout ({w})")
         slow.close()
-        check(metric(h, 'moed_http_connections_closed_total{reason="timeout"}') == 1, "timeout counted")
+        check(metric(h, 'moed_http_connections_closed_total{port="http",reason="timeout"}') == 1, "timeout counted")
 
         held = [socket.create_connection(("127.0.0.1", h)) for _ in range(3)]
         time.sleep(0.3)
@@ -107,8 +109,39 @@ def test_timeouts_and_cap(tmp):
             closed_within(s, 4 * TIMEOUT_S + 2)
             s.close()
         time.sleep(0.2)
-        check(metric(h, 'moed_http_connections_closed_total{reason="refused"}') == 1, "refusal counted")
+        check(metric(h, 'moed_http_connections_closed_total{port="http",reason="refused"}') == 1, "refusal counted")
         check(http_get(h, "/v2/health/live")[0] == 200, "live again once the slots are free")
+    finally:
+        ts.stop(p)
+
+
+def test_rest_counts(tmp):
+    """The REST port's connections, counted apart from the metrics port's."""
+    p, g, h = ts.start(tmp, "--idle-timeout", str(TIMEOUT_S), "--http-max-connections", "2")
+    r = p.rest_port
+
+    def rest(suffix):
+        return metric(h, f'moed_http_connections{suffix}{{port="rest"}}')
+    try:
+        check(rest("") == 0 and rest("_accepted_total") == 0, "REST: nothing open or accepted at start")
+        held = [socket.create_connection(("127.0.0.1", r)) for _ in range(2)]
+        for s in held:  # a keep-alive request each: then idle
+            s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            check(s.recv(4096).startswith(b"HTTP/1.1 200"), "REST: a keep-alive request answered")
+        check(rest("") == 2, f"REST: 2 connections open ({rest('')})")
+        extra = socket.create_connection(("127.0.0.1", r))
+        w = closed_within(extra, 1.0)
+        check(w is not None and w < 0.5, f"REST: a third connection past --http-max-connections 2 closed ({w})")
+        extra.close()
+        waits = [closed_within(s, 4 * TIMEOUT_S + 2) for s in held]
+        check(all(w is not None for w in waits), f"REST: idle keep-alive connections closed ({waits})")
+        for s in held:
+            s.close()
+        time.sleep(0.2)
+        counts = {k: metric(h, f'moed_http_connections_closed_total{{port="rest",reason="{k}"}}')
+                  for k in ("refused", "idle", "timeout")}
+        check(counts == {"refused": 1, "idle": 2, "timeout": 0}, f"REST: closes counted by reason ({counts})")
+        check(rest("") == 0 and rest("_accepted_total") == 2, f"REST: 0 open, 2 accepted ({rest(''), rest('_accepted_total')})")
     finally:
         ts.stop(p)
 
@@ -166,7 +199,7 @@ def test_fd_reserve(tmp):
         ready, body = http_get(h, "/v2/health/ready")
         check(live == 200 and ready == 503 and "connection limit" in body,
               f"during the storm: live 200, ready 503 at the connection limit ({live}, {ready} {body.strip()!r})")
-        check(metric(h, "moed_http_connections") is not None, "/metrics answers during the storm")
+        check(metric(h, 'moed_http_connections{port="http"}') is not None, "/metrics answers during the storm")
         t = time.monotonic()
         ok = grpc_ok(g)  # while the storm's sockets are open on the client side
         while not ok and time.monotonic() - t < 3 * hs + 5:
@@ -223,4 +256,4 @@ def test_no_reserve(tmp):
 
 
 if __name__ == "__main__":
-    ts.run_tests(test_timeouts_and_cap, test_connection_age, test_fd_reserve, test_no_reserve)
+    ts.run_tests(test_timeouts_and_cap, test_rest_counts, test_connection_age, test_fd_reserve, test_no_reserve)

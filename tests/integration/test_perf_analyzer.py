@@ -3,7 +3,8 @@ over gRPC: concurrency 1..4 on quant.per_tensor (random data, the token
 shape given) and on a moe-mkset expert set (--input-data JSON with valid
 bf16 activations and router logits, two rows per request); each run exits
 0 and prints the server-side breakdown for every concurrency level, whose
-request counts moed's own ModelStatistics must cover.
+request counts moed's own ModelStatistics must cover. The same runs over
+HTTP (`-i http`) against the KServe REST port.
 
 perf_analyzer comes from scripts/requirements-perf.txt (installed by
 scripts/deps.sh into .venv/perf_analyzer; that file says why this release).
@@ -32,9 +33,9 @@ HIDDEN, EXPERTS = 128, 8
 LEVELS = 4
 
 
-def perf_analyzer(port, model, *args):
+def perf_analyzer(port, model, *args, protocol="grpc"):
     env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(PA_DIR, "nvidia", "cuda_runtime", "lib"))
-    cmd = [PA, "-i", "grpc", "-u", f"127.0.0.1:{port}", "-m", model, "--concurrency-range", f"1:{LEVELS}",
+    cmd = [PA, "-i", protocol, "-u", f"127.0.0.1:{port}", "-m", model, "--concurrency-range", f"1:{LEVELS}",
            "--measurement-interval", "300", "--max-trials", "20", "--stability-percentage", "50", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
@@ -83,6 +84,8 @@ def main():
             check_run(perf_analyzer(port, "quant.per_tensor", "--shape", "x:4,64"), "quant.per_tensor", cli,
                       "quant.per_tensor")
             check_run(perf_analyzer(port, "set", "--input-data", data, "-b", "2"), "expert set", cli, "set")
+            for model, args in (("quant.per_tensor", ("--shape", "x:4,64")), ("set", ("--input-data", data, "-b", "2"))):
+                check_run(perf_analyzer(p.rest_port, model, *args, protocol="http"), f"{model} over HTTP", cli, model)
             s = cli.get_inference_statistics("set").model_stats[0]
             check(s.inference_count == 2 * s.inference_stats.success.count,
                   f"expert set: inference_count counts 2 rows per request ({s.inference_count})")

@@ -17,6 +17,13 @@
   SIGHUP makes new connections use rewritten certificate files, and files
   that do not load keep the previous certificate; the HTTP probes check the
   TLS listener without a failed handshake in the log; moec's --tls-* flags.
+- TLS on the HTTP ports with the same files: the REST port serves
+  tritonclient.http with ssl=True (an inference, bit-identical to the
+  plaintext answer's checks) and refuses a plaintext client; the metrics
+  port speaks TLS too unless --http-port-plaintext; SIGHUP swaps the REST
+  port's certificate like gRPC's; under mTLS a client without a
+  certificate, or with one from another CA, is refused, one from
+  --tls-client-ca served.
 - Tokens (--auth-tokens): no or an unknown token is UNAUTHENTICATED, an
   infer token on a repository change PERMISSION_DENIED, an admin token may
   change it and the log names who did; --auth-health-exempt; SIGHUP rereads
@@ -36,12 +43,15 @@ import signal
 import socket
 import subprocess
 import sys
+import http.client
+import ssl
 import threading
 import time
 import urllib.request
 
 import grpc
 import numpy as np
+import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2 as pb
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -209,6 +219,51 @@ def tls_live(port, ca=None, client=None, pem=None):
         return code_of(lambda: raw_unary(ch, "/inference.GRPCInferenceService/ServerLive")(b"", timeout=5))[0]
 
 
+def https_get(port, path, ca, client=None, pem=None, method="GET", body=None):
+    """GET (or method) over a fresh TLS connection verifying the server against ca (client: name of a
+    client certificate to present): the status, or the name of the exception that ended the call."""
+    ctx = ssl.create_default_context(cafile=pem(ca))
+    if client:
+        ctx.load_cert_chain(pem(f"{client}.pem"), pem(f"{client}.key"))
+    c = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=10)
+    try:
+        c.request(method, path, body=body)
+        return c.getresponse().status
+    except (OSError, http.client.HTTPException) as e:
+        return type(e).__name__
+    finally:
+        c.close()
+
+
+def plain_get(port, path):
+    """GET in plaintext: the status, or the name of the exception."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        c.request("GET", path)
+        return c.getresponse().status
+    except (OSError, http.client.HTTPException) as e:
+        return type(e).__name__
+    finally:
+        c.close()
+
+
+def rest_tls_infer(port, pem, client=None):
+    """quant.per_token through tritonclient.http over TLS: ready, its q output, the oracle's q."""
+    opts = {"ca_certs": pem("ca1.pem")}
+    if client:
+        opts.update(certfile=pem(f"{client}.pem"), keyfile=pem(f"{client}.key"))
+    cli = httpclient.InferenceServerClient(f"127.0.0.1:{port}", ssl=True, ssl_options=opts)
+    try:
+        x = np.arange(256, dtype=np.float32).reshape(4, 64) - 128
+        inp = httpclient.InferInput("x", [4, 64], "FP32")
+        inp.set_data_from_numpy(x, binary_data=True)
+        r = cli.infer("quant.per_token", [inp], parameters={"out_dtype": "int8"})
+        ref = ts.moelib.run("quant.per_token", {"x": (x, "fp32")}, {"out_dtype": "int8"})["q"][0]
+        return cli.is_server_ready(), r.as_numpy("q"), ref
+    finally:
+        cli.close()
+
+
 def test_tls(tmp):
     d = os.path.join(tmp, "pki")
     os.makedirs(d, exist_ok=True)
@@ -225,8 +280,8 @@ def test_tls(tmp):
     p, port, http_port = ts.start(tmp, "--tls-cert", cert, "--tls-key", key)
     try:
         for probe in ("live", "ready"):
-            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/{probe}", timeout=10) as r:
-                check(r.status == 200, f"TLS: /v2/health/{probe} 200 (the probe reaches the TLS listener)")
+            check(https_get(http_port, f"/v2/health/{probe}", "ca1.pem", pem=pem) == 200,
+                  f"TLS: /v2/health/{probe} 200 over TLS (the probe reaches the TLS listener)")
         time.sleep(0.2)
         with open(log, errors="replace") as f:
             text = f.read()[log_at:]
@@ -240,6 +295,14 @@ def test_tls(tmp):
         r = subprocess.run([MOEC, "-a", f"127.0.0.1:{port}", "--timeout-ms", "3000", "health"],
                            capture_output=True, text=True, timeout=60)
         check(r.returncode != 0, f"moec without TLS fails against the TLS port ({r.returncode})")
+        # the HTTP ports: the same certificate
+        ready, q, ref = rest_tls_infer(p.rest_port, pem)
+        check(ready and q is not None and np.array_equal(q, ref),
+              "TLS: tritonclient.http ssl=True is served on the REST port (ready; quant.per_token bit-equal)")
+        check(plain_get(p.rest_port, "/v2/health/ready") != 200, "TLS: a plaintext client is refused on the REST port")
+        check(plain_get(http_port, "/metrics") != 200, "TLS: ... and on the metrics port")
+        check(https_get(p.rest_port, "/v2/health/ready", "ca2.pem", pem=pem) == "SSLCertVerificationError",
+              "TLS: a REST client trusting another CA refuses the server")
 
         # SIGHUP: rewritten files serve new connections; broken ones keep the previous certificate
         shutil.copy(pem("server-ca2.pem"), cert)
@@ -249,11 +312,16 @@ def test_tls(tmp):
         time.sleep(0.3)
         check(tls_live(port, "ca2.pem", pem=pem) == SC.OK, "reload: after SIGHUP a new connection gets the ca2 certificate")
         check(tls_live(port, "ca1.pem", pem=pem) == SC.UNAVAILABLE, "reload: ... and no longer the ca1 one")
+        check(https_get(p.rest_port, "/v2/health/live", "ca2.pem", pem=pem) == 200 and
+              https_get(p.rest_port, "/v2/health/live", "ca1.pem", pem=pem) == "SSLCertVerificationError",
+              "reload: the REST port serves the ca2 certificate after SIGHUP")
         with open(cert, "w") as f:
             f.write("not a certificate\n")
         p.send_signal(signal.SIGHUP)
         time.sleep(0.3)
         check(tls_live(port, "ca2.pem", pem=pem) == SC.OK, "reload: a broken file keeps the previous certificate")
+        check(https_get(p.rest_port, "/v2/health/live", "ca2.pem", pem=pem) == 200,
+              "reload: ... on the REST port too")
         time.sleep(0.3)
         with open(log, errors="replace") as f:
             text = f.read()[log_at:]
@@ -273,6 +341,25 @@ def test_tls(tmp):
                   f"mTLS {mode}: a client without a certificate -> {anonymous.name}")
             check(tls_live(port, "ca1.pem", "client-ca2", pem) == SC.UNAVAILABLE,
                   f"mTLS {mode}: a client certificate from another CA is refused")
+            r = p.rest_port
+            check(https_get(r, "/v2/health/ready", "ca1.pem", "client-ca1", pem) == 200,
+                  f"mTLS {mode}: REST with a client certificate from ca1 is served")
+            got = https_get(r, "/v2/health/ready", "ca1.pem", pem=pem)
+            check(got == 200 if mode == "optional" else got != 200,
+                  f"mTLS {mode}: REST without a client certificate -> {'served' if mode == 'optional' else 'refused'} ({got})")
+            got = https_get(r, "/v2/health/ready", "ca1.pem", "client-ca2", pem)
+            check(got != 200, f"mTLS {mode}: REST with a client certificate from another CA is refused ({got})")
+            if mode == "require":
+                log_at = os.path.getsize(log)
+                got = https_get(r, "/v2/repository/models/nosuch/unload", "ca1.pem", "client-ca1", pem, "POST", b"{}")
+                time.sleep(0.2)
+                with open(log, errors="replace") as f:
+                    text = f.read()[log_at:]
+                check(got == 404 and re.search(r"repository_unload: nosuch: .*, by rest:127.0.0.1:\d+ cert 'CN=client-ca1'", text),
+                      f"mTLS: a REST repository change's log line names the client certificate ({got})")
+                ready, q, ref = rest_tls_infer(r, pem, "client-ca1")
+                check(ready and q is not None and np.array_equal(q, ref),
+                      "mTLS: tritonclient.http with a client certificate infers (bit-equal)")
             if mode == "require":
                 r = subprocess.run([MOEC, "-a", f"127.0.0.1:{port}", "--tls-ca", pem("ca1.pem"), "--tls-cert",
                                     pem("client-ca1.pem"), "--tls-key", pem("client-ca1.key"), "health"],
@@ -280,6 +367,19 @@ def test_tls(tmp):
                 check(r.returncode == 0, f"moec --tls-cert/--tls-key under mTLS ({r.returncode}: {r.stderr.strip()[-200:]})")
         finally:
             ts.stop(p)
+
+    # --http-port-plaintext: the metrics port stays plain (kubelet's probes under mTLS), REST does not
+    p, port, http_port = ts.start(tmp, "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pem("ca1.pem"),
+                                  "--http-port-plaintext")
+    try:
+        check(plain_get(http_port, "/v2/health/ready") == 200, "--http-port-plaintext: the probes answer in plaintext")
+        check(plain_get(p.rest_port, "/v2/health/ready") != 200, "--http-port-plaintext: the REST port is still TLS")
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        m = re.search(r'^moed_http_connections_closed_total\{port="rest",reason="tls"\} (\d+)$', text, re.M)
+        check(m is not None and int(m.group(1)) == 1, f"the plaintext client's failed handshake counted ({m and m.group(0)})")
+    finally:
+        ts.stop(p)
 
     # bad TLS command lines stop moed naming the problem
     for args, want in ((["--tls-cert", cert], "--tls-key"),

@@ -11,14 +11,21 @@ within the drain timeout (moed exits once it is stored), a new one is
 refused, and one that outlasts the timeout is cut off with the exit still
 bounded by it. Work that stops nowhere (a load blocked in a read) ends
 with the process 4 s after the drain timeout (the exit watchdog).
+A request queued behind the long op (one worker) whose deadline or
+`timeout` parameter passes in the queue is answered DEADLINE_EXCEEDED at
+that time (a timer), not when the worker reaches it; the worker then skips
+it, nothing stays in flight, and the next request is served.
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import numpy as np
@@ -92,8 +99,55 @@ def test_priority(f, tokens, full):
           f"queued requests leave by priority level, FIFO within one ({done})")
 
 
+def test_queued_expiry(f, tokens, http_port, rest_port):
+    """Requests whose deadline passes while the one worker runs a long call."""
+    blocker = f.future(req_of(tokens), timeout=3.0)  # stopped at 3 s: the queue's expiries come long before
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    timed_out = f.future(req_of(1, seed=3, params={"timeout": 500_000}), timeout=60)  # 0.5 s in the queue
+    short = f.future(req_of(1, seed=4), timeout=0.8)  # a gRPC deadline of 0.8 s
+    answered = {}
+    timed_out.add_done_callback(lambda _: answered.setdefault("timeout", time.monotonic() - t0))
+    short.add_done_callback(lambda _: answered.setdefault("deadline", time.monotonic() - t0))
+    # the REST port: the same parameter, queued the same way
+    x = np.zeros((1, HIDDEN), np.uint16).tolist()
+    lg = np.zeros((1, EXPERTS), np.float32).tolist()
+    body = json.dumps({"parameters": {"timeout": 600_000},
+                       "inputs": [{"name": "hidden_states", "datatype": "BF16", "shape": [1, HIDDEN], "data": x},
+                                  {"name": "router_logits", "datatype": "FP32", "shape": [1, EXPERTS], "data": lg}]})
+    t1 = time.monotonic()
+    rq = urllib.request.Request(f"http://127.0.0.1:{rest_port}/v2/models/bigset/infer", data=body.encode(),
+                                method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(rq, timeout=60) as r:
+            rest_code, rest_msg = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        rest_code, rest_msg = e.code, e.read().decode()
+    rest_t = time.monotonic() - t1
+    code, msg = code_of(timed_out.result)
+    check(code == SC.DEADLINE_EXCEEDED and "parameters['timeout']" in msg and "before the work started" in msg,
+          f"queued past parameters['timeout']: DEADLINE_EXCEEDED naming it ({code} {msg})")
+    check(0.45 <= answered["timeout"] <= 0.9, f"... answered at the timeout (0.5 s), not after the long call ({answered['timeout']:.2f}s)")
+    code, msg = code_of(short.result)
+    check(code == SC.DEADLINE_EXCEEDED and 0.75 <= answered["deadline"] <= 1.2,
+          f"queued past its gRPC deadline: answered at 0.8 s ({code} {answered['deadline']:.2f}s)")
+    check(rest_code == 504 and "parameters['timeout']" in rest_msg and 0.55 <= rest_t <= 1.0,
+          f"REST: queued past parameters['timeout'] (0.6 s): 504 at the timeout ({rest_code} {rest_t:.2f}s {rest_msg[:100]})")
+    code, msg = code_of(blocker.result)
+    check(code == SC.DEADLINE_EXCEEDED, f"the long call itself stops at its own deadline ({code})")
+    code, msg, t = timed(lambda: f(req_of(1, seed=5), timeout=60))
+    check(code == SC.OK, f"the worker skipped the answered requests and serves the next ({code} {msg})")
+    for _ in range(20):  # a worker drops its count just after the answer is sent
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as r:
+            inflight = [ln for ln in r.read().decode().splitlines() if ln.startswith("moed_inflight_requests ")]
+        if inflight == ["moed_inflight_requests 0"]:
+            break
+        time.sleep(0.05)
+    check(inflight == ["moed_inflight_requests 0"], f"nothing left in flight ({inflight})")
+
+
 def test_deadline_and_cancel(tmp, repo):
-    p, port, _ = ts.start(tmp, "--model-repository", repo, "--workers", "1")
+    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--workers", "1")
     try:
         ch = channel(port)
         f = call_fn(ch)
@@ -111,6 +165,7 @@ def test_deadline_and_cancel(tmp, repo):
         code, msg, t = timed(lambda: f(small, timeout=60))
         check(code == SC.OK and t < full / 3, f"after the timeout, next call answered in {t:.2f}s (< {full / 3:.2f}s)")
         test_priority(f, tokens, full)
+        test_queued_expiry(f, tokens, http_port, p.rest_port)
         # cancel: the same through the client's cancel
         fut = f.future(req_of(tokens), timeout=120)
         time.sleep(full / 6)
