@@ -553,7 +553,7 @@ static const char *gpu_fused_lacks(const moe_backend *b, const moe_expert_config
   if (cfg->scheme == MOE_SCHEME_MXFP4) return "scheme mxfp4 off the tensor-core path";
   if (cfg->scheme == MOE_SCHEME_FP8)
     return "scheme fp8 off the tensor-core path (it needs compute capability 9.0 or later, K of both GEMMs a "
-           "multiple of 64 and, with block scales, block_k a multiple of 64 and block_n of 16)";
+           "multiple of 64 and, with block scales, block_k 128 and block_n a multiple of 16)";
   if (cfg->has_bias) return "expert biases (w13_bias, w2_bias) off the tensor-core path";
   return NULL;
 }

@@ -264,7 +264,7 @@ __device__ __forceinline__ void keep_alive(uint32_t (&r)[4]) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SD ", 0;\nwgmma.mma_async.sync.aligned." SHAPE ".f32." TY \
                "." TY " " DREGS ", " AREGS ", p, 1, 1" TAIL ";\n}\n"                                         \
                : __VA_ARGS__                                                                                 \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "l"(adesc), "r"(sd)                  \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "l"(adesc)                           \
                : "memory")
 #define MOE_WGMMA(SHAPE, SD, DREGS, RS_A, SS_A, ...)                                                         \
   do {                                                                                                       \
@@ -277,34 +277,44 @@ __device__ __forceinline__ void keep_alive(uint32_t (&r)[4]) {
     else                                                                                                     \
       MOE_WGMMA_TY(SHAPE, "f16", SD, DREGS, RS_A, ", 0", __VA_ARGS__);                                       \
   } while (0)
-/* sd = 0: D = A x B (the sums restart without an instruction that writes
- * them: fp8's K blocks), else D += A x B */
-template <int N, int ACT, bool SS>
+#define MOE_WGMMA_SD(SHAPE, ...)                                                                             \
+  do {                                                                                                       \
+    if constexpr (SD)                                                                                        \
+      MOE_WGMMA(SHAPE, "1", __VA_ARGS__);                                                                    \
+    else                                                                                                     \
+      MOE_WGMMA(SHAPE, "0", __VA_ARGS__);                                                                    \
+  } while (0)
+/* SD = 0: D = A x B (the sums restart without an instruction that writes
+ * them: fp8's K blocks), else D += A x B. An immediate: a predicate from a
+ * register is an instruction inside the products' stage, and ptxas
+ * serializes every wgmma of such a kernel. */
+template <int N, int ACT, bool SS, int SD = 1>
 __device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t adesc,
-                                      uint64_t desc, uint32_t sd = 1) {
+                                      uint64_t desc) {
   if constexpr (N == 8)
-    MOE_WGMMA("m64n8k16", "%10", "{%0, %1, %2, %3}", "{%4, %5, %6, %7}, %8", "%9, %8", MOE_D4(0));
+    MOE_WGMMA_SD("m64n8k16", "{%0, %1, %2, %3}", "{%4, %5, %6, %7}, %8", "%9, %8", MOE_D4(0));
   else if constexpr (N == 16)
-    MOE_WGMMA("m64n16k16", "%14", "{%0, %1, %2, %3, %4, %5, %6, %7}", "{%8, %9, %10, %11}, %12", "%13, %12",
-              MOE_D4(0), MOE_D4(1));
+    MOE_WGMMA_SD("m64n16k16", "{%0, %1, %2, %3, %4, %5, %6, %7}", "{%8, %9, %10, %11}, %12", "%13, %12",
+                 MOE_D4(0), MOE_D4(1));
   else if constexpr (N == 32)
-    MOE_WGMMA("m64n32k16", "%22", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}",
-              "{%16, %17, %18, %19}, %20", "%21, %20", MOE_D16(0));
+    MOE_WGMMA_SD("m64n32k16", "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}",
+                 "{%16, %17, %18, %19}, %20", "%21, %20", MOE_D16(0));
   else if constexpr (N == 64)
-    MOE_WGMMA("m64n64k16", "%38",
-              "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-              "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
-              "{%32, %33, %34, %35}, %36", "%37, %36", MOE_D16(0), MOE_D16(4));
+    MOE_WGMMA_SD("m64n64k16",
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+                 "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
+                 "{%32, %33, %34, %35}, %36", "%37, %36", MOE_D16(0), MOE_D16(4));
   else if constexpr (N == 128)
-    MOE_WGMMA("m64n128k16", "%70",
-              "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-              "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
-              "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
-              "%56, %57, %58, %59, %60, %61, %62, %63}",
-              "{%64, %65, %66, %67}, %68", "%69, %68", MOE_D16(0), MOE_D16(4), MOE_D16(8), MOE_D16(12));
+    MOE_WGMMA_SD("m64n128k16",
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+                 "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
+                 "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
+                 "%56, %57, %58, %59, %60, %61, %62, %63}",
+                 "{%64, %65, %66, %67}, %68", "%69, %68", MOE_D16(0), MOE_D16(4), MOE_D16(8), MOE_D16(12));
   else
     static_assert(N == 8, "no wgmma shape for this tile");
 }
+#undef MOE_WGMMA_SD
 #undef MOE_WGMMA
 #undef MOE_WGMMA_TY
 #undef MOE_D16
@@ -550,7 +560,10 @@ __device__ __forceinline__ int load_slot(const TcArgs &a, int row0, int rows, in
 /* SPLIT: the down GEMM in K segments (moe_tc_split; a kernel of its own so
  * that the unsplit ones keep their registers: the large int4 tile sits at
  * the 128-register cap, where the extra epilogue cost 4-8% at T = 4096). */
-template <int W, int ACT, class C, bool SPLIT>
+/* FB: fp8 block scales, KB blocks per K block (2: BK = 128), 0 otherwise: a
+ * constant, so that where a K block starts and ends is known per unrolled
+ * copy of the loop and no branch sits among the products */
+template <int W, int ACT, class C, bool SPLIT, int FB = 0>
 __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
   using S = Smem<W, C>;
   constexpr int BN = C::BN, BT = C::BT, NT = C::NT, CH = chunk_bytes(W), THREADS = C::THREADS, KS = C::KS;
@@ -740,7 +753,6 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
   /* fp8 (docs/numerics.md "fp8"): activation scale of this lane's token
    * column (j, q) for K block b, and the weight scale of its row h; 0 for
    * absent tokens and rows past N (their sums are zero or unused) */
-  [[maybe_unused]] const int kbb = FP8 ? a.bk / KB : 1; /* KB blocks per K block */
   [[maybe_unused]] auto fp8_sx = [&](int j, int q, int b) {
     const int row = src_row[j * 8 + 2 * (lane & 3) + q];
     return row < 0 ? 0.0f : a.xs[(size_t)row * (size_t)(K / a.xg) + (size_t)b];
@@ -768,8 +780,7 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
     sw0 = fp8_sw(0, b);
     sw1 = fp8_sw(1, b);
   };
-  if constexpr (FP8)
-    if (a.wscale == MOE_WSCALE_BLOCK) fp8_load_scales(0);
+  if constexpr (FB > 0) fp8_load_scales(0);
   [[maybe_unused]] auto fp8_block_end = [&](Acc &ac, int b) {
   /* wgmma: the next block's first product restarts the sums (nothing but
    * wgmma may write them between its products, or ptxas serializes
@@ -795,7 +806,7 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
    * (af and the stage too, until the next block's wait): af alternates
    * between two buffers by KB block (afA for even blocks of the stage). */
   auto compute = [&](Acc &ac, int st, const uint8_t *sb, uint32_t(&afA)[KB / 16][4],
-                     uint32_t(&afB)[KB / 16][4], auto mode) {
+                     uint32_t(&afB)[KB / 16][4], auto mode, auto par) {
     [[maybe_unused]] constexpr int MODE = decltype(mode)::value; /* fp8 has one route */
     int j = 0;                                                   /* the stage's group slot */
 #pragma unroll
@@ -883,6 +894,11 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
         for (int ks = 0; ks < KB / 16; ks++)
           deq(ks, MODE == M_SCALE16);
       }
+      /* fp8 block scales: where K blocks start (the first product starts their
+       * sums: scale-d 0) and end; constants once u is unrolled (par: st's parity) */
+      [[maybe_unused]] const int pos = decltype(par)::value * KS + u;
+      [[maybe_unused]] const bool restart = FB > 0 && pos % (FB > 0 ? FB : 1) == 0,
+                                  block_end = FB > 0 && (pos + 1) % (FB > 0 ? FB : 1) == 0;
 #if defined(MOE_TC_WGMMA)
       /* everything the products read or write is in place before the fence
        * and untouched until their wait (else ptxas serializes them) */
@@ -890,12 +906,6 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
 #pragma unroll
         for (int ks = 0; ks < KB / 16; ks++)
           keep_alive(af[ks]);
-      /* fp8 block scales: a K block's first product starts its sums (scale-d 0) */
-      [[maybe_unused]] uint32_t sd0 = 1;
-      if constexpr (FP8) {
-        sd0 = a.wscale == MOE_WSCALE_BLOCK && kb % kbb == 0 ? 0u : 1u;
-        asm volatile("" : "+r"(sd0));
-      }
       wgmma_fence();
       const uint32_t none[4] = {0, 0, 0, 0}; /* SS: no A registers */
       const uint64_t db = desc0 + ((uint32_t)(sb - smem + u * S::B1) >> 4),
@@ -904,14 +914,13 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
       for (int ks = 0; ks < KB / 16; ks++) {
         if constexpr (A_SMEM) /* this warpgroup's 64 rows of the stage */
           wgmma<BT, MT, true>(ac.v, none, da + ks * 2, db + ks * 2);
-        else if constexpr (FP8)
-          wgmma<BT, MT, false>(ac.v, af[ks], 0, db + ks * 2, ks == 0 ? sd0 : 1u);
+        else if (FP8 && ks == 0 && restart)
+          wgmma<BT, MT, false, 0>(ac.v, af[ks], 0, db + ks * 2);
         else
           wgmma<BT, MT, false>(ac.v, af[ks], 0, db + ks * 2);
       }
       wgmma_commit();
-      if constexpr (FP8)
-        if (a.wscale == MOE_WSCALE_BLOCK && (kb + 1) % kbb == 0) fp8_block_end(ac, (kb + 1) / kbb - 1);
+      if (block_end) fp8_block_end(ac, kb / (FB > 0 ? FB : 1));
       /* This block's products stay in flight while the next block's
        * fragments are made; the previous block's are done here. Its
        * fragments (af_prev) must stay in their registers until this point,
@@ -942,8 +951,7 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
           }
         }
       }
-      if constexpr (FP8)
-        if (a.wscale == MOE_WSCALE_BLOCK && (kb + 1) % kbb == 0) fp8_block_end(ac, (kb + 1) / kbb - 1);
+      if (block_end) fp8_block_end(ac, kb / (FB > 0 ? FB : 1));
 #endif
     }
   };
@@ -961,7 +969,8 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
   }
   uint8_t *const smem_end = smem + ST * S::STAGE;
   uint8_t *iss_sb = smem + PF * S::STAGE, *cmp_sb = smem;
-  auto step = [&](Acc &ac, int st, uint32_t(&afA)[KB / 16][4], uint32_t(&afB)[KB / 16][4], auto mode) {
+  auto step = [&](Acc &ac, int st, uint32_t(&afA)[KB / 16][4], uint32_t(&afB)[KB / 16][4], auto mode,
+                  auto par) {
     cp_async_wait<PF - 1>();
 #if defined(MOE_TC_WGMMA)
     fence_proxy_async();
@@ -970,7 +979,7 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
     if (st + PF < nst) issue(st + PF, iss_sb);
     iss_sb = iss_sb + S::STAGE == smem_end ? smem : iss_sb + S::STAGE;
     cp_async_commit();
-    compute(ac, st, cmp_sb, afA, afB, mode);
+    compute(ac, st, cmp_sb, afA, afB, mode, par);
     cmp_sb = cmp_sb + S::STAGE == smem_end ? smem : cmp_sb + S::STAGE;
   };
   uint32_t af0[KB / 16][4], af1[KB / 16][4];
@@ -985,7 +994,7 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
     cp_async_wait<0>();
     pdl_next();          /* the next GEMM (or the sum) may launch: only this block's stores are left */
     if constexpr (FP8) { /* the sums with their scales: block ones done, else (sum * sx) * sw */
-      const bool blk = a.wscale == MOE_WSCALE_BLOCK;
+      constexpr bool blk = FB > 0;
       const float sw0 = blk ? 1.0f : fp8_sw(0, 0), sw1 = blk ? 1.0f : fp8_sw(1, 0);
 #pragma unroll
       for (int j = 0; j < NT; j++)
@@ -1013,11 +1022,11 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
         ac.t[j][q] = 0.0f;
     if constexpr (KS % 2 == 0) { /* each stage ends on afB: the next starts on afA */
       for (int st = 0; st < nst; st++)
-        step(ac, st, af0, af1, mode);
+        step(ac, st, af0, af1, mode, std::integral_constant<int, 0>{}); /* st KS is even */
     } else { /* by two: the fragment buffers alternate by name */
       for (int st = 0; st < nst; st += 2) {
-        step(ac, st, af0, af1, mode);
-        if (st + 1 < nst) step(ac, st + 1, af1, af0, mode);
+        step(ac, st, af0, af1, mode, std::integral_constant<int, 0>{});
+        if (st + 1 < nst) step(ac, st + 1, af1, af0, mode, std::integral_constant<int, 1>{});
       }
     }
     finish(ac);
@@ -1312,7 +1321,7 @@ __global__ void pack_groups(const void *scales, int scale_dt, const uint8_t *zer
   }
 }
 
-template <int W, int ACT, class C, bool SPLIT = false>
+template <int W, int ACT, class C, bool SPLIT = false, int FB = 0>
 moe_status launch(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err) {
   using S = Smem<W, C>;
   /* the limit is an attribute of the function per device; set once each
@@ -1320,7 +1329,7 @@ moe_status launch(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err
   static bool attr_set[64];
   const int dev = b->device;
   if (dev < 0 || dev >= 64 || !attr_set[dev]) {
-    moe_status s = moe_gpu_check(cudaFuncSetAttribute(tc_gemm<W, ACT, C, SPLIT>,
+    moe_status s = moe_gpu_check(cudaFuncSetAttribute(tc_gemm<W, ACT, C, SPLIT, FB>,
                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, S::BYTES),
                                  "fused_moe tensor-core smem", err);
     if (s) return s;
@@ -1328,21 +1337,22 @@ moe_status launch(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err
   }
   /* tiles x strips (x K segments) */
   const dim3 grid((unsigned)max_tiles, (unsigned)((a.n + C::BN - 1) / C::BN * a.split));
-  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), tc_gemm<W, ACT, C, SPLIT>, grid, dim3(C::THREADS), S::BYTES,
-                                  moe_gpu_stream(b), a),
+  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), tc_gemm<W, ACT, C, SPLIT, FB>, grid, dim3(C::THREADS),
+                                  S::BYTES, moe_gpu_stream(b), a),
                        "fused_moe tensor-core gemm", err);
 }
 
-/* packed int4/int8 codes: their decode tiles, the split kernel when SPLIT */
-template <int W, int ACT, bool SPLIT>
+/* packed codes: their decode tiles, the split kernel when SPLIT, fp8's
+ * block scales when FB */
+template <int W, int ACT, bool SPLIT, int FB = 0>
 moe_status launch_packed(moe_backend *b, int config, int max_tiles, const TcArgs &a, moe_error *err) {
   switch (config) {
-  case TC_SMALL: return launch<W, ACT, CfgQS, SPLIT>(b, max_tiles, a, err);
-  case TC_MEDIUM: return launch<W, ACT, CfgQM, SPLIT>(b, max_tiles, a, err);
+  case TC_SMALL: return launch<W, ACT, CfgQS, SPLIT, FB>(b, max_tiles, a, err);
+  case TC_MEDIUM: return launch<W, ACT, CfgQM, SPLIT, FB>(b, max_tiles, a, err);
   default:
     /* fp8 block scales keep two sets of sums: the large tile's would pass the register cap */
     if constexpr (W == TW_FP8)
-      return launch<W, ACT, CfgW, SPLIT>(b, max_tiles, a, err);
+      return launch<W, ACT, CfgW, SPLIT, FB>(b, max_tiles, a, err);
     else
       return launch<W, ACT, CfgL, SPLIT>(b, max_tiles, a, err);
   }
@@ -1359,8 +1369,10 @@ moe_status launch_cfg(moe_backend *b, int config, int max_tiles, const TcArgs &a
     }
   } else { /* packed codes: the wide tile is never chosen (moe_tc_choose), so forcing it takes the large one
             */
-    if constexpr (W == TW_FP8) /* never split (moe_tc_split) */
-      return launch_packed<W, ACT, false>(b, config, max_tiles, a, err);
+    if constexpr (W == TW_FP8) /* never split (moe_tc_split); BK = 128 (moe_gpu_fused_packs) */
+      return a.wscale == MOE_WSCALE_BLOCK
+                 ? launch_packed<W, ACT, false, 128 / KB>(b, config, max_tiles, a, err)
+                 : launch_packed<W, ACT, false>(b, config, max_tiles, a, err);
     else
       return a.split > 1 ? launch_packed<W, ACT, true>(b, config, max_tiles, a, err)
                          : launch_packed<W, ACT, false>(b, config, max_tiles, a, err);
@@ -1527,11 +1539,11 @@ extern "C" bool moe_gpu_fused_packs(moe_backend *b, const moe_expert_config *cfg
   if (h % KB || in % KB) return false;
   if (cfg->scheme == MOE_SCHEME_MXFP4) return true; /* groups of 32 */
   /* fp8: e4m3 conversions (sm_89+; Hopper here: the major is what the
-   * backend keeps); block scales whole KB blocks along K and whole 16-row
-   * blocks (a warp's rows) along N */
+   * backend keeps); block scales of 128 columns along K (tc_gemm's FB) and
+   * whole 16-row blocks (a warp's rows) along N */
   if (cfg->scheme == MOE_SCHEME_FP8)
     return moe_gpu_cc_major(b) >= 9 &&
-           (cfg->weight_scale != MOE_WSCALE_BLOCK || (cfg->block_k % KB == 0 && cfg->block_n % 16 == 0));
+           (cfg->weight_scale != MOE_WSCALE_BLOCK || (cfg->block_k == 2 * KB && cfg->block_n % 16 == 0));
   if (cfg->scheme != MOE_SCHEME_WNA16) return true;
   return g == -1 || g % KB == 0 || g == 16 || g == 32;
 }

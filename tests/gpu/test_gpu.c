@@ -658,12 +658,12 @@ static const fm_case fm_cases[] = {
      MOE_WSCALE_PER_TENSOR, 0, 0, false},
     {"int4 g128 bf16 bias bf16", MOE_SCHEME_WNA16, MOE_BF16, 4, 128, false, MOE_BF16, 512, 256, MOE_BF16,
      MOE_WSCALE_PER_TENSOR, 0, 0, false},
-    /* fp8 W8A8: block scales (DeepSeek-V3's 128 x 128, and 64 x 64 with a partial row block), per
+    /* fp8 W8A8: block scales (DeepSeek-V3's 128 x 128, and 48 x 128: partial row blocks), per
      * channel, per tensor with dynamic and with static activation scales */
     {"fp8 block bf16", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, MOE_F32, 1024, 256, MOE_DTYPE_INVALID,
      MOE_WSCALE_BLOCK, 0, 0, false},
-    {"fp8 block 48x64 fp16 bias", MOE_SCHEME_FP8, MOE_F16, 0, -1, false, MOE_F32, 320, 192, MOE_F32,
-     MOE_WSCALE_BLOCK, 48, 64, false},
+    {"fp8 block 48x128 fp16 bias", MOE_SCHEME_FP8, MOE_F16, 0, -1, false, MOE_F32, 384, 256, MOE_F32,
+     MOE_WSCALE_BLOCK, 48, 128, false},
     {"fp8 per_channel bf16", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, MOE_F32, 512, 128, MOE_DTYPE_INVALID,
      MOE_WSCALE_PER_CHANNEL, 0, 0, false},
     {"fp8 per_tensor fp16", MOE_SCHEME_FP8, MOE_F16, 0, -1, false, MOE_F32, 256, 192, MOE_DTYPE_INVALID,
@@ -1029,7 +1029,7 @@ START_TEST(fused_tile_configs) {
   const size_t picks[] = {0,  1,  4,  5,  7,  12, 13, 14,
                           19, 20, 23, 25, 28, 29, 32}; /* bf16, fp16, int4 g128, g128 zp, g32 zp, g16, int8
                                                           g128, g64 zp, split K, odd KB, mxfp4 + bias, bf16 +
-                                                          bias, fp8 block, fp8 block 48x64, fp8 static */
+                                                          bias, fp8 block, fp8 block 48x128, fp8 static */
   static const char *const configs[] = {"small", "medium", "wide", "large", "large"};
   static const char *const bulk[] = {"1", "1", "1", "1", "0"};
   char label[200];
