@@ -59,8 +59,8 @@ typedef struct nvml_api {
   nvml_return (*name)(nvml_device, char *, unsigned);
   nvml_return (*utilization)(nvml_device, nvml_utilization *);
   nvml_return (*memory)(nvml_device, nvml_memory *);
-  nvml_return (*power)(nvml_device, unsigned *);       /* mW */
-  nvml_return (*power_limit)(nvml_device, unsigned *); /* mW */
+  nvml_return (*power)(nvml_device, unsigned *);            /* mW */
+  nvml_return (*power_limit)(nvml_device, unsigned *);      /* mW */
   nvml_return (*energy)(nvml_device, unsigned long long *); /* mJ since the driver loaded */
 } nvml_api;
 
@@ -164,11 +164,13 @@ static bool device_for_ordinal(int ordinal, nvml_device *out, char *why, size_t 
   entry[n] = 0;
   char *end;
   unsigned long index = strtoul(entry, &end, 10);
-  bool ok = *end == 0 && entry[0] >= '0' && entry[0] <= '9'
-                ? index <= 0xffffffffUL && nvml.by_index((unsigned)index, out) == NVML_SUCCESS
-            : strncmp(entry, "GPU-", 4) == 0 ? device_by_uuid(entry, out)
-                                             : false; /* MIG-... instances: NVML handles them apart */
-  if (!ok) snprintf(why, size, "CUDA_VISIBLE_DEVICES entry '%s' is no NVML device (an index or GPU-UUID)", entry);
+  bool ok = false; /* MIG-... instances stay unmapped: NVML has handles of their own for them */
+  if (*end == 0 && entry[0] >= '0' && entry[0] <= '9')
+    ok = index <= 0xffffffffUL && nvml.by_index((unsigned)index, out) == NVML_SUCCESS;
+  else if (strncmp(entry, "GPU-", 4) == 0)
+    ok = device_by_uuid(entry, out);
+  if (!ok)
+    snprintf(why, size, "CUDA_VISIBLE_DEVICES entry '%s' is no NVML device (an index or GPU-UUID)", entry);
   return ok;
 }
 
@@ -256,6 +258,11 @@ moed_gpu_metrics *moed_gpu_metrics_create(bool allow, int n_workers, const char 
     moed_log(MOED_LOG_INFO, "gpu_metrics", "worker %d (%s): NVML %s%s", i, backends[i], uuid,
              d->has_energy0 ? "" : " (no energy counter)");
     g->n++;
+  }
+  if (g->n == 0) {
+    moed_log(MOED_LOG_WARN, "gpu_metrics", "off: no GPU worker has an NVML device");
+    moed_gpu_metrics_destroy(g);
+    return NULL;
   }
   return g;
 fail:

@@ -18,7 +18,7 @@ typedef struct nvmlDevice_st {
   unsigned util, power_mw;
   int power_ret;
   unsigned long long used, energy_mj;
-} *nvmlDevice_t;
+} * nvmlDevice_t;
 typedef struct {
   unsigned int gpu, memory;
 } nvmlUtilization_t;
@@ -36,7 +36,9 @@ static struct nvmlDevice_st devices[2] = {
 
 nvmlReturn_t nvmlInit_v2(void) { return SUCCESS; }
 
-const char *nvmlErrorString(nvmlReturn_t r) { return r == ERROR_NOT_SUPPORTED ? "Not Supported" : "Unknown Error"; }
+const char *nvmlErrorString(nvmlReturn_t r) {
+  return r == ERROR_NOT_SUPPORTED ? "Not Supported" : "Unknown Error";
+}
 
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned *n) {
   *n = 2;

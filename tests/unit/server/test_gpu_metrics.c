@@ -153,15 +153,19 @@ START_TEST(visible_devices_unmapped) {
     moed_gpu_metrics *g = moed_gpu_metrics_create(true, i < 3 ? 1 : 2, two_gpus);
     size_t len;
     char *text = moed_gpu_metrics_render(g, &len);
-    if (i < 3) { /* the one worker left out, said at warn level */
+    if (i < 3) { /* the one worker left out, said at warn level: no metrics */
+      ck_assert_ptr_null(g);
       ck_assert_ptr_null(text);
-      ck_assert_msg(strstr(logged, "1 gpu_metrics: worker 0 (gpu0: NVIDIA H200) left out: CUDA_VISIBLE_DEVICES"),
-                    "%s: %s", lists[i], logged);
+      ck_assert_ptr_nonnull(strstr(logged, "1 gpu_metrics: off: no GPU worker has an NVML device\n"));
+      ck_assert_msg(
+          strstr(logged, "1 gpu_metrics: worker 0 (gpu0: NVIDIA H200) left out: CUDA_VISIBLE_DEVICES"),
+          "%s: %s", lists[i], logged);
     } else { /* "0" lists one device: worker 1 has no entry */
       ck_assert_ptr_nonnull(text);
       assert_only(text, U0, U1);
-      ck_assert_ptr_nonnull(strstr(logged, "worker 1 (gpu1: NVIDIA H200) left out: CUDA_VISIBLE_DEVICES '0' has "
-                                           "no entry 1"));
+      ck_assert_ptr_nonnull(strstr(logged,
+                                   "worker 1 (gpu1: NVIDIA H200) left out: CUDA_VISIBLE_DEVICES '0' has "
+                                   "no entry 1"));
     }
     free(text);
     moed_gpu_metrics_destroy(g);
@@ -178,8 +182,9 @@ START_TEST(other_name_left_out) {
   char *text = render(g);
   assert_only(text, U0, U1);
   free(text);
-  ck_assert_ptr_nonnull(strstr(logged, "1 gpu_metrics: worker 1 (gpu1: NVIDIA A100-SXM4-80GB) left out: its NVML "
-                                       "device is a NVIDIA H200"));
+  ck_assert_ptr_nonnull(strstr(logged,
+                               "1 gpu_metrics: worker 1 (gpu1: NVIDIA A100-SXM4-80GB) left out: its NVML "
+                               "device is a NVIDIA H200"));
   ck_assert_ptr_nonnull(strstr(logged, "CUDA_DEVICE_ORDER=PCI_BUS_ID"));
   moed_gpu_metrics_destroy(g);
 }
