@@ -7,11 +7,23 @@ library, and says why at debug level; so does --allow-gpu-metrics=false
 exposition lines themselves are checked against the same fake library,
 with two GPUs, in tests/unit/server/test_gpu_metrics.c.
 
+On a machine with the NVIDIA driver (libnvidia-ml.so.1 loads) and a GPU
+build of moed, the real path too: `moed --device gpu` writes each of the six
+metrics once per GPU worker (as many as moed_device_memory_bytes{kind="held"}
+samples), for GPUs NVML knows, total memory and power limit as NVML reads
+them here through ctypes, used <= total, utilization in [0, 1], energy not
+decreasing between scrapes; the log names each worker's NVML UUID; with
+--allow-gpu-metrics false there are none. Elsewhere that part says it is
+skipped.
+
 env: MOED."""
+import ctypes
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -48,6 +60,90 @@ def no_gpu_metrics(tmp, flags, why):
     check(not [l for l in log.splitlines() if " error " in l], "no error in the log")
 
 
+FAMILIES = ["nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes", "nv_gpu_power_usage",
+            "nv_gpu_power_limit", "nv_energy_consumption"]
+SAMPLE = re.compile(r'^(\w+)\{(\w+)="([^"]*)"(?:,.*)?\} (\S+)$')
+
+
+def samples(text):
+    """{family: {first label value: value}} of the GPU families and moed_device_memory_bytes."""
+    out = {}
+    for line in text.splitlines():
+        m = SAMPLE.match(line)
+        if m and (m.group(1) in FAMILIES or (m.group(1) == "moed_device_memory_bytes" and 'kind="held"' in line)):
+            out.setdefault(m.group(1), {})[m.group(3)] = float(m.group(4))
+    return out
+
+
+def nvml_devices():
+    """{uuid: (total memory bytes, power limit W)} as NVML says, or None without the driver's library."""
+    try:
+        nv = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+
+    class Memory(ctypes.Structure):  # nvmlMemory_t
+        _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+    check(nv.nvmlInit_v2() == 0, "nvmlInit_v2 in the test")
+    n = ctypes.c_uint()
+    check(nv.nvmlDeviceGetCount_v2(ctypes.byref(n)) == 0, "nvmlDeviceGetCount_v2")
+    out = {}
+    for i in range(n.value):
+        h, uuid, mem, limit = ctypes.c_void_p(), ctypes.create_string_buffer(96), Memory(), ctypes.c_uint()
+        if (nv.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(h)) == 0 and nv.nvmlDeviceGetUUID(h, uuid, 96) == 0
+                and nv.nvmlDeviceGetMemoryInfo(h, ctypes.byref(mem)) == 0):
+            ok = nv.nvmlDeviceGetPowerManagementLimit(h, ctypes.byref(limit)) == 0
+            out[uuid.value.decode()] = (mem.total, limit.value / 1000 if ok else None)
+    return out
+
+
+def real_nvml(tmp):
+    devices = nvml_devices()
+    if devices is None:
+        print("skip real NVML: no libnvidia-ml.so.1 here (not a GPU machine)")
+        return
+    os.environ.pop("MOED_NVML_LIBRARY", None)
+    log = os.path.join(tmp, "moed.log")
+    open(log, "w").close()
+    try:
+        p, _, http_port = ts.start(tmp, "--device", "gpu")
+    except SystemExit:
+        print("skip real NVML: moed --device gpu did not start (a CPU build?):", open(log).read()[-500:])
+        return
+    try:
+        url = f"http://127.0.0.1:{http_port}/metrics"
+        first = samples(urllib.request.urlopen(url, timeout=10).read().decode())
+        time.sleep(1)
+        second = samples(urllib.request.urlopen(url, timeout=10).read().decode())
+    finally:
+        ts.stop(p)
+    workers = len(first.get("moed_device_memory_bytes", {}))
+    uuids = set(first.get("nv_gpu_memory_total_bytes", {}))
+    check(workers > 0 and len(uuids) == workers and uuids <= set(devices),
+          f"one sample per GPU worker, GPUs NVML knows ({workers} workers, {sorted(uuids)})")
+    for fam in FAMILIES[:2] + FAMILIES[4:]:  # power usage: some boards do not report it
+        check(set(first.get(fam, {})) == uuids, f"{fam}: every GPU ({first.get(fam)})")
+    for u in uuids:
+        total, limit = devices[u]
+        check(first["nv_gpu_memory_total_bytes"][u] == total, f"{u}: total memory as NVML reads it ({total})")
+        check(0 <= first["nv_gpu_memory_used_bytes"][u] <= total, f"{u}: used <= total")
+        check(0 <= first["nv_gpu_utilization"][u] <= 1, f"{u}: utilization in [0, 1]")
+        check(limit is None or first["nv_gpu_power_limit"][u] == limit, f"{u}: power limit as NVML reads it ({limit})")
+        check(second["nv_energy_consumption"][u] >= first["nv_energy_consumption"][u] >= 0,
+              f"{u}: energy counted up from start ({first['nv_energy_consumption'][u]}, "
+              f"{second['nv_energy_consumption'][u]})")
+    text = open(log).read()
+    check(len(re.findall(r"info  gpu_metrics: worker \d+ \(gpu\d+: .*\): NVML GPU-", text)) == workers,
+          "the log names each worker's NVML UUID")
+    p, _, http_port = ts.start(tmp, "--device", "gpu", "--allow-gpu-metrics", "false")
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+    finally:
+        ts.stop(p)
+    check("nv_gpu_" not in text and "nv_energy" not in text, "real NVML, --allow-gpu-metrics false: none")
+
+
 def main():
     check(os.path.exists(FAKE), f"the fake NVML library is built next to moed ({FAKE})")
     os.environ["MOED_NVML_LIBRARY"] = FAKE
@@ -58,6 +154,7 @@ def main():
         r = subprocess.run([ts.MOED, "--allow-gpu-metrics", "maybe"], capture_output=True, text=True, timeout=30)
         check(r.returncode != 0 and "'maybe' for --allow-gpu-metrics" in r.stderr,
               f"a bad --allow-gpu-metrics value names the flag ({r.returncode}: {r.stderr.strip()})")
+        real_nvml(tmp)
         ts.print_log_tail(tmp)
     ts.exit_with_summary()
 
