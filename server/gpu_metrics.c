@@ -6,8 +6,10 @@
  * NVML is the NVIDIA driver's own library (libnvidia-ml.so.1), present only
  * where the driver is installed, so it is not a build dependency: it is
  * opened with dlopen once per process (MOED_NVML_LIBRARY names another file:
- * the tests' fake one) and never unloaded. Missing or failing, the metrics
- * are left out and the log says why once.
+ * the tests' fake one) and never unloaded, when the metrics port starts if
+ * there are GPU workers: nvmlInit and the device lookups happen there, not
+ * on a scrape, and nv_energy_consumption counts from then. Missing or
+ * failing, the metrics are left out and the log says why once.
  *
  * Which NVML device a worker's GPU is: worker i runs on CUDA device i (the
  * order the op library numbers GPUs in, devices.c), which is NVML device i

@@ -5,7 +5,9 @@ without GPU workers writes no GPU metric and no error, never opens the
 library, and says why at debug level; so does --allow-gpu-metrics=false
 (Triton's spelling); a bad value for the flag stops moed naming it. The
 exposition lines themselves are checked against the same fake library,
-with two GPUs, in tests/unit/server/test_gpu_metrics.c.
+with two GPUs, in tests/unit/server/test_gpu_metrics.c; here Triton's
+perf_analyzer --collect-metrics (the release the suite pins) reads that
+text (test_gpu_metrics --print) and reports each GPU's values.
 
 On a machine with the NVIDIA driver (libnvidia-ml.so.1 loads) and a GPU
 build of moed, the real path too: `moed --device gpu` writes each of the six
@@ -16,21 +18,25 @@ decreasing between scrapes; the log names each worker's NVML UUID; with
 --allow-gpu-metrics false there are none. Elsewhere that part says it is
 skipped.
 
-env: MOED."""
+env: MOED, MOE_MKSET (read by test_perf_analyzer, whose perf_analyzer runner this uses)."""
 import ctypes
+import http.server
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_server as ts  # noqa: E402
 from test_server import check  # noqa: E402
+from test_perf_analyzer import PA, perf_analyzer  # noqa: E402
 
 FAKE = os.path.join(os.path.dirname(ts.MOED), "libmoed_fake_nvml.so")
+PRINT = os.path.join(os.path.dirname(ts.MOED), "test_gpu_metrics")
 
 
 def scrape(tmp, *flags):
@@ -58,6 +64,46 @@ def no_gpu_metrics(tmp, flags, why):
     check(len(lines) == 1 and f"debug gpu_metrics: off: {why}" in lines[0],
           f"{flags}: one debug line says why ({lines})")
     check(not [l for l in log.splitlines() if " error " in l], "no error in the log")
+
+
+def collect_metrics(tmp):
+    """perf_analyzer --collect-metrics on a CPU moed, its metrics URL serving gpu_metrics.c's text for the
+    fake NVML's two GPUs (values in fake_nvml.c): the GPU section lists both, as Triton's are listed."""
+    if not os.access(PA, os.X_OK):
+        check(False, f"perf_analyzer at {PA} (run scripts/deps.sh)")
+        return
+    r = subprocess.run([PRINT, "--print"], capture_output=True, timeout=30)
+    check(r.returncode == 0 and r.stdout.startswith(b"# HELP nv_gpu_utilization"),
+          f"test_gpu_metrics --print ({r.returncode}: {r.stderr[-300:]})")
+    body = r.stdout
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    p, port, _ = ts.start(tmp, "--device", "cpu")
+    try:
+        r = perf_analyzer(port, "quant.per_token", "--shape", "x:4,64", "--collect-metrics", "--metrics-url",
+                          f"127.0.0.1:{srv.server_address[1]}/metrics", "--metrics-interval", "100")
+    finally:
+        ts.stop(p)
+        srv.shutdown()
+    out = r.stdout + r.stderr
+    u0, u1 = "GPU-11111111-2222-3333-4444-000000000000", "GPU-55555555-6666-7777-8888-000000000001"
+    want = [f"{u0} : 37%", f"{u1} : 100%", f"{u0} : 123.456 watts", f"{u0} : 1073741824 bytes",
+            f"{u1} : 0 bytes", f"{u1} : 150754820096 bytes"]
+    check(r.returncode == 0 and all(w in out for w in want) and "Unable to parse" not in out,
+          f"perf_analyzer --collect-metrics reads every GPU's values ({r.returncode}: "
+          f"{out[out.find('Server Prometheus'):][:700]})")
 
 
 FAMILIES = ["nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes", "nv_gpu_power_usage",
@@ -154,6 +200,7 @@ def main():
         r = subprocess.run([ts.MOED, "--allow-gpu-metrics", "maybe"], capture_output=True, text=True, timeout=30)
         check(r.returncode != 0 and "'maybe' for --allow-gpu-metrics" in r.stderr,
               f"a bad --allow-gpu-metrics value names the flag ({r.returncode}: {r.stderr.strip()})")
+        collect_metrics(tmp)
         real_nvml(tmp)
         ts.print_log_tail(tmp)
     ts.exit_with_summary()

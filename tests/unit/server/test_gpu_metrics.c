@@ -232,7 +232,20 @@ START_TEST(not_nvml) {
 }
 END_TEST
 
-int main(void) {
+/* --print: the text for two_gpus with the library MOED_NVML_LIBRARY names
+ * (tests/integration/test_gpu_metrics.py hands it to perf_analyzer). */
+static int print(void) {
+  moed_gpu_metrics *g = moed_gpu_metrics_create(true, 2, two_gpus);
+  size_t len = 0;
+  char *text = moed_gpu_metrics_render(g, &len);
+  if (text) fwrite(text, 1, len, stdout);
+  free(text);
+  moed_gpu_metrics_destroy(g);
+  return text ? EXIT_SUCCESS : EXIT_FAILURE;
+}
+
+int main(int argc, char **argv) {
+  if (argc == 2 && strcmp(argv[1], "--print") == 0) return print();
   Suite *s = suite_create("gpu_metrics");
   TCase *tc = tcase_create("core");
   tcase_add_test(tc, two_gpus_exact_lines);
