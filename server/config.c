@@ -85,6 +85,8 @@ static const char usage[] =
     "  --grpc-address ADDR       = --address (the gRPC port's; the HTTP port's too unless --http-address)\n"
     "  --http-address ADDR       the HTTP ports' (REST and metrics) bind address\n"
     "  --allow-http true|false   false: no HTTP port (= --http-port -1 --rest-port -1)\n"
+    "  --allow-gpu-metrics B     false: no nv_gpu_* metrics on /metrics (default true: read from NVML where\n"
+    "                            the NVIDIA driver is installed, one sample per GPU worker)\n"
     "  --exit-timeout-secs N     = --drain-timeout\n"
     "  --log-verbose N           N > 0: --log-level debug, 0: info\n"
     "  --strict-model-config B   accepted; moed derives every model's configuration itself\n"
@@ -146,6 +148,7 @@ enum {
   OPT_AUTH_HEALTH_EXEMPT,
   OPT_MAX_UPLOADS,
   OPT_UPLOAD_BUDGET,
+  OPT_ALLOW_GPU_METRICS,
 };
 
 static const struct option options[] = {
@@ -195,6 +198,7 @@ static const struct option options[] = {
     {"grpc-address", required_argument, NULL, OPT_ADDRESS},
     {"http-address", required_argument, NULL, OPT_HTTP_ADDRESS},
     {"allow-http", required_argument, NULL, OPT_ALLOW_HTTP},
+    {"allow-gpu-metrics", required_argument, NULL, OPT_ALLOW_GPU_METRICS},
     {"exit-timeout-secs", required_argument, NULL, OPT_DRAIN},
     {"log-verbose", required_argument, NULL, OPT_LOG_VERBOSE},
     {"strict-model-config", required_argument, NULL, OPT_STRICT_CONFIG},
@@ -262,6 +266,12 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
     bool allow = true;
     ok = parse_bool(v, &allow);
     c->http_off = ok && !allow;
+    break;
+  }
+  case OPT_ALLOW_GPU_METRICS: {
+    bool allow = true;
+    ok = parse_bool(v, &allow);
+    c->gpu_metrics_off = ok && !allow;
     break;
   }
   case OPT_LOG_VERBOSE:

@@ -27,6 +27,7 @@ struct moed_http {
   moed_http_listener *l;
   struct sockaddr_storage grpc; /* what the probes connect to */
   bool grpc_ok;                 /* parsed (a host name is not: probes answer 503, not checked) */
+  moed_gpu_metrics *gpu;        /* NULL: no nv_gpu_* metrics */
 };
 
 /* A check of the gRPC listener that a probe request waits for. */
@@ -276,6 +277,10 @@ static void render_metrics(moed_http *h, wbuf *b) {
     wb_printf(b, "moed_device_memory_bytes{worker=\"%d\",backend=\"%s\",kind=\"held\"} %zu\n", i, name,
               mem.held);
   }
+  size_t gpu_len;
+  char *gpu_text = moed_gpu_metrics_render(h->gpu, &gpu_len);
+  if (gpu_text) wb_printf(b, "%.*s", (int)gpu_len, gpu_text);
+  free(gpu_text);
   wb_printf(b, "# HELP moed_http_connections Open HTTP connections, per port (rest: the KServe REST port, "
                "http: this one).\n# TYPE moed_http_connections gauge\n");
   moed_http_foreach_listener(http_open, b);
@@ -479,6 +484,15 @@ int moed_http_start(moed_server *s, const char *address, int port, moed_http **o
                       : (!strcmp(g, "::") || !strcmp(g, "[::]")) ? "::1"
                                                                  : g;
   h->grpc_ok = parse_addr(ghost, s->grpc_port, &h->grpc);
+  /* NVML read from here on: nv_energy_consumption counts from the start */
+  const int workers = moed_devices_count(s->devices);
+  const char **backends = calloc(workers > 0 ? (size_t)workers : 1, sizeof *backends);
+  for (int i = 0; backends && i < workers; i++) {
+    moe_backend_memory mem;
+    backends[i] = moed_devices_memory(s->devices, i, &mem); /* NULL: a host worker */
+  }
+  if (backends) h->gpu = moed_gpu_metrics_create(!s->cfg->gpu_metrics_off, workers, backends);
+  free(backends);
   /* requests here are GETs: a body is not needed, 4 KiB bounds one */
   const moed_http_options o = {.name = "http",
                                .cfg = s->cfg,
@@ -486,6 +500,7 @@ int moed_http_start(moed_server *s, const char *address, int port, moed_http **o
                                .side = true,
                                .tls = s->cfg->tls_cert && !s->cfg->http_port_plaintext};
   if (moed_http_listen(s->loop, address, port, &o, on_request, h, &h->l, bound_port) != 0) {
+    moed_gpu_metrics_destroy(h->gpu);
     free(h);
     return -1;
   }
@@ -496,5 +511,6 @@ int moed_http_start(moed_server *s, const char *address, int port, moed_http **o
 void moed_http_stop(moed_http *h) {
   if (!h) return;
   moed_http_listener_close(h->l);
+  moed_gpu_metrics_destroy(h->gpu);
   free(h);
 }

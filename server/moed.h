@@ -28,6 +28,7 @@ typedef struct moed_config {
   const char *http_address;    /* the HTTP port's, when it differs (NULL: address) */
   char address_buf[2][64];     /* the two above as parsed: IPv6 without brackets */
   bool http_off;               /* --allow-http false: no HTTP port whatever --http-port says */
+  bool gpu_metrics_off;        /* --allow-gpu-metrics false: no nv_gpu_* metrics (gpu_metrics.c) */
   int model_control;           /* MOED_CONTROL_*: what is loaded at start, whether RPCs may change it */
   int repository_poll_secs;    /* poll: seconds between scans of the repository directory */
   const char *load_models[64]; /* --load-model names (explicit control; "*": every set) */
@@ -667,6 +668,19 @@ grpc_status_code moed_auth_check_value(moed_method m, const char *v, size_t n, c
 typedef struct moed_http moed_http;
 int moed_http_start(moed_server *s, const char *address, int port, moed_http **out, int *bound_port);
 void moed_http_stop(moed_http *h);
+
+/* ---- gpu_metrics.c: Triton's GPU metrics from NVML, loaded at run time ------- */
+
+typedef struct moed_gpu_metrics moed_gpu_metrics;
+/* Finds the NVML device of each GPU worker: backends[i] is worker i's
+ * backend name (moed_devices_memory), NULL for a host worker. NULL (the
+ * log says why) when none is to be shown: !allow, no GPU worker, no NVML. */
+moed_gpu_metrics *moed_gpu_metrics_create(bool allow, int n_workers, const char *const backends[]);
+/* The six nv_gpu_* / nv_energy_consumption families, one sample per GPU,
+ * read now (at most ~100 ms): malloc'd text of *len bytes; NULL when g is
+ * NULL or out of memory. Any thread. */
+char *moed_gpu_metrics_render(moed_gpu_metrics *g, size_t *len);
+void moed_gpu_metrics_destroy(moed_gpu_metrics *g);
 
 /* ---- rest.c: the KServe v2 REST API ------------------------------------------- */
 
