@@ -385,7 +385,8 @@ __device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t two) {
 
 /* Per-row dequantization state of one lane's two rows (r and r + 8). */
 struct Deq {
-  uint32_t s16[2];  /* {s, s} in act (scale16) */
+  uint32_t s16[2];  /* {s, s} in act (scale16); mxfp4: {s m, s m}, m = 2^126 (bf16) or 2^14 (fp16) */
+  bool fast;        /* mxfp4: every row's scale of the group allows the 16-bit multiply (dequant) */
   uint32_t zb16[2]; /* {B + z, B + z} in act: the 16-bit code base plus the zero point */
   float s[2];       /* fp32 scale */
   float zb32[2];    /* 2^23 + z (int8 in bf16) */
@@ -401,7 +402,11 @@ __device__ __forceinline__ void dequant(const uint32_t *words, const Deq &d, boo
      * by its bits: the sign to bit 15, the rest under the exponent field's
      * low end, so the value is value(c) x 2^-126 (bf16) or x 2^-14 (fp16),
      * exact (a subnormal for c's subnormal half); then value(c) x 2^(b - 127)
-     * in fp32, rounded once to act (docs/numerics.md mxfp4; fp32 scales) */
+     * rounded once to act (docs/numerics.md mxfp4). scale16 (the group's
+     * scales s <= 2, and >= 2^-38 for fp16): one packed 16-bit multiply by s
+     * x 2^126 (2^14), a power of two the 16-bit type holds, rounds the exact
+     * product once (at most 2 significant bits, |product| <= 12, >= 2^-128:
+     * within bf16's subnormals); else in fp32 and one conversion. */
     const float mag = ACT == A_BF16 ? 0x1p126f : 0x1p14f;
     const uint32_t w = words[0];
 #pragma unroll
@@ -409,9 +414,13 @@ __device__ __forceinline__ void dequant(const uint32_t *words, const Deq &d, boo
       const uint32_t x = (w >> (4 * p)) & 0x000F000Fu;
       const uint32_t bits =
           ((x << 12) & 0x80008000u) | (ACT == A_BF16 ? (x << 6) & 0x01C001C0u : (x << 9) & 0x0E000E00u);
-      float lo, hi;
-      unpack2<ACT>(bits, lo, hi);
-      out[p] = pack2<ACT>(lo * mag * d.s[p & 1], hi * mag * d.s[p & 1]);
+      if (scale16) {
+        out[p] = mul2<ACT>(bits, d.s16[p & 1]);
+      } else {
+        float lo, hi;
+        unpack2<ACT>(bits, lo, hi);
+        out[p] = pack2<ACT>(lo * mag * d.s[p & 1], hi * mag * d.s[p & 1]);
+      }
     }
   } else if (W == TW_FP8) { /* as int8: words[0] = a0..a3, words[1] = a4..a7; no scale here */
 #pragma unroll
@@ -831,15 +840,25 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
           const float sc = *(const float *)(sb + sc_off + j * BN * 4 + h * 32);
           const uint32_t z = a.zero ? sb[zp_off + j * BN + h * 8] : zdef;
           dq.s[h] = sc;
-          dq.s16[h] = pack2<ACT>(sc, sc); /* exact when scale16 */
+          /* exact when scale16 (mxfp4: when dq.fast) */
+          const float s16 = W == TW_FP4 ? sc * (ACT == A_BF16 ? 0x1p126f : 0x1p14f) : sc;
+          dq.s16[h] = pack2<ACT>(s16, s16);
           /* 128 + z (bf16) and 1024 + z (fp16) by their bits: z < 2^7 resp. 2^10 */
           const uint32_t zb = (ACT == A_BF16 ? 0x4300u : 0x6400u) + z;
           dq.zb16[h] = zb | zb << 16;
           dq.zb32[h] = __uint_as_float(0x4B000000u + z);
         }
+        if (W == TW_FP4) { /* a warp's choice: one path per 16 columns, no divergence */
+          bool ok = true;
+#pragma unroll
+          for (int h = 0; h < 2; h++)
+            ok = ok && dq.s[h] <= 2.0f && (ACT == A_BF16 || dq.s[h] >= 0x1p-38f);
+          dq.fast = __all_sync(0xFFFFFFFFu, ok);
+        }
         j++;
       };
       auto deq = [&](int ks, bool scale16) {
+        if (W == TW_FP4) scale16 = dq.fast; /* mxfp4: the group's scales, not their dtype */
         if (four_bit(W)) {
           const uint32_t wd[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
           dequant<W, MT>(&wd[ks], dq, scale16, af[ks]);
