@@ -1,0 +1,236 @@
+/* The weight formats' vector members (weight_format.h: dequant_fast, dot)
+ * in AVX-512, taken where the CPU has it (moe_cpu_vector_kernels). They
+ * give the reference functions' values (weight_format.c), 16 columns at a
+ * time: int4 and mxfp4 round a group's 16 possible weights once into a
+ * table (one register) and look the codes up with a variable permute
+ * (vpermps), the nibbles spread to lanes by a byte unpack, a widening and a
+ * shift per lane; int8 computes (q - z) * s in the lanes and rounds there;
+ * bf16 weights widen by a shift, fp16 by vcvtph2ps. Lane l of a chunk at
+ * column j holds column j + l, as in the pipeline's dot kernels
+ * (kernels/cpu/fused_moe.c), so the sums keep their order and their bits.
+ *
+ * Intrinsics rather than the clones of MOE_CPU_HOT: GCC 12 turns the byte
+ * shuffles of its generic vectors into scalar code (and once crashed on
+ * them in a clone). */
+#include <immintrin.h>
+#include <string.h>
+
+#include "../ops/op.h"
+#include "weight_format.h"
+
+#define V512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c")))
+#define V512_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512dq,avx512vl,f16c")))
+
+#define LANES MOE_WEIGHT_LANES
+#define DOT_ROWS MOE_WEIGHT_DOT_ROWS
+#define DOT_TOKENS MOE_WEIGHT_DOT_TOKENS
+
+enum decoder { DEC_BF16, DEC_FP16, DEC_INT4, DEC_INT8, DEC_MXFP4 };
+
+/* ---- act() in the lanes ------------------------------------------------------ */
+
+/* moe_bf16_to_f32(moe_f32_to_bf16(v)): RNE on the bits, NaN -> 0x7FC00000. */
+V512_INLINE __m512 round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+  r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000)));
+}
+
+/* moe_f16_to_f32(moe_f32_to_f16(v)): IEEE RNE with subnormals and overflow
+ * to inf is what vcvtps2ph does; the codec's NaN is the one 0x7E00. */
+V512_INLINE __m512 round_f16(__m512 v) {
+  const __m512 r = _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_ps(r, nan, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+}
+
+V512_INLINE __m512 round_act(__m512 v, moe_dtype act) { return act == MOE_F16 ? round_f16(v) : round_bf16(v); }
+
+/* ---- one row as the decoders walk it ------------------------------------------ */
+
+typedef struct row_dec {
+  const uint8_t *q; /* the row's storage */
+  int64_t n;        /* its row index */
+  int64_t next;     /* first column past the loaded group */
+  __m512 lut;       /* int4, mxfp4: the group's weight of each code */
+  __m512 s, z;      /* int8: the group's scale and zero point */
+} row_dec;
+
+V512_INLINE void row_open(const moe_weight_matrix *m, int64_t e, int64_t n, int64_t j, row_dec *d) {
+  d->q = moe_weight_row(m, e, n);
+  d->n = n;
+  d->next = j; /* the first chunk loads its group */
+  d->lut = d->s = d->z = _mm512_setzero_ps();
+}
+
+/* Loads the group of column j (a multiple of 16: the chunk lies in it). */
+V512_INLINE void row_group(const moe_weight_matrix *m, enum decoder dec, moe_dtype act, int64_t e, row_dec *d,
+                           int64_t j) {
+  if (dec == DEC_BF16 || dec == DEC_FP16) {
+    d->next = INT64_MAX;
+    return;
+  }
+  const int64_t g = j / m->group;
+  d->next = (g + 1) * m->group;
+  const size_t si = ((size_t)e * (size_t)m->rows + (size_t)d->n) * (size_t)m->groups + (size_t)g;
+  if (dec == DEC_MXFP4) { /* value * 2^(b - 127) is exact; one act rounding */
+    const float s = moe_e8m0_to_f32(((const uint8_t *)m->scales)[si]);
+    d->lut = round_act(_mm512_mul_ps(_mm512_loadu_ps(moe_e2m1_value), _mm512_set1_ps(s)), act);
+    return;
+  }
+  d->s = _mm512_set1_ps(moe_load_float(m->scales, m->scale_dtype, si));
+  d->z = _mm512_set1_ps(moe_weight_zero_point(m, dec == DEC_INT4 ? 4 : 8, e, d->n, g));
+  if (dec == DEC_INT4) { /* float(c) - float(z) is exact; one rounding for the product */
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    d->lut = round_act(_mm512_mul_ps(_mm512_sub_ps(codes, d->z), d->s), act);
+  }
+}
+
+/* Columns [j, j + 16) of the row; lanes from `valid` on are +0 (the zero
+ * padding the dot kernels read past the last column) and their bytes are
+ * not read (masked loads). */
+V512_INLINE __m512 row_chunk(enum decoder dec, moe_dtype act, const row_dec *d, int64_t j, int64_t valid) {
+  const __mmask16 lanes = valid >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1u);
+  __m512 w;
+  if (dec == DEC_INT4 || dec == DEC_MXFP4) {
+    const __m128i b = _mm_maskz_loadu_epi8((__mmask16)((1u << ((valid + 1) / 2)) - 1u), d->q + j / 2);
+    /* lane l: byte l / 2, shifted to its low nibble (even l) or high (odd l);
+     * vpermps reads the index's low 4 bits only */
+    const __m512i pairs = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+    const __m512i code =
+        _mm512_srlv_epi32(pairs, _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4));
+    w = _mm512_permutexvar_ps(code, d->lut);
+  } else if (dec == DEC_INT8) {
+    const __m128i b = _mm_maskz_loadu_epi8(lanes, d->q + j);
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+    w = round_act(_mm512_mul_ps(_mm512_sub_ps(q, d->z), d->s), act);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(lanes, d->q + 2 * j);
+    w = dec == DEC_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+  }
+  return valid >= LANES ? w : _mm512_maskz_mov_ps(lanes, w);
+}
+
+/* ---- the kernels ---------------------------------------------------------------- */
+
+/* The accumulation of one chunk: a product, then a sum (two roundings, as
+ * the pipeline's C lanes), per token row and weight row. */
+V512_INLINE void dot_chunk(__m512 acc[DOT_TOKENS][DOT_ROWS], const __m512 *w, int mr, const float *const *x,
+                           int64_t j) {
+#pragma GCC unroll 4
+  for (int t = 0; t < mr; t++) {
+    const __m512 xv = _mm512_loadu_ps(x[t] + j);
+#pragma GCC unroll 4
+    for (int r = 0; r < DOT_ROWS; r++)
+      acc[t][r] = _mm512_add_ps(acc[t][r], _mm512_mul_ps(xv, w[r]));
+  }
+}
+
+/* dot (weight_format.h) for mr token rows, mr a constant after inlining:
+ * the mr x 4 accumulators stay in registers. Group by group (the tables
+ * loaded before its chunks), the row's partial last chunk after them. */
+V512_INLINE void dot_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtype act, int64_t e,
+                          const int64_t *rows, int mr, const float *const *x, int64_t kp, float *lanes) {
+  row_dec d[DOT_ROWS];
+  __m512 acc[DOT_TOKENS][DOT_ROWS];
+#pragma GCC unroll 4
+  for (int r = 0; r < DOT_ROWS; r++) {
+    row_open(m, e, rows[r], 0, &d[r]);
+#pragma GCC unroll 4
+    for (int t = 0; t < mr; t++)
+      acc[t][r] = _mm512_setzero_ps();
+  }
+  const int64_t full = m->cols / LANES * LANES;
+  for (int64_t g0 = 0; g0 < full;) {
+#pragma GCC unroll 4
+    for (int r = 0; r < DOT_ROWS; r++)
+      row_group(m, dec, act, e, &d[r], g0);
+    const int64_t g1 = d[0].next < full ? d[0].next : full;
+    for (int64_t j = g0; j < g1; j += LANES) {
+      __m512 w[DOT_ROWS];
+#pragma GCC unroll 4
+      for (int r = 0; r < DOT_ROWS; r++)
+        w[r] = row_chunk(dec, act, &d[r], j, LANES);
+      dot_chunk(acc, w, mr, x, j);
+    }
+    g0 = g1;
+  }
+  if (full < kp) { /* columns past cols: +0 weights, as the strip's zero padding */
+    __m512 w[DOT_ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < DOT_ROWS; r++) {
+      row_group(m, dec, act, e, &d[r], full);
+      w[r] = row_chunk(dec, act, &d[r], full, m->cols - full);
+    }
+    dot_chunk(acc, w, mr, x, full);
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < mr; t++)
+#pragma GCC unroll 4
+    for (int r = 0; r < DOT_ROWS; r++)
+      _mm512_storeu_ps(lanes + (t * DOT_ROWS + r) * LANES, acc[t][r]);
+}
+
+V512_INLINE void dot_dec(const moe_weight_matrix *m, enum decoder dec, int64_t e, const int64_t *rows, int mr,
+                         const float *const *x, int64_t kp, float *lanes) {
+  const moe_dtype act = m->act == MOE_F16 ? MOE_F16 : MOE_BF16;
+  if (mr == DOT_TOKENS) {
+    if (act == MOE_F16)
+      dot_rows(m, dec, MOE_F16, e, rows, DOT_TOKENS, x, kp, lanes);
+    else
+      dot_rows(m, dec, MOE_BF16, e, rows, DOT_TOKENS, x, kp, lanes);
+  } else {
+    if (act == MOE_F16)
+      dot_rows(m, dec, MOE_F16, e, rows, 1, x, kp, lanes);
+    else
+      dot_rows(m, dec, MOE_BF16, e, rows, 1, x, kp, lanes);
+  }
+}
+
+/* dequant_fast: chunks stored whole, the last one by its valid lanes. */
+V512_INLINE void dequant_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtype act, int64_t e, int64_t n0,
+                              int64_t nrows, int64_t k0, int64_t ncols, float *dst, size_t ld) {
+  for (int64_t r = 0; r < nrows; r++) {
+    row_dec d;
+    row_open(m, e, n0 + r, k0, &d);
+    float *out = dst + (size_t)r * ld - k0;
+    for (int64_t j = k0; j < k0 + ncols; j += LANES) {
+      const int64_t valid = k0 + ncols - j < LANES ? k0 + ncols - j : LANES;
+      if (j >= d.next) row_group(m, dec, act, e, &d, j);
+      const __m512 w = row_chunk(dec, act, &d, j, valid);
+      _mm512_mask_storeu_ps(out + j, valid >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1u), w);
+    }
+  }
+}
+
+V512_INLINE void dequant_dec(const moe_weight_matrix *m, enum decoder dec, int64_t e, int64_t n0, int64_t nrows,
+                             int64_t k0, int64_t ncols, float *dst, size_t ld) {
+  if (!moe_weight_vector_ok(m) || k0 % LANES != 0) {
+    m->fmt->dequant(m, e, n0, nrows, k0, ncols, dst, ld);
+    return;
+  }
+  if (m->act == MOE_F16)
+    dequant_rows(m, dec, MOE_F16, e, n0, nrows, k0, ncols, dst, ld);
+  else
+    dequant_rows(m, dec, MOE_BF16, e, n0, nrows, k0, ncols, dst, ld);
+}
+
+/* Each format's two members: the decoder a constant in each. */
+#define FORMAT_KERNELS(name, dec)                                                                            \
+  V512 void moe_dot_##name##_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,     \
+                                    const float *const *x, int64_t kp, float *lanes) {                       \
+    dot_dec(m, dec, e, rows, mr, x, kp, lanes);                                                              \
+  }                                                                                                          \
+  V512 void moe_dequant_##name##_avx512(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,   \
+                                        int64_t k0, int64_t ncols, float *dst, size_t ld) {                  \
+    dequant_dec(m, dec, e, n0, nrows, k0, ncols, dst, ld);                                                   \
+  }
+FORMAT_KERNELS(bf16, DEC_BF16)
+FORMAT_KERNELS(fp16, DEC_FP16)
+FORMAT_KERNELS(int4, DEC_INT4)
+FORMAT_KERNELS(int8, DEC_INT8)
+FORMAT_KERNELS(mxfp4, DEC_MXFP4)
