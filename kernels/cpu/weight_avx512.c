@@ -117,13 +117,33 @@ V512_INLINE __m512 row_chunk(enum decoder dec, moe_dtype act, const row_dec *d, 
 
 /* ---- the kernels ---------------------------------------------------------------- */
 
+/* The dot kernel's int4/mxfp4 chunks in a permuted lane order that makes
+ * the nibble spread one broadcast and one shift: 8 bytes broadcast to every
+ * 64-bit lane put the low 4 bytes in the even 32-bit lanes and the high 4
+ * in the odd ones, so physical lane p takes nibble PERM[p] (p / 2 of the
+ * low bytes for even p, 8 + p / 2 of the high ones for odd p) after a
+ * shift by 4 * (p / 2). The token rows are loaded in the same order and
+ * the accumulators put back at the end: each logical lane still sums its
+ * columns in the same order, so the bits do not move. */
+static const int32_t perm[LANES] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
+static const int32_t perm_inv[LANES] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
+
+V512_INLINE __m512 chunk_permuted(const row_dec *d, int64_t j, int64_t valid) {
+  uint64_t bytes = 0;
+  memcpy(&bytes, d->q + j / 2, valid >= LANES ? LANES / 2 : (size_t)valid / 2);
+  const __m512i code = _mm512_srlv_epi32(_mm512_set1_epi64((long long)bytes),
+                                         _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28));
+  return _mm512_permutexvar_ps(code, d->lut); /* vpermps reads the index's low 4 bits only */
+}
+
 /* The accumulation of one chunk: a product, then a sum (two roundings, as
  * the pipeline's C lanes), per token row and weight row. */
-V512_INLINE void dot_chunk(__m512 acc[DOT_TOKENS][DOT_ROWS], const __m512 *w, int mr, const float *const *x,
-                           int64_t j) {
+V512_INLINE void dot_chunk(__m512 acc[DOT_TOKENS][DOT_ROWS], const __m512 *w, int mr, bool permuted,
+                           const float *const *x, int64_t j) {
 #pragma GCC unroll 4
   for (int t = 0; t < mr; t++) {
-    const __m512 xv = _mm512_loadu_ps(x[t] + j);
+    __m512 xv = _mm512_loadu_ps(x[t] + j);
+    if (permuted) xv = _mm512_permutexvar_ps(_mm512_loadu_si512(perm), xv);
 #pragma GCC unroll 4
     for (int r = 0; r < DOT_ROWS; r++)
       acc[t][r] = _mm512_add_ps(acc[t][r], _mm512_mul_ps(xv, w[r]));
@@ -135,6 +155,7 @@ V512_INLINE void dot_chunk(__m512 acc[DOT_TOKENS][DOT_ROWS], const __m512 *w, in
  * loaded before its chunks), the row's partial last chunk after them. */
 V512_INLINE void dot_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtype act, int64_t e,
                           const int64_t *rows, int mr, const float *const *x, int64_t kp, float *lanes) {
+  const bool permuted = dec == DEC_INT4 || dec == DEC_MXFP4;
   row_dec d[DOT_ROWS];
   __m512 acc[DOT_TOKENS][DOT_ROWS];
 #pragma GCC unroll 4
@@ -154,25 +175,31 @@ V512_INLINE void dot_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtyp
       __m512 w[DOT_ROWS];
 #pragma GCC unroll 4
       for (int r = 0; r < DOT_ROWS; r++)
-        w[r] = row_chunk(dec, act, &d[r], j, LANES);
-      dot_chunk(acc, w, mr, x, j);
+        w[r] = permuted ? chunk_permuted(&d[r], j, LANES) : row_chunk(dec, act, &d[r], j, LANES);
+      dot_chunk(acc, w, mr, permuted, x, j);
     }
     g0 = g1;
   }
   if (full < kp) { /* columns past cols: +0 weights, as the strip's zero padding */
+    const int64_t valid = m->cols - full;
+    __mmask16 keep = 0; /* the physical lanes of the valid columns */
+    for (int p = 0; p < LANES; p++)
+      keep |= (__mmask16)((permuted ? perm[p] : p) < valid) << p;
     __m512 w[DOT_ROWS];
 #pragma GCC unroll 4
     for (int r = 0; r < DOT_ROWS; r++) {
       row_group(m, dec, act, e, &d[r], full);
-      w[r] = row_chunk(dec, act, &d[r], full, m->cols - full);
+      w[r] = _mm512_maskz_mov_ps(keep, permuted ? chunk_permuted(&d[r], full, valid)
+                                                : row_chunk(dec, act, &d[r], full, valid));
     }
-    dot_chunk(acc, w, mr, x, full);
+    dot_chunk(acc, w, mr, permuted, x, full);
   }
 #pragma GCC unroll 4
   for (int t = 0; t < mr; t++)
 #pragma GCC unroll 4
     for (int r = 0; r < DOT_ROWS; r++)
-      _mm512_storeu_ps(lanes + (t * DOT_ROWS + r) * LANES, acc[t][r]);
+      _mm512_storeu_ps(lanes + (t * DOT_ROWS + r) * LANES,
+                       permuted ? _mm512_permutexvar_ps(_mm512_loadu_si512(perm_inv), acc[t][r]) : acc[t][r]);
 }
 
 V512_INLINE void dot_dec(const moe_weight_matrix *m, enum decoder dec, int64_t e, const int64_t *rows, int mr,
