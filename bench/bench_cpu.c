@@ -6,7 +6,11 @@
  * bench/RESULTS.md, the median and the fastest run of each row (on a shared
  * machine the fastest is the least disturbed).
  *
- *   moe-bench-cpu [--quick] [--quant-only] [--fused-only] [--tokens 1,16,256] [--threads N]
+ *   moe-bench-cpu [--quick] [--quant-only] [--fused-only] [--tokens 1,16,256] [--threads N] [--reference]
+ *
+ * --reference runs fused_moe through the CPU backend's reference kernels
+ * (the element-wise path the vector decoders replace): old and new in one
+ * binary.
  */
 #include <cblas.h>
 #include <getopt.h>
@@ -17,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cpu/cpu.h"
 #include "moe/backend.h"
 #include "moe/codec.h"
 #include "moe/expert_set.h"
@@ -327,16 +332,17 @@ static int parse_tokens(const char *s, int *tokens, int max) {
 }
 
 int main(int argc, char **argv) {
-  int threads = 0, quick = 0, quant_only = 0, fused_only = 0;
+  int threads = 0, quick = 0, quant_only = 0, fused_only = 0, reference = 0;
   int toks[8] = {1, 16, 256}, nt = 3;
   static const struct option opts[] = {{"threads", required_argument, 0, 't'},
                                        {"quick", no_argument, 0, 'q'},
                                        {"quant-only", no_argument, 0, 'Q'},
                                        {"fused-only", no_argument, 0, 'F'},
                                        {"tokens", required_argument, 0, 'T'},
+                                       {"reference", no_argument, 0, 'R'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
-  for (int ch; (ch = getopt_long(argc, argv, "t:qQFT:h", opts, NULL)) != -1;) {
+  for (int ch; (ch = getopt_long(argc, argv, "t:qQFT:Rh", opts, NULL)) != -1;) {
     if (ch == 't')
       threads = atoi(optarg);
     else if (ch == 'q')
@@ -345,14 +351,19 @@ int main(int argc, char **argv) {
       quant_only = 1;
     else if (ch == 'F')
       fused_only = 1;
+    else if (ch == 'R')
+      reference = 1;
     else if (ch == 'T' && (nt = parse_tokens(optarg, toks, 8)) > 0)
       continue;
     else {
-      printf("usage: %s [--threads N] [--quick] [--quant-only] [--fused-only] [--tokens 1,16,256]\n", argv[0]);
+      printf("usage: %s [--threads N] [--quick] [--quant-only] [--fused-only] [--tokens 1,16,256] "
+             "[--reference]\n",
+             argv[0]);
       return ch == 'h' ? 0 : 2;
     }
   }
   if (quick && nt > 2) nt = 2;
+  moe_cpu_set_reference_kernels(reference);
   moe_backend *b;
   moe_error err;
   if (moe_backend_open(MOE_BACKEND_HOST, threads, &b, &err)) return 1;
@@ -363,7 +374,7 @@ int main(int argc, char **argv) {
   double ceiling = memcpy_gbs((size_t)1 << 30, nthreads);
   printf("backend: %s; memcpy ceiling (1 GiB, read+write): %.2f GB/s", moe_backend_name(b), ceiling);
   if (!quant_only) printf("; OpenBLAS sgemm [2048]^3 on %d threads: %.1f GFLOP/s", nthreads, gemm);
-  printf("\n\n");
+  printf("%s\n\n", reference ? "; fused_moe: reference kernels" : "");
   if (!fused_only) {
     printf("| op | input | median | GB/s | %% of memcpy | fastest | %% of memcpy (fastest) |\n"
            "|---|---|---|---|---|---|---|\n");
