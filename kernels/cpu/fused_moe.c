@@ -61,7 +61,8 @@ _Static_assert(LANES == MOE_WEIGHT_LANES && MR == MOE_WEIGHT_DOT_TOKENS && NR ==
 
 /* ---- the dot kernels ------------------------------------------------------------ */
 
-/* Combines LANES partial sums in the fixed pairwise order. */
+/* Combines LANES partial sums in the fixed pairwise order (the formats'
+ * vector dot, kernels/cpu/weight_avx512.c, combines its lanes the same way). */
 MOE_CPU_INLINE float lanes_sum(const float *a) {
   float b[8], c[4];
   for (int l = 0; l < 8; l++)
@@ -164,10 +165,7 @@ static void strip_gemm(int mr, const float *const *x, const strip_src *src, cons
     const float *w = src->strip + (size_t)n0 * ld;
     if (!sc) {
       if (src->direct) {
-        float lanes[MR * NR * LANES];
-        src->w->fmt->dot(src->w, src->e, src->rows + n0, mr, x, l->stride, lanes);
-        for (int q = 0; q < mr * NR; q++)
-          out[q] = lanes_sum(lanes + q * LANES);
+        src->w->fmt->dot(src->w, src->e, src->rows + n0, mr, x, l->stride, out);
       } else {
         (mr == MR ? dot_rows4 : dot_rows1)(x, w, ld, l->stride, out);
       }

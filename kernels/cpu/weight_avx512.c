@@ -139,6 +139,15 @@ V512_INLINE __m512 chunk_permuted(const row_dec *d, int64_t j, int64_t valid) {
   return _mm512_permutexvar_ps(code, d->lut); /* vpermps reads the index's low 4 bits only */
 }
 
+/* The pipeline's fixed pairwise sum of 16 lanes (kernels/cpu/fused_moe.c
+ * lanes_sum): lane l + lane l + 8, then + 4, then (c0 + c2) + (c1 + c3). */
+V512_INLINE float lanes_sum(__m512 a) {
+  const __m256 b = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  const __m128 c = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+  const __m128 d = _mm_add_ps(c, _mm_movehl_ps(c, c)); /* c0 + c2, c1 + c3 */
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+}
+
 /* The accumulation of one chunk: a product, then a sum (two roundings, as
  * the pipeline's C lanes), per token row and weight row. */
 V512_INLINE void dot_chunk(__m512 acc[DOT_TOKENS][DOT_ROWS], const __m512 *w, int mr, bool permuted,
@@ -154,10 +163,10 @@ V512_INLINE void dot_chunk(__m512 acc[DOT_TOKENS][DOT_ROWS], const __m512 *w, in
 }
 
 /* dot (weight_format.h) for mr token rows, mr a constant after inlining:
- * the mr x 4 accumulators stay in registers. Group by group (the tables
+ * the mr x 4 accumulators stay in registers, summed across lanes at the end. Group by group (the tables
  * loaded before its chunks), the row's partial last chunk after them. */
 V512_INLINE void dot_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtype act, int64_t e,
-                          const int64_t *rows, int mr, const float *const *x, int64_t kp, float *lanes) {
+                          const int64_t *rows, int mr, const float *const *x, int64_t kp, float *out) {
   const bool permuted = dec == DEC_INT4 || dec == DEC_MXFP4;
   const int64_t line_cols = permuted ? 128 : dec == DEC_INT8 ? 64 : 32; /* columns per 64-byte line */
   row_dec d[DOT_ROWS];
@@ -206,23 +215,23 @@ V512_INLINE void dot_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtyp
   for (int t = 0; t < mr; t++)
 #pragma GCC unroll 4
     for (int r = 0; r < DOT_ROWS; r++)
-      _mm512_storeu_ps(lanes + (t * DOT_ROWS + r) * LANES,
-                       permuted ? _mm512_permutexvar_ps(_mm512_loadu_si512(perm_inv), acc[t][r]) : acc[t][r]);
+      out[t * DOT_ROWS + r] =
+          lanes_sum(permuted ? _mm512_permutexvar_ps(_mm512_loadu_si512(perm_inv), acc[t][r]) : acc[t][r]);
 }
 
 V512_INLINE void dot_dec(const moe_weight_matrix *m, enum decoder dec, int64_t e, const int64_t *rows, int mr,
-                         const float *const *x, int64_t kp, float *lanes) {
+                         const float *const *x, int64_t kp, float *out) {
   const moe_dtype act = m->act == MOE_F16 ? MOE_F16 : MOE_BF16;
   if (mr == DOT_TOKENS) {
     if (act == MOE_F16)
-      dot_rows(m, dec, MOE_F16, e, rows, DOT_TOKENS, x, kp, lanes);
+      dot_rows(m, dec, MOE_F16, e, rows, DOT_TOKENS, x, kp, out);
     else
-      dot_rows(m, dec, MOE_BF16, e, rows, DOT_TOKENS, x, kp, lanes);
+      dot_rows(m, dec, MOE_BF16, e, rows, DOT_TOKENS, x, kp, out);
   } else {
     if (act == MOE_F16)
-      dot_rows(m, dec, MOE_F16, e, rows, 1, x, kp, lanes);
+      dot_rows(m, dec, MOE_F16, e, rows, 1, x, kp, out);
     else
-      dot_rows(m, dec, MOE_BF16, e, rows, 1, x, kp, lanes);
+      dot_rows(m, dec, MOE_BF16, e, rows, 1, x, kp, out);
   }
 }
 
@@ -257,8 +266,8 @@ V512_INLINE void dequant_dec(const moe_weight_matrix *m, enum decoder dec, int64
 /* Each format's two members: the decoder a constant in each. */
 #define FORMAT_KERNELS(name, dec)                                                                            \
   V512 void moe_dot_##name##_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,     \
-                                    const float *const *x, int64_t kp, float *lanes) {                       \
-    dot_dec(m, dec, e, rows, mr, x, kp, lanes);                                                              \
+                                    const float *const *x, int64_t kp, float *out) {                         \
+    dot_dec(m, dec, e, rows, mr, x, kp, out);                                                                \
   }                                                                                                          \
   V512 void moe_dequant_##name##_avx512(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,   \
                                         int64_t k0, int64_t ncols, float *dst, size_t ld) {                  \

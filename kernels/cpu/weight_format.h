@@ -99,12 +99,14 @@ struct moe_weight_format {
    * rows x[0..mr) (mr 1 or MOE_WEIGHT_DOT_TOKENS, kp columns: a multiple of
    * 16, zero past cols) with weight rows rows[0..MOE_WEIGHT_DOT_ROWS) of
    * expert e, decoded from storage into registers and never written out:
-   * lanes[((m * DOT_ROWS + r) * 16) + l] = SUM over j = l, l + 16, ... in
-   * ascending order of x[m][j] * w[j], each product rounded, then added
-   * (the dot kernels' lane arithmetic, so the same bits as a dequantized
-   * strip through them; columns past cols count as +0 weights). */
+   * out[m * DOT_ROWS + r], in the pipeline's order (kernels/cpu/fused_moe.c):
+   * lane l sums x[m][j] * w[j] for j = l, l + 16, ... in ascending order,
+   * each product rounded, then added; the 16 lanes are then added pairwise
+   * (l with l + 8, then + 4, then (0 + 2) + (1 + 3)). So the same bits as
+   * a dequantized strip through the pipeline's dot kernels; columns past
+   * cols count as +0 weights. */
   void (*dot)(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr, const float *const *x,
-              int64_t kp, float *lanes);
+              int64_t kp, float *out);
 };
 
 /* Whether every 16-column chunk of m's rows lies in one scale group (the
@@ -135,15 +137,15 @@ extern const float moe_e2m1_value[16];
 
 /* The AVX-512 members of the formats (kernels/cpu/weight_avx512.c). */
 void moe_dot_bf16_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr, const float *const *x,
-                         int64_t kp, float *lanes);
+                         int64_t kp, float *out);
 void moe_dot_fp16_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr, const float *const *x,
-                         int64_t kp, float *lanes);
+                         int64_t kp, float *out);
 void moe_dot_int4_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr, const float *const *x,
-                         int64_t kp, float *lanes);
+                         int64_t kp, float *out);
 void moe_dot_int8_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr, const float *const *x,
-                         int64_t kp, float *lanes);
+                         int64_t kp, float *out);
 void moe_dot_mxfp4_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
-                          const float *const *x, int64_t kp, float *lanes);
+                          const float *const *x, int64_t kp, float *out);
 moe_weight_dequant_fn moe_dequant_bf16_avx512, moe_dequant_fp16_avx512, moe_dequant_int4_avx512,
     moe_dequant_int8_avx512, moe_dequant_mxfp4_avx512;
 
