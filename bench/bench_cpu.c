@@ -223,8 +223,8 @@ typedef struct layer {
   int64_t e, k, h, i;
 } layer;
 
-static void bench_fused(moe_backend *b, double ceiling, double gemm, const layer *L, bool wna16, const int *tokens,
-                        int nt) {
+static void bench_fused(moe_backend *b, double ceiling, double gemm, const layer *L, bool wna16,
+                        const int *tokens, int nt) {
   moe_expert_config cfg;
   moe_expert_config_defaults(&cfg);
   cfg.scheme = wna16 ? MOE_SCHEME_WNA16 : MOE_SCHEME_BF16;
@@ -303,7 +303,8 @@ static void bench_fused(moe_backend *b, double ceiling, double gemm, const layer
     double bytes = w_per_expert * (double)n_used + (double)(T * L->h * 2) * 2 + (double)tk * 8;
     double flops = 2.0 * (double)T * (double)L->k * (double)(h * 2 * in + in * h);
     double gbs = bytes / sec / 1e9, gflops = flops / sec / 1e9;
-    printf("| %s | %s | %lld | %.3f ms | %.3f ms | %.2f GB/s | %.0f%% | %.0f%% | %.1f GFLOP/s | %.0f%% | %.0f%% |\n",
+    printf("| %s | %s | %lld | %.3f ms | %.3f ms | %.2f GB/s | %.0f%% | %.0f%% | %.1f GFLOP/s | %.0f%% | "
+           "%.0f%% |\n",
            L->name, wna16 ? "wna16 int4 g128" : "bf16", (long long)T, sec * 1e3, best * 1e3, gbs,
            100.0 * gbs / ceiling, 100.0 * bytes / best / 1e9 / ceiling, gflops, 100.0 * gflops / gemm,
            100.0 * flops / best / 1e9 / gemm);
@@ -334,14 +335,11 @@ static int parse_tokens(const char *s, int *tokens, int max) {
 int main(int argc, char **argv) {
   int threads = 0, quick = 0, quant_only = 0, fused_only = 0, reference = 0;
   int toks[8] = {1, 16, 256}, nt = 3;
-  static const struct option opts[] = {{"threads", required_argument, 0, 't'},
-                                       {"quick", no_argument, 0, 'q'},
-                                       {"quant-only", no_argument, 0, 'Q'},
-                                       {"fused-only", no_argument, 0, 'F'},
-                                       {"tokens", required_argument, 0, 'T'},
-                                       {"reference", no_argument, 0, 'R'},
-                                       {"help", no_argument, 0, 'h'},
-                                       {0, 0, 0, 0}};
+  static const struct option opts[] = {
+      {"threads", required_argument, 0, 't'}, {"quick", no_argument, 0, 'q'},
+      {"quant-only", no_argument, 0, 'Q'},    {"fused-only", no_argument, 0, 'F'},
+      {"tokens", required_argument, 0, 'T'},  {"reference", no_argument, 0, 'R'},
+      {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
   for (int ch; (ch = getopt_long(argc, argv, "t:qQFT:Rh", opts, NULL)) != -1;) {
     if (ch == 't')
       threads = atoi(optarg);
@@ -384,7 +382,8 @@ int main(int argc, char **argv) {
     moe_backend_destroy(b);
     return 0;
   }
-  printf("\n| layer | scheme | T | median | fastest | weight GB/s | %% of memcpy | %% of memcpy (fastest) | GFLOP/s | "
+  printf("\n| layer | scheme | T | median | fastest | weight GB/s | %% of memcpy | %% of memcpy (fastest) | "
+         "GFLOP/s | "
          "%% of sgemm | %% of sgemm (fastest) |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
   static const layer qwen = {"qwen3-30b-a3b", 128, 8, 2048, 768},
                      mixtral = {"mixtral-8x7b", 8, 2, 4096, 14336};

@@ -227,9 +227,9 @@ typedef struct fused_ctx {
   work_item *items1, *items2;
   int64_t n_items1, n_items2;
   moe_weight_dequant_fn *dequant13, *dequant2; /* the strips' dequantization */
-  bool direct13, direct2; /* whether the formats' dot serves experts with few tokens */
-  const moe_call *call;   /* its stop check (moe_call_set_stop) */
-  _Atomic bool stopped; /* set by the first thread whose check said stop */
+  bool direct13, direct2;                      /* whether the formats' dot serves experts with few tokens */
+  const moe_call *call;                        /* its stop check (moe_call_set_stop) */
+  _Atomic bool stopped;                        /* set by the first thread whose check said stop */
 } fused_ctx;
 
 /* Whether the rest of the work is to be skipped: asked before each item. */
@@ -274,8 +274,8 @@ static void strip_pad(float *strip, const k_layout *l, const bool *used) {
 
 /* Weight rows [n0, n0 + nrows) of expert e into strip rows from dst, block
  * by block of the K layout. */
-static void dequant_rows(moe_weight_dequant_fn *dequant, const moe_weight_matrix *w, const k_layout *l, int64_t e,
-                         int64_t n0, int64_t nrows, float *dst) {
+static void dequant_rows(moe_weight_dequant_fn *dequant, const moe_weight_matrix *w, const k_layout *l,
+                         int64_t e, int64_t n0, int64_t nrows, float *dst) {
   for (int64_t b = 0; b < l->blocks; b++)
     dequant(w, e, n0, nrows, b * l->len, l->len, dst + b * l->pad, (size_t)l->stride);
 }

@@ -19,7 +19,8 @@
 #include "weight_format.h"
 
 #define V512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c")))
-#define V512_INLINE static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512dq,avx512vl,f16c")))
+#define V512_INLINE                                                                                          \
+  static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512dq,avx512vl,f16c")))
 
 #define LANES MOE_WEIGHT_LANES
 #ifndef PREFETCH
@@ -38,8 +39,8 @@ V512_INLINE __m512 round_bf16(__m512 v) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
   r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
-  const __mmask16 nan =
-      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000)));
 }
 
@@ -51,7 +52,9 @@ V512_INLINE __m512 round_f16(__m512 v) {
   return _mm512_mask_mov_ps(r, nan, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
 }
 
-V512_INLINE __m512 round_act(__m512 v, moe_dtype act) { return act == MOE_F16 ? round_f16(v) : round_bf16(v); }
+V512_INLINE __m512 round_act(__m512 v, moe_dtype act) {
+  return act == MOE_F16 ? round_f16(v) : round_bf16(v);
+}
 
 /* ---- one row as the decoders walk it ------------------------------------------ */
 
@@ -113,7 +116,8 @@ V512_INLINE __m512 row_chunk(enum decoder dec, moe_dtype act, const row_dec *d, 
     w = round_act(_mm512_mul_ps(_mm512_sub_ps(q, d->z), d->s), act);
   } else {
     const __m256i h = _mm256_maskz_loadu_epi16(lanes, d->q + 2 * j);
-    w = dec == DEC_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+    w = dec == DEC_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                        : _mm512_cvtph_ps(h);
   }
   return valid >= LANES ? w : _mm512_maskz_mov_ps(lanes, w);
 }
@@ -134,8 +138,9 @@ static const int32_t perm_inv[LANES] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9
 V512_INLINE __m512 chunk_permuted(const row_dec *d, int64_t j, int64_t valid) {
   uint64_t bytes = 0;
   memcpy(&bytes, d->q + j / 2, valid >= LANES ? LANES / 2 : (size_t)valid / 2);
-  const __m512i code = _mm512_srlv_epi32(_mm512_set1_epi64((long long)bytes),
-                                         _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28));
+  const __m512i code =
+      _mm512_srlv_epi32(_mm512_set1_epi64((long long)bytes),
+                        _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28));
   return _mm512_permutexvar_ps(code, d->lut); /* vpermps reads the index's low 4 bits only */
 }
 
@@ -236,8 +241,8 @@ V512_INLINE void dot_dec(const moe_weight_matrix *m, enum decoder dec, int64_t e
 }
 
 /* dequant_fast: chunks stored whole, the last one by its valid lanes. */
-V512_INLINE void dequant_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtype act, int64_t e, int64_t n0,
-                              int64_t nrows, int64_t k0, int64_t ncols, float *dst, size_t ld) {
+V512_INLINE void dequant_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtype act, int64_t e,
+                              int64_t n0, int64_t nrows, int64_t k0, int64_t ncols, float *dst, size_t ld) {
   for (int64_t r = 0; r < nrows; r++) {
     row_dec d;
     row_open(m, e, n0 + r, k0, &d);
@@ -251,8 +256,8 @@ V512_INLINE void dequant_rows(const moe_weight_matrix *m, enum decoder dec, moe_
   }
 }
 
-V512_INLINE void dequant_dec(const moe_weight_matrix *m, enum decoder dec, int64_t e, int64_t n0, int64_t nrows,
-                             int64_t k0, int64_t ncols, float *dst, size_t ld) {
+V512_INLINE void dequant_dec(const moe_weight_matrix *m, enum decoder dec, int64_t e, int64_t n0,
+                             int64_t nrows, int64_t k0, int64_t ncols, float *dst, size_t ld) {
   if (!moe_weight_vector_ok(m) || k0 % LANES != 0) {
     m->fmt->dequant(m, e, n0, nrows, k0, ncols, dst, ld);
     return;
@@ -265,11 +270,11 @@ V512_INLINE void dequant_dec(const moe_weight_matrix *m, enum decoder dec, int64
 
 /* Each format's two members: the decoder a constant in each. */
 #define FORMAT_KERNELS(name, dec)                                                                            \
-  V512 void moe_dot_##name##_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,     \
+  V512 void moe_dot_##name##_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,      \
                                     const float *const *x, int64_t kp, float *out) {                         \
     dot_dec(m, dec, e, rows, mr, x, kp, out);                                                                \
   }                                                                                                          \
-  V512 void moe_dequant_##name##_avx512(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,   \
+  V512 void moe_dequant_##name##_avx512(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,    \
                                         int64_t k0, int64_t ncols, float *dst, size_t ld) {                  \
     dequant_dec(m, dec, e, n0, nrows, k0, ncols, dst, ld);                                                   \
   }

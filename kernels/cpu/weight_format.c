@@ -15,7 +15,6 @@ MOE_CPU_INLINE uint16_t load_u16(const uint8_t *p) {
   return v;
 }
 
-
 /* ---- bf16 / fp16: the weights are already in the activation dtype ---------- */
 
 /* Widening only; `fp16` is a constant after inlining (the bf16 loop
@@ -180,8 +179,10 @@ static MOE_CPU_HOT void dequant_fp8(const moe_weight_matrix *m, int64_t e, int64
 
 /* ---- the table ------------------------------------------------------------------ */
 
-static const moe_weight_format format_bf16 = {"bf16", dequant_bf16, moe_dequant_bf16_avx512, moe_dot_bf16_avx512};
-static const moe_weight_format format_fp16 = {"fp16", dequant_fp16, moe_dequant_fp16_avx512, moe_dot_fp16_avx512};
+static const moe_weight_format format_bf16 = {"bf16", dequant_bf16, moe_dequant_bf16_avx512,
+                                              moe_dot_bf16_avx512};
+static const moe_weight_format format_fp16 = {"fp16", dequant_fp16, moe_dequant_fp16_avx512,
+                                              moe_dot_fp16_avx512};
 static const moe_weight_format format_int4 = {"wna16 int4", dequant_int4, moe_dequant_int4_avx512,
                                               moe_dot_int4_avx512};
 static const moe_weight_format format_int8 = {"wna16 int8", dequant_int8, moe_dequant_int8_avx512,

@@ -82,8 +82,8 @@ static inline float moe_weight_bias(const moe_weight_matrix *m, int64_t e, int64
 /* Token rows per call of a format's dot, at most (the pipeline's MR). */
 #define MOE_WEIGHT_DOT_TOKENS 4
 
-typedef void moe_weight_dequant_fn(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows, int64_t k0,
-                                   int64_t ncols, float *dst, size_t ld);
+typedef void moe_weight_dequant_fn(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
+                                   int64_t k0, int64_t ncols, float *dst, size_t ld);
 
 struct moe_weight_format {
   const char *name;
@@ -122,7 +122,8 @@ MOE_CPU_INLINE const uint8_t *moe_weight_row(const moe_weight_matrix *m, int64_t
 
 /* wna16: the zero point of row n, group g: int4 packs two rows per byte
  * (low nibble = even row); without zero points the code's midpoint (8 or 128). */
-MOE_CPU_INLINE float moe_weight_zero_point(const moe_weight_matrix *m, int bits, int64_t e, int64_t n, int64_t g) {
+MOE_CPU_INLINE float moe_weight_zero_point(const moe_weight_matrix *m, int bits, int64_t e, int64_t n,
+                                           int64_t g) {
   if (!m->zeros) return bits == 4 ? 8.0f : 128.0f;
   if (bits == 4) {
     uint8_t b =
@@ -136,14 +137,14 @@ MOE_CPU_INLINE float moe_weight_zero_point(const moe_weight_matrix *m, int bits,
 extern const float moe_e2m1_value[16];
 
 /* The AVX-512 members of the formats (kernels/cpu/weight_avx512.c). */
-void moe_dot_bf16_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr, const float *const *x,
-                         int64_t kp, float *out);
-void moe_dot_fp16_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr, const float *const *x,
-                         int64_t kp, float *out);
-void moe_dot_int4_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr, const float *const *x,
-                         int64_t kp, float *out);
-void moe_dot_int8_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr, const float *const *x,
-                         int64_t kp, float *out);
+void moe_dot_bf16_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
+                         const float *const *x, int64_t kp, float *out);
+void moe_dot_fp16_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
+                         const float *const *x, int64_t kp, float *out);
+void moe_dot_int4_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
+                         const float *const *x, int64_t kp, float *out);
+void moe_dot_int8_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
+                         const float *const *x, int64_t kp, float *out);
 void moe_dot_mxfp4_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
                           const float *const *x, int64_t kp, float *out);
 moe_weight_dequant_fn moe_dequant_bf16_avx512, moe_dequant_fp16_avx512, moe_dequant_int4_avx512,

@@ -27,21 +27,38 @@
 #define LANES MOE_WEIGHT_LANES
 
 /* The scales of the wna16 cases: each column group of a row takes one. */
-static const float scales[] = {
-    1.0f, 0.0078125f, 3.14159274f, -0.5f, 1e-3f, 0.0f, -0.0f,
-    1e-39f,          /* subnormal in fp32 */
-    1.4e-45f,        /* the least fp32 subnormal */
-    1.17549435e-38f, /* FLT_MIN: the least normal */
-    1e-6f, 3e-8f,    /* fp16 subnormal products */
-    4368.0f,         /* 15 * 4368 = 65520: fp16's overflow boundary (rounds to inf) */
-    4367.0f, 5000.0f, 3.0e37f, 2.3e37f, 4.2535296e37f, /* fp32 products near and past FLT_MAX */
-    3.40282347e38f,                                   /* FLT_MAX */
-    1.00390625f,                                      /* 1 + 2^-8: a bf16 tie at (q - z) = +-1 */
-    1.01171875f,                                      /* 1 + 3 * 2^-8: a tie rounding up */
-    1.00048828f,                                      /* 1 + 2^-11: an fp16 tie */
-    -1.00146484f,                                     /* -(1 + 3 * 2^-11) */
-    0.333333343f, -7.77e-3f, 123.456f, 2.5e-20f, 6.1e-5f,
-    INFINITY, -INFINITY, NAN, -NAN};
+static const float scales[] = {1.0f,
+                               0.0078125f,
+                               3.14159274f,
+                               -0.5f,
+                               1e-3f,
+                               0.0f,
+                               -0.0f,
+                               1e-39f,          /* subnormal in fp32 */
+                               1.4e-45f,        /* the least fp32 subnormal */
+                               1.17549435e-38f, /* FLT_MIN: the least normal */
+                               1e-6f,
+                               3e-8f,   /* fp16 subnormal products */
+                               4368.0f, /* 15 * 4368 = 65520: fp16's overflow boundary (rounds to inf) */
+                               4367.0f,
+                               5000.0f,
+                               3.0e37f,
+                               2.3e37f,
+                               4.2535296e37f,  /* fp32 products near and past FLT_MAX */
+                               3.40282347e38f, /* FLT_MAX */
+                               1.00390625f,    /* 1 + 2^-8: a bf16 tie at (q - z) = +-1 */
+                               1.01171875f,    /* 1 + 3 * 2^-8: a tie rounding up */
+                               1.00048828f,    /* 1 + 2^-11: an fp16 tie */
+                               -1.00146484f,   /* -(1 + 3 * 2^-11) */
+                               0.333333343f,
+                               -7.77e-3f,
+                               123.456f,
+                               2.5e-20f,
+                               6.1e-5f,
+                               INFINITY,
+                               -INFINITY,
+                               NAN,
+                               -NAN};
 #define N_SCALES ((int64_t)(sizeof scales / sizeof scales[0]))
 
 static uint64_t rng = 88172645463325252ull;
@@ -79,8 +96,8 @@ static void check_matrix(const moe_weight_matrix *m, const char *what) {
   for (int64_t r = 0; r < rows; r++)
     for (int64_t j = 0; j < cols; j++) {
       const size_t i = (size_t)r * (size_t)kp + (size_t)j;
-      ck_assert_msg(same_bits(ref[i], vec[i]), "%s: row %lld column %lld: %a (0x%08x), reference %a (0x%08x)", what,
-                    (long long)r, (long long)j, (double)vec[i], moe_f32_bits(vec[i]), (double)ref[i],
+      ck_assert_msg(same_bits(ref[i], vec[i]), "%s: row %lld column %lld: %a (0x%08x), reference %a (0x%08x)",
+                    what, (long long)r, (long long)j, (double)vec[i], moe_f32_bits(vec[i]), (double)ref[i],
                     moe_f32_bits(ref[i]));
     }
   /* token rows of order one, zero past cols as the pipeline pads them */
@@ -132,7 +149,8 @@ static void check_set(const moe_expert_set *set, const char *name) {
       moe_weight_matrix m;
       moe_weight_matrix_init(set, w ? MOE_W2 : MOE_W13, acts[a], &m);
       char what[96];
-      snprintf(what, sizeof what, "%s %s, %s activations", name, w ? "w2" : "w13", acts[a] == MOE_F16 ? "fp16" : "bf16");
+      snprintf(what, sizeof what, "%s %s, %s activations", name, w ? "w2" : "w13",
+               acts[a] == MOE_F16 ? "fp16" : "bf16");
       check_matrix(&m, what);
     }
 }
@@ -261,7 +279,8 @@ END_TEST
 
 START_TEST(dense_every_pattern) {
   if (!have_vector_kernels()) return;
-  const int64_t I = 16, H = 2048 + 8; /* W13: 32 x 2056 >= 65536 values: every pattern, a partial chunk a row */
+  const int64_t I = 16,
+                H = 2048 + 8; /* W13: 32 x 2056 >= 65536 values: every pattern, a partial chunk a row */
   for (int f16 = 0; f16 < 2; f16++) {
     moe_expert_config cfg;
     moe_expert_config_defaults(&cfg);
