@@ -108,11 +108,12 @@ static double sgemm_gflops(int n, int threads) {
     b[i] = (float)(mix(i + nn) >> 40) * (1.0f / 16777216.0f) - 0.5f;
   }
   openblas_set_num_threads(threads);
-  double t[5];
-  for (int r = -1; r < 5; r++) {
+  double t[5] = {0};
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n); /* warm-up */
+  for (int r = 0; r < 5; r++) {
     double t0 = now();
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n);
-    if (r >= 0) t[r] = now() - t0;
+    t[r] = now() - t0;
   }
   qsort(t, 5, sizeof t[0], cmp_double);
   free(a);

@@ -118,9 +118,8 @@ static void check_matrix(const moe_weight_matrix *m, const char *what) {
       m->fmt->dot(m, 0, rr, mr, xr, kp, out);
       for (int t = 0; t < mr; t++)
         for (int r = 0; r < MOE_WEIGHT_DOT_ROWS; r++) {
-          float a[LANES], b[8], c[4];
+          float a[LANES] = {0}, b[8], c[4];
           for (int l = 0; l < LANES; l++) { /* lane l: columns l, l + 16, ... in order; product, then sum */
-            a[l] = 0.0f;
             for (int64_t j = l; j < kp; j += LANES) {
               const float p = xr[t][j] * ref[(size_t)(r0 + r) * (size_t)kp + (size_t)j];
               a[l] = a[l] + p;
