@@ -23,9 +23,6 @@
   static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512dq,avx512vl,f16c")))
 
 #define LANES MOE_WEIGHT_LANES
-#ifndef PREFETCH
-#define PREFETCH 1024 /* bytes ahead in a weight row */
-#endif
 #define DOT_ROWS MOE_WEIGHT_DOT_ROWS
 #define DOT_TOKENS MOE_WEIGHT_DOT_TOKENS
 
@@ -191,10 +188,11 @@ V512_INLINE void dot_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtyp
     const int64_t g1 = d[0].next < full ? d[0].next : full;
     for (int64_t j = g0; j < g1; j += LANES) {
       __m512 w[DOT_ROWS];
-      if (j % line_cols == 0) /* each row's line PREFETCH bytes ahead: 4 streams of DRAM reads a core */
+      if (j % line_cols == 0) /* the same line of the next call's rows (the pipeline's next 4 rows,
+                                 adjacent in storage) into L2: this call's rows came in the same way */
 #pragma GCC unroll 4
         for (int r = 0; r < DOT_ROWS; r++)
-          _mm_prefetch((const char *)d[r].q + (j / line_cols) * 64 + PREFETCH, _MM_HINT_T0);
+          _mm_prefetch((const char *)d[r].q + DOT_ROWS * m->row_bytes + (j / line_cols) * 64, _MM_HINT_T1);
 #pragma GCC unroll 4
       for (int r = 0; r < DOT_ROWS; r++)
         w[r] = permuted ? chunk_permuted(&d[r], j, LANES) : row_chunk(dec, act, &d[r], j, LANES);
