@@ -30,12 +30,14 @@ enum decoder { DEC_BF16, DEC_FP16, DEC_INT4, DEC_INT8, DEC_MXFP4 };
 
 /* ---- act() in the lanes ------------------------------------------------------ */
 
-/* moe_bf16_to_f32(moe_f32_to_bf16(v)): RNE on the bits, NaN -> 0x7FC00000. */
-V512_INLINE __m512 round_bf16(__m512 v) {
+/* moe_bf16_to_f32(moe_f32_to_bf16(v)): RNE on the bits, NaN -> 0x7FC00000
+ * (`nan`: whether v may hold NaN; int8 knows per group that it cannot). */
+V512_INLINE __m512 round_bf16(__m512 v, bool nan_in) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
   r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
+  if (!nan_in) return _mm512_castsi512_ps(r);
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
                                                 _mm512_set1_epi32(0x7F800000));
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000)));
@@ -43,14 +45,15 @@ V512_INLINE __m512 round_bf16(__m512 v) {
 
 /* moe_f16_to_f32(moe_f32_to_f16(v)): IEEE RNE with subnormals and overflow
  * to inf is what vcvtps2ph does; the codec's NaN is the one 0x7E00. */
-V512_INLINE __m512 round_f16(__m512 v) {
+V512_INLINE __m512 round_f16(__m512 v, bool nan_in) {
   const __m512 r = _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  if (!nan_in) return r;
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_mask_mov_ps(r, nan, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
 }
 
-V512_INLINE __m512 round_act(__m512 v, moe_dtype act) {
-  return act == MOE_F16 ? round_f16(v) : round_bf16(v);
+V512_INLINE __m512 round_act(__m512 v, moe_dtype act, bool nan_in) {
+  return act == MOE_F16 ? round_f16(v, nan_in) : round_bf16(v, nan_in);
 }
 
 /* ---- one row as the decoders walk it ------------------------------------------ */
@@ -61,6 +64,7 @@ typedef struct row_dec {
   int64_t next;     /* first column past the loaded group */
   __m512 lut;       /* int4, mxfp4: the group's weight of each code */
   __m512 s, z;      /* int8: the group's scale and zero point */
+  bool nan;         /* int8: whether (q - z) * s can be NaN: only for a NaN or infinite scale */
 } row_dec;
 
 V512_INLINE void row_open(const moe_weight_matrix *m, int64_t e, int64_t n, int64_t j, row_dec *d) {
@@ -68,6 +72,7 @@ V512_INLINE void row_open(const moe_weight_matrix *m, int64_t e, int64_t n, int6
   d->n = n;
   d->next = j; /* the first chunk loads its group */
   d->lut = d->s = d->z = _mm512_setzero_ps();
+  d->nan = false;
 }
 
 /* Loads the group of column j (a multiple of 16: the chunk lies in it). */
@@ -82,14 +87,16 @@ V512_INLINE void row_group(const moe_weight_matrix *m, enum decoder dec, moe_dty
   const size_t si = ((size_t)e * (size_t)m->rows + (size_t)d->n) * (size_t)m->groups + (size_t)g;
   if (dec == DEC_MXFP4) { /* value * 2^(b - 127) is exact; one act rounding */
     const float s = moe_e8m0_to_f32(((const uint8_t *)m->scales)[si]);
-    d->lut = round_act(_mm512_mul_ps(_mm512_loadu_ps(moe_e2m1_value), _mm512_set1_ps(s)), act);
+    d->lut = round_act(_mm512_mul_ps(_mm512_loadu_ps(moe_e2m1_value), _mm512_set1_ps(s)), act, true);
     return;
   }
-  d->s = _mm512_set1_ps(moe_load_float(m->scales, m->scale_dtype, si));
+  const float s = moe_load_float(m->scales, m->scale_dtype, si);
+  d->nan = !moe_f32_isfinite(s); /* q - z is a finite integer */
+  d->s = _mm512_set1_ps(s);
   d->z = _mm512_set1_ps(moe_weight_zero_point(m, dec == DEC_INT4 ? 4 : 8, e, d->n, g));
   if (dec == DEC_INT4) { /* float(c) - float(z) is exact; one rounding for the product */
     const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    d->lut = round_act(_mm512_mul_ps(_mm512_sub_ps(codes, d->z), d->s), act);
+    d->lut = round_act(_mm512_mul_ps(_mm512_sub_ps(codes, d->z), d->s), act, true);
   }
 }
 
@@ -110,7 +117,8 @@ V512_INLINE __m512 row_chunk(enum decoder dec, moe_dtype act, const row_dec *d, 
   } else if (dec == DEC_INT8) {
     const __m128i b = _mm_maskz_loadu_epi8(lanes, d->q + j);
     const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
-    w = round_act(_mm512_mul_ps(_mm512_sub_ps(q, d->z), d->s), act);
+    const __m512 p = _mm512_mul_ps(_mm512_sub_ps(q, d->z), d->s);
+    w = d->nan ? round_act(p, act, true) : round_act(p, act, false);
   } else {
     const __m256i h = _mm256_maskz_loadu_epi16(lanes, d->q + 2 * j);
     w = dec == DEC_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
