@@ -214,6 +214,35 @@ static void bench_quant(moe_backend *b, double ceiling, size_t mib) {
            cases[i].label, (long long)m, (long long)k, mib, t * 1e3, gbs, 100.0 * gbs / ceiling, best * 1e3,
            100.0 * best_gbs / ceiling);
   }
+  /* the dequant ops back to bf16: codes of the same shape, e8m0 scales near 1 */
+  uint8_t *q = random_bytes(n, 2), *e8 = random_bytes(n / 32, 3);
+  for (size_t i = 0; i < n / 32; i++)
+    e8[i] = (uint8_t)(120 + e8[i] % 16);
+  const struct {
+    const char *label, *op, *format;
+    moe_dtype qt;
+    size_t qbytes;
+  } dq[] = {{"dequant.per_tensor fp8 -> bf16", "dequant.per_tensor", NULL, MOE_FP8_E4M3FN, n},
+            {"dequant.mx mxfp8 -> bf16", "dequant.mx", "mxfp8_e4m3fn", MOE_FP8_E4M3FN, n},
+            {"dequant.mx mxfp4 -> bf16", "dequant.mx", "mxfp4", MOE_FP4_E2M1, n / 2}};
+  for (size_t i = 0; i < sizeof dq / sizeof dq[0]; i++) {
+    const bool mx = dq[i].format != NULL;
+    moe_named_tensor din[2] = {
+        {"q", {dq[i].qt, 2, {m, k}, q, dq[i].qbytes}},
+        {mx ? "scales" : "scale",
+         mx ? (moe_tensor){MOE_UINT8, 2, {m, k / 32}, e8, n / 32} : (moe_tensor){MOE_F32, 1, {1}, &one, 4}}};
+    moe_param p[2] = {pstr("out_dtype", "bf16"), pstr("format", mx ? dq[i].format : "")};
+    size_t ob;
+    double best;
+    double t = bench_op(dq[i].op, din, 2, p, mx ? 2 : 1, NULL, b, &ob, &best);
+    double bytes = (double)(dq[i].qbytes + (mx ? n / 32 : 0) + ob);
+    double gbs = bytes / t / 1e9, best_gbs = bytes / best / 1e9;
+    printf("| %s | [%lld, %lld] | %.3f ms | %.2f GB/s | %.0f%% | %.3f ms | %.0f%% |\n", dq[i].label,
+           (long long)m, (long long)k, t * 1e3, gbs, 100.0 * gbs / ceiling, best * 1e3,
+           100.0 * best_gbs / ceiling);
+  }
+  free(q);
+  free(e8);
   free(x);
 }
 
