@@ -319,7 +319,8 @@ static void gate_up_item(const fused_ctx *f, const work_item *it, float *strip, 
     for (int r = 0; r < STRIP; r++)
       sc.sw[r] = moe_weight_row_scales(w, e, gate_up_row(f, i0, ni, r));
   for (int64_t p = begin; p < end;) {
-    const int mr = end - p >= MR ? MR : 1;
+    /* the dot kernels take MR token rows or one; the formats' dot any count up to MR */
+    const int mr = end - p >= MR ? MR : src.direct ? (int)(end - p) : 1;
     const float *x[MR];
     for (int m = 0; m < mr; m++) {
       const int64_t tl = f->order[p + m] / f->top_k;
@@ -397,7 +398,8 @@ static void down_item(const fused_ctx *f, const work_item *it, float *strip, flo
     for (int r = 0; r < STRIP; r++)
       sc.sw[r] = moe_weight_row_scales(w, e, h0 + (r < nh ? r : 0));
   for (int64_t p = begin; p < end;) {
-    const int mr = end - p >= MR ? MR : 1;
+    /* the dot kernels take MR token rows or one; the formats' dot any count up to MR */
+    const int mr = end - p >= MR ? MR : src.direct ? (int)(end - p) : 1;
     const float *x[MR];
     for (int m = 0; m < mr; m++) {
       x[m] = f->a + (size_t)(p + m) * ld;

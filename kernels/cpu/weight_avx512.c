@@ -232,17 +232,24 @@ V512_INLINE void dot_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtyp
 
 V512_INLINE void dot_dec(const moe_weight_matrix *m, enum decoder dec, int64_t e, const int64_t *rows, int mr,
                          const float *const *x, int64_t kp, float *out) {
-  const moe_dtype act = m->act == MOE_F16 ? MOE_F16 : MOE_BF16;
-  if (mr == DOT_TOKENS) {
-    if (act == MOE_F16)
-      dot_rows(m, dec, MOE_F16, e, rows, DOT_TOKENS, x, kp, out);
-    else
-      dot_rows(m, dec, MOE_BF16, e, rows, DOT_TOKENS, x, kp, out);
-  } else {
-    if (act == MOE_F16)
-      dot_rows(m, dec, MOE_F16, e, rows, 1, x, kp, out);
-    else
-      dot_rows(m, dec, MOE_BF16, e, rows, 1, x, kp, out);
+  const bool f16 = m->act == MOE_F16;
+  switch (mr) { /* each token count its own loop: the accumulators stay in registers */
+  case 4:
+    f16 ? dot_rows(m, dec, MOE_F16, e, rows, 4, x, kp, out)
+        : dot_rows(m, dec, MOE_BF16, e, rows, 4, x, kp, out);
+    break;
+  case 3:
+    f16 ? dot_rows(m, dec, MOE_F16, e, rows, 3, x, kp, out)
+        : dot_rows(m, dec, MOE_BF16, e, rows, 3, x, kp, out);
+    break;
+  case 2:
+    f16 ? dot_rows(m, dec, MOE_F16, e, rows, 2, x, kp, out)
+        : dot_rows(m, dec, MOE_BF16, e, rows, 2, x, kp, out);
+    break;
+  default:
+    f16 ? dot_rows(m, dec, MOE_F16, e, rows, 1, x, kp, out)
+        : dot_rows(m, dec, MOE_BF16, e, rows, 1, x, kp, out);
+    break;
   }
 }
 

@@ -96,7 +96,7 @@ struct moe_weight_format {
    * The vector members need AVX-512 (moe_cpu_vector_kernels). */
   moe_weight_dequant_fn *dequant_fast;
   /* (optional, only where moe_weight_vector_ok) the dot products of token
-   * rows x[0..mr) (mr 1 or MOE_WEIGHT_DOT_TOKENS, kp columns: a multiple of
+   * rows x[0..mr) (1 <= mr <= MOE_WEIGHT_DOT_TOKENS, kp columns: a multiple of
    * 16, zero past cols) with weight rows rows[0..MOE_WEIGHT_DOT_ROWS) of
    * expert e, decoded from storage into registers and never written out:
    * out[m * DOT_ROWS + r], in the pipeline's order (kernels/cpu/fused_moe.c):
