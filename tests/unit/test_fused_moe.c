@@ -11,7 +11,7 @@
  * - the AVX-512 weight decoders (the strip's and the direct dot of experts
  *   with few tokens) give the bytes of the kept reference path (weights
  *   dequantized element by element, every dot product from the strip) for
- *   every case at 1, 5 and 40 tokens;
+ *   every case at 1, 5, 40 and 200 tokens;
  * - routing by router_logits equals moe.topk followed by topk_ids;
  * - expert shards: ids outside the shard contribute nothing;
  * - every bad input is rejected with MOE_EINVAL naming the field. */
@@ -636,10 +636,11 @@ START_TEST(vector_kernels_equal_reference) {
   model_make(&m, c, fn, 3000 + (uint64_t)_i);
   moe_expert_set *set = model_set(&m, NULL);
   if (_i == 0 && !moe_cpu_vector_kernels()) printf("no AVX-512 here: both runs take the reference path\n");
-  /* 1 token: the direct dot, one token row; 5: four rows and one; 40: ~20
-   * per expert, through strips of the vector dequantization */
-  const int64_t sizes[3] = {1, 5, 40};
-  for (int si = 0; si < 3; si++) {
+  /* 1 token: the direct dot, one token row; 5: up to four rows; 40: ~20 per
+   * expert, several calls of the direct dot; 200: ~100 per expert, through
+   * strips of the vector dequantization */
+  const int64_t sizes[4] = {1, 5, 40, 200};
+  for (int si = 0; si < 4; si++) {
     batch b;
     batch_make(&b, c, sizes[si], N_EXPERTS);
     request r = {b.x, b.tokens, b.ids, b.w, NULL};
