@@ -15,7 +15,10 @@
  * l + 8, then + 4, + 2, + 1). A token's dot products read only its own row
  * and the weights, and one code path serves 1 token or 1000 per expert: the
  * same bits alone or in any batch. The lanes are plain arrays, so vector
- * width (and the ISA clone picked) never changes a result.
+ * width (and the ISA clone picked) never changes a result. Experts with few
+ * tokens in a chunk take the weight format's dot instead (with AVX-512: the
+ * weights decoded in registers, kernels/cpu/weight_avx512.c), which keeps
+ * these lanes, their order and this sum: the same bits either way.
  *
  * fp8 weights (docs/numerics.md "Weight scheme fp8") take the same path
  * with two parameters: each GEMM's K axis is cut into its scale blocks

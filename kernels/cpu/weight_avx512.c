@@ -31,7 +31,7 @@ enum decoder { DEC_BF16, DEC_FP16, DEC_INT4, DEC_INT8, DEC_MXFP4 };
 /* ---- act() in the lanes ------------------------------------------------------ */
 
 /* moe_bf16_to_f32(moe_f32_to_bf16(v)): RNE on the bits, NaN -> 0x7FC00000
- * (`nan`: whether v may hold NaN; int8 knows per group that it cannot). */
+ * (`nan_in`: whether v may hold NaN; int8 knows per group that it cannot). */
 V512_INLINE __m512 round_bf16(__m512 v, bool nan_in) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -132,7 +132,7 @@ V512_INLINE __m512 row_chunk(enum decoder dec, moe_dtype act, const row_dec *d, 
 /* The dot kernel's int4/mxfp4 chunks in a permuted lane order that makes
  * the nibble spread one broadcast and one shift: 8 bytes broadcast to every
  * 64-bit lane put the low 4 bytes in the even 32-bit lanes and the high 4
- * in the odd ones, so physical lane p takes nibble PERM[p] (p / 2 of the
+ * in the odd ones, so physical lane p takes nibble perm[p] (p / 2 of the
  * low bytes for even p, 8 + p / 2 of the high ones for odd p) after a
  * shift by 4 * (p / 2). The token rows are loaded in the same order and
  * the accumulators put back at the end: each logical lane still sums its
@@ -173,8 +173,9 @@ V512_INLINE void dot_chunk(__m512 acc[DOT_TOKENS][DOT_ROWS], const __m512 *w, in
 }
 
 /* dot (weight_format.h) for mr token rows, mr a constant after inlining:
- * the mr x 4 accumulators stay in registers, summed across lanes at the end. Group by group (the tables
- * loaded before its chunks), the row's partial last chunk after them. */
+ * the mr x 4 accumulators stay in registers, summed across lanes at the
+ * end. Group by group (the tables loaded before its chunks), the row's
+ * partial last chunk after them. */
 V512_INLINE void dot_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtype act, int64_t e,
                           const int64_t *rows, int mr, const float *const *x, int64_t kp, float *out) {
   const bool permuted = dec == DEC_INT4 || dec == DEC_MXFP4;
@@ -196,8 +197,10 @@ V512_INLINE void dot_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtyp
     const int64_t g1 = d[0].next < full ? d[0].next : full;
     for (int64_t j = g0; j < g1; j += LANES) {
       __m512 w[DOT_ROWS];
-      if (j % line_cols == 0) /* the same line of the next call's rows (the pipeline's next 4 rows,
-                                 adjacent in storage) into L2: this call's rows came in the same way */
+      /* the same line of the next call's rows (the pipeline's next 4 rows,
+       * adjacent in storage) into L2, as this call's rows came in; a
+       * prefetch never faults, past the last expert's rows either */
+      if (j % line_cols == 0)
 #pragma GCC unroll 4
         for (int r = 0; r < DOT_ROWS; r++)
           _mm_prefetch((const char *)d[r].q + DOT_ROWS * m->row_bytes + (j / line_cols) * 64, _MM_HINT_T1);
