@@ -12,7 +12,6 @@
  * (the element-wise path the vector decoders replace): old and new in one
  * binary.
  */
-#include <cblas.h>
 #include <getopt.h>
 #include <omp.h>
 #include <stdio.h>
@@ -20,6 +19,10 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+#ifdef MOE_BENCH_OPENBLAS
+#include <cblas.h>
+#endif
 
 #include "cpu/cpu.h"
 #include "moe/backend.h"
@@ -99,8 +102,13 @@ static double memcpy_gbs(size_t bytes, int threads) {
 }
 
 /* fp32 GEMM GFLOP/s of OpenBLAS on `threads` threads: the median of 5
- * [n, n] x [n, n] products after a warm-up. */
+ * [n, n] x [n, n] products after a warm-up; 0 in a build without OpenBLAS. */
 static double sgemm_gflops(int n, int threads) {
+#ifndef MOE_BENCH_OPENBLAS
+  (void)n;
+  (void)threads;
+  return 0.0;
+#else
   const size_t nn = (size_t)n * (size_t)n;
   float *a = xalloc(nn * 4), *b = xalloc(nn * 4), *c = xalloc(nn * 4);
   for (size_t i = 0; i < nn; i++) {
@@ -123,6 +131,7 @@ static double sgemm_gflops(int n, int threads) {
    * alone they took 80% of the memcpy ceiling that followed on 2 cores */
   sleep(1);
   return 2.0 * (double)n * (double)n * (double)n / t[2] / 1e9;
+#endif
 }
 
 /* ---- timing an op ------------------------------------------------------------------ */
@@ -401,7 +410,9 @@ int main(int argc, char **argv) {
   double gemm = quant_only ? 0.0 : sgemm_gflops(2048, nthreads);
   double ceiling = memcpy_gbs((size_t)1 << 30, nthreads);
   printf("backend: %s; memcpy ceiling (1 GiB, read+write): %.2f GB/s", moe_backend_name(b), ceiling);
-  if (!quant_only) printf("; OpenBLAS sgemm [2048]^3 on %d threads: %.1f GFLOP/s", nthreads, gemm);
+  if (!quant_only && gemm > 0.0)
+    printf("; OpenBLAS sgemm [2048]^3 on %d threads: %.1f GFLOP/s", nthreads, gemm);
+  if (!quant_only && gemm <= 0.0) printf("; no OpenBLAS in this build: %% of sgemm reads inf");
   printf("%s\n\n", reference ? "; fused_moe: reference kernels" : "");
   if (!fused_only) {
     printf("| op | input | median | GB/s | %% of memcpy | fastest | %% of memcpy (fastest) |\n"
