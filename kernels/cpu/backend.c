@@ -29,11 +29,14 @@ static _Atomic bool reference_kernels;
 void moe_cpu_set_reference_kernels(bool on) { atomic_store(&reference_kernels, on); }
 
 bool moe_cpu_vector_kernels(void) {
-  static int avx512 = -1; /* the CPU's answer, asked once (a benign race: every thread gets the same) */
-  if (avx512 < 0)
-    avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return avx512 && !atomic_load(&reference_kernels);
+  static _Atomic int avx512 = -1; /* the CPU's answer; threads that ask at once all get the same */
+  int has = atomic_load_explicit(&avx512, memory_order_relaxed);
+  if (has < 0) {
+    has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    atomic_store_explicit(&avx512, has, memory_order_relaxed);
+  }
+  return has && !atomic_load(&reference_kernels);
 }
 
 void *moe_cpu_workspace(moe_backend *b, size_t bytes) {
