@@ -1,8 +1,16 @@
 /* CPU benchmark of every op (BENCH.md): bytes moved / time as GB/s and the
  * ratio to this machine's memcpy bandwidth measured in the same run with the
- * same thread count. Not a test: prints a markdown table for bench/RESULTS.md.
+ * same thread count; fused_moe also as GFLOP/s and the ratio to OpenBLAS's
+ * fp32 GEMM rate on the same threads (the compute ceiling, which binds from
+ * a few hundred tokens on). Not a test: prints markdown tables for
+ * bench/RESULTS.md, the median and the fastest run of each row (on a shared
+ * machine the fastest is the least disturbed).
  *
- *   moe-bench-cpu [--quick] [--quant-only] [--threads N]
+ *   moe-bench-cpu [--quick] [--quant-only] [--fused-only] [--tokens 1,16,256] [--threads N] [--reference]
+ *
+ * --reference runs fused_moe through the CPU backend's reference kernels
+ * (the element-wise path the vector decoders replace): old and new in one
+ * binary.
  */
 #include <getopt.h>
 #include <omp.h>
@@ -10,7 +18,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
+#ifdef MOE_BENCH_OPENBLAS
+#include <cblas.h>
+#endif
+
+#include "cpu/cpu.h"
 #include "moe/backend.h"
 #include "moe/codec.h"
 #include "moe/expert_set.h"
@@ -85,6 +99,39 @@ static double memcpy_gbs(size_t bytes, int threads) {
   free(a);
   free(b);
   return 2.0 * (double)bytes / best[2] / 1e9; /* read + write */
+}
+
+/* fp32 GEMM GFLOP/s of OpenBLAS on `threads` threads: the median of 5
+ * [n, n] x [n, n] products after a warm-up; 0 in a build without OpenBLAS. */
+static double sgemm_gflops(int n, int threads) {
+#ifndef MOE_BENCH_OPENBLAS
+  (void)n;
+  (void)threads;
+  return 0.0;
+#else
+  const size_t nn = (size_t)n * (size_t)n;
+  float *a = xalloc(nn * 4), *b = xalloc(nn * 4), *c = xalloc(nn * 4);
+  for (size_t i = 0; i < nn; i++) {
+    a[i] = (float)(mix(i) >> 40) * (1.0f / 16777216.0f) - 0.5f;
+    b[i] = (float)(mix(i + nn) >> 40) * (1.0f / 16777216.0f) - 0.5f;
+  }
+  openblas_set_num_threads(threads);
+  double t[5] = {0};
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n); /* warm-up */
+  for (int r = 0; r < 5; r++) {
+    double t0 = now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n);
+    t[r] = now() - t0;
+  }
+  qsort(t, 5, sizeof t[0], cmp_double);
+  free(a);
+  free(b);
+  free(c);
+  /* OpenBLAS's threads spin a while after a call before they sleep: left
+   * alone they took 80% of the memcpy ceiling that followed on 2 cores */
+  sleep(1);
+  return 2.0 * (double)n * (double)n * (double)n / t[2] / 1e9;
+#endif
 }
 
 /* ---- timing an op ------------------------------------------------------------------ */
@@ -176,6 +223,35 @@ static void bench_quant(moe_backend *b, double ceiling, size_t mib) {
            cases[i].label, (long long)m, (long long)k, mib, t * 1e3, gbs, 100.0 * gbs / ceiling, best * 1e3,
            100.0 * best_gbs / ceiling);
   }
+  /* the dequant ops back to bf16: codes of the same shape, e8m0 scales near 1 */
+  uint8_t *q = random_bytes(n, 2), *e8 = random_bytes(n / 32, 3);
+  for (size_t i = 0; i < n / 32; i++)
+    e8[i] = (uint8_t)(120 + e8[i] % 16);
+  const struct {
+    const char *label, *op, *format;
+    moe_dtype qt;
+    size_t qbytes;
+  } dq[] = {{"dequant.per_tensor fp8 -> bf16", "dequant.per_tensor", NULL, MOE_FP8_E4M3FN, n},
+            {"dequant.mx mxfp8 -> bf16", "dequant.mx", "mxfp8_e4m3fn", MOE_FP8_E4M3FN, n},
+            {"dequant.mx mxfp4 -> bf16", "dequant.mx", "mxfp4", MOE_FP4_E2M1, n / 2}};
+  for (size_t i = 0; i < sizeof dq / sizeof dq[0]; i++) {
+    const bool mx = dq[i].format != NULL;
+    moe_named_tensor din[2] = {
+        {"q", {dq[i].qt, 2, {m, k}, q, dq[i].qbytes}},
+        {mx ? "scales" : "scale",
+         mx ? (moe_tensor){MOE_UINT8, 2, {m, k / 32}, e8, n / 32} : (moe_tensor){MOE_F32, 1, {1}, &one, 4}}};
+    moe_param p[2] = {pstr("out_dtype", "bf16"), pstr("format", mx ? dq[i].format : "")};
+    size_t ob;
+    double best;
+    double t = bench_op(dq[i].op, din, 2, p, mx ? 2 : 1, NULL, b, &ob, &best);
+    double bytes = (double)(dq[i].qbytes + (mx ? n / 32 : 0) + ob);
+    double gbs = bytes / t / 1e9, best_gbs = bytes / best / 1e9;
+    printf("| %s | [%lld, %lld] | %.3f ms | %.2f GB/s | %.0f%% | %.3f ms | %.0f%% |\n", dq[i].label,
+           (long long)m, (long long)k, t * 1e3, gbs, 100.0 * gbs / ceiling, best * 1e3,
+           100.0 * best_gbs / ceiling);
+  }
+  free(q);
+  free(e8);
   free(x);
 }
 
@@ -186,8 +262,8 @@ typedef struct layer {
   int64_t e, k, h, i;
 } layer;
 
-static void bench_fused(moe_backend *b, double ceiling, const layer *L, bool wna16, const int *tokens,
-                        int nt) {
+static void bench_fused(moe_backend *b, double ceiling, double gemm, const layer *L, bool wna16,
+                        const int *tokens, int nt) {
   moe_expert_config cfg;
   moe_expert_config_defaults(&cfg);
   cfg.scheme = wna16 ? MOE_SCHEME_WNA16 : MOE_SCHEME_BF16;
@@ -261,13 +337,16 @@ static void bench_fused(moe_backend *b, double ceiling, const layer *L, bool wna
         {"topk_weights", {MOE_F32, 2, {T, L->k}, w, tk * 4}},
     };
     size_t ob;
-    double sec = bench_op("fused_moe", inputs, 3, NULL, 0, set, b, &ob, NULL);
+    double best;
+    double sec = bench_op("fused_moe", inputs, 3, NULL, 0, set, b, &ob, &best);
     double bytes = w_per_expert * (double)n_used + (double)(T * L->h * 2) * 2 + (double)tk * 8;
     double flops = 2.0 * (double)T * (double)L->k * (double)(h * 2 * in + in * h);
-    double gbs = bytes / sec / 1e9;
-    printf("| %s | %s | %lld | %.3f ms | %.2f GB/s | %.0f%% | %.1f GFLOP/s |\n", L->name,
-           wna16 ? "wna16 int4 g128" : "bf16", (long long)T, sec * 1e3, gbs, 100.0 * gbs / ceiling,
-           flops / sec / 1e9);
+    double gbs = bytes / sec / 1e9, gflops = flops / sec / 1e9;
+    printf("| %s | %s | %lld | %.3f ms | %.3f ms | %.2f GB/s | %.0f%% | %.0f%% | %.1f GFLOP/s | %.0f%% | "
+           "%.0f%% |\n",
+           L->name, wna16 ? "wna16 int4 g128" : "bf16", (long long)T, sec * 1e3, best * 1e3, gbs,
+           100.0 * gbs / ceiling, 100.0 * bytes / best / 1e9 / ceiling, gflops, 100.0 * gflops / gemm,
+           100.0 * flops / best / 1e9 / gemm);
     fflush(stdout);
     free(x);
     free(ids);
@@ -279,50 +358,80 @@ static void bench_fused(moe_backend *b, double ceiling, const layer *L, bool wna
     free(bufs[q]);
 }
 
+/* "1,16,256" into tokens[] (at most max); returns the count, 0 when malformed. */
+static int parse_tokens(const char *s, int *tokens, int max) {
+  int n = 0;
+  for (const char *p = s; *p && n < max;) {
+    char *end;
+    long v = strtol(p, &end, 10);
+    if (end == p || v < 1 || v > 1 << 20 || (*end && *end != ',')) return 0;
+    tokens[n++] = (int)v;
+    p = *end ? end + 1 : end;
+  }
+  return n;
+}
+
 int main(int argc, char **argv) {
-  int threads = 0, quick = 0, quant_only = 0;
-  static const struct option opts[] = {{"threads", required_argument, 0, 't'},
-                                       {"quick", no_argument, 0, 'q'},
-                                       {"quant-only", no_argument, 0, 'Q'},
-                                       {"help", no_argument, 0, 'h'},
-                                       {0, 0, 0, 0}};
-  for (int ch; (ch = getopt_long(argc, argv, "t:qQh", opts, NULL)) != -1;) {
+  int threads = 0, quick = 0, quant_only = 0, fused_only = 0, reference = 0;
+  int toks[8] = {1, 16, 256}, nt = 3;
+  static const struct option opts[] = {
+      {"threads", required_argument, 0, 't'}, {"quick", no_argument, 0, 'q'},
+      {"quant-only", no_argument, 0, 'Q'},    {"fused-only", no_argument, 0, 'F'},
+      {"tokens", required_argument, 0, 'T'},  {"reference", no_argument, 0, 'R'},
+      {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
+  for (int ch; (ch = getopt_long(argc, argv, "t:qQFT:Rh", opts, NULL)) != -1;) {
     if (ch == 't')
       threads = atoi(optarg);
     else if (ch == 'q')
       quick = 1;
     else if (ch == 'Q')
       quant_only = 1;
+    else if (ch == 'F')
+      fused_only = 1;
+    else if (ch == 'R')
+      reference = 1;
+    else if (ch == 'T' && (nt = parse_tokens(optarg, toks, 8)) > 0)
+      continue;
     else {
-      printf("usage: %s [--threads N] [--quick] [--quant-only]\n", argv[0]);
+      printf("usage: %s [--threads N] [--quick] [--quant-only] [--fused-only] [--tokens 1,16,256] "
+             "[--reference]\n",
+             argv[0]);
       return ch == 'h' ? 0 : 2;
     }
   }
+  if (quick && nt > 2) nt = 2;
+  moe_cpu_set_reference_kernels(reference);
   moe_backend *b;
   moe_error err;
   if (moe_backend_open(MOE_BACKEND_HOST, threads, &b, &err)) return 1;
   int nthreads = omp_get_max_threads();
   if (threads > 0) nthreads = threads;
   omp_set_num_threads(nthreads);
+  double gemm = quant_only ? 0.0 : sgemm_gflops(2048, nthreads);
   double ceiling = memcpy_gbs((size_t)1 << 30, nthreads);
-  printf("backend: %s; memcpy ceiling (1 GiB, read+write): %.2f GB/s\n\n", moe_backend_name(b), ceiling);
-  printf("| op | input | median | GB/s | %% of memcpy | fastest | %% of memcpy (fastest) |\n"
-         "|---|---|---|---|---|---|---|\n");
-  bench_quant(b, ceiling, 64);
+  printf("backend: %s; memcpy ceiling (1 GiB, read+write): %.2f GB/s", moe_backend_name(b), ceiling);
+  if (!quant_only && gemm > 0.0)
+    printf("; OpenBLAS sgemm [2048]^3 on %d threads: %.1f GFLOP/s", nthreads, gemm);
+  if (!quant_only && gemm <= 0.0) printf("; no OpenBLAS in this build: %% of sgemm reads inf");
+  printf("%s\n\n", reference ? "; fused_moe: reference kernels" : "");
+  if (!fused_only) {
+    printf("| op | input | median | GB/s | %% of memcpy | fastest | %% of memcpy (fastest) |\n"
+           "|---|---|---|---|---|---|---|\n");
+    bench_quant(b, ceiling, 64);
+  }
   if (quant_only) {
     moe_backend_destroy(b);
     return 0;
   }
-  printf("\n| layer | scheme | T | median | weight GB/s | %% of memcpy | GFLOP/s "
-         "|\n|---|---|---|---|---|---|---|\n");
+  printf("\n| layer | scheme | T | median | fastest | weight GB/s | %% of memcpy | %% of memcpy (fastest) | "
+         "GFLOP/s | "
+         "%% of sgemm | %% of sgemm (fastest) |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
   static const layer qwen = {"qwen3-30b-a3b", 128, 8, 2048, 768},
                      mixtral = {"mixtral-8x7b", 8, 2, 4096, 14336};
-  static const int toks[] = {1, 16, 256};
-  int nt = quick ? 2 : 3;
-  bench_fused(b, ceiling, &qwen, true, toks, nt);
-  bench_fused(b, ceiling, &qwen, false, toks, nt);
-  bench_fused(b, ceiling, &mixtral, true, toks, nt);
-  bench_fused(b, ceiling, &mixtral, false, toks, nt);
+  bench_fused(b, ceiling, gemm, &qwen, true, toks, nt);
+  bench_fused(b, ceiling, gemm, &qwen, false, toks, nt);
+  bench_fused(b, ceiling, gemm, &mixtral, true, toks, nt);
+  bench_fused(b, ceiling, gemm, &mixtral, false, toks, nt);
   moe_backend_destroy(b);
   return 0;
 }

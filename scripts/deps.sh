@@ -34,6 +34,7 @@ pkgs=(
   libb64-0d                                 # perf_analyzer (scripts/requirements-perf.txt)
   clang libclang-rt-14-dev                  # .ci/run: libFuzzer targets (scripts/fuzz.sh)
   openssl                                   # test_security.py makes its certificates with the CLI
+  libopenblas-dev                           # bench: the CPU's fp32 GEMM ceiling (moe-bench-cpu)
 )
 # AMD compile check: Debian's HIP toolchain.
 [ "$want_hip" = 1 ] && pkgs+=(hipcc libamdhip64-dev rocm-device-libs)

@@ -1,4 +1,5 @@
 /* The CPU backend: host memory, OpenMP threads, a reusable workspace. */
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +22,21 @@ int moe_cpu_threads(const moe_backend *b) { return ((const cpu_ctx *)b->context)
 int moe_cpu_threads_for(const moe_backend *b, size_t elements) {
   enum { PARALLEL_MIN = 1 << 16 };
   return elements < PARALLEL_MIN ? 1 : moe_cpu_threads(b);
+}
+
+static _Atomic bool reference_kernels;
+
+void moe_cpu_set_reference_kernels(bool on) { atomic_store(&reference_kernels, on); }
+
+bool moe_cpu_vector_kernels(void) {
+  static _Atomic int avx512 = -1; /* the CPU's answer; threads that ask at once all get the same */
+  int has = atomic_load_explicit(&avx512, memory_order_relaxed);
+  if (has < 0) {
+    has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    atomic_store_explicit(&avx512, has, memory_order_relaxed);
+  }
+  return has && !atomic_load(&reference_kernels);
 }
 
 void *moe_cpu_workspace(moe_backend *b, size_t bytes) {

@@ -28,6 +28,15 @@ int moe_cpu_threads_for(const moe_backend *b, size_t elements);
  * Valid until the next call of this function on `b`. NULL when out of memory. */
 void *moe_cpu_workspace(moe_backend *b, size_t bytes);
 
+/* Whether fused_moe takes the formats' AVX-512 members (weight_format.h):
+ * the CPU has AVX-512 and the reference kernels are not asked for. */
+bool moe_cpu_vector_kernels(void);
+/* Tests: true makes fused_moe take its reference kernels (weights
+ * dequantized element by element into a strip, every dot product read from
+ * the strip: the code the vector members must equal byte for byte);
+ * process-wide, read once per call. */
+void moe_cpu_set_reference_kernels(bool on);
+
 /* fused_moe's fp8 activations (docs/numerics.md "Weight scheme fp8"): the
  * n fp32 values v are quantized to e4m3fn as quant.per_token_group does one
  * group (static_scale <= 0: the dynamic scale of the group; else quant.per_tensor's

@@ -1,5 +1,6 @@
 /* CPU: quant.mx and dequant.mx (docs/numerics.md "quant.mx"): quant in
- * tiles of 16 blocks of 32 elements, dequant a block at a time; blocks are
+ * tiles of 16 blocks of 32 elements, dequant a block at a time through a
+ * table of the codes' values; blocks are
  * independent, so any thread split gives the same bits. */
 #include <string.h>
 
@@ -101,27 +102,50 @@ moe_status moe_cpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err) {
   return MOE_OK;
 }
 
-ALWAYS_INLINE void dequant_block(const uint8_t *q, uint8_t sbyte, const moe_mx_args *a, size_t base,
+/* y = value(code) * scale, each element: its value from a table of the
+ * format's codes decoded once per call (the codec's decoder takes the format
+ * at run time and branches), the product, then the output rounding. */
+ALWAYS_INLINE void dequant_block(const uint8_t *q, uint8_t sbyte, bool fp4, const float *value, size_t base,
                                  moe_dtype yt, void *y) {
-  float scale = moe_e8m0_to_f32(sbyte);
-  bool fp4 = a->qdtype == MOE_FP4_E2M1;
+  const float scale = moe_e8m0_to_f32(sbyte);
+  float v[BLOCK];
   for (int i = 0; i < BLOCK; i++) {
-    uint8_t code = fp4 ? (uint8_t)((q[i / 2] >> ((i & 1) * 4)) & 0xF) : q[i];
-    moe_store_float(y, yt, base + (size_t)i, moe_narrow_to_f32(code, &a->fmt) * scale);
+    const uint8_t code = fp4 ? (uint8_t)((q[i / 2] >> ((i & 1) * 4)) & 0xF) : q[i];
+    v[i] = value[code] * scale;
   }
+  for (int i = 0; i < BLOCK; i++)
+    moe_store_float(y, yt, base + (size_t)i, v[i]);
 }
 
-MOE_CPU_HOT static void dequant_blocks(const moe_mx_args *a, const uint8_t *q, const uint8_t *scales,
-                                       size_t b0, size_t b1, void *y) {
-  size_t qbytes = a->qdtype == MOE_FP4_E2M1 ? BLOCK / 2 : BLOCK;
-  for (size_t blk = b0; blk < b1; blk++) {
-    const uint8_t *qb = q + blk * qbytes;
-    size_t base = blk * BLOCK;
-    switch (a->out_dtype) {
-    case MOE_F16: dequant_block(qb, scales[blk], a, base, MOE_F16, y); break;
-    case MOE_BF16: dequant_block(qb, scales[blk], a, base, MOE_BF16, y); break;
-    default: dequant_block(qb, scales[blk], a, base, MOE_F32, y); break;
-    }
+ALWAYS_INLINE void dequant_blocks_dtype(bool fp4, const float *value, const uint8_t *q, const uint8_t *scales,
+                                        size_t b0, size_t b1, moe_dtype yt, void *y) {
+  const size_t qbytes = fp4 ? BLOCK / 2 : BLOCK;
+  for (size_t blk = b0; blk < b1; blk++)
+    dequant_block(q + blk * qbytes, scales[blk], fp4, value, blk * BLOCK, yt, y);
+}
+
+MOE_CPU_HOT static void dequant_blocks(const moe_mx_args *a, const float *value, const uint8_t *q,
+                                       const uint8_t *scales, size_t b0, size_t b1, void *y) {
+  const bool fp4 = a->qdtype == MOE_FP4_E2M1;
+  switch (a->out_dtype) {
+  case MOE_F16:
+    if (fp4)
+      dequant_blocks_dtype(true, value, q, scales, b0, b1, MOE_F16, y);
+    else
+      dequant_blocks_dtype(false, value, q, scales, b0, b1, MOE_F16, y);
+    break;
+  case MOE_BF16:
+    if (fp4)
+      dequant_blocks_dtype(true, value, q, scales, b0, b1, MOE_BF16, y);
+    else
+      dequant_blocks_dtype(false, value, q, scales, b0, b1, MOE_BF16, y);
+    break;
+  default:
+    if (fp4)
+      dequant_blocks_dtype(true, value, q, scales, b0, b1, MOE_F32, y);
+    else
+      dequant_blocks_dtype(false, value, q, scales, b0, b1, MOE_F32, y);
+    break;
   }
 }
 
@@ -133,10 +157,13 @@ moe_status moe_cpu_dequant_mx(moe_backend *b, moe_call *c, moe_error *err) {
   long groups = (long)((blocks + GROUP - 1) / GROUP);
   const uint8_t *q = c->in[0].tensor.data, *scales = c->in[1].tensor.data;
   void *y = c->out[0].tensor.data;
+  float value[256];
+  for (int code = 0; code < (a->qdtype == MOE_FP4_E2M1 ? 16 : 256); code++)
+    value[code] = moe_narrow_to_f32((uint8_t)code, &a->fmt);
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long g = 0; g < groups; g++) {
     size_t b0 = (size_t)g * GROUP, b1 = b0 + GROUP < blocks ? b0 + GROUP : blocks;
-    dequant_blocks(a, q, scales, b0, b1, y);
+    dequant_blocks(a, value, q, scales, b0, b1, y);
   }
   return MOE_OK;
 }

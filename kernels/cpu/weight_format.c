@@ -15,10 +15,6 @@ MOE_CPU_INLINE uint16_t load_u16(const uint8_t *p) {
   return v;
 }
 
-MOE_CPU_INLINE const uint8_t *row_ptr(const moe_weight_matrix *m, int64_t e, int64_t n) {
-  return m->data + ((size_t)e * (size_t)m->rows + (size_t)n) * m->row_bytes;
-}
-
 /* ---- bf16 / fp16: the weights are already in the activation dtype ---------- */
 
 /* Widening only; `fp16` is a constant after inlining (the bf16 loop
@@ -26,7 +22,7 @@ MOE_CPU_INLINE const uint8_t *row_ptr(const moe_weight_matrix *m, int64_t e, int
 MOE_CPU_INLINE void dequant_dense(const moe_weight_matrix *m, bool fp16, int64_t e, int64_t n0, int64_t nrows,
                                   int64_t k0, int64_t ncols, float *dst, size_t ld) {
   for (int64_t r = 0; r < nrows; r++) {
-    const uint8_t *src = row_ptr(m, e, n0 + r) + (size_t)k0 * 2;
+    const uint8_t *src = moe_weight_row(m, e, n0 + r) + (size_t)k0 * 2;
     float *d = dst + (size_t)r * ld;
     for (int64_t j = 0; j < ncols; j++)
       d[j] = fp16 ? moe_f16_to_f32(load_u16(src + 2 * j)) : moe_bf16_to_f32(load_u16(src + 2 * j));
@@ -56,18 +52,6 @@ MOE_CPU_INLINE void round_to_act(float *v, int64_t n, moe_dtype act) {
       v[j] = moe_round_to(v[j], act);
 }
 
-/* Zero point of row n, group g: int4 packs two rows per byte (low nibble =
- * even row); without zero points the code's midpoint (8 or 128). */
-MOE_CPU_INLINE float zero_point(const moe_weight_matrix *m, int bits, int64_t e, int64_t n, int64_t g) {
-  if (!m->zeros) return bits == 4 ? 8.0f : 128.0f;
-  if (bits == 4) {
-    uint8_t b =
-        m->zeros[((size_t)e * (size_t)(m->rows / 2) + (size_t)(n / 2)) * (size_t)m->groups + (size_t)g];
-    return (float)((n & 1) ? b >> 4 : b & 15);
-  }
-  return (float)m->zeros[((size_t)e * (size_t)m->rows + (size_t)n) * (size_t)m->groups + (size_t)g];
-}
-
 /* One code of a row: int4 packed along the row (low nibble = even column). */
 MOE_CPU_INLINE float code_at(const uint8_t *q, int bits, int64_t j) {
   if (bits == 4) return (float)((q[j >> 1] >> ((j & 1) << 2)) & 15);
@@ -83,7 +67,7 @@ MOE_CPU_INLINE void dequant_wna16(const moe_weight_matrix *m, int bits, int64_t 
   const bool table = bits == 4 && m->act != MOE_BF16;
   for (int64_t r = 0; r < nrows; r++) {
     const int64_t n = n0 + r;
-    const uint8_t *q = row_ptr(m, e, n);
+    const uint8_t *q = moe_weight_row(m, e, n);
     const size_t scale_row = ((size_t)e * (size_t)m->rows + (size_t)n) * (size_t)m->groups;
     float *d = dst + (size_t)r * ld - k0; /* d[j] for j in [k0, k0 + ncols) */
     for (int64_t j = k0; j < k0 + ncols;) {
@@ -91,7 +75,7 @@ MOE_CPU_INLINE void dequant_wna16(const moe_weight_matrix *m, int bits, int64_t 
       int64_t end = (g + 1) * m->group;
       if (end > k0 + ncols) end = k0 + ncols;
       const float s = moe_load_float(m->scales, m->scale_dtype, scale_row + (size_t)g);
-      const float z = zero_point(m, bits, e, n, g);
+      const float z = moe_weight_zero_point(m, bits, e, n, g);
       const bool whole_bytes = bits == 4 && ((j | end) & 1) == 0;
       const uint8_t *qb = q + j / 2;
       float *dd = d + j;
@@ -140,15 +124,16 @@ static MOE_CPU_HOT void dequant_int8(const moe_weight_matrix *m, int64_t e, int6
  * for int4: with bf16 activations the products go straight into the row
  * and the rounding vectorizes over it; with fp16 a block's 16 possible
  * weights are rounded once into a table that the codes index. */
+const float moe_e2m1_value[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
 static MOE_CPU_HOT void dequant_mxfp4(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
                                       int64_t k0, int64_t ncols, float *dst, size_t ld) {
-  static const float value[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
   const bool table = m->act != MOE_BF16;
   const uint8_t *scales = m->scales;
   for (int64_t r = 0; r < nrows; r++) {
     const int64_t n = n0 + r;
-    const uint8_t *q = row_ptr(m, e, n);
+    const uint8_t *q = moe_weight_row(m, e, n);
     const size_t scale_row = ((size_t)e * (size_t)m->rows + (size_t)n) * (size_t)m->groups;
     float *d = dst + (size_t)r * ld - k0; /* d[j] for j in [k0, k0 + ncols) */
     /* blocks of 32 start at even columns and k0, ncols are even: whole bytes */
@@ -162,15 +147,15 @@ static MOE_CPU_HOT void dequant_mxfp4(const moe_weight_matrix *m, int64_t e, int
       if (table) {
         float lut[16];
         for (int c = 0; c < 16; c++)
-          lut[c] = moe_round_to(value[c] * s, m->act);
+          lut[c] = moe_round_to(moe_e2m1_value[c] * s, m->act);
         for (int64_t i = 0; i < (end - j) / 2; i++) {
           dd[2 * i] = lut[qb[i] & 15];
           dd[2 * i + 1] = lut[qb[i] >> 4];
         }
       } else {
         for (int64_t i = 0; i < (end - j) / 2; i++) {
-          dd[2 * i] = value[qb[i] & 15] * s;
-          dd[2 * i + 1] = value[qb[i] >> 4] * s;
+          dd[2 * i] = moe_e2m1_value[qb[i] & 15] * s;
+          dd[2 * i + 1] = moe_e2m1_value[qb[i] >> 4] * s;
         }
       }
       j = end;
@@ -185,7 +170,7 @@ static MOE_CPU_HOT void dequant_mxfp4(const moe_weight_matrix *m, int64_t e, int
 static MOE_CPU_HOT void dequant_fp8(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
                                     int64_t k0, int64_t ncols, float *dst, size_t ld) {
   for (int64_t r = 0; r < nrows; r++) {
-    const uint8_t *q = row_ptr(m, e, n0 + r) + k0;
+    const uint8_t *q = moe_weight_row(m, e, n0 + r) + k0;
     float *d = dst + (size_t)r * ld;
     for (int64_t j = 0; j < ncols; j++)
       d[j] = moe_e4m3fn_to_f32(q[j]); /* branch-free: the loop vectorizes */
@@ -194,12 +179,17 @@ static MOE_CPU_HOT void dequant_fp8(const moe_weight_matrix *m, int64_t e, int64
 
 /* ---- the table ------------------------------------------------------------------ */
 
-static const moe_weight_format format_bf16 = {"bf16", dequant_bf16};
-static const moe_weight_format format_fp16 = {"fp16", dequant_fp16};
-static const moe_weight_format format_int4 = {"wna16 int4", dequant_int4};
-static const moe_weight_format format_int8 = {"wna16 int8", dequant_int8};
-static const moe_weight_format format_mxfp4 = {"mxfp4", dequant_mxfp4};
-static const moe_weight_format format_fp8 = {"fp8 e4m3fn", dequant_fp8};
+static const moe_weight_format format_bf16 = {"bf16", dequant_bf16, moe_dequant_bf16_avx512,
+                                              moe_dot_bf16_avx512};
+static const moe_weight_format format_fp16 = {"fp16", dequant_fp16, moe_dequant_fp16_avx512,
+                                              moe_dot_fp16_avx512};
+static const moe_weight_format format_int4 = {"wna16 int4", dequant_int4, moe_dequant_int4_avx512,
+                                              moe_dot_int4_avx512};
+static const moe_weight_format format_int8 = {"wna16 int8", dequant_int8, moe_dequant_int8_avx512,
+                                              moe_dot_int8_avx512};
+static const moe_weight_format format_mxfp4 = {"mxfp4", dequant_mxfp4, moe_dequant_mxfp4_avx512,
+                                               moe_dot_mxfp4_avx512};
+static const moe_weight_format format_fp8 = {"fp8 e4m3fn", dequant_fp8, NULL, NULL};
 
 void moe_weight_matrix_init(const moe_expert_set *set, moe_expert_tensor which, moe_dtype act,
                             moe_weight_matrix *m) {

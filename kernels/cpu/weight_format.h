@@ -14,6 +14,7 @@
 #ifndef MOE_CPU_WEIGHT_FORMAT_H
 #define MOE_CPU_WEIGHT_FORMAT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -73,13 +74,81 @@ static inline float moe_weight_bias(const moe_weight_matrix *m, int64_t e, int64
   }
 }
 
+/* Columns per chunk of the vector decoders: the dot kernels' lane count
+ * (kernels/cpu/fused_moe.c), lane l of a chunk at j holding column j + l. */
+#define MOE_WEIGHT_LANES 16
+/* Weight rows per call of a format's dot (the pipeline's NR). */
+#define MOE_WEIGHT_DOT_ROWS 4
+/* Token rows per call of a format's dot, at most (the pipeline's MR). */
+#define MOE_WEIGHT_DOT_TOKENS 4
+
+typedef void moe_weight_dequant_fn(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
+                                   int64_t k0, int64_t ncols, float *dst, size_t ld);
+
 struct moe_weight_format {
   const char *name;
   /* dst[r * ld + j] = w[e][n0 + r][k0 + j] dequantized and act-rounded, for
-   * r < nrows and j < ncols. k0 and ncols even (int4 never splits a byte). */
-  void (*dequant)(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows, int64_t k0, int64_t ncols,
-                  float *dst, size_t ld);
+   * r < nrows and j < ncols. k0 and ncols even (int4 never splits a byte).
+   * Written element by element: the reference the vector kernels equal. */
+  moe_weight_dequant_fn *dequant;
+  /* (optional) the same values, 16 columns at a time with vector shuffles
+   * where the matrix's groups allow (moe_weight_vector_ok), else dequant.
+   * The vector members need AVX-512 (moe_cpu_vector_kernels). */
+  moe_weight_dequant_fn *dequant_fast;
+  /* (optional, only where moe_weight_vector_ok) the dot products of token
+   * rows x[0..mr) (1 <= mr <= MOE_WEIGHT_DOT_TOKENS, kp columns: a multiple of
+   * 16, zero past cols) with weight rows rows[0..MOE_WEIGHT_DOT_ROWS) of
+   * expert e, decoded from storage into registers and never written out:
+   * out[m * DOT_ROWS + r], in the pipeline's order (kernels/cpu/fused_moe.c):
+   * lane l sums x[m][j] * w[j] for j = l, l + 16, ... in ascending order,
+   * each product rounded, then added; the 16 lanes are then added pairwise
+   * (l with l + 8, then + 4, then (0 + 2) + (1 + 3)). So the same bits as
+   * a dequantized strip through the pipeline's dot kernels; columns past
+   * cols count as +0 weights. */
+  void (*dot)(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr, const float *const *x,
+              int64_t kp, float *out);
 };
+
+/* Whether every 16-column chunk of m's rows lies in one scale group (the
+ * vector decoders take one group's scale and zero point per chunk). */
+static inline bool moe_weight_vector_ok(const moe_weight_matrix *m) {
+  return !m->scaled && (m->groups <= 1 || m->group % MOE_WEIGHT_LANES == 0);
+}
+
+/* Row n of expert e in storage. */
+MOE_CPU_INLINE const uint8_t *moe_weight_row(const moe_weight_matrix *m, int64_t e, int64_t n) {
+  return m->data + ((size_t)e * (size_t)m->rows + (size_t)n) * m->row_bytes;
+}
+
+/* wna16: the zero point of row n, group g: int4 packs two rows per byte
+ * (low nibble = even row); without zero points the code's midpoint (8 or 128). */
+MOE_CPU_INLINE float moe_weight_zero_point(const moe_weight_matrix *m, int bits, int64_t e, int64_t n,
+                                           int64_t g) {
+  if (!m->zeros) return bits == 4 ? 8.0f : 128.0f;
+  if (bits == 4) {
+    uint8_t b =
+        m->zeros[((size_t)e * (size_t)(m->rows / 2) + (size_t)(n / 2)) * (size_t)m->groups + (size_t)g];
+    return (float)((n & 1) ? b >> 4 : b & 15);
+  }
+  return (float)m->zeros[((size_t)e * (size_t)m->rows + (size_t)n) * (size_t)m->groups + (size_t)g];
+}
+
+/* e2m1's value of each code. */
+extern const float moe_e2m1_value[16];
+
+/* The AVX-512 members of the formats (kernels/cpu/weight_avx512.c). */
+void moe_dot_bf16_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
+                         const float *const *x, int64_t kp, float *out);
+void moe_dot_fp16_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
+                         const float *const *x, int64_t kp, float *out);
+void moe_dot_int4_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
+                         const float *const *x, int64_t kp, float *out);
+void moe_dot_int8_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
+                         const float *const *x, int64_t kp, float *out);
+void moe_dot_mxfp4_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
+                          const float *const *x, int64_t kp, float *out);
+moe_weight_dequant_fn moe_dequant_bf16_avx512, moe_dequant_fp16_avx512, moe_dequant_int4_avx512,
+    moe_dequant_int8_avx512, moe_dequant_mxfp4_avx512;
 
 /* Matrix `which` (MOE_W13 or MOE_W2) of a validated set, for activations of
  * dtype `act` (the caller has checked that the set's scheme accepts it). */

@@ -8,6 +8,10 @@
  * - batch invariance: a token's output bits alone and inside batches of 2, 7
  *   and 64 random tokens are identical;
  * - outputs poisoned with NaN before each call are fully written;
+ * - the AVX-512 weight decoders (the strip's and the direct dot of experts
+ *   with few tokens) give the bytes of the kept reference path (weights
+ *   dequantized element by element, every dot product from the strip) for
+ *   every case at 1, 5, 40 and 200 tokens;
  * - routing by router_logits equals moe.topk followed by topk_ids;
  * - expert shards: ids outside the shard contribute nothing;
  * - every bad input is rejected with MOE_EINVAL naming the field. */
@@ -18,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/cpu.h"
 #include "moe/backend.h"
 #include "moe/codec.h"
 #include "moe/expert_set.h"
@@ -622,6 +627,41 @@ START_TEST(batch_invariant) {
 }
 END_TEST
 
+/* ---- vector kernels against the reference path ------------------------------------------ */
+
+START_TEST(vector_kernels_equal_reference) {
+  const fm_case *c = &cases[_i];
+  const moe_activation fn = (moe_activation)(_i % MOE_ACT_COUNT);
+  model m;
+  model_make(&m, c, fn, 3000 + (uint64_t)_i);
+  moe_expert_set *set = model_set(&m, NULL);
+  if (_i == 0 && !moe_cpu_vector_kernels()) printf("no AVX-512 here: both runs take the reference path\n");
+  /* 1 token: the direct dot, one token row; 5: up to four rows; 40: ~20 per
+   * expert, several calls of the direct dot; 200: ~100 per expert, through
+   * strips of the vector dequantization */
+  const int64_t sizes[4] = {1, 5, 40, 200};
+  for (int si = 0; si < 4; si++) {
+    batch b;
+    batch_make(&b, c, sizes[si], N_EXPERTS);
+    request r = {b.x, b.tokens, b.ids, b.w, NULL};
+    uint8_t *vec = run_fused(&m, set, &r, NULL, 0);
+    moe_cpu_set_reference_kernels(true);
+    uint8_t *ref = run_fused(&m, set, &r, NULL, 0);
+    moe_cpu_set_reference_kernels(false);
+    const size_t bytes = (size_t)(b.tokens * c->hidden) * 2;
+    for (size_t j = 0; j < bytes; j += 2)
+      ck_assert_msg(memcmp(vec + j, ref + j, 2) == 0, "%s %s, %lld tokens: element %zu: %04x, reference %04x",
+                    c->name, act_names[fn], (long long)b.tokens, j / 2, *(uint16_t *)(vec + j),
+                    *(uint16_t *)(ref + j));
+    free(vec);
+    free(ref);
+    batch_free(&b);
+  }
+  moe_expert_set_destroy(set);
+  model_free(&m);
+}
+END_TEST
+
 /* ---- routing, shards ------------------------------------------------------------------ */
 
 START_TEST(router_logits_equal_topk_then_ids) {
@@ -1100,6 +1140,7 @@ static Suite *fused_suite(void) {
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_add_loop_test(tc, matches_reference, 0, N_CASES * MOE_ACT_COUNT);
   tcase_add_loop_test(tc, batch_invariant, 0, N_CASES * MOE_ACT_COUNT);
+  tcase_add_loop_test(tc, vector_kernels_equal_reference, 0, N_CASES);
   tcase_add_test(tc, router_logits_equal_topk_then_ids);
   tcase_add_test(tc, shards_contribute_their_experts_only);
   tcase_add_test(tc, bad_inputs_dense);
