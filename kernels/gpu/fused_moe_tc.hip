@@ -146,19 +146,28 @@ int tc_wkind(const moe_expert_config *cfg) {
  * so did 192 x 128 (three warpgroups, five stages) and 128 x 128 with six
  * stages: four warpgroups keep the tensor cores busier than a deeper
  * pipeline does. */
-template <int WG_, int BT_, int BUDGET_, int KS_ = 1> struct Cfg {
-  static constexpr int WG = WG_, BT = BT_, NT = BT_ / 8, BUDGET = BUDGET_, KS = KS_;
+/* MINB: blocks per SM the registers must allow (__launch_bounds__; 0: not
+ * stated. Stated as 1 it let the int4 decode tile take 137 registers
+ * instead of 125, three blocks per SM instead of four: 26% slower.) */
+template <int WG_, int BT_, int BUDGET_, int KS_ = 1, int MINB_ = 0> struct Cfg {
+  static constexpr int WG = WG_, BT = BT_, NT = BT_ / 8, BUDGET = BUDGET_, KS = KS_, MINB = MINB_;
   static constexpr int BN = 64 * WG, THREADS = 128 * WG;
 };
-using CfgS = Cfg<1, 8, 49152>;    /* decode: 64 x 8 */
-using CfgM = Cfg<1, 32, 49152>;   /* 64 x 32 */
-using CfgW = Cfg<2, 64, 98304>;   /* 128 x 64, two blocks per SM */
+using CfgS = Cfg<1, 8, 49152>;  /* decode: 64 x 8 */
+using CfgM = Cfg<1, 32, 49152>; /* 64 x 32 */
+/* 128 x 64, two blocks per SM: at most 128 registers (fp8's two sets of
+ * sums took 144-154, one block per SM: DeepSeek-V3 T=4096 1.5x slower) */
+using CfgW = Cfg<2, 64, 98304, 1, 2>;
 using CfgL = Cfg<4, 128, 200704>; /* 256 x 128 */
 /* packed int4/int8 weights at decode: several KB blocks per stage (fewer
  * barriers and copy rounds per weight byte), three stages, four blocks
  * per SM (bench/RESULTS.md, sixth pass) */
 using CfgQS = Cfg<1, 8, 65536, 4>;
 using CfgQM = Cfg<1, 32, 49152, 2>;
+/* fp8's: the same with MINB 1 stated (more registers, fewer blocks per SM:
+ * DeepSeek-V3 T=1 252 -> 212 us, Mixtral 319 -> 272 us; int4 is 26% slower so) */
+using CfgQS8 = Cfg<1, 8, 65536, 4, 1>;
+using CfgQM8 = Cfg<1, 32, 49152, 2, 1>;
 
 /* One stage: B (the tokens: per KB block, 128-byte rows, 16-byte chunks
  * swizzled by row: the wgmma 128-byte swizzle, so the stage is 1024-byte
@@ -573,7 +582,7 @@ __device__ __forceinline__ int load_slot(const TcArgs &a, int row0, int rows, in
  * constant, so that where a K block starts and ends is known per unrolled
  * copy of the loop and no branch sits among the products */
 template <int W, int ACT, class C, bool SPLIT, int FB = 0>
-__global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
+__global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
   using S = Smem<W, C>;
   constexpr int BN = C::BN, BT = C::BT, NT = C::NT, CH = chunk_bytes(W), THREADS = C::THREADS, KS = C::KS;
   constexpr int ST = S::STAGES;
@@ -759,6 +768,17 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
    * columns further are plain adds to the address field (16-byte units) */
   const uint64_t desc0 = wgmma_desc(smem_addr(smem));
 #endif
+  /* Where the main loop ends early (a last stage of fewer KB blocks, an odd
+   * stage count), every product in flight is retired before it jumps: on
+   * that path the loop's next iteration would rewrite the fragment
+   * registers of the products still in flight, and ptxas, which cannot see
+   * that the path ends the loop, serialized every wgmma of the kernel (fp8:
+   * DeepSeek-V3 T=1 254 -> xx us). Runs once per block. */
+  auto retire_all = [&]() {
+#if defined(MOE_TC_WGMMA)
+    wgmma_wait<0>();
+#endif
+  };
   /* fp8 (docs/numerics.md "fp8"): activation scale of this lane's token
    * column (j, q) for K block b, and the weight scale of its row h; 0 for
    * absent tokens and rows past N (their sums are zero or unused) */
@@ -775,25 +795,20 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
     return a.wsc[((size_t)e * nbn + (size_t)(r / a.bn)) * (size_t)(K / a.bk) + (size_t)b];
   };
   /* fp8 block scales: K block b's products (ac.v, summed from 0) join ac.t
-   * as p_b * (sx * sw), blocks in ascending order. The scales of block b + 1
-   * are loaded when block b's join, a K block before their use (measured the
-   * same as loading them at the join: bench/RESULTS.md, fp8). */
-  [[maybe_unused]] float sx[FP8 ? NT : 1][2], sw0 = 0.0f, sw1 = 0.0f;
-  [[maybe_unused]] auto fp8_load_scales = [&](int b) {
-    if (b * a.bk >= K) return;
+   * as p_b * (sx * sw), blocks in ascending order. The scales are loaded
+   * before the products' wait. (Loaded a K block ahead they measured no
+   * faster and cost the wide tile 18 registers: past 128 it runs one block
+   * per SM.) wgmma: the next block's first product restarts the sums
+   * (nothing but wgmma may write them between its products, or ptxas
+   * serializes them); mma.sync: zeroed here. */
+  [[maybe_unused]] auto fp8_block_end = [&](Acc &ac, int b) {
+    float sx[NT][2];
 #pragma unroll
     for (int j = 0; j < NT; j++)
 #pragma unroll
       for (int q = 0; q < 2; q++)
         sx[j][q] = fp8_sx(j, q, b);
-    sw0 = fp8_sw(0, b);
-    sw1 = fp8_sw(1, b);
-  };
-  if constexpr (FB > 0) fp8_load_scales(0);
-  [[maybe_unused]] auto fp8_block_end = [&](Acc &ac, int b) {
-  /* wgmma: the next block's first product restarts the sums (nothing but
-   * wgmma may write them between its products, or ptxas serializes
-   * them); mma.sync: zeroed here */
+    const float sw0 = fp8_sw(0, b), sw1 = fp8_sw(1, b);
 #if defined(MOE_TC_WGMMA)
     wgmma_wait<0>();
 #endif
@@ -807,7 +822,6 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
         ac.v[j][q] = ac.v[j][2 + q] = 0.0f;
 #endif
       }
-    fp8_load_scales(b + 1);
   };
   /* compute: for each KB block of the stage at sb, this warp's A fragments
    * into af (rows past N: zeros, results unused), then the block's
@@ -820,8 +834,11 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
     int j = 0;                                                   /* the stage's group slot */
 #pragma unroll
     for (int u = 0; u < KS; u++) {
-      const int kb = st * KS + u; /* in the segment */
-      if (KS > 1 && kb >= nkb_seg) break;
+      const int kb = st * KS + u;    /* in the segment */
+      if (KS > 1 && kb >= nkb_seg) { /* the last stage's end: its products are done first (below) */
+        retire_all();
+        break;
+      }
       uint32_t(&af)[KB / 16][4] = (u & 1) ? afB : afA;
       uint32_t(&af_prev)[KB / 16][4] = (u & 1) ? afA : afB;
       (void)af_prev;
@@ -1045,7 +1062,10 @@ __global__ void __launch_bounds__(C::THREADS) tc_gemm(TcArgs a) {
     } else { /* by two: the fragment buffers alternate by name */
       for (int st = 0; st < nst; st += 2) {
         step(ac, st, af0, af1, mode, std::integral_constant<int, 0>{});
-        if (st + 1 < nst) step(ac, st + 1, af1, af0, mode, std::integral_constant<int, 1>{});
+        if (st + 1 < nst)
+          step(ac, st + 1, af1, af0, mode, std::integral_constant<int, 1>{});
+        else
+          retire_all();
       }
     }
     finish(ac);
@@ -1365,9 +1385,11 @@ moe_status launch(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err
  * block scales when FB */
 template <int W, int ACT, bool SPLIT, int FB = 0>
 moe_status launch_packed(moe_backend *b, int config, int max_tiles, const TcArgs &a, moe_error *err) {
+  using QS = std::conditional_t<W == TW_FP8, CfgQS8, CfgQS>;
+  using QM = std::conditional_t<W == TW_FP8, CfgQM8, CfgQM>;
   switch (config) {
-  case TC_SMALL: return launch<W, ACT, CfgQS, SPLIT, FB>(b, max_tiles, a, err);
-  case TC_MEDIUM: return launch<W, ACT, CfgQM, SPLIT, FB>(b, max_tiles, a, err);
+  case TC_SMALL: return launch<W, ACT, QS, SPLIT, FB>(b, max_tiles, a, err);
+  case TC_MEDIUM: return launch<W, ACT, QM, SPLIT, FB>(b, max_tiles, a, err);
   default:
     /* fp8 block scales keep two sets of sums: the large tile's would pass the register cap */
     if constexpr (W == TW_FP8)
