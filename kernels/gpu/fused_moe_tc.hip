@@ -165,7 +165,7 @@ using CfgL = Cfg<4, 128, 200704>; /* 256 x 128 */
 using CfgQS = Cfg<1, 8, 65536, 4>;
 using CfgQM = Cfg<1, 32, 49152, 2>;
 /* fp8's: the same with MINB 1 stated (more registers, fewer blocks per SM:
- * DeepSeek-V3 T=1 252 -> 212 us, Mixtral 319 -> 272 us; int4 is 26% slower so) */
+ * DeepSeek-V3 T=1 252 -> 208 us, Mixtral 319 -> 270 us; int4's lose 26% so) */
 using CfgQS8 = Cfg<1, 8, 65536, 4, 1>;
 using CfgQM8 = Cfg<1, 32, 49152, 2, 1>;
 
@@ -796,9 +796,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
   };
   /* fp8 block scales: K block b's products (ac.v, summed from 0) join ac.t
    * as p_b * (sx * sw), blocks in ascending order. The scales are loaded
-   * before the products' wait. (Loaded a K block ahead they measured no
-   * faster and cost the wide tile 18 registers: past 128 it runs one block
-   * per SM.) wgmma: the next block's first product restarts the sums
+   * before the products' wait (loaded a K block ahead, they measured no
+   * faster). wgmma: the next block's first product restarts the sums
    * (nothing but wgmma may write them between its products, or ptxas
    * serializes them); mma.sync: zeroed here. */
   [[maybe_unused]] auto fp8_block_end = [&](Acc &ac, int b) {
