@@ -874,7 +874,6 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
         t.scale16 = args->set->t[ss].dtype == args->act;
       }
       if (fp8) {
-        t.fp8 = 1;
         t.wscale = (int)cfg->weight_scale;
         t.wsc = (const float *)dev[ss];
         t.bn = (int)cfg->block_n;

@@ -131,7 +131,6 @@ struct TcArgs {
   int bias_dt;      /* their moe_dtype: F32, F16 or BF16 */
   /* fp8 W8A8: x holds the e4m3 codes' values in fp16 (moe_tc_fp8_act), its
    * rows in the tile list's order in both phases */
-  int fp8;
   int wscale;       /* moe_weight_scale: per_tensor, per_channel or block */
   float *xs;        /* the activations' scales [rows][K / xg] (written by moe_tc_fp8_act) */
   int xg;           /* columns per activation scale: BK (block) or K */
