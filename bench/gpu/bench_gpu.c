@@ -11,10 +11,11 @@
  * that the routed experts' weights are not served from L2): median time,
  * routed-expert weight bytes (+ scales, + activations in and out) / time
  * and % of the copy ceiling, TFLOP/s and % of the matmul ceiling given by
- * --matmul-tflops (bench/gpu/matmul_ceiling.py, same run).
+ * --matmul-tflops (bf16; fp8 W8A8 rows: --fp8-matmul-tflops, the fp8 e4m3
+ * GEMM's rate; bench/gpu/matmul_ceiling.py, same run).
  *
  *   moe-bench-gpu [--runs N] [--max-mib 1024]
- *   moe-bench-gpu --fused [--runs N] [--matmul-tflops X] [--max-tokens T] [--only
+ *   moe-bench-gpu --fused [--runs N] [--matmul-tflops X] [--fp8-matmul-tflops X] [--max-tokens T] [--only
  * NAME|bf16|int4|mxfp4|fp8[,...]]
  *                 [--tokens T1,T2,...] [--tune FILE]
  *
@@ -373,8 +374,8 @@ static void tune_emit(tune_state *ts, const char *device, int64_t E, int64_t H, 
   ts->n = 0;
 }
 
-static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64_t max_tokens,
-                        const char *only, const char *only_tokens, FILE *tune) {
+static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, double mm8_tflops,
+                        int64_t max_tokens, const char *only, const char *only_tokens, FILE *tune) {
   tune_state tt = {tune, {{0}}, 0};
   const char *device = moe_gpu_device_name(b);
   if (tune) {
@@ -504,8 +505,9 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
         const double tf = flops / (ms * 1e-3) / 1e12;
         printf("| %s | %s | %lld | %.1f | %.3f | %.0f | %.1f%% | %.2f | ", models[mi].name, sch_label[sch],
                (long long)T, ms * 1e3, wbytes / 1e9, gbs, 100.0 * gbs / copy_gbs, tf);
-        if (mm_tflops > 0)
-          printf("%.2f%% |", 100.0 * tf / mm_tflops);
+        const double ceiling = fp8 ? mm8_tflops : mm_tflops;
+        if (ceiling > 0)
+          printf("%.2f%% |", 100.0 * tf / ceiling);
         else
           printf("- |");
         printf(" <!-- %d runs -->\n", used_runs);
@@ -536,7 +538,7 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, int64
 int main(int argc, char **argv) {
   size_t max_mib = 1024;
   bool fused = false;
-  double mm_tflops = 0;
+  double mm_tflops = 0, mm8_tflops = 0;
   int64_t max_tokens = 4096;
   const char *only =
       NULL; /* --only A,B: layers whose name contains each, or a scheme (bf16, int4, mxfp4, fp8) */
@@ -551,6 +553,8 @@ int main(int argc, char **argv) {
       fused = true;
     else if (!strcmp(argv[i], "--matmul-tflops") && i + 1 < argc)
       mm_tflops = atof(argv[++i]);
+    else if (!strcmp(argv[i], "--fp8-matmul-tflops") && i + 1 < argc)
+      mm8_tflops = atof(argv[++i]);
     else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
       max_tokens = atol(argv[++i]);
     else if (!strcmp(argv[i], "--only") && i + 1 < argc)
@@ -599,7 +603,7 @@ int main(int argc, char **argv) {
       perror(tune_path);
       return 1;
     }
-    bench_fused(b, copy_gbs, mm_tflops, max_tokens, only, only_tokens, tune);
+    bench_fused(b, copy_gbs, mm_tflops, mm8_tflops, max_tokens, only, only_tokens, tune);
     if (tune && fclose(tune)) {
       perror(tune_path);
       return 1;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on a GPU machine: the GPU-vs-CPU test (full), the same test
 # under compute-sanitizer memcheck (quick mode), the quant bench and the
-# bf16 matmul ceiling, the fused_moe bench. Every log goes to LOGDIR; a summary to stdout.
+# bf16 and fp8 matmul ceilings, the fused_moe bench. Every log goes to LOGDIR; a summary to stdout.
 #   tests/gpu/run.sh LOGDIR            build here (CMake, nvcc, Check) and run
 #   tests/gpu/run.sh LOGDIR BINDIR     run prebuilt test_gpu + moe-bench-gpu
 #                                      (BINDIR/lib: shared libs they need;
@@ -60,8 +60,9 @@ MOE_GPU_PORTABLE=1 "$BENCH" --runs 20 >>"$LOG/bench.log" 2>&1 || rc=1
 python3 "$ROOT/bench/gpu/matmul_ceiling.py" >>"$LOG/bench.log" 2>&1 || rc=1
 cat "$LOG/bench.log"
 echo "== fused_moe bench"
-MM=$(grep -o '[0-9.]* TFLOP/s' "$LOG/bench.log" | tail -1 | grep -o '^[0-9.]*')
-"$BENCH" --fused --matmul-tflops "${MM:-0}" >"$LOG/bench-fused.log" 2>&1 || rc=1
+ceiling() { grep "ceiling: $1 matmul" "$LOG/bench.log" | grep -o '[0-9.]* TFLOP/s' | grep -o '^[0-9.]*'; }
+"$BENCH" --fused --matmul-tflops "$(ceiling bf16 || echo 0)" --fp8-matmul-tflops "$(ceiling 'fp8 e4m3' || echo 0)" \
+  >"$LOG/bench-fused.log" 2>&1 || rc=1
 cat "$LOG/bench-fused.log"
 echo "== rc=$rc"
 exit $rc
