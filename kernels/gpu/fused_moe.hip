@@ -785,10 +785,11 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   const size_t o_part = p.take(split > 1 ? (size_t)split * (size_t)n * (size_t)hidden : 0, 4);
   /* fp8: each GEMM's activations as codes (fp16 values, a row per slot) and their scales */
   const int64_t xg1 = blockwise ? cfg->block_k : hidden, xg2 = blockwise ? cfg->block_k : inter;
+  const size_t xrows = (size_t)n + 128; /* + a tile of padding (TcArgs.xrows) */
   const size_t o_xq = p.take(fp8 ? (size_t)n * (size_t)hidden : 0, 2),
-               o_xs = p.take(fp8 ? (size_t)n * (size_t)(hidden / xg1) : 0, 4),
+               o_xs = p.take(fp8 ? xrows * (size_t)(hidden / xg1) : 0, 4),
                o_aq = p.take(fp8 ? (size_t)n * (size_t)inter : 0, 2),
-               o_as = p.take(fp8 ? (size_t)n * (size_t)(inter / xg2) : 0, 4);
+               o_as = p.take(fp8 ? xrows * (size_t)(inter / xg2) : 0, 4);
   if (p.overflow) return moe_fail(err, MOE_EOVERFLOW, "fused_moe: workspace size overflows");
   char *ws = (char *)moe_gpu_workspace(b, p.size);
   if (!ws) return moe_fail(err, MOE_ENOMEM, "fused_moe: %zu bytes of device workspace", p.size);
@@ -880,6 +881,7 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
         t.bk = blockwise ? (int)cfg->block_k : t.k;
         t.xg = (int)(m == 0 ? xg1 : xg2);
         t.xs = (float *)(ws + (m == 0 ? o_xs : o_as));
+        t.xrows = (int)xrows;
       }
       /* the expert biases, added to the sums in the epilogue (docs/numerics.md) */
       const int bs = m == 0 ? MOE_W13_BIAS : MOE_W2_BIAS;

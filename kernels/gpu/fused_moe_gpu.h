@@ -132,7 +132,8 @@ struct TcArgs {
   /* fp8 W8A8: x holds the e4m3 codes' values in fp16 (moe_tc_fp8_act), its
    * rows in the tile list's order in both phases */
   int wscale;       /* moe_weight_scale: per_tensor, per_channel or block */
-  float *xs;        /* the activations' scales [rows][K / xg] (written by moe_tc_fp8_act) */
+  float *xs;        /* the activations' scales [K / xg][xrows] (written by moe_tc_fp8_act) */
+  int xrows;        /* the slots' rows and a tile's worth of padding (the GEMM reads a tile's run) */
   int xg;           /* columns per activation scale: BK (block) or K */
   const float *wsc; /* the weight scales as the files have them: [E], [E][N] or [E][ceil(N / bn)][K / bk] */
   int bn, bk;

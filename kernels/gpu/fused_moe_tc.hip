@@ -779,21 +779,31 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
     wgmma_wait<0>();
 #endif
   };
-  /* fp8 (docs/numerics.md "fp8"): activation scale of this lane's token
-   * column (j, q) for K block b, and the weight scale of its row h; 0 for
-   * absent tokens and rows past N (their sums are zero or unused) */
+  /* fp8 (docs/numerics.md "fp8"): the scales' addresses are worked out once
+   * per tile, so that a K block's scales are loads at fixed offsets (the
+   * divisions and index arithmetic of every block, ~500 instructions per
+   * thread, made the block-scale loop issue-bound). Activation scales: this
+   * lane's token columns (j, q) are tile rows j 8 + 2 (lane % 4) + q, and
+   * xs is [K / xg][xrows] (a K block's scales of a tile are one run); rows
+   * past the tile's count read padding, whose products are zero and never
+   * stored. Weight scales: this lane's rows h = 0, 1 (rows past N: the
+   * first scale, unused). */
+  [[maybe_unused]] const float *const sx_base = FP8 ? a.xs + row0 + 2 * (lane & 3) : NULL;
   [[maybe_unused]] auto fp8_sx = [&](int j, int q, int b) {
-    const int row = src_row[j * 8 + 2 * (lane & 3) + q];
-    return row < 0 ? 0.0f : a.xs[(size_t)row * (size_t)(K / a.xg) + (size_t)b];
+    return sx_base[(size_t)b * (size_t)a.xrows + (size_t)(j * 8 + q)];
   };
-  [[maybe_unused]] auto fp8_sw = [&](int h, int b) {
-    if (mt >= mtc) return 0.0f;
-    const int r = file_row(a, mt, lane, h);
-    if (a.wscale == MOE_WSCALE_PER_TENSOR) return a.wsc[e];
-    if (a.wscale == MOE_WSCALE_PER_CHANNEL) return a.wsc[(size_t)e * (size_t)N + (size_t)r];
-    const size_t nbn = (size_t)((N + a.bn - 1) / a.bn);
-    return a.wsc[((size_t)e * nbn + (size_t)(r / a.bn)) * (size_t)(K / a.bk) + (size_t)b];
-  };
+  [[maybe_unused]] const float *sw_base[2] = {a.wsc, a.wsc};
+  if (FP8 && mt < mtc)
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int r = file_row(a, mt, lane, h);
+      const int nbn = (N + a.bn - 1) / a.bn;
+      sw_base[h] = a.wscale == MOE_WSCALE_PER_TENSOR ? a.wsc + e
+                   : a.wscale == MOE_WSCALE_PER_CHANNEL
+                       ? a.wsc + (size_t)e * (size_t)N + (size_t)r
+                       : a.wsc + ((size_t)e * (size_t)nbn + (size_t)(r / a.bn)) * (size_t)(K / a.bk);
+    }
+  [[maybe_unused]] auto fp8_sw = [&](int h, int b) { return sw_base[h][FB > 0 ? b : 0]; };
   /* fp8 block scales: K block b's products (ac.v, summed from 0) join ac.t
    * as p_b * (sx * sw), blocks in ascending order. The scales are loaded
    * before the products' wait (loaded a K block ahead, they measured no
@@ -1474,7 +1484,7 @@ __global__ void __launch_bounds__(256)
       const float v = from16<ACT>(in[j]);
       out[j] = moe_f32_to_f16(moe_narrow_to_f32(moe_f32_to_narrow(exact ? v / s : v * r, &f, false), &f));
     }
-    if (lane == 0) a.xs[(size_t)p * (size_t)nb + (size_t)blk] = s;
+    if (lane == 0) a.xs[(size_t)blk * (size_t)a.xrows + (size_t)p] = s;
   }
   pdl_next();
 }
