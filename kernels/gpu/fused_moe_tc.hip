@@ -164,9 +164,12 @@ using CfgL = Cfg<4, 128, 200704>; /* 256 x 128 */
  * per SM (bench/RESULTS.md, sixth pass) */
 using CfgQS = Cfg<1, 8, 65536, 4>;
 using CfgQM = Cfg<1, 32, 49152, 2>;
-/* fp8's: the same with MINB 1 stated (more registers, fewer blocks per SM:
- * DeepSeek-V3 T=1 252 -> 208 us, Mixtral 319 -> 270 us; int4's lose 26% so) */
-using CfgQS8 = Cfg<1, 8, 65536, 4, 1>;
+/* fp8's: MINB 1 stated (more registers: DeepSeek-V3 T=1 252 -> 208 us,
+ * Mixtral 319 -> 270 us; int4's lose 26% so); the small one a K block per
+ * stage, three stages in ~31 KB, so that DeepSeek-V3's decode grid (512
+ * blocks for gate_up) runs in one wave (three blocks per SM with four KB
+ * blocks per stage took 1.3 waves: T=1 166 -> 134 us, T=64 2.64 -> 2.39 ms) */
+using CfgQS8 = Cfg<1, 8, 32768, 2, 1>;
 using CfgQM8 = Cfg<1, 32, 49152, 2, 1>;
 
 /* One stage: B (the tokens: per KB block, 128-byte rows, 16-byte chunks
@@ -1533,7 +1536,7 @@ int moe_tc_choose(moe_backend *b, const moe_expert_config *cfg, int64_t avg) {
       /* TW_INT4 */ {4, 48, 0, INT64_MAX},
       /* TW_INT8 */ {4, 48, 0, INT64_MAX},
       /* TW_FP4 */ {4, 48, 0, INT64_MAX},
-      /* TW_FP8 */ {4, 48, INT64_MAX, 0}, /* the wide tile is its largest (launch_packed) */
+      /* TW_FP8 */ {16, 64, INT64_MAX, 0}, /* the wide tile is its largest (launch_packed) */
   };
   for (int c = 0; c < TC_CONFIGS; c++)
     if (avg <= upto[w][c]) return c;
