@@ -1,5 +1,6 @@
 /* auth: bearer tokens with roles, checked on every gRPC call before it is
- * handed to the loop (rpc.c calls moed_auth_check on the CQ thread).
+ * handed to the loop (rpc.c calls moed_auth_check on the CQ thread), and on
+ * every request of the HTTP ports (rest.c, http.c: moed_auth_check_value).
  *
  * --auth-tokens FILE holds one token a line, "NAME ROLE TOKEN" ('#'
  * comments and blank lines skipped): NAME follows the model-name rule and

@@ -70,8 +70,9 @@ static const char usage[] =
     "gRPC\n"
     "                            call needs 'authorization: Bearer TOKEN'; admin for repository changes\n"
     "                            and uploads (MOED_AUTH_TOKENS; reread on SIGHUP)\n"
-    "  --auth-health-exempt      ServerLive/ServerReady/ModelReady/grpc.health.v1 need no token\n"
-    "                            (MOED_AUTH_HEALTH_EXEMPT=1)\n"
+    "  --auth-health-exempt      ServerLive/ServerReady/ModelReady/grpc.health.v1 and the HTTP port's\n"
+    "                            /v2/health/* need no token (MOED_AUTH_HEALTH_EXEMPT=1)\n"
+    "  --auth-metrics-exempt     the HTTP port's /metrics needs no token (MOED_AUTH_METRICS_EXEMPT=1)\n"
     "  --max-uploads N           uploads in progress at once; more: RESOURCE_EXHAUSTED (MOED_MAX_UPLOADS, "
     "4)\n"
     "  --upload-budget-bytes N   tensor bytes of all uploads in progress together "
@@ -146,6 +147,7 @@ enum {
   OPT_HTTP_PLAINTEXT,
   OPT_AUTH_TOKENS,
   OPT_AUTH_HEALTH_EXEMPT,
+  OPT_AUTH_METRICS_EXEMPT,
   OPT_MAX_UPLOADS,
   OPT_UPLOAD_BUDGET,
   OPT_ALLOW_GPU_METRICS,
@@ -191,6 +193,7 @@ static const struct option options[] = {
     {"http-port-plaintext", no_argument, NULL, OPT_HTTP_PLAINTEXT},
     {"auth-tokens", required_argument, NULL, OPT_AUTH_TOKENS},
     {"auth-health-exempt", no_argument, NULL, OPT_AUTH_HEALTH_EXEMPT},
+    {"auth-metrics-exempt", no_argument, NULL, OPT_AUTH_METRICS_EXEMPT},
     {"max-uploads", required_argument, NULL, OPT_MAX_UPLOADS},
     {"upload-budget-bytes", required_argument, NULL, OPT_UPLOAD_BUDGET},
     {"help", no_argument, NULL, OPT_HELP},
@@ -354,6 +357,7 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
     break;
   case OPT_AUTH_TOKENS: c->auth_tokens = v; break;
   case OPT_AUTH_HEALTH_EXEMPT: c->auth_health_exempt = !v || strcmp(v, "0") != 0; break;
+  case OPT_AUTH_METRICS_EXEMPT: c->auth_metrics_exempt = !v || strcmp(v, "0") != 0; break;
   case OPT_HTTP_PLAINTEXT: c->http_port_plaintext = !v || strcmp(v, "0") != 0; break;
   case OPT_MAX_UPLOADS: ok = parse_i64(v, 1, 1 << 16, &n) && (c->max_uploads = (int)n, true); break;
   case OPT_UPLOAD_BUDGET:
@@ -401,6 +405,7 @@ static const struct {
     {"MOED_HTTP_PORT_PLAINTEXT", OPT_HTTP_PLAINTEXT},
     {"MOED_AUTH_TOKENS", OPT_AUTH_TOKENS},
     {"MOED_AUTH_HEALTH_EXEMPT", OPT_AUTH_HEALTH_EXEMPT},
+    {"MOED_AUTH_METRICS_EXEMPT", OPT_AUTH_METRICS_EXEMPT},
     {"MOED_MAX_UPLOADS", OPT_MAX_UPLOADS},
     {"MOED_UPLOAD_BUDGET_BYTES", OPT_UPLOAD_BUDGET},
 };

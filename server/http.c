@@ -9,7 +9,10 @@
  * answering 200 for a pod nobody can call. Each probe connects to the gRPC
  * port and expects the server's HTTP/2 SETTINGS frame (TLS: its ServerHello) within PROBE_MS; a
  * probe connection refused at accept for want of descriptors means a full
- * server, not a stuck one: live 200, ready 503. */
+ * server, not a stuck one: live 200, ready 503.
+ *
+ * With --auth-tokens this port checks the same bearer tokens as the others
+ * (authorized() below says which role each path needs). */
 #include <http_parser.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -441,12 +444,34 @@ static void probe_start(moed_http *h, moed_http_conn *c, bool ready) {
     probe_finish(pr, false);
 }
 
+/* --auth-tokens on this port: the probes are health calls (exempt with
+ * --auth-health-exempt, like the gRPC ones), /metrics shows what
+ * ModelStatistics does (an infer token; exempt with --auth-metrics-exempt).
+ * true: allowed; else c was answered 401 or 403 with why. */
+static bool authorized(moed_http *h, moed_http_conn *c, const moed_http_request *rq, bool metrics) {
+  if (metrics && h->srv->cfg->auth_metrics_exempt) return true;
+  char who[128], why[MOED_ERR_LEN], peer[160];
+  grpc_status_code code = moed_auth_check_value(metrics ? MOED_M_MODEL_STATISTICS : MOED_M_SERVER_LIVE,
+                                                rq->authorization_len < 0 ? NULL : rq->authorization,
+                                                rq->authorization_len < 0 ? 0 : (size_t)rq->authorization_len,
+                                                who, sizeof who, why);
+  if (code == GRPC_STATUS_OK) return true;
+  moed_http_peer(c, peer, sizeof peer);
+  moed_log(MOED_LOG_DEBUG, "auth_refused", "HTTP %s from http:%s: %s", rq->path, peer, why);
+  moed_http_respond_error(c, moed_http_status_from_grpc(code), why);
+  return false;
+}
+
 static void on_request(moed_http_conn *c, moed_http_request *rq, void *arg) {
   moed_http *h = arg;
   moed_server *s = h->srv;
+  bool metrics = strcmp(rq->path, "/metrics") == 0;
+  bool known = metrics || !strcmp(rq->path, "/v2/health/live") || !strcmp(rq->path, "/v2/health/ready");
   if (rq->method != HTTP_GET) {
     respond(c, 405, "text/plain", "GET only\n", 9);
-  } else if (strcmp(rq->path, "/metrics") == 0) {
+  } else if (known && !authorized(h, c, rq, metrics)) {
+    /* answered */
+  } else if (metrics) {
     wbuf b = {0};
     render_metrics(h, &b);
     if (b.oom)

@@ -70,7 +70,8 @@ typedef struct moed_config {
   int tls_client_auth;          /* MOED_CLIENT_AUTH_* */
   bool http_port_plaintext;     /* the metrics/health port stays plain under --tls-cert */
   const char *auth_tokens;      /* "NAME ROLE TOKEN" lines (auth.c); NULL: no authorization */
-  bool auth_health_exempt;      /* health RPCs need no token */
+  bool auth_health_exempt;      /* health RPCs and the HTTP port's probes need no token */
+  bool auth_metrics_exempt;     /* the HTTP port's /metrics needs no token */
   int max_uploads;              /* uploads in progress at once; beyond: RESOURCE_EXHAUSTED */
   size_t upload_budget_bytes;   /* tensor bytes of all uploads in progress together */
 } moed_config;

@@ -399,6 +399,17 @@ def bearer(token):
     return [("authorization", f"Bearer {token}")] if token else None
 
 
+def http_get(port, path, token=None):
+    """GET on the metrics/probe port in plaintext, with a bearer token or none: the status and the body."""
+    rq = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(rq, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
 def write_tokens(path, lines):
     with open(path, "w") as f:
         f.write("# name role token\n" + "".join(f"{n} {r} {t}\n" for n, r, t in lines))
@@ -412,7 +423,7 @@ def test_auth(tmp):
     write_tokens(tokens, [("reader", "infer", READER), ("ops", "admin", OPS)])
     log = os.path.join(tmp, "moed.log")
     log_at = os.path.getsize(log)
-    p, port, _ = ts.start(tmp, "--model-repository", repo, "--auth-tokens", tokens)
+    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--auth-tokens", tokens)
     try:
         ch = grpc.insecure_channel(f"127.0.0.1:{port}")
         live = raw_unary(ch, "/inference.GRPCInferenceService/ServerLive")
@@ -461,6 +472,15 @@ def test_auth(tmp):
         check(rest("POST", "/v2/repository/models/good/unload", OPS, b"{}")[0] == 200 and
               rest("POST", "/v2/repository/models/good/load", OPS, b"{}")[0] == 200,
               "REST: an admin token unloads and loads")
+        # the metrics and probe port: the same tokens; /metrics needs an infer token, probes any token
+        for path in ("/metrics", "/v2/health/live", "/v2/health/ready"):
+            for what, token in (("no token", None), ("an unknown token", "x" * 20)):
+                code, body = http_get(http_port, path, token)
+                check(code == 401 and body.startswith(b'{"error":"authorization') and b"x" * 20 not in body,
+                      f"HTTP port {path} with {what}: 401 naming authorization ({code} {body[:80]})")
+            code, body = http_get(http_port, path, READER)
+            check(code == 200, f"HTTP port {path} with an infer token: 200 ({code})")
+        check(b"moed_requests_total" in http_get(http_port, "/metrics", OPS)[1], "/metrics with an admin token: served")
         # stream: the token is checked when the stream starts
         stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
                                   request_serializer=lambda m: m.SerializeToString(),
@@ -506,7 +526,7 @@ def test_auth(tmp):
         ts.stop(p)
     # health exempt
     write_tokens(tokens, [("reader", "infer", READER)])
-    p, port, _ = ts.start(tmp, "--auth-tokens", tokens, "--auth-health-exempt")
+    p, port, http_port = ts.start(tmp, "--auth-tokens", tokens, "--auth-health-exempt")
     try:
         ch = grpc.insecure_channel(f"127.0.0.1:{port}")
         check(code_of(lambda: raw_unary(ch, "/inference.GRPCInferenceService/ServerLive")(b"", timeout=10))[0] == SC.OK,
@@ -515,6 +535,19 @@ def test_auth(tmp):
               "--auth-health-exempt: grpc.health.v1 Check without a token")
         check(code_of(lambda: infer_pb(ch, quant_req()))[0] == SC.UNAUTHENTICATED,
               "--auth-health-exempt: ModelInfer still needs one")
+        for probe in ("live", "ready"):
+            check(http_get(http_port, f"/v2/health/{probe}")[0] == 200,
+                  f"--auth-health-exempt: HTTP port /v2/health/{probe} without a token: 200")
+        code, body = http_get(http_port, "/metrics")
+        check(code == 401 and b"authorization" in body, f"--auth-health-exempt: /metrics still needs a token ({code})")
+    finally:
+        ts.stop(p)
+    # metrics exempt (through the env): Prometheus without a token, the probes still need one
+    p, port, http_port = ts.start(tmp, "--auth-tokens", tokens, env={"MOED_AUTH_METRICS_EXEMPT": "1"})
+    try:
+        code, body = http_get(http_port, "/metrics")
+        check(code == 200 and b"moed_ready 1" in body, f"MOED_AUTH_METRICS_EXEMPT=1: /metrics without a token ({code})")
+        check(http_get(http_port, "/v2/health/ready")[0] == 401, "MOED_AUTH_METRICS_EXEMPT=1: probes still need a token")
     finally:
         ts.stop(p)
     # a bad token file stops the start, naming the line, never the token

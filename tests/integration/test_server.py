@@ -31,14 +31,15 @@ def check(cond, what):
         failures.append(what)
 
 
-def start(tmp, *extra, preexec_fn=None):
+def start(tmp, *extra, preexec_fn=None, env=None):
+    """moed on free loopback ports with the flags `extra` (env: variables added to ours)."""
     port_file = os.path.join(tmp, "ports")
     if os.path.exists(port_file):
         os.unlink(port_file)
     log = open(os.path.join(tmp, "moed.log"), "ab")
     p = subprocess.Popen([MOED, "--address", "127.0.0.1", "--grpc-port", "0", "--http-port", "0",
                           "--rest-port", "0", "--port-file", port_file, "--workers", "2", *extra],
-                         stdout=log, stderr=log, preexec_fn=preexec_fn)
+                         stdout=log, stderr=log, preexec_fn=preexec_fn, env={**os.environ, **(env or {})})
     for _ in range(200):
         if os.path.exists(port_file):
             g, h, r = open(port_file).read().split()
