@@ -189,7 +189,8 @@ static moe_param pstr(const char *n, const char *v) { return (moe_param){n, MOE_
 
 /* ---- quant ops ------------------------------------------------------------------------ */
 
-#define PSTR(n, v) {n, MOE_PARAM_STRING, v, 0, 0, 0}
+#define PSTR(n, v)                                                                                           \
+  { n, MOE_PARAM_STRING, v, 0, 0, 0 }
 /* The quant rows: bf16 input, the scale tensor as a second input for the static ops. */
 static const struct {
   const char *label, *op;
@@ -206,7 +207,6 @@ static const struct {
     {"mxfp4", "quant.mx", 1, {PSTR("format", "mxfp4")}, 1},
 };
 
-
 static void bench_quant(moe_backend *b, double ceiling, size_t mib) {
   int64_t k = 7168, m = (int64_t)(mib << 20) / 2 / k;
   size_t n = (size_t)(m * k);
@@ -221,13 +221,14 @@ static void bench_quant(moe_backend *b, double ceiling, size_t mib) {
     moe_param p[3];
     memcpy(p, quant_cases[i].p, sizeof p);
     double best;
-    double t = bench_op(quant_cases[i].op, in, (size_t)quant_cases[i].nin, p, (size_t)quant_cases[i].np, NULL, b, &ob, &best);
+    double t = bench_op(quant_cases[i].op, in, (size_t)quant_cases[i].nin, p, (size_t)quant_cases[i].np, NULL,
+                        b, &ob, &best);
     /* dynamic per-tensor reads the input twice when it does not fit on chip */
     double bytes = (double)(n * 2 + ob);
     double gbs = bytes / t / 1e9, best_gbs = bytes / best / 1e9;
     printf("| %s | bf16 [%lld, %lld] %zu MiB | %.3f ms | %.2f GB/s | %.0f%% | %.3f ms | %.0f%% |\n",
-           quant_cases[i].label, (long long)m, (long long)k, mib, t * 1e3, gbs, 100.0 * gbs / ceiling, best * 1e3,
-           100.0 * best_gbs / ceiling);
+           quant_cases[i].label, (long long)m, (long long)k, mib, t * 1e3, gbs, 100.0 * gbs / ceiling,
+           best * 1e3, 100.0 * best_gbs / ceiling);
   }
   /* the dequant ops back to bf16: codes of the same shape, e8m0 scales near 1 */
   uint8_t *q = random_bytes(n, 2), *e8 = random_bytes(n / 32, 3);
@@ -426,11 +427,15 @@ static int parse_tokens(const char *s, int *tokens, int max) {
 int main(int argc, char **argv) {
   int threads = 0, quick = 0, quant_only = 0, fused_only = 0, reference = 0, in_cache = 0;
   int toks[8] = {1, 16, 256}, nt = 3;
-  static const struct option opts[] = {
-      {"threads", required_argument, 0, 't'}, {"quick", no_argument, 0, 'q'},
-      {"quant-only", no_argument, 0, 'Q'},    {"fused-only", no_argument, 0, 'F'},
-      {"tokens", required_argument, 0, 'T'},  {"reference", no_argument, 0, 'R'},
-      {"in-cache", no_argument, 0, 'C'}, {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
+  static const struct option opts[] = {{"threads", required_argument, 0, 't'},
+                                       {"quick", no_argument, 0, 'q'},
+                                       {"quant-only", no_argument, 0, 'Q'},
+                                       {"fused-only", no_argument, 0, 'F'},
+                                       {"tokens", required_argument, 0, 'T'},
+                                       {"reference", no_argument, 0, 'R'},
+                                       {"in-cache", no_argument, 0, 'C'},
+                                       {"help", no_argument, 0, 'h'},
+                                       {0, 0, 0, 0}};
   for (int ch; (ch = getopt_long(argc, argv, "t:qQFT:RCh", opts, NULL)) != -1;) {
     if (ch == 't')
       threads = atoi(optarg);
