@@ -2,8 +2,9 @@
  * tiles of 16 blocks of 32 elements, dequant a block at a time through a
  * table of the codes' values; blocks are
  * independent, so any thread split gives the same bits. Where the CPU has
- * AVX-512 (moe_cpu_vector_kernels), the amaxes, scales and scaled elements
- * of a tile of fp16/bf16 input come from intrinsics, the rest is the C below. */
+ * AVX-512 (moe_cpu_vector_kernels), a tile of fp16/bf16 input is
+ * quantized by intrinsics (amaxes, scales, codes); fp32 input, other CPUs
+ * and the reference switch take the C below. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -21,11 +22,13 @@
  * accesses) rather than along them; here a block of 32 16-bit values is one
  * register. The amax: a 16-bit max of |h| reduced in the register (|h| orders
  * like the values, and widening keeps the order and the NaN/inf flag, so it
- * is the C path's fp32 amax). The scaled elements: widened (a shift for bf16,
- * vcvtph2ps for fp16: exact, as moe_f16_to_f32 but for NaN payloads, whose
- * blocks are zeroed anyway), times the block's factor; between the two, the
- * scales of the tile's 16 blocks in one register. In cache, one thread, bf16
- * in: mxfp8 0.35 -> 0.31 ns per element (bench/RESULTS.md). */
+ * is the C path's fp32 amax); the scales of the tile's 16 blocks in one
+ * register; then each block widened (a shift for bf16, vcvtph2ps for fp16:
+ * exact, as moe_f16_to_f32 but for NaN payloads, whose blocks are zeroed
+ * anyway), multiplied, encoded and packed without a pass through memory.
+ * test_quant_ops compares the bytes with the C path on every fp16/bf16
+ * pattern. In cache, one thread, bf16 in: mxfp8 0.35 -> 0.29-0.31 ns per
+ * element (bench/RESULTS.md). */
 #define V512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c")))
 
 /* moe_mx_scale of the tile's finite amaxes in the lanes (the same integer
@@ -82,14 +85,52 @@ V512 static void tile_amax_avx512(const uint16_t *h, bool bf16, size_t nb, uint3
   }
 }
 
-V512 static void tile_scale_avx512(const uint16_t *h, bool bf16, size_t nb, const float *mult, float *v) {
+/* moe_f32_to_narrow (codec.h) in the lanes: the same integer and IEEE steps,
+ * the selects as masks. */
+V512 static inline __attribute__((always_inline)) __m512i narrow_avx512(__m512 f, const moe_narrow_fmt *fmt,
+                                                                        bool half_up) {
+  const int s = 23 - fmt->mbits;
+  const __m512i min_exp = _mm512_set1_epi32((128 - fmt->bias) << 23);
+  const __m512i max_exp = _mm512_set1_epi32((127 + fmt->emax) << 23);
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+  __m512i e = _mm512_and_si512(a, _mm512_set1_epi32(0x7F800000));
+  e = _mm512_min_epu32(_mm512_max_epu32(e, min_exp), max_exp);
+  const __m512i m = _mm512_add_epi32(e, _mm512_set1_epi32(s << 23));
+  const __m512i ah = half_up ? _mm512_or_si512(a, _mm512_set1_epi32(1)) : a;
+  const __m512i t = _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(ah), _mm512_castsi512_ps(m)));
+  __m512i mag = _mm512_add_epi32(_mm512_sub_epi32(t, m),
+                                 _mm512_srl_epi32(_mm512_sub_epi32(e, min_exp), _mm_cvtsi32_si128(s)));
+  mag = _mm512_min_epu32(mag, _mm512_set1_epi32(fmt->max_mag));
+  __m512i sign = _mm512_sll_epi32(_mm512_srli_epi32(u, 31), _mm_cvtsi32_si128(fmt->bits - 1));
+  if (!fmt->neg_zero) sign = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(mag, mag), sign);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
+  return _mm512_mask_mov_epi32(_mm512_or_si512(sign, mag), nan,
+                               _mm512_set1_epi32(fmt->nan_code < 0 ? 0 : fmt->nan_code));
+}
+
+/* The tile's codes straight from x: widened, times the block's factor,
+ * encoded and packed in registers (fp8: vpmovdb; fp4: the byte pairs of a
+ * 16-bit lane folded by a shift, then vpmovwb). */
+V512 static void tile_encode_avx512(const uint16_t *h, bool bf16, size_t nb, const float *mult,
+                                    const moe_narrow_fmt *fmt, bool half_up, bool fp4, uint8_t *q) {
+  const moe_narrow_fmt f = *fmt; /* a local: the stores to q may alias *fmt */
   for (size_t b = 0; b < nb; b++) {
-    const __m512 s = _mm512_set1_ps(mult[b]);
-    for (size_t k = 0; k < BLOCK; k += 16) {
-      const __m256i x = _mm256_loadu_si256((const __m256i *)(h + b * BLOCK + k));
-      const __m512 f =
+    const __m512 sc = _mm512_set1_ps(mult[b]);
+    __m128i c[2];
+    for (size_t k = 0; k < 2; k++) {
+      const __m256i x = _mm256_loadu_si256((const __m256i *)(h + b * BLOCK + 16 * k));
+      const __m512 v =
           bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)) : _mm512_cvtph_ps(x);
-      _mm512_storeu_ps(v + b * BLOCK + k, _mm512_mul_ps(f, s));
+      c[k] = _mm512_cvtepi32_epi8(narrow_avx512(_mm512_mul_ps(v, sc), &f, half_up));
+    }
+    if (fp4) {
+      const __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(c[0]), c[1], 1);
+      _mm_storeu_si128((__m128i *)(q + b * (BLOCK / 2)),
+                       _mm256_cvtepi16_epi8(_mm256_or_si256(w, _mm256_srli_epi16(w, 4))));
+    } else {
+      _mm_storeu_si128((__m128i *)(q + b * BLOCK), c[0]);
+      _mm_storeu_si128((__m128i *)(q + b * BLOCK + 16), c[1]);
     }
   }
 }
@@ -98,8 +139,8 @@ V512 static void tile_scale_avx512(const uint16_t *h, bool bf16, size_t nb, cons
  * tile so that each loop is long, straight and vectorizes: widen x, the
  * blocks' amax (an integer max of |x| bits: orders like the values and
  * flags NaN/inf as >= 0x7F800000), the scales (scalar, one per block), the
- * scaled elements, then one encode loop over the whole tile. `vec`: the
- * amaxes, scales and scaled elements of 16-bit input from the AVX-512 front. */
+ * scaled elements, then one encode loop over the whole tile. `vec`: 16-bit
+ * input through the AVX-512 functions above instead. */
 ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb, const moe_mx_args *a,
                               const moe_narrow_fmt *fmt, bool vec, uint8_t *q, uint8_t *scales) {
   float v[TILE * BLOCK];
@@ -134,14 +175,19 @@ ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb,
         scales[b0 + b] = moe_mx_scale(moe_f32_from_bits(amax[b]), a->rule, fmt, &mult[b]);
       }
     }
-  if (vec)
-    tile_scale_avx512(h, xt == MOE_BF16, nb, mult, v);
-  else
-    for (size_t b = 0; b < nb; b++)
-      for (int i = 0; i < BLOCK; i++)
-        v[b * BLOCK + (size_t)i] *= mult[b];
-  const bool half_up = a->half_up;
-  if (a->qdtype == MOE_FP4_E2M1) {
+  const bool half_up = a->half_up, fp4 = a->qdtype == MOE_FP4_E2M1;
+  if (vec) {
+    tile_encode_avx512(h, xt == MOE_BF16, nb, mult, fmt, half_up, fp4, q + b0 * (fp4 ? BLOCK / 2 : BLOCK));
+    if (non_finite)
+      for (size_t b = 0; b < nb; b++)
+        if (scales[b0 + b] == 0xFF)
+          memset(q + (b0 + b) * (fp4 ? BLOCK / 2 : BLOCK), 0, fp4 ? BLOCK / 2 : BLOCK);
+    return;
+  }
+  for (size_t b = 0; b < nb; b++)
+    for (int i = 0; i < BLOCK; i++)
+      v[b * BLOCK + (size_t)i] *= mult[b];
+  if (fp4) {
     uint8_t *qb = q + b0 * (BLOCK / 2);
     /* the codes a byte each (the fp8 loop's shape), then packed in pairs:
      * the even/odd split on bytes, not on fp32 lanes */
