@@ -109,8 +109,15 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
       r[k] = 1.0f / s[k];
       scales[b0 + k] = s[k];
     }
-    for (size_t k = 0; k < nb; k++)
-      encode_dtype(x, xt, (b0 + k) * g, (b0 + k + 1) * g, s[k], r[k], exact, int8, &fmt, q);
+    if (g == 128) /* per_token_group's usual G as a constant trip count: no loop set-up per unit */
+      for (size_t k = 0; k < nb; k++) {
+        const size_t o = (b0 + k) * 128;
+        encode_dtype((const char *)x + o * (xt == MOE_F32 ? 4 : 2), xt, 0, 128, s[k], r[k], exact, int8, &fmt,
+                     (uint8_t *)q + o);
+      }
+    else
+      for (size_t k = 0; k < nb; k++)
+        encode_dtype(x, xt, (b0 + k) * g, (b0 + k + 1) * g, s[k], r[k], exact, int8, &fmt, q);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu/cpu.h"
 #include "moe/codec.h"
 #include "moe/ops.h"
 
@@ -454,6 +455,56 @@ START_TEST(large_calls_match_their_slices) {
 }
 END_TEST
 
+/* quant.mx's AVX-512 front (the amaxes and scaled elements of 16-bit input,
+ * kernels/cpu/quant_mx.c) gives the bytes of its C path (the reference
+ * kernels): every fp16 and bf16 pattern, in bit order and shuffled (NaN/inf
+ * blocks, subnormals, mixed magnitudes), every scale rule, mxfp8 e4m3fn /
+ * e5m2 and mxfp4 with both roundings. Without AVX-512 both runs take the C
+ * path. */
+START_TEST(quant_mx_vector_front_matches_c_path) {
+  enum { N = 1 << 17 }; /* every pattern twice: bit order, then shuffled */
+  uint16_t *x = malloc(N * sizeof *x);
+  ck_assert_ptr_nonnull(x);
+  for (uint32_t i = 0; i < N; i++)
+    x[i] = (uint16_t)i;
+  uint64_t z = 0x9E3779B97F4A7C15ull;
+  for (uint32_t i = N - 1; i > N / 2; i--) { /* Fisher-Yates over the second half */
+    z ^= z << 13, z ^= z >> 7, z ^= z << 17;
+    uint32_t j = N / 2 + (uint32_t)(z % (i - N / 2 + 1));
+    uint16_t t = x[i];
+    x[i] = x[j];
+    x[j] = t;
+  }
+  static const char *const formats[3] = {"mxfp8_e4m3fn", "mxfp8_e5m2", "mxfp4"};
+  static const char *const rules[4] = {"even", "floor", "amax_up", "amax_down"};
+  static const moe_dtype dtypes[2] = {MOE_BF16, MOE_F16};
+  int64_t shape[2] = {N / 256, 256};
+  for (int d = 0; d < 2; d++)
+    for (int f = 0; f < 3; f++)
+      for (int r = 0; r < 4; r++)
+        for (int h = 0; h < (f == 2 ? 2 : 1); h++) {
+          moe_named_tensor in[1] = {tensor("x", dtypes[d], x, N * sizeof *x, 2, shape)};
+          moe_param p[3] = {pstr("format", formats[f]), pstr("scale_rule", rules[r]),
+                            pstr("element_rounding", h ? "half_up" : "rne")};
+          moe_named_tensor *out[2];
+          size_t nout[2];
+          moe_error err;
+          for (int ref = 0; ref < 2; ref++) {
+            moe_cpu_set_reference_kernels(ref == 1);
+            ck_assert_int_eq(run("quant.mx", in, 1, p, 3, &out[ref], &nout[ref], &err), MOE_OK);
+          }
+          moe_cpu_set_reference_kernels(false);
+          for (size_t o = 0; o < 2; o++)
+            ck_assert_msg(memcmp(out[0][o].tensor.data, out[1][o].tensor.data, out[0][o].tensor.nbytes) == 0,
+                          "%s %s %s %s: output %zu differs from the C path", d ? "fp16" : "bf16", formats[f],
+                          rules[r], h ? "half_up" : "rne", o);
+          moe_outputs_free(out[0], nout[0]);
+          moe_outputs_free(out[1], nout[1]);
+        }
+  free(x);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("quant_ops");
   TCase *tc = tcase_create("core");
@@ -466,6 +517,7 @@ int main(void) {
   tcase_add_test(tc, per_token_scale_ub_caps_amax);
   tcase_add_test(tc, per_token_group_scales_and_pow2_up);
   tcase_add_test(tc, dequant_mx_nan_scale_and_fp4_nibbles);
+  tcase_add_test(tc, quant_mx_vector_front_matches_c_path);
   tcase_add_test(tc, dequant_per_tensor_rounds_to_out_dtype);
   tcase_add_test(tc, bad_inputs_are_named);
   tcase_add_test(tc, unknown_op_is_not_found);
