@@ -151,6 +151,13 @@ def http_outcome(tally, cat, fn, allowed=()):
         tally.add_failure(cat, f"HTTP {status}")
 
 
+def infer_stub(ch):
+    """ModelInfer on channel ch, protobuf messages in and out."""
+    return ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                          request_serializer=pb.ModelInferRequest.SerializeToString,
+                          response_deserializer=pb.ModelInferResponse.FromString)
+
+
 def make_req(model, inputs, params=None, rid="soak"):
     """inputs: (name, KServe datatype, shape, bytes)."""
     r = pb.ModelInferRequest(model_name=model, id=rid)
@@ -254,9 +261,7 @@ class Soak:
         rng = np.random.default_rng(seed)
         cli = tcg.InferenceServerClient(self.target)
         ch = grpc.insecure_channel(self.target)
-        infer = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
-                               request_serializer=pb.ModelInferRequest.SerializeToString,
-                               response_deserializer=pb.ModelInferResponse.FromString)
+        infer = infer_stub(ch)
         i = 0
         while not self.stop.is_set():
             i += 1
@@ -366,9 +371,7 @@ class Soak:
     def cancels(self, seed):
         rng = np.random.default_rng(seed)
         ch = grpc.insecure_channel(self.target)
-        infer = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
-                               request_serializer=pb.ModelInferRequest.SerializeToString,
-                               response_deserializer=pb.ModelInferResponse.FromString)
+        infer = infer_stub(ch)
         i = 0
         while not self.stop.is_set():
             i += 1
@@ -531,9 +534,7 @@ class Soak:
         as the baseline; without it they reach them by chance, in steps, minutes into the run."""
         rng = np.random.default_rng(seed)
         ch = grpc.insecure_channel(self.target)
-        infer = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
-                               request_serializer=pb.ModelInferRequest.SerializeToString,
-                               response_deserializer=pb.ModelInferResponse.FromString)
+        infer = infer_stub(ch)
         reqs = [moe_req(rng, "stable", STABLE, 256) for _ in range(4)]
         end = time.monotonic() + self.a.prime
         while time.monotonic() < end and not self.stop.is_set():

@@ -399,15 +399,20 @@ def bearer(token):
     return [("authorization", f"Bearer {token}")] if token else None
 
 
-def http_get(port, path, token=None):
-    """GET on the metrics/probe port in plaintext, with a bearer token or none: the status and the body."""
-    rq = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+def http_call(port, method, path, token=None, body=None):
+    """One plaintext HTTP request with a bearer token or none: the status and the body."""
+    rq = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method=method,
                                 headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
         with urllib.request.urlopen(rq, timeout=10) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+
+
+def http_get(port, path, token=None):
+    """GET on the metrics/probe port."""
+    return http_call(port, "GET", path, token)
 
 
 def write_tokens(path, lines):
@@ -456,13 +461,7 @@ def test_auth(tmp):
               "an admin token unloads and loads")
         # the REST port takes the same tokens and roles from the Authorization header
         def rest(method, path, token=None, body=None):
-            rq = urllib.request.Request(f"http://127.0.0.1:{p.rest_port}{path}", data=body, method=method,
-                                        headers={"Authorization": f"Bearer {token}"} if token else {})
-            try:
-                with urllib.request.urlopen(rq, timeout=10) as r:
-                    return r.status, r.read()
-            except urllib.error.HTTPError as e:
-                return e.code, e.read()
+            return http_call(p.rest_port, method, path, token, body)
         check(rest("GET", "/v2/models/good")[0] == 401, "REST without a token: 401")
         check(rest("GET", "/v2/models/good", "x" * 20)[0] == 401, "REST with an unknown token: 401")
         check(rest("GET", "/v2/models/good", READER)[0] == 200, "REST metadata with an infer token: 200")
