@@ -101,7 +101,9 @@ def test_priority(f, tokens, full):
 
 def test_queued_expiry(f, tokens, http_port, rest_port):
     """Requests whose deadline passes while the one worker runs a long call."""
-    blocker = f.future(req_of(tokens), timeout=3.0)  # stopped at 3 s: the queue's expiries come long before
+    # stopped at 3 s: the queue's expiries come long before. Twice the calibrated call (>= 8 s there),
+    # so that a machine less loaded than during the calibration still runs it past 3 s
+    blocker = f.future(req_of(2 * tokens), timeout=3.0)
     time.sleep(0.2)
     t0 = time.monotonic()
     timed_out = f.future(req_of(1, seed=3, params={"timeout": 500_000}), timeout=60)  # 0.5 s in the queue
