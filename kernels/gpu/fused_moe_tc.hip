@@ -1458,21 +1458,32 @@ template <int ACT> moe_status launch_bulk(moe_backend *b, int max_tiles, const T
  * columns): the group's amax (finite values), its scale, the codes as
  * quant.per_token_group makes them (codec.h, x * (1 / s) or x / s), their
  * values in fp16 */
+/* groups of 512 columns or more take a block each (fp8_act_kernel) */
+__host__ __device__ constexpr bool fp8_act_whole(int g) { return g >= 512; }
+
 template <int ACT>
 __global__ void __launch_bounds__(256)
     fp8_act_kernel(TcArgs a, const void *x, const float *static_scale, int exact, uint16_t *xq) {
   const moe_narrow_fmt f = MOE_FMT_E4M3FN;
   const int ti = (int)blockIdx.x, lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
+  __shared__ uint32_t part[8]; /* the warps' amax bits (a block per unit) */
   pdl_wait();
   if (ti >= *a.ntiles) return;
   const int4 tile = a.tiles[ti];
   const int e = tile.x, row0 = tile.y, rows = tile.z, K = a.k, g = a.xg, nb = K / g;
-  for (int u = warp; u < rows * nb; u += (int)blockDim.x >> 5) {
+  /* a unit (row, group) per warp; a group of a whole row (per-token
+   * scales, g = K up to 16K) per block */
+  const bool whole = fp8_act_whole(g);
+  const int warps = (int)blockDim.x >> 5, lanes = whole ? (int)blockDim.x : 32,
+            me = whole ? (int)threadIdx.x : lane;
+  const int first = whole ? (int)blockIdx.y : (int)blockIdx.y * warps + warp,
+            step = whole ? (int)gridDim.y : (int)gridDim.y * warps;
+  for (int u = first; u < rows * nb; u += step) { /* u is one value across a block when whole */
     const int p = row0 + u / nb, blk = u % nb;
     const size_t src = a.phase == 1 ? (size_t)(a.sorted[p] / a.top_k) : (size_t)p;
     const uint16_t *in = (const uint16_t *)x + src * (size_t)K + (size_t)blk * g;
     uint32_t m = 0; /* |v| bits of the finite values: their max is the amax */
-    for (int j = lane; j < g; j += 32) {
+    for (int j = me; j < g; j += lanes) {
       const uint32_t bits = moe_f32_bits(from16<ACT>(in[j])) & 0x7FFFFFFFu;
       m = bits < 0x7F800000u && bits > m ? bits : m;
     }
@@ -1480,14 +1491,21 @@ __global__ void __launch_bounds__(256)
       const uint32_t t = MOE_SHFL_XOR(m, o);
       m = t > m ? t : m;
     }
+    if (whole) {
+      if (lane == 0) part[warp] = m;
+      __syncthreads();
+      for (int w = 0; w < warps; w++)
+        m = part[w] > m ? part[w] : m;
+      __syncthreads(); /* part is rewritten for the next unit */
+    }
     const float s = static_scale ? static_scale[e] : moe_dynamic_scale(moe_f32_from_bits(m), 448.0f, false);
     const float r = 1.0f / s;
     uint16_t *out = xq + (size_t)p * (size_t)K + (size_t)blk * g;
-    for (int j = lane; j < g; j += 32) {
+    for (int j = me; j < g; j += lanes) {
       const float v = from16<ACT>(in[j]);
       out[j] = moe_f32_to_f16(moe_narrow_to_f32(moe_f32_to_narrow(exact ? v / s : v * r, &f, false), &f));
     }
-    if (lane == 0) a.xs[(size_t)blk * (size_t)a.xrows + (size_t)p] = s;
+    if (me == 0) a.xs[(size_t)blk * (size_t)a.xrows + (size_t)p] = s;
   }
   pdl_next();
 }
@@ -1571,10 +1589,16 @@ bool moe_tc_bulk(moe_backend *b, const moe_expert_config *cfg, int config) {
 
 moe_status moe_tc_fp8_act(moe_backend *b, int act, int max_tiles, const TcArgs &a, const void *x,
                           const float *static_scale, int exact, uint16_t *xq, moe_error *err) {
-  return moe_gpu_check(
-      pdl_launch(moe_gpu_pdl(b), act == A_BF16 ? fp8_act_kernel<A_BF16> : fp8_act_kernel<A_F16>,
-                 dim3((unsigned)max_tiles), dim3(256), 0, moe_gpu_stream(b), a, x, static_scale, exact, xq),
-      "fused_moe fp8 activations", err);
+  /* a tile's units over several blocks: with one block per tile a decode
+   * tile's few rows left its warps looping over K / xg groups one after
+   * another (Mixtral's a, 112 groups: 23 us of a 207 us call at T = 1), and
+   * a per-token row of 14336 columns on one warp */
+  const unsigned per_tile = fp8_act_whole(a.xg) ? 8u : (unsigned)((a.k / a.xg + 7) / 8);
+  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b),
+                                  act == A_BF16 ? fp8_act_kernel<A_BF16> : fp8_act_kernel<A_F16>,
+                                  dim3((unsigned)max_tiles, per_tile), dim3(256), 0, moe_gpu_stream(b), a, x,
+                                  static_scale, exact, xq),
+                       "fused_moe fp8 activations", err);
 }
 
 moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_t *xk, moe_error *err) {
