@@ -1454,25 +1454,53 @@ template <int ACT> moe_status launch_bulk(moe_backend *b, int max_tiles, const T
                        "fused_moe tensor-core gemm", err);
 }
 
-/* fp8 W8A8 (moe_tc_fp8_act): one warp per (tile row, group of a.xg
- * columns): the group's amax (finite values), its scale, the codes as
- * quant.per_token_group makes them (codec.h, x * (1 / s) or x / s), their
- * values in fp16 */
-/* groups of 512 columns or more take a block each (fp8_act_kernel) */
+/* Two fp32 values as e4m3fn codes (RNE, subnormals, saturated to +-448, NaN
+ * -> 0x7F: codec.h's moe_f32_to_narrow, which sm_89+'s cvt computes exactly;
+ * quant.hip's fast path and tests rely on the same equality), returned as
+ * those codes' values in an fp16 pair. */
+__device__ __forceinline__ uint32_t e4m3_values2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned short c;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(c) : "f"(hi), "f"(lo));
+  return e4m3x2_f16x2(c);
+#else
+  const moe_narrow_fmt f = MOE_FMT_E4M3FN;
+  return e4m3x2_f16x2(moe_f32_to_narrow(lo, &f, false) | moe_f32_to_narrow(hi, &f, false) << 8);
+#endif
+}
+
+/* Four 16-bit values at p (8-byte aligned when VEC) as fp32. */
+template <int ACT, bool VEC> __device__ __forceinline__ void load4(const uint16_t *p, float v[4]) {
+  uint32_t w[2];
+  if (VEC) {
+    const uint2 u = *(const uint2 *)p;
+    w[0] = u.x;
+    w[1] = u.y;
+  } else {
+    w[0] = p[0] | (uint32_t)p[1] << 16;
+    w[1] = p[2] | (uint32_t)p[3] << 16;
+  }
+  unpack2<ACT>(w[0], v[0], v[1]);
+  unpack2<ACT>(w[1], v[2], v[3]);
+}
+
+/* fp8 W8A8 (moe_tc_fp8_act): per (tile row, group of a.xg columns): the
+ * group's amax (finite values), its scale, the codes as
+ * quant.per_token_group makes them (x * (1 / s) or x / s), their values in
+ * fp16. A warp per unit, four columns per lane and step; a group of 512
+ * columns or more (per-token scales: g = K, up to 16K) takes a block. The
+ * second pass reads the group again (L1). */
 __host__ __device__ constexpr bool fp8_act_whole(int g) { return g >= 512; }
 
-template <int ACT>
+template <int ACT, bool VEC>
 __global__ void __launch_bounds__(256)
     fp8_act_kernel(TcArgs a, const void *x, const float *static_scale, int exact, uint16_t *xq) {
-  const moe_narrow_fmt f = MOE_FMT_E4M3FN;
   const int ti = (int)blockIdx.x, lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
   __shared__ uint32_t part[8]; /* the warps' amax bits (a block per unit) */
   pdl_wait();
   if (ti >= *a.ntiles) return;
   const int4 tile = a.tiles[ti];
   const int e = tile.x, row0 = tile.y, rows = tile.z, K = a.k, g = a.xg, nb = K / g;
-  /* a unit (row, group) per warp; a group of a whole row (per-token
-   * scales, g = K up to 16K) per block */
   const bool whole = fp8_act_whole(g);
   const int warps = (int)blockDim.x >> 5, lanes = whole ? (int)blockDim.x : 32,
             me = whole ? (int)threadIdx.x : lane;
@@ -1483,9 +1511,14 @@ __global__ void __launch_bounds__(256)
     const size_t src = a.phase == 1 ? (size_t)(a.sorted[p] / a.top_k) : (size_t)p;
     const uint16_t *in = (const uint16_t *)x + src * (size_t)K + (size_t)blk * g;
     uint32_t m = 0; /* |v| bits of the finite values: their max is the amax */
-    for (int j = me; j < g; j += lanes) {
-      const uint32_t bits = moe_f32_bits(from16<ACT>(in[j])) & 0x7FFFFFFFu;
-      m = bits < 0x7F800000u && bits > m ? bits : m;
+    for (int j = 4 * me; j < g; j += 4 * lanes) {
+      float v[4];
+      load4<ACT, VEC>(in + j, v);
+#pragma unroll
+      for (int q = 0; q < 4; q++) {
+        const uint32_t bits = moe_f32_bits(v[q]) & 0x7FFFFFFFu;
+        m = bits < 0x7F800000u && bits > m ? bits : m;
+      }
     }
     for (int o = 16; o > 0; o >>= 1) {
       const uint32_t t = MOE_SHFL_XOR(m, o);
@@ -1500,10 +1533,14 @@ __global__ void __launch_bounds__(256)
     }
     const float s = static_scale ? static_scale[e] : moe_dynamic_scale(moe_f32_from_bits(m), 448.0f, false);
     const float r = 1.0f / s;
-    uint16_t *out = xq + (size_t)p * (size_t)K + (size_t)blk * g;
-    for (int j = me; j < g; j += lanes) {
-      const float v = from16<ACT>(in[j]);
-      out[j] = moe_f32_to_f16(moe_narrow_to_f32(moe_f32_to_narrow(exact ? v / s : v * r, &f, false), &f));
+    uint16_t *out = xq + (size_t)p * (size_t)K + (size_t)blk * g; /* 8-byte aligned: K % 128 == 0 */
+    for (int j = 4 * me; j < g; j += 4 * lanes) {
+      float v[4];
+      load4<ACT, VEC>(in + j, v);
+#pragma unroll
+      for (int q = 0; q < 4; q++)
+        v[q] = exact ? v[q] / s : v[q] * r;
+      *(uint2 *)(out + j) = make_uint2(e4m3_values2(v[0], v[1]), e4m3_values2(v[2], v[3]));
     }
     if (me == 0) a.xs[(size_t)blk * (size_t)a.xrows + (size_t)p] = s;
   }
@@ -1594,8 +1631,12 @@ moe_status moe_tc_fp8_act(moe_backend *b, int act, int max_tiles, const TcArgs &
    * another (Mixtral's a, 112 groups: 23 us of a 207 us call at T = 1), and
    * a per-token row of 14336 columns on one warp */
   const unsigned per_tile = fp8_act_whole(a.xg) ? 8u : (unsigned)((a.k / a.xg + 7) / 8);
+  /* 8-byte loads where every row is 8-byte aligned (K % 128 == 0) */
+  const bool vec = ((uintptr_t)x & 7) == 0;
   return moe_gpu_check(pdl_launch(moe_gpu_pdl(b),
-                                  act == A_BF16 ? fp8_act_kernel<A_BF16> : fp8_act_kernel<A_F16>,
+                                  act == A_BF16
+                                      ? (vec ? fp8_act_kernel<A_BF16, true> : fp8_act_kernel<A_BF16, false>)
+                                      : (vec ? fp8_act_kernel<A_F16, true> : fp8_act_kernel<A_F16, false>),
                                   dim3((unsigned)max_tiles, per_tile), dim3(256), 0, moe_gpu_stream(b), a, x,
                                   static_scale, exact, xq),
                        "fused_moe fp8 activations", err);
