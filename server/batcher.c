@@ -241,11 +241,13 @@ static infer_job *job_new(moed_server *s, size_t n) {
  * parameters['timeout'] passed) while its job waits is answered then, by
  * the sweep on the loop, not when a worker reaches it; a job left without
  * requests is withdrawn from its device queue, so that it stops counting
- * against --max-queue-size at once. The sweep runs at each deadline (a
+ * against --max-queue-size at once; the same in the open batches, whose
+ * requests count against that bound too. The sweep runs at each deadline (a
  * timer), after calls were cancelled (rpc.c's on_cancel; the REST port
  * when a client leaves) and before a job is refused as the queue is full. */
 
 static void on_expiry(uv_timer_t *t);
+static size_t purge_open(moed_batcher *b, uint64_t *next);
 
 /* Sets the timer for `at` if that is sooner than the one set (loop thread). */
 static void expiry_arm(moed_batcher *b, uint64_t at) {
@@ -342,7 +344,8 @@ size_t moed_batcher_sweep(moed_batcher *b) {
   moed_infer_req *reqs[SWEEP_BATCH];
   moed_request *raw[SWEEP_BATCH];
   size_t n, n_raw, withdrawn = 0;
-  uint64_t next;
+  uint64_t next, next_open;
+  purge_open(b, &next_open);
   do {
     const uint64_t now = moed_now_ns();
     n = sweep_pass(b, now, reqs, raw, &n_raw, SWEEP_BATCH, &next, &withdrawn);
@@ -358,6 +361,7 @@ size_t moed_batcher_sweep(moed_batcher *b) {
                           late ? "deadline exceeded before the work started" : "call cancelled");
     }
   } while (n + n_raw == SWEEP_BATCH);
+  if (next_open < next) next = next_open;
   if (next != UINT64_MAX) expiry_arm(b, next);
   return withdrawn;
 }
@@ -452,6 +456,35 @@ static void flush(moed_batcher *b, open_batch *ob) {
   uv_close((uv_handle_t *)&ob->timer, on_batch_closed);
 }
 
+/* Answers the requests of open batches whose callers gave up; a batch left
+ * empty is closed (its flush queues nothing). Returns how many; *next: the
+ * earliest deadline among those left (UINT64_MAX: none). */
+static size_t purge_open(moed_batcher *b, uint64_t *next) {
+  size_t gone = 0;
+  *next = UINT64_MAX;
+  for (open_batch *ob = b->open, *ob_next; ob; ob = ob_next) {
+    ob_next = ob->next;
+    size_t live = 0;
+    for (size_t k = 0; k < ob->n; k++) {
+      moed_infer_req *r = ob->reqs[k];
+      char err[MOED_ERR_LEN];
+      grpc_status_code code = moed_infer_unwanted(b->srv, r, false, err);
+      if (!code) {
+        ob->reqs[live++] = r;
+        if (r->deadline_ns < *next) *next = r->deadline_ns;
+        continue;
+      }
+      ob->rows -= moed_infer_batch_rows(r);
+      moed_infer_finish(b->srv, r, code, err, NULL, NULL, 0);
+    }
+    gone += ob->n - live;
+    b->held -= ob->n - live;
+    ob->n = live;
+    if (!live) flush(b, ob);
+  }
+  return gone;
+}
+
 static void on_timer(uv_timer_t *t) {
   open_batch *ob = t->data;
   flush(ob->owner, ob);
@@ -478,7 +511,10 @@ static open_batch *batch_new(moed_batcher *b) {
 
 void moed_batcher_submit(moed_batcher *b, moed_infer_req *r) {
   moed_server *s = b->srv;
-  if (b->held >= (size_t)s->cfg->max_queue_size) {
+  const size_t max_held = (size_t)s->cfg->max_queue_size;
+  uint64_t next;
+  if (b->held >= max_held) purge_open(b, &next); /* callers that gave up hold no places */
+  if (b->held >= max_held) {
     atomic_fetch_add(&s->rejected, 1);
     moed_infer_reject(s, r, GRPC_STATUS_UNAVAILABLE, "batch queue full");
     return;
@@ -508,6 +544,7 @@ void moed_batcher_submit(moed_batcher *b, moed_infer_req *r) {
   ob->reqs[ob->n++] = r;
   ob->rows += rows;
   b->held++;
+  if (r->deadline_ns != UINT64_MAX) expiry_arm(b, r->deadline_ns); /* answered then if still held */
   if (ob->rows >= s->cfg->max_batch_tokens) flush(b, ob);
 }
 

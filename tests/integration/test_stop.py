@@ -278,6 +278,43 @@ def test_abandoned_queue(tmp, repo, tokens):
             p.kill()
 
 
+def test_abandoned_batch(tmp, repo):
+    """The same for requests held in an open batch (a 60 s --max-queue-delay-us),
+    which count against --max-queue-size too: cancelled ones and ones past
+    their `timeout` leave it at once, and a live call is batched, not refused
+    `batch queue full`."""
+    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--max-queue-size", "2",
+                                  "--max-queue-delay-us", "60000000", "--max-batch-tokens", "4")
+    held = "moed_batcher_requests "
+    try:
+        f = call_fn(channel(port))
+        futs = [f.future(req_of(1, seed=50 + k), timeout=300) for k in range(2)]
+        wait_metric(http_port, held, 2, "two requests held in an open batch")
+        code, msg = code_of(lambda: f(req_of(1, seed=52), timeout=60))
+        check(code == SC.UNAVAILABLE and "batch queue full" in msg, f"a third live one: UNAVAILABLE ({code} {msg})")
+        for fut in futs:
+            fut.cancel()
+        wait_metric(http_port, held, 0, "cancelled requests leave the open batch")
+        t0 = time.monotonic()
+        futs = [f.future(req_of(1, seed=60 + k, params={"timeout": 1_000_000}), timeout=300) for k in range(2)]
+        wait_metric(http_port, held, 2, "two expiring requests held in an open batch")
+        for fut in futs:
+            code, msg = code_of(fut.result)
+            t = time.monotonic() - t0
+            check(code == SC.DEADLINE_EXCEEDED and "parameters['timeout']" in msg and t < 30,
+                  f"held past parameters['timeout'] (1 s): DEADLINE_EXCEEDED in {t:.2f}s, not at the "
+                  f"batch's 60 s ({code} {msg})")
+        wait_metric(http_port, held, 0, "expired requests leave the open batch")
+        code, msg = code_of(lambda: f(req_of(4, seed=70), timeout=120))  # 4 rows fill a batch: it runs at once
+        check(code == SC.OK, f"a live call is batched and answered ({code} {msg})")
+        wait_metric(http_port, "moed_inflight_requests ", 0, "nothing left in flight")
+        p.send_signal(signal.SIGTERM)
+        check(p.wait(timeout=60) == 0, "clean exit")
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 def stream_refusal(ch):
     """A stream request during the drain: refused on the stream, with its id."""
     stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
@@ -419,6 +456,7 @@ def main():
         mkset(f"{repo}/bigset", "bf16", experts=EXPERTS, hidden=HIDDEN, inter=4096)
         tokens, full = test_deadline_and_cancel(tmp, repo)
         test_abandoned_queue(tmp, repo, tokens)
+        test_abandoned_batch(tmp, repo)
         test_drain_stops_work(tmp, repo, tokens, full)
         test_drain_uploads(tmp, repo)
         test_exit_watchdog(tmp)
