@@ -4,8 +4,7 @@
  * of the highest level that has one (Triton's priority queue policy). A job
  * nobody waits for any more is withdrawn from any place in its queue (the
  * batcher's sweep), so that abandoned work does not hold the queue's bound.
- * Which
- * backend a device number opens is the library's business
+ * Which backend a device number opens is the library's business
  * (moe_backend_open); only moed_devices_create picks the numbers. */
 #include <pthread.h>
 #include <stdlib.h>
