@@ -407,17 +407,21 @@ void moed_rpc_stream_write(moed_rpc *r, grpc_byte_buffer *message) {
   pthread_mutex_lock(&r->mu);
   bool over =
       m && !r->finishing && r->wq_bytes >= s->stream_bytes && atomic_load(&s->buffered) + n > s->total_bytes;
+  static const char why[] = "responses buffered for stream clients past --response-buffer-bytes, this "
+                            "stream's past --stream-buffer-bytes: its client does not read them";
   if (!m || r->finishing || over) {
-    if (over) r->finishing = true; /* what the stream still sends is dropped */
+    if (over) { /* what the stream still sends is dropped; a final batch started by the write in
+                   flight (before the cancel below takes) carries this status, not OK */
+      r->finishing = true;
+      r->fin_code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+      r->fin_details = grpc_slice_from_static_string(why);
+    }
     pthread_mutex_unlock(&r->mu);
     free(m);
     grpc_byte_buffer_destroy(message);
     if (over) {
-      mark_cancelled(r);
-      grpc_call_cancel_with_status(r->call, GRPC_STATUS_RESOURCE_EXHAUSTED,
-                                   "responses buffered for stream clients past --response-buffer-bytes, this "
-                                   "stream's past --stream-buffer-bytes: its client does not read them",
-                                   NULL);
+      grpc_call_cancel_with_status(r->call, GRPC_STATUS_RESOURCE_EXHAUSTED, why, NULL);
+      mark_cancelled(r); /* after: the loop's sweep answers the stream's queued work */
     }
     return;
   }
