@@ -14,7 +14,9 @@ with the process 4 s after the drain timeout (the exit watchdog).
 A request queued behind the long op (one worker) whose deadline or
 `timeout` parameter passes in the queue is answered DEADLINE_EXCEEDED at
 that time (a timer), not when the worker reaches it; the worker then skips
-it, nothing stays in flight, and the next request is served.
+it, nothing stays in flight, and the next request is served. Jobs whose
+callers cancelled them or whose deadline passed leave a full device queue
+(and an open batch) at once, so a live call is accepted behind the long one.
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import json
