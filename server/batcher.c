@@ -9,10 +9,11 @@
  * are bounded by max_queue_size (beyond: UNAVAILABLE).
  *
  * Also the inference jobs themselves: one job = one batch (or one large
- * request decoded on the worker), and their deadlines while they wait in
- * the device queues: a request whose deadline (the call's, or
- * parameters['timeout']) passes there is answered then, by a timer on the
- * loop, not when a worker reaches it; the worker skips what was answered. */
+ * request decoded on the worker), and their callers giving up while they
+ * wait in the device queues: a request whose call is cancelled or whose
+ * deadline (the call's, or parameters['timeout']) passes there is answered
+ * then, on the loop, not when a worker reaches it, and a job left without
+ * requests leaves its queue (the sweep, below). */
 #include <grpc/byte_buffer_reader.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -157,8 +158,8 @@ struct moed_batcher {
   moed_server *srv;
   open_batch *open;
   size_t held; /* requests in open batches */
-  /* jobs in the device queues whose requests have a deadline (watch_mu);
-   * the timer fires at the earliest (loop thread) */
+  /* our jobs in the device queues that no worker has taken yet (watch_mu);
+   * the timer fires at the earliest deadline among their requests (loop) */
   struct infer_job *watched;
   uv_timer_t expiry;
   uint64_t armed_ns; /* the deadline the timer is set for; UINT64_MAX: none */
@@ -167,9 +168,10 @@ struct moed_batcher {
 /* ---- jobs ------------------------------------------------------------------------- */
 
 /* A queued job's requests are answered by whoever comes first: the worker
- * that takes the job, or the expiry timer for those past their deadline.
- * One lock for the process's one batcher: a job may outlive the batcher
- * (the device queues stop after the loop), never this lock. */
+ * that takes the job, or the sweep for those whose caller gave up. One
+ * lock for the process's one batcher: a job may outlive the batcher (the
+ * device queues stop after the loop), never this lock. Order: watch_mu,
+ * then the device queues' lock (moed_devices_withdraw), never the reverse. */
 static pthread_mutex_t watch_mu = PTHREAD_MUTEX_INITIALIZER;
 
 typedef struct infer_job {
@@ -178,7 +180,7 @@ typedef struct infer_job {
   moed_request *raw;                /* a large request, decoded on the worker */
   struct infer_job *wnext, **wprev; /* in the batcher's watch list (watch_mu); wprev NULL: not */
   uint64_t deadline_ns;             /* its requests' earliest (watch_mu) */
-  bool expired;                     /* every request answered at its deadline (watch_mu) */
+  bool abandoned;                   /* every request answered by the sweep; its worker frees it (watch_mu) */
   size_t n;                         /* requests left to run (watch_mu until taken) */
   moed_infer_req *reqs[];
 } infer_job;
@@ -190,14 +192,14 @@ static void unwatch_locked(infer_job *j) {
   j->wprev = NULL;
 }
 
-/* The worker's claim on j: false when the timer answered all of it. */
+/* The worker's claim on j: false when the sweep answered all of it. */
 static bool take(infer_job *j) {
   pthread_mutex_lock(&watch_mu);
-  bool expired = j->expired;
+  bool abandoned = j->abandoned;
   unwatch_locked(j);
   pthread_mutex_unlock(&watch_mu);
-  if (expired) free(j);
-  return !expired;
+  if (abandoned) free(j);
+  return !abandoned;
 }
 
 static void infer_job_run(moed_job *job, moe_backend *b) {
@@ -233,9 +235,19 @@ static infer_job *job_new(moed_server *s, size_t n) {
   return j;
 }
 
-/* ---- deadlines in the device queues ------------------------------------------------ */
+/* ---- abandoned work in the device queues -------------------------------------------- */
+
+/* A request whose caller gave up (cancelled the call, or its deadline or
+ * parameters['timeout'] passed) while its job waits is answered then, by
+ * the sweep on the loop, not when a worker reaches it; a job left without
+ * requests is withdrawn from its device queue, so that it stops counting
+ * against --max-queue-size at once; the same in the open batches, whose
+ * requests count against that bound too. The sweep runs at each deadline (a
+ * timer), after calls were cancelled (rpc.c's on_cancel; the REST port
+ * when a client leaves) and before a job is refused as the queue is full. */
 
 static void on_expiry(uv_timer_t *t);
+static size_t purge_open(moed_batcher *b, uint64_t *next);
 
 /* Sets the timer for `at` if that is sooner than the one set (loop thread). */
 static void expiry_arm(moed_batcher *b, uint64_t at) {
@@ -246,13 +258,12 @@ static void expiry_arm(moed_batcher *b, uint64_t at) {
   uv_timer_start(&b->expiry, on_expiry, ms, 0);
 }
 
-/* Queues j on the devices, watched when a request has a deadline (loop
- * thread). false: the queue is full (j is not queued). */
+/* Queues j on the devices, watched (loop thread). false: the queue is full
+ * (j is not queued). */
 static bool watch_submit(moed_server *s, infer_job *j) {
   moed_batcher *b = s->batcher;
   const uint64_t deadline = j->deadline_ns; /* once submitted, j is the worker's to free */
-  const bool watch = b && deadline != UINT64_MAX;
-  if (watch) { /* before the submit: a worker may take j at once, and unwatches it then */
+  if (b) { /* before the submit: a worker may take j at once, and unwatches it then */
     pthread_mutex_lock(&watch_mu);
     j->wnext = b->watched;
     if (j->wnext) j->wnext->wprev = &j->wnext;
@@ -261,89 +272,124 @@ static bool watch_submit(moed_server *s, infer_job *j) {
     pthread_mutex_unlock(&watch_mu);
   }
   if (!moed_devices_submit(s->devices, &j->job)) {
-    if (watch) {
+    if (b) {
       pthread_mutex_lock(&watch_mu);
       unwatch_locked(j);
       pthread_mutex_unlock(&watch_mu);
     }
     return false;
   }
-  if (watch) expiry_arm(b, deadline);
+  if (b && deadline != UINT64_MAX) expiry_arm(b, deadline);
   return true;
 }
 
-#define EXPIRE_BATCH 64 /* answered per pass, outside the lock */
+/* Whether the caller of work with this deadline and call stopped waiting by `now`. */
+static bool gave_up(uint64_t deadline_ns, const moed_rpc *rpc, uint64_t now) {
+  return now >= deadline_ns || moed_rpc_cancelled(rpc);
+}
 
-/* Takes up to max requests past their deadline at `now` out of the watched
- * jobs (raw: the job's undecoded request); a job left without requests is
- * marked for its worker to skip. *next: the earliest deadline left. */
-static size_t collect_expired(moed_batcher *b, uint64_t now, moed_infer_req **out, moed_request **raw_out,
-                              size_t *n_raw, size_t max, uint64_t *next) {
+#define SWEEP_BATCH 64 /* answered per pass, outside the lock */
+
+/* One pass of the sweep: takes up to max requests whose callers gave up at
+ * `now` out of the watched jobs (raw: a job's undecoded request); a job
+ * left without requests is withdrawn from its device queue and freed, or,
+ * when a worker has just taken it, marked for that worker to free.
+ * *next: the earliest deadline left; *withdrawn counts the jobs withdrawn. */
+static size_t sweep_pass(moed_batcher *b, uint64_t now, moed_infer_req **out, moed_request **raw_out,
+                         size_t *n_raw, size_t max, uint64_t *next, size_t *withdrawn) {
   size_t got = 0;
   *next = UINT64_MAX;
   *n_raw = 0;
   pthread_mutex_lock(&watch_mu);
-  for (infer_job *j = b->watched, *jn; j; j = jn) {
+  for (infer_job *j = b->watched, *jn; j && got + *n_raw < max; j = jn) {
     jn = j->wnext;
-    if (j->deadline_ns > now) {
-      if (j->deadline_ns < *next) *next = j->deadline_ns;
-      continue;
-    }
-    if (got + *n_raw + (j->raw ? 1 : j->n) > max) { /* the next pass takes it */
-      *next = now;
-      continue;
-    }
-    size_t live = 0;
-    j->deadline_ns = UINT64_MAX;
     if (j->raw) {
-      raw_out[(*n_raw)++] = j->raw;
-      j->raw = NULL;
-    }
-    for (size_t k = 0; k < j->n; k++) {
-      moed_infer_req *r = j->reqs[k];
-      if (r->deadline_ns <= now) {
-        out[got++] = r;
-      } else {
-        j->reqs[live++] = r;
+      if (gave_up(j->deadline_ns, j->raw->rpc, now)) {
+        raw_out[(*n_raw)++] = j->raw;
+        j->raw = NULL;
+      } else if (j->deadline_ns < *next) {
+        *next = j->deadline_ns;
+      }
+    } else {
+      size_t live = 0;
+      j->deadline_ns = UINT64_MAX;
+      for (size_t k = 0; k < j->n; k++) {
+        moed_infer_req *r = j->reqs[k];
+        if (got + *n_raw < max && gave_up(r->deadline_ns, r->req->rpc, now)) {
+          out[got++] = r;
+          continue;
+        }
+        j->reqs[live++] = r; /* still wanted, or the next pass takes it */
         if (r->deadline_ns < j->deadline_ns) j->deadline_ns = r->deadline_ns;
       }
+      j->n = live;
+      if (j->deadline_ns < *next) *next = j->deadline_ns;
     }
-    j->n = live;
-    if (!live) {
-      j->expired = true; /* the job stays queued; its worker frees it */
-      unwatch_locked(j);
-    } else if (j->deadline_ns < *next) {
-      *next = j->deadline_ns;
+    if (j->raw || j->n) continue;
+    unwatch_locked(j);
+    if (moed_devices_withdraw(b->srv->devices, &j->job)) {
+      free(j);
+      (*withdrawn)++;
+    } else {
+      j->abandoned = true; /* a worker took it and waits for this lock */
     }
   }
   pthread_mutex_unlock(&watch_mu);
   return got;
 }
 
-static void on_expiry(uv_timer_t *t) {
-  moed_batcher *b = t->data;
+size_t moed_batcher_sweep(moed_batcher *b) {
+  if (!b) return 0;
   moed_server *s = b->srv;
-  moed_infer_req *reqs[EXPIRE_BATCH];
-  moed_request *raw[EXPIRE_BATCH];
-  size_t n, n_raw;
-  uint64_t next;
-  b->armed_ns = UINT64_MAX;
+  moed_infer_req *reqs[SWEEP_BATCH];
+  moed_request *raw[SWEEP_BATCH];
+  size_t n, n_raw, withdrawn = 0;
+  uint64_t next, next_open;
+  purge_open(b, &next_open);
   do {
-    n = collect_expired(b, moed_now_ns(), reqs, raw, &n_raw, EXPIRE_BATCH, &next);
+    const uint64_t now = moed_now_ns();
+    n = sweep_pass(b, now, reqs, raw, &n_raw, SWEEP_BATCH, &next, &withdrawn);
     for (size_t k = 0; k < n; k++) {
       char err[MOED_ERR_LEN];
       grpc_status_code code = moed_infer_unwanted(s, reqs[k], false, err);
       moed_infer_finish(s, reqs[k], code ? code : GRPC_STATUS_DEADLINE_EXCEEDED,
                         code ? err : "deadline exceeded before the work started", NULL, NULL, 0);
     }
-    for (size_t k = 0; k < n_raw; k++)
-      moed_request_reject(s, raw[k], GRPC_STATUS_DEADLINE_EXCEEDED,
-                          "deadline exceeded before the work started");
-  } while (n + n_raw == EXPIRE_BATCH);
+    for (size_t k = 0; k < n_raw; k++) {
+      const bool late = now >= moed_rpc_deadline_ns(raw[k]->rpc);
+      moed_request_reject(s, raw[k], late ? GRPC_STATUS_DEADLINE_EXCEEDED : GRPC_STATUS_CANCELLED,
+                          late ? "deadline exceeded before the work started" : "call cancelled");
+    }
+  } while (n + n_raw == SWEEP_BATCH);
+  if (next_open < next) next = next_open;
   if (next != UINT64_MAX) expiry_arm(b, next);
+  return withdrawn;
+}
+
+static void on_expiry(uv_timer_t *t) {
+  moed_batcher *b = t->data;
+  b->armed_ns = UINT64_MAX;
+  moed_batcher_sweep(b);
+}
+
+/* Queues j; when the queue is full, first answers and withdraws the work
+ * whose callers gave up, which frees places no live job holds. */
+static bool queue_job(moed_server *s, infer_job *j) {
+  return watch_submit(s, j) || (moed_batcher_sweep(s->batcher) && watch_submit(s, j));
 }
 
 void moed_infer_dispatch(moed_server *s, moed_infer_req **reqs, size_t n) {
+  size_t live = 0;
+  for (size_t k = 0; k < n; k++) { /* a caller that gave up in an open batch: answered now */
+    char err[MOED_ERR_LEN];
+    grpc_status_code code = moed_infer_unwanted(s, reqs[k], false, err);
+    if (code)
+      moed_infer_finish(s, reqs[k], code, err, NULL, NULL, 0);
+    else
+      reqs[live++] = reqs[k];
+  }
+  if (!live) return;
+  n = live;
   infer_job *j = job_new(s, n);
   if (j) {
     memcpy(j->reqs, reqs, n * sizeof *reqs);
@@ -353,7 +399,7 @@ void moed_infer_dispatch(moed_server *s, moed_infer_req **reqs, size_t n) {
       if (reqs[k]->priority < j->job.priority) j->job.priority = reqs[k]->priority;
       if (reqs[k]->deadline_ns < j->deadline_ns) j->deadline_ns = reqs[k]->deadline_ns;
     }
-    if (watch_submit(s, j)) return;
+    if (queue_job(s, j)) return;
     free(j);
   }
   atomic_fetch_add(&s->rejected, n);
@@ -382,7 +428,7 @@ void moed_infer_dispatch_raw(moed_server *s, moed_request *req) {
     j->raw = req;
     j->job.priority = raw_priority(req);
     j->deadline_ns = moed_rpc_deadline_ns(req->rpc); /* parameters['timeout'] is read on the worker */
-    if (watch_submit(s, j)) return;
+    if (queue_job(s, j)) return;
     free(j);
   }
   atomic_fetch_add(&s->rejected, 1);
@@ -408,6 +454,35 @@ static void flush(moed_batcher *b, open_batch *ob) {
   moed_infer_dispatch(b->srv, ob->reqs, ob->n);
   ob->n = 0;
   uv_close((uv_handle_t *)&ob->timer, on_batch_closed);
+}
+
+/* Answers the requests of open batches whose callers gave up; a batch left
+ * empty is closed (its flush queues nothing). Returns how many; *next: the
+ * earliest deadline among those left (UINT64_MAX: none). */
+static size_t purge_open(moed_batcher *b, uint64_t *next) {
+  size_t gone = 0;
+  *next = UINT64_MAX;
+  for (open_batch *ob = b->open, *ob_next; ob; ob = ob_next) {
+    ob_next = ob->next;
+    size_t live = 0;
+    for (size_t k = 0; k < ob->n; k++) {
+      moed_infer_req *r = ob->reqs[k];
+      char err[MOED_ERR_LEN];
+      grpc_status_code code = moed_infer_unwanted(b->srv, r, false, err);
+      if (!code) {
+        ob->reqs[live++] = r;
+        if (r->deadline_ns < *next) *next = r->deadline_ns;
+        continue;
+      }
+      ob->rows -= moed_infer_batch_rows(r);
+      moed_infer_finish(b->srv, r, code, err, NULL, NULL, 0);
+    }
+    gone += ob->n - live;
+    b->held -= ob->n - live;
+    ob->n = live;
+    if (!live) flush(b, ob);
+  }
+  return gone;
 }
 
 static void on_timer(uv_timer_t *t) {
@@ -436,7 +511,10 @@ static open_batch *batch_new(moed_batcher *b) {
 
 void moed_batcher_submit(moed_batcher *b, moed_infer_req *r) {
   moed_server *s = b->srv;
-  if (b->held >= (size_t)s->cfg->max_queue_size) {
+  const size_t max_held = (size_t)s->cfg->max_queue_size;
+  uint64_t next;
+  if (b->held >= max_held) purge_open(b, &next); /* callers that gave up hold no places */
+  if (b->held >= max_held) {
     atomic_fetch_add(&s->rejected, 1);
     moed_infer_reject(s, r, GRPC_STATUS_UNAVAILABLE, "batch queue full");
     return;
@@ -466,6 +544,7 @@ void moed_batcher_submit(moed_batcher *b, moed_infer_req *r) {
   ob->reqs[ob->n++] = r;
   ob->rows += rows;
   b->held++;
+  if (r->deadline_ns != UINT64_MAX) expiry_arm(b, r->deadline_ns); /* answered then if still held */
   if (ob->rows >= s->cfg->max_batch_tokens) flush(b, ob);
 }
 

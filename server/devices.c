@@ -1,8 +1,10 @@
 /* devices: the device queues. Each worker thread owns one backend (one per
  * GPU the op library lists, else the host CPU's) and runs jobs from a
  * bounded queue, one FIFO per priority level: a worker takes the oldest job
- * of the highest level that has one (Triton's priority queue policy). Which
- * backend a device number opens is the library's business
+ * of the highest level that has one (Triton's priority queue policy). A job
+ * nobody waits for any more is withdrawn from any place in its queue (the
+ * batcher's sweep), so that abandoned work does not hold the queue's bound.
+ * Which backend a device number opens is the library's business
  * (moe_backend_open); only moed_devices_create picks the numbers. */
 #include <pthread.h>
 #include <stdlib.h>
@@ -61,15 +63,36 @@ static void trim(worker *w) {
              moe_backend_name(w->backend), freed);
 }
 
+/* The queue (0: level 1) a job waits in. */
+static int level_of(const moed_job *job) {
+  return job->priority >= 1 && job->priority <= MOED_PRIORITY_LEVELS ? job->priority - 1
+                                                                     : MOED_PRIORITY_DEFAULT - 1;
+}
+
+/* d->mu held: job leaves its queue (the head when a worker takes it; any
+ * place when withdrawn). */
+static void unlink_locked(moed_devices *d, moed_job *job) {
+  const int l = level_of(job);
+  if (job->prev)
+    job->prev->next = job->next;
+  else
+    d->head[l] = job->next;
+  if (job->next)
+    job->next->prev = job->prev;
+  else
+    d->tail[l] = job->prev;
+  job->next = job->prev = NULL;
+  job->queued = false;
+  d->queued--;
+  d->queued_at[l]--;
+}
+
 /* d->mu held. The next job to run, taken off its queue; NULL: none. */
 static moed_job *take_locked(moed_devices *d) {
   for (int l = 0; l < MOED_PRIORITY_LEVELS; l++) {
     moed_job *job = d->head[l];
     if (!job) continue;
-    d->head[l] = job->next;
-    if (!d->head[l]) d->tail[l] = NULL;
-    d->queued--;
-    d->queued_at[l]--;
+    unlink_locked(d, job);
     return job;
   }
   return NULL;
@@ -93,7 +116,6 @@ static void *worker_main(void *arg) {
     if (!job) break; /* stopping and nothing left */
     d->running++;
     pthread_mutex_unlock(&d->mu);
-    job->next = NULL;
     job->run(job, w->backend);
     pthread_mutex_lock(&d->mu);
     d->running--;
@@ -181,19 +203,28 @@ bool moed_devices_submit(moed_devices *d, moed_job *job) {
     pthread_mutex_unlock(&d->mu);
     return false;
   }
+  const int l = level_of(job);
   job->next = NULL;
-  const int l = job->priority >= 1 && job->priority <= MOED_PRIORITY_LEVELS ? job->priority - 1
-                                                                            : MOED_PRIORITY_DEFAULT - 1;
+  job->prev = d->tail[l];
   if (d->tail[l])
     d->tail[l]->next = job;
   else
     d->head[l] = job;
   d->tail[l] = job;
+  job->queued = true;
   d->queued++;
   d->queued_at[l]++;
   pthread_cond_signal(&d->cv);
   pthread_mutex_unlock(&d->mu);
   return true;
+}
+
+bool moed_devices_withdraw(moed_devices *d, moed_job *job) {
+  pthread_mutex_lock(&d->mu);
+  const bool queued = job->queued;
+  if (queued) unlink_locked(d, job);
+  pthread_mutex_unlock(&d->mu);
+  return queued;
 }
 
 moe_backend *moed_devices_inline_backend(moed_devices *d) { return d->inline_backend; }

@@ -523,7 +523,10 @@ static void submit_repo_change(moed_server *s, moed_request *req) {
   j->job.cancel = repo_change_cancel;
   j->srv = s;
   j->req = req;
-  if (moed_devices_submit(s->devices, &j->job)) return;
+  /* full: abandoned inference work may hold places (moed_batcher_sweep frees them) */
+  if (moed_devices_submit(s->devices, &j->job) ||
+      (moed_batcher_sweep(s->batcher) && moed_devices_submit(s->devices, &j->job)))
+    return;
   free(j);
   refuse(s, req, "device queue full");
 }
@@ -571,6 +574,11 @@ static void infer(moed_server *s, moed_request *req) {
 }
 
 /* ---- dispatch -------------------------------------------------------------------------------- */
+
+void moed_handle_cancel(void *arg) {
+  moed_server *s = arg;
+  moed_batcher_sweep(s->batcher);
+}
 
 void moed_handle_request(moed_request *req, void *arg) {
   moed_server *s = arg;

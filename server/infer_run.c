@@ -50,14 +50,15 @@ grpc_status_code moed_infer_unwanted(const moed_server *srv, const moed_infer_re
   if (stopped && atomic_load(&srv->stop_work))
     return moed_failf(err, GRPC_STATUS_UNAVAILABLE,
                       "server shutting down: work stopped at the drain timeout");
-  if (moed_rpc_cancelled(r->req->rpc)) return moed_failf(err, GRPC_STATUS_CANCELLED, "call cancelled");
-  if (!wanted(r, moed_now_ns())) {
+  /* the deadline first: gRPC core cancels a call whose deadline passed */
+  if (moed_now_ns() >= r->deadline_ns) {
     const char *when = stopped ? "while running: the work was stopped" : "before the work started";
     if (r->timeout_us)
       return moed_failf(err, GRPC_STATUS_DEADLINE_EXCEEDED, "parameters['timeout']: %llu us passed %s",
                         (unsigned long long)r->timeout_us, when);
     return moed_failf(err, GRPC_STATUS_DEADLINE_EXCEEDED, "deadline exceeded %s", when);
   }
+  if (moed_rpc_cancelled(r->req->rpc)) return moed_failf(err, GRPC_STATUS_CANCELLED, "call cancelled");
   return GRPC_STATUS_OK;
 }
 

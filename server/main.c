@@ -189,7 +189,8 @@ int main(int argc, char **argv) {
   if (moed_devices_create(&a.cfg, &s->devices) != 0) goto out;
   if (moed_batcher_create(s, &s->batcher) != 0) goto out;
   if (a.cfg.cache_bytes && moed_weight_cache_create(a.cfg.cache_bytes, &s->weights) != 0) goto out;
-  if (moed_rpc_start(&a.cfg, &a.loop, moed_handle_request, moed_handle_inline, s, &s->rpc, &grpc_port) != 0)
+  if (moed_rpc_start(&a.cfg, &a.loop, moed_handle_request, moed_handle_inline, moed_handle_cancel, s, &s->rpc,
+                     &grpc_port) != 0)
     goto out;
   s->grpc_port = grpc_port;
   const char *http_address = a.cfg.http_address ? a.cfg.http_address : a.cfg.address;

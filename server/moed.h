@@ -163,11 +163,17 @@ typedef void (*moed_request_fn)(moed_request *req, void *arg);
 /* The fast path: called on the CQ thread first; true = it took the request. */
 typedef bool (*moed_inline_fn)(moed_request *req, void *arg);
 
+/* After calls were cancelled (their clients went away or their deadlines
+ * passed): on the loop thread, once for any number of them. */
+typedef void (*moed_cancel_fn)(void *arg);
+
 /* Binds, registers the methods, starts the CQ thread; each request reaches
  * `on_request` on the loop thread unless `try_inline` (may be NULL) took it
- * on the CQ thread. *bound_port gets the port. */
+ * on the CQ thread; `on_cancel` (may be NULL) follows cancellations.
+ * *bound_port gets the port. */
 int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_request,
-                   moed_inline_fn try_inline, void *arg, moed_rpc_server **out, int *bound_port);
+                   moed_inline_fn try_inline, moed_cancel_fn on_cancel, void *arg, moed_rpc_server **out,
+                   int *bound_port);
 /* Calls accepted and not yet freed. */
 int moed_rpc_active(moed_rpc_server *s);
 /* Stream responses queued for clients and not yet written (any thread). */
@@ -353,15 +359,21 @@ typedef void (*moed_job_fn)(moed_job *job, moe_backend *b);
 #define MOED_PRIORITY_DEFAULT 2
 
 struct moed_job {
-  moed_job *next;
-  moed_job_fn run;    /* on a worker thread */
-  moed_job_fn cancel; /* instead of run when the queues stop (b NULL) */
-  int priority;       /* 1..MOED_PRIORITY_LEVELS; 0: MOED_PRIORITY_DEFAULT */
+  moed_job *next, *prev; /* in its queue (devices.c, under its lock) */
+  bool queued;           /* in a queue, not yet taken by a worker nor withdrawn (devices.c) */
+  moed_job_fn run;       /* on a worker thread */
+  moed_job_fn cancel;    /* instead of run when the queues stop (b NULL) */
+  int priority;          /* 1..MOED_PRIORITY_LEVELS; 0: MOED_PRIORITY_DEFAULT */
 };
 
 int moed_devices_create(const moed_config *cfg, moed_devices **out);
 /* false when every queue is full (the caller answers UNAVAILABLE). */
 bool moed_devices_submit(moed_devices *d, moed_job *job);
+/* Takes a submitted job back out of its queue; true: no worker took it (it
+ * no longer counts against --max-queue-size, the caller owns it again);
+ * false: a worker has it. The caller must know job is alive (not yet
+ * freed by its run). Any thread. */
+bool moed_devices_withdraw(moed_devices *d, moed_job *job);
 /* Runs what is queued, then joins the workers (backends stay). */
 void moed_devices_stop(moed_devices *d);
 /* The host backend that runs ops worker backend b has no kernel for (b
@@ -418,6 +430,9 @@ void moed_handle_request(moed_request *req, void *server);
  * a hand-off (each one costs a thread wake-up: about as much as the whole
  * call on this stack). */
 bool moed_handle_inline(moed_request *req, void *server);
+/* The loop's cancellation callback (moed_cancel_fn): queued work of calls
+ * that were cancelled is answered and leaves the device queues. */
+void moed_handle_cancel(void *server);
 /* Health status changed (drain): answers every Watch stream. */
 void moed_health_changed(moed_server *s);
 /* Ends every Watch stream (shutdown). */
@@ -502,6 +517,11 @@ void moed_batcher_submit(moed_batcher *b, moed_infer_req *r);
 void moed_infer_dispatch(moed_server *s, moed_infer_req **reqs, size_t n);
 /* Queues an admitted request that is decoded on the worker (large). */
 void moed_infer_dispatch_raw(moed_server *s, moed_request *req);
+/* Answers every queued request whose caller gave up (cancelled, or past
+ * its deadline or parameters['timeout']) and withdraws the jobs left
+ * without requests from the device queues; returns how many it withdrew
+ * (loop thread; b NULL: none). */
+size_t moed_batcher_sweep(moed_batcher *b);
 /* Requests held in open batches, not yet sent to the device queues (loop). */
 size_t moed_batcher_held(const moed_batcher *b);
 /* Sends every open batch to the device queues now (drain). */

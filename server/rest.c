@@ -99,7 +99,8 @@ static void call_done(void *arg, grpc_status_code code, const char *msg, grpc_by
 static void call_gone(void *arg) {
   rest_call *k = arg;
   k->c = NULL;
-  moed_rpc_local_cancel(k->rpc); /* queued work for it is skipped */
+  moed_rpc_local_cancel(k->rpc);
+  moed_handle_cancel(k->rest->srv); /* its queued work is answered and leaves the device queue */
 }
 
 /* Hands the protobuf request `payload` (taken) to the handler of `method`;

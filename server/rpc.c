@@ -140,7 +140,9 @@ struct moed_rpc_server {
   uv_async_t async;
   moed_request_fn on_request;
   moed_inline_fn try_inline;
+  moed_cancel_fn on_cancel;
   void *arg;
+  _Atomic bool cancels; /* a call was cancelled since the loop last called on_cancel */
 
   pthread_mutex_t q_mu; /* the hand-off list (many producers, the loop consumes) */
   moed_request *q_head, *q_tail;
@@ -200,6 +202,14 @@ static void handoff(moed_rpc_server *s, moed_rpc *r, grpc_byte_buffer *payload) 
   uv_async_send(&s->async);
 }
 
+/* Marks r cancelled (its client went away, its deadline passed, or it was
+ * ended here) and tells the loop, which answers the work it queued for r
+ * now rather than when a worker reaches it (any thread). */
+static void mark_cancelled(moed_rpc *r) {
+  if (atomic_exchange(&r->cancelled, true) || !r->srv) return;
+  if (!atomic_exchange(&r->srv->cancels, true)) uv_async_send(&r->srv->async);
+}
+
 static void on_async(uv_async_t *h) {
   moed_rpc_server *s = h->data;
   pthread_mutex_lock(&s->q_mu);
@@ -212,6 +222,8 @@ static void on_async(uv_async_t *h) {
     s->on_request(req, s->arg);
     req = next;
   }
+  /* after the hand-offs: a request cancelled as it arrived is found queued */
+  if (atomic_exchange(&s->cancels, false) && s->on_cancel) s->on_cancel(s->arg);
 }
 
 /* ---- call objects ---------------------------------------------------------------- */
@@ -395,17 +407,21 @@ void moed_rpc_stream_write(moed_rpc *r, grpc_byte_buffer *message) {
   pthread_mutex_lock(&r->mu);
   bool over =
       m && !r->finishing && r->wq_bytes >= s->stream_bytes && atomic_load(&s->buffered) + n > s->total_bytes;
+  static const char why[] = "responses buffered for stream clients past --response-buffer-bytes, this "
+                            "stream's past --stream-buffer-bytes: its client does not read them";
   if (!m || r->finishing || over) {
-    if (over) r->finishing = true; /* what the stream still sends is dropped */
+    if (over) { /* what the stream still sends is dropped; a final batch started by the write in
+                   flight (before the cancel below takes) carries this status, not OK */
+      r->finishing = true;
+      r->fin_code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+      r->fin_details = grpc_slice_from_static_string(why);
+    }
     pthread_mutex_unlock(&r->mu);
     free(m);
     grpc_byte_buffer_destroy(message);
     if (over) {
-      atomic_store(&r->cancelled, true);
-      grpc_call_cancel_with_status(r->call, GRPC_STATUS_RESOURCE_EXHAUSTED,
-                                   "responses buffered for stream clients past --response-buffer-bytes, this "
-                                   "stream's past --stream-buffer-bytes: its client does not read them",
-                                   NULL);
+      grpc_call_cancel_with_status(r->call, GRPC_STATUS_RESOURCE_EXHAUSTED, why, NULL);
+      mark_cancelled(r); /* after: the loop's sweep answers the stream's queued work */
     }
     return;
   }
@@ -606,7 +622,7 @@ static void on_recv(moed_rpc *r, bool ok) {
     grpc_byte_buffer_destroy(bb);
     bb = NULL;
   }
-  if (!ok) atomic_store(&r->cancelled, true);
+  if (!ok) mark_cancelled(r);
   pthread_mutex_lock(&r->mu);
   r->pending++;
   if (!bb) r->read_done = true;
@@ -676,7 +692,7 @@ static void *cq_thread(void *arg) {
     case TAG_SHUTDOWN: atomic_store(&s->shutdown_done, true); break;
     case TAG_CLOSE: {
       moed_rpc *r = tag->ptr;
-      if (!ok || r->close_cancelled) atomic_store(&r->cancelled, true);
+      if (!ok || r->close_cancelled) mark_cancelled(r);
       moed_rpc_release(r);
       break;
     }
@@ -699,11 +715,13 @@ static void *cq_thread(void *arg) {
 int moed_rpc_active(moed_rpc_server *s) { return atomic_load(&s->live_calls); }
 
 int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_request,
-                   moed_inline_fn try_inline, void *arg, moed_rpc_server **out, int *bound_port) {
+                   moed_inline_fn try_inline, moed_cancel_fn on_cancel, void *arg, moed_rpc_server **out,
+                   int *bound_port) {
   moed_rpc_server *s = calloc(1, sizeof *s);
   if (!s) return -1;
   s->on_request = on_request;
   s->try_inline = try_inline;
+  s->on_cancel = on_cancel;
   s->arg = arg;
   pthread_mutex_init(&s->q_mu, NULL);
   s->shutdown_tag = (rpc_tag){TAG_SHUTDOWN, s};

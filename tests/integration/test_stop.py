@@ -14,7 +14,9 @@ with the process 4 s after the drain timeout (the exit watchdog).
 A request queued behind the long op (one worker) whose deadline or
 `timeout` parameter passes in the queue is answered DEADLINE_EXCEEDED at
 that time (a timer), not when the worker reaches it; the worker then skips
-it, nothing stays in flight, and the next request is served.
+it, nothing stays in flight, and the next request is served. Jobs whose
+callers cancelled them or whose deadline passed leave a full device queue
+(and an open batch) at once, so a live call is accepted behind the long one.
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import json
@@ -23,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -182,6 +185,138 @@ def test_deadline_and_cancel(tmp, repo):
     return tokens, full
 
 
+def metric_values(http_port, prefix):
+    """The values of every /metrics sample whose line starts with `prefix`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as r:
+        return [float(ln.rsplit(" ", 1)[1]) for ln in r.read().decode().splitlines() if ln.startswith(prefix)]
+
+
+def wait_metric(http_port, prefix, want, what, seconds=20):
+    """Waits (a state, not a time: the bound only ends a failing wait) until
+    the sum of the samples under `prefix` is `want`."""
+    got = None
+    for _ in range(int(seconds / 0.02)):
+        got = sum(metric_values(http_port, prefix))
+        if got == want:
+            break
+        time.sleep(0.02)
+    check(got == want, f"{what} ({prefix}: {got}, want {want})")
+
+
+def held_stream(ch, reqs):
+    """A ModelStreamInfer call that sends reqs and keeps its side open until
+    the returned event is set; the call (to cancel) and the event."""
+    stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                              request_serializer=lambda m: m.SerializeToString(),
+                              response_deserializer=ts.pb.ModelStreamInferResponse.FromString)
+    done = threading.Event()
+
+    def gen():
+        yield from reqs
+        done.wait(60)
+
+    return stream(gen(), timeout=300), done
+
+
+def test_abandoned_queue(tmp, repo, tokens):
+    """Issue 11/13: jobs whose callers gave up stop holding the device queue.
+    One worker runs a long call; a queue of N jobs is filled with calls whose
+    callers cancel them (unary, a message over 1 MiB queued undecoded, two
+    requests of one stream) and then with calls whose `timeout` parameter
+    or gRPC deadline passes in the queue. Each time the queue empties while
+    the worker is still busy (the sweep withdraws the dead jobs), and a live
+    call is accepted, not refused UNAVAILABLE as when the dead jobs held the
+    queue's places; a live call beyond N live jobs is still refused."""
+    n = 4
+    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--workers", "1", "--max-queue-size", str(n),
+                                  "--max-batch-tokens", "0")  # no batching: one job per request
+    queue_jobs, failed = "moed_device_queue_jobs{", 'moed_requests_total{model="bigset",outcome="failure"}'
+    try:
+        ch = channel(port)
+        f = call_fn(ch)
+        blocker = f.future(req_of(4 * tokens), timeout=300)  # >= 16 s where the calibration ran
+        wait_metric(http_port, "moed_batches_in_flight ", 1, "the long call runs on the one worker")
+        fail0 = sum(metric_values(http_port, failed))
+        # callers that cancel: a unary call, one over 1 MiB (decoded on the worker), a stream's two requests
+        unary = [f.future(req_of(1, seed=11), timeout=300), f.future(req_of(1100, seed=12), timeout=300)]
+        sreqs = [req_of(1, seed=13 + k) for k in range(2)]
+        for k, r in enumerate(sreqs):
+            r.id = f"s{k}"
+        stream, release = held_stream(ch, sreqs)
+        wait_metric(http_port, queue_jobs, n, f"{n} abandonable jobs queued")
+        code, msg = code_of(lambda: f(req_of(1, seed=15), timeout=60))
+        check(code == SC.UNAVAILABLE and "device queue full" in msg,
+              f"a live call beyond {n} live jobs: UNAVAILABLE ({code} {msg})")
+        for fut in unary:
+            fut.cancel()
+        stream.cancel()
+        release.set()
+        wait_metric(http_port, queue_jobs, 0, "cancelled calls leave the device queue while the worker is busy")
+        # callers whose deadline passes in the queue: the `timeout` parameter (answered by moed) and gRPC's
+        expiring = [f.future(req_of(1, seed=20 + k, params={"timeout": 2_000_000}), timeout=300)
+                    for k in range(n - 1)] + [f.future(req_of(1, seed=30), timeout=2.0)]
+        wait_metric(http_port, queue_jobs, n, f"{n} expiring jobs queued")
+        for k, fut in enumerate(expiring):
+            code, msg = code_of(fut.result)
+            check(code == SC.DEADLINE_EXCEEDED and (k == n - 1 or "parameters['timeout']" in msg),
+                  f"expiring call {k}: DEADLINE_EXCEEDED ({code} {msg})")
+        wait_metric(http_port, queue_jobs, 0, "expired calls leave the device queue while the worker is busy")
+        live = f.future(req_of(1, seed=40), timeout=300)
+        wait_metric(http_port, queue_jobs, 1, "a live call is accepted into the queue the dead jobs left")
+        check(not blocker.done(), "the long call ran through all of it (the queue was emptied by the sweep)")
+        blocker.cancel()  # stopped at its next work item: the worker runs the live call
+        code, msg = code_of(lambda: live.result(timeout=120))
+        check(code == SC.OK, f"the live call answered ({code} {msg})")
+        wait_metric(http_port, "moed_inflight_requests ", 0, "nothing left in flight")
+        wait_metric(http_port, queue_jobs, 0, "nothing left queued")
+        wait_metric(http_port, "moed_batches_in_flight ", 0, "nothing left running")
+        # each decoded request answered once: cancelled 3 (the large one fails undecoded, uncounted),
+        # refused 1, expired n, and the long call
+        wait_metric(http_port, failed, fail0 + 3 + 1 + n + 1, "failures counted once each")
+        p.send_signal(signal.SIGTERM)
+        check(p.wait(timeout=60) == 0, "clean exit")
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_abandoned_batch(tmp, repo):
+    """The same for requests held in an open batch (a 60 s --max-queue-delay-us),
+    which count against --max-queue-size too: cancelled ones and ones past
+    their `timeout` leave it at once, and a live call is batched, not refused
+    `batch queue full`."""
+    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--max-queue-size", "2",
+                                  "--max-queue-delay-us", "60000000", "--max-batch-tokens", "4")
+    held = "moed_batcher_requests "
+    try:
+        f = call_fn(channel(port))
+        futs = [f.future(req_of(1, seed=50 + k), timeout=300) for k in range(2)]
+        wait_metric(http_port, held, 2, "two requests held in an open batch")
+        code, msg = code_of(lambda: f(req_of(1, seed=52), timeout=60))
+        check(code == SC.UNAVAILABLE and "batch queue full" in msg, f"a third live one: UNAVAILABLE ({code} {msg})")
+        for fut in futs:
+            fut.cancel()
+        wait_metric(http_port, held, 0, "cancelled requests leave the open batch")
+        t0 = time.monotonic()
+        futs = [f.future(req_of(1, seed=60 + k, params={"timeout": 1_000_000}), timeout=300) for k in range(2)]
+        wait_metric(http_port, held, 2, "two expiring requests held in an open batch")
+        for fut in futs:
+            code, msg = code_of(fut.result)
+            t = time.monotonic() - t0
+            check(code == SC.DEADLINE_EXCEEDED and "parameters['timeout']" in msg and t < 30,
+                  f"held past parameters['timeout'] (1 s): DEADLINE_EXCEEDED in {t:.2f}s, not at the "
+                  f"batch's 60 s ({code} {msg})")
+        wait_metric(http_port, held, 0, "expired requests leave the open batch")
+        code, msg = code_of(lambda: f(req_of(4, seed=70), timeout=120))  # 4 rows fill a batch: it runs at once
+        check(code == SC.OK, f"a live call is batched and answered ({code} {msg})")
+        wait_metric(http_port, "moed_inflight_requests ", 0, "nothing left in flight")
+        p.send_signal(signal.SIGTERM)
+        check(p.wait(timeout=60) == 0, "clean exit")
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 def stream_refusal(ch):
     """A stream request during the drain: refused on the stream, with its id."""
     stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
@@ -322,6 +457,8 @@ def main():
         repo = os.path.join(tmp, "repo")
         mkset(f"{repo}/bigset", "bf16", experts=EXPERTS, hidden=HIDDEN, inter=4096)
         tokens, full = test_deadline_and_cancel(tmp, repo)
+        test_abandoned_queue(tmp, repo, tokens)
+        test_abandoned_batch(tmp, repo)
         test_drain_stops_work(tmp, repo, tokens, full)
         test_drain_uploads(tmp, repo)
         test_exit_watchdog(tmp)
