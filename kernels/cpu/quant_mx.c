@@ -215,7 +215,7 @@ MOE_CPU_HOT static void quant_blocks(const moe_tensor *x, const moe_mx_args *a, 
   /* a local copy: byte stores to q may alias *a, which would keep the
    * loops from vectorizing */
   const moe_narrow_fmt fmt = a->fmt;
-  const bool vec = x->dtype != MOE_F32 && moe_cpu_vector_kernels();
+  const bool vec = x->dtype != MOE_F32 && moe_cpu_quant_isa() >= MOE_CPU_ISA_AVX512;
   for (size_t t = b0; t < b1; t += TILE) {
     const size_t nb = b1 - t < TILE ? b1 - t : TILE;
     switch (x->dtype) {

@@ -70,13 +70,18 @@ ALWAYS_INLINE void encode_dtype(const void *x, moe_dtype xt, size_t begin, size_
     encode_range(x, xt, begin, end, s, r, false, int8, fmt, q);
 }
 
+/* `lanes`: the leading multiple of 64 elements by the AVX-512 encoder
+ * (quant_encode_avx512.c), the rest by the C loops. */
 MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t end, float s,
-                               const moe_scaled_args *a, void *q) {
+                               const moe_scaled_args *a, bool lanes, void *q) {
   const float r = 1.0f / s; /* fast mode: one reciprocal, then multiplies */
   /* a local copy: byte stores to q may alias *a, which would keep the loops
    * from vectorizing */
   const moe_narrow_fmt fmt = a->fmt;
   const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8;
+  if (lanes)
+    begin += moe_cpu_encode_scaled_avx512((const char *)x + begin * (xt == MOE_F32 ? 4 : 2), xt, end - begin,
+                                          s, r, exact, int8, &fmt, (uint8_t *)q + begin);
   switch (xt) {
   case MOE_F16: encode_dtype(x, MOE_F16, begin, end, s, r, exact, int8, &fmt, q); break;
   case MOE_BF16: encode_dtype(x, MOE_BF16, begin, end, s, r, exact, int8, &fmt, q); break;
@@ -90,7 +95,7 @@ MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t
  * unit's reduction), then its codes. All inlined: a unit of 128 costs no
  * calls. */
 ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
-                                     const moe_scaled_args *a, float *scales, void *q) {
+                                     const moe_scaled_args *a, bool lanes, float *scales, void *q) {
   enum { BATCH_ELEMS = 4096, MAX_BATCH = 64 };
   const moe_narrow_fmt fmt = a->fmt; /* locals: stores to q and scales may alias *a */
   const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8, pow2 = a->pow2_scale;
@@ -109,7 +114,14 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
       r[k] = 1.0f / s[k];
       scales[b0 + k] = s[k];
     }
-    if (g == 128) /* per_token_group's usual G as a constant trip count: no loop set-up per unit */
+    if (lanes && g >= 64)
+      for (size_t k = 0; k < nb; k++) {
+        const size_t o = (b0 + k) * g, es = xt == MOE_F32 ? 4 : 2;
+        const size_t done = moe_cpu_encode_scaled_avx512((const char *)x + o * es, xt, g, s[k], r[k], exact,
+                                                         int8, &fmt, (uint8_t *)q + o);
+        encode_dtype(x, xt, o + done, o + g, s[k], r[k], exact, int8, &fmt, q);
+      }
+    else if (g == 128) /* per_token_group's usual G as a constant trip count: no loop set-up per unit */
       for (size_t k = 0; k < nb; k++) {
         const size_t o = (b0 + k) * 128;
         encode_dtype((const char *)x + o * (xt == MOE_F32 ? 4 : 2), xt, 0, 128, s[k], r[k], exact, int8, &fmt,
@@ -122,11 +134,11 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
 }
 
 MOE_CPU_HOT static void quant_units(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
-                                    const moe_scaled_args *a, float *scales, void *q) {
+                                    const moe_scaled_args *a, bool lanes, float *scales, void *q) {
   switch (xt) {
-  case MOE_F16: quant_units_dtype(x, MOE_F16, u0, u1, g, a, scales, q); break;
-  case MOE_BF16: quant_units_dtype(x, MOE_BF16, u0, u1, g, a, scales, q); break;
-  default: quant_units_dtype(x, MOE_F32, u0, u1, g, a, scales, q); break;
+  case MOE_F16: quant_units_dtype(x, MOE_F16, u0, u1, g, a, lanes, scales, q); break;
+  case MOE_BF16: quant_units_dtype(x, MOE_BF16, u0, u1, g, a, lanes, scales, q); break;
+  default: quant_units_dtype(x, MOE_F32, u0, u1, g, a, lanes, scales, q); break;
   }
 }
 
@@ -140,6 +152,7 @@ moe_status moe_cpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_error *err)
   long chunks = (long)((n + CHUNK - 1) / CHUNK);
   int threads = moe_cpu_threads_for(b, n);
   float s = a->static_scale;
+  const bool lanes = moe_cpu_quant_isa() >= MOE_CPU_ISA_AVX512_VBMI;
   if (!a->has_static_scale) {
     float amax = 0.0f; /* max is exact, so the reduction order cannot matter */
 #pragma omp parallel for num_threads(threads) reduction(max : amax) schedule(static)
@@ -153,7 +166,7 @@ moe_status moe_cpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_error *err)
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (long ch = 0; ch < chunks; ch++) {
     size_t end = (size_t)(ch + 1) * CHUNK < n ? (size_t)(ch + 1) * CHUNK : n;
-    encode(x->data, x->dtype, (size_t)ch * CHUNK, end, s, a, c->out[0].tensor.data);
+    encode(x->data, x->dtype, (size_t)ch * CHUNK, end, s, a, lanes, c->out[0].tensor.data);
   }
   *(float *)c->out[1].tensor.data = s;
   return MOE_OK;
@@ -172,10 +185,11 @@ moe_status moe_cpu_quant_grouped(moe_backend *b, moe_call *c, moe_error *err) {
   const size_t per = g >= CHUNK ? 1 : CHUNK / g;
   const long items = (long)((units + per - 1) / per);
   float *scales = c->out[1].tensor.data;
+  const bool lanes = moe_cpu_quant_isa() >= MOE_CPU_ISA_AVX512_VBMI;
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long it = 0; it < items; it++) {
     const size_t u0 = (size_t)it * per, u1 = u0 + per < units ? u0 + per : units;
-    quant_units(x->data, x->dtype, u0, u1, g, a, scales, c->out[0].tensor.data);
+    quant_units(x->data, x->dtype, u0, u1, g, a, lanes, scales, c->out[0].tensor.data);
   }
   return MOE_OK;
 }
@@ -186,10 +200,11 @@ float moe_cpu_fp8_quant_group(float *v, size_t n, float static_scale, bool exact
       .qdtype = MOE_FP8_E4M3FN, .fmt = MOE_FMT_E4M3FN, .dtype_max = 448.0f, .exact_division = exact_division};
   const float s =
       static_scale > 0.0f ? static_scale : moe_dynamic_scale(amax_of(v, MOE_F32, 0, n), 448.0f, false);
+  const bool lanes = moe_cpu_quant_isa() >= MOE_CPU_ISA_AVX512_VBMI;
   uint8_t q[TILE];
   for (size_t i0 = 0; i0 < n; i0 += TILE) {
     const size_t m = n - i0 < TILE ? n - i0 : TILE;
-    encode(v + i0, MOE_F32, 0, m, s, &a, q);
+    encode(v + i0, MOE_F32, 0, m, s, &a, lanes, q);
     for (size_t j = 0; j < m; j++)
       v[i0 + j] = moe_narrow_to_f32(q[j], &a.fmt);
   }
