@@ -11,15 +11,7 @@
  *   min(a, N) with N the value of magnitude code max_mag + 1 (480 for
  *   e4m3fn, 256 for e4m3fnuz): only NaN becomes N, whose code is then the
  *   format's NaN code (0x7F, 0x80).
- * - the rounding is one IEEE add: for a in binade E (E clamped up to the
- *   format's smallest normal binade Emin), m(E) = 2^(E + 23 - mbits) +
- *   ((E - Emin) << mbits) ulps has ulp(m) = the format's step in that
- *   binade, so a + m rounds a to the grid (ties to even: the added offset is
- *   a multiple of 8, even) and the low bits of the sum are the magnitude
- *   code: the steps of a in its binade plus the codes of the binades below.
- *   m(E) comes from a 16-entry table indexed by the biased exponent mod 16
- *   (vpermd), which the clamped binades (Emin .. Emin + 15) fill without
- *   collision.
+ * - the magnitude code by one rounding add (narrow_lanes_avx512.h).
  * - the low bytes of four such vectors packed by two vpermt2b (VBMI), the
  *   sign bits of 64 inputs by one more and merged by one vpternlogd; then
  *   e4m3fn's NaN with a sign (0xFF) back to 0x7F, e4m3fnuz's -0 to 0x00.
@@ -32,17 +24,17 @@
 
 #include "../ops/op.h"
 #include "cpu.h"
+#include "narrow_lanes_avx512.h"
 
 #define VBMI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,f16c")))
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* What the loop needs of the output format, built once per call. */
 typedef struct lanes {
-  __m512 mul;     /* r (fast) or s (exact) */
-  __m512 hi, nan; /* fp8: max finite, N; int8: 127, -128 */
-  __m512i table;  /* fp8: m(E) by biased exponent mod 16 */
-  __m512i min_normal;
-  __m512i order; /* vpermt2b index: byte 0 of each dword of two vectors, in element order */
+  __m512 mul;          /* r (fast) or s (exact) */
+  __m512 hi, nan;      /* fp8: max finite, N; int8: 127, -128 */
+  narrow_lanes narrow; /* fp8 */
+  __m512i order;       /* vpermt2b index: byte 0 of each dword of two vectors, in element order */
   __m512i sign_idx;
 } lanes;
 
@@ -96,9 +88,7 @@ VBMI ALWAYS_INLINE __m512i code16(__m512 v, int out, bool exact, const lanes *L)
     return _mm512_cvt_roundps_epi32(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
   const __m512 a = _mm512_min_ps(_mm512_min_ps(L->hi, y), L->nan); /* NaN -> N */
-  const __m512i e = _mm512_srli_epi32(_mm512_max_epu32(_mm512_castps_si512(a), L->min_normal), 23);
-  const __m512i m = _mm512_permutexvar_epi32(e, L->table);
-  return _mm512_castps_si512(_mm512_add_ps(a, _mm512_castsi512_ps(m)));
+  return narrow_lanes_mag(a, &L->narrow, false, true);
 }
 
 VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t n, int out, bool exact,
@@ -153,20 +143,11 @@ VBMI size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t n, 
   if (int8) {
     L.hi = _mm512_set1_ps(127.0f);
     L.nan = _mm512_set1_ps(-128.0f);
-    L.table = L.min_normal = _mm512_setzero_si512();
   } else {
     /* e4m3 shapes only (8-bit codes, 3 mantissa bits, no inf codes; e5m2 is not a scaled op's output) */
     if (fmt->bits != 8 || fmt->mbits != 3 || fmt->inf_codes) return 0;
     out = fmt->neg_zero ? OUT_FP8_NEG_ZERO : OUT_FP8_NO_NEG_ZERO;
-    /* lane k: the binade E in [emin, emin + 15] with (127 + E) mod 16 == k, and its m(E) */
-    const int emin = 1 - fmt->bias, sh = 23 - fmt->mbits;
-    const __m512i k = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i steps =
-        _mm512_and_si512(_mm512_sub_epi32(k, _mm512_set1_epi32(127 + emin)), _mm512_set1_epi32(15));
-    L.table =
-        _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(steps, _mm512_set1_epi32(127 + emin + sh)), 23),
-                         _mm512_slli_epi32(steps, fmt->mbits));
-    L.min_normal = _mm512_set1_epi32((127 + emin) << 23);
+    L.narrow = narrow_lanes_of(fmt);
     const int c = fmt->max_mag + 1; /* N: code max_mag + 1's value on the format's grid */
     L.hi = _mm512_set1_ps(fmt->max_finite);
     L.nan = _mm512_set1_ps((float)(8 + (c & 7)) * moe_pow2f((c >> 3) - fmt->bias - 3));

@@ -10,6 +10,7 @@
 
 #include "../ops/op.h"
 #include "cpu.h"
+#include "narrow_lanes_avx512.h"
 
 #define BLOCK 32
 #define GROUP 512 /* blocks per OpenMP work item */
@@ -85,36 +86,15 @@ V512 static void tile_amax_avx512(const uint16_t *h, bool bf16, size_t nb, uint3
   }
 }
 
-/* moe_f32_to_narrow (codec.h) in the lanes: the same integer and IEEE steps,
- * the selects as masks. */
-V512 static inline __attribute__((always_inline)) __m512i narrow_avx512(__m512 f, const moe_narrow_fmt *fmt,
-                                                                        bool half_up) {
-  const int s = 23 - fmt->mbits;
-  const __m512i min_exp = _mm512_set1_epi32((128 - fmt->bias) << 23);
-  const __m512i max_exp = _mm512_set1_epi32((127 + fmt->emax) << 23);
-  const __m512i u = _mm512_castps_si512(f);
-  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-  __m512i e = _mm512_and_si512(a, _mm512_set1_epi32(0x7F800000));
-  e = _mm512_min_epu32(_mm512_max_epu32(e, min_exp), max_exp);
-  const __m512i m = _mm512_add_epi32(e, _mm512_set1_epi32(s << 23));
-  const __m512i ah = half_up ? _mm512_or_si512(a, _mm512_set1_epi32(1)) : a;
-  const __m512i t = _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(ah), _mm512_castsi512_ps(m)));
-  __m512i mag = _mm512_add_epi32(_mm512_sub_epi32(t, m),
-                                 _mm512_srl_epi32(_mm512_sub_epi32(e, min_exp), _mm_cvtsi32_si128(s)));
-  mag = _mm512_min_epu32(mag, _mm512_set1_epi32(fmt->max_mag));
-  __m512i sign = _mm512_sll_epi32(_mm512_srli_epi32(u, 31), _mm_cvtsi32_si128(fmt->bits - 1));
-  if (!fmt->neg_zero) sign = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(mag, mag), sign);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
-  return _mm512_mask_mov_epi32(_mm512_or_si512(sign, mag), nan,
-                               _mm512_set1_epi32(fmt->nan_code < 0 ? 0 : fmt->nan_code));
-}
-
 /* The tile's codes straight from x: widened, times the block's factor,
- * encoded and packed in registers (fp8: vpmovdb; fp4: the byte pairs of a
- * 16-bit lane folded by a shift, then vpmovwb). */
+ * the magnitude by one rounding add (narrow_lanes_avx512.h), the sign merged
+ * by one vpternlogd, packed in registers (fp8: vpmovdb; fp4: the byte pairs
+ * of a 16-bit lane folded by a shift, then vpmovwb). */
 V512 static void tile_encode_avx512(const uint16_t *h, bool bf16, size_t nb, const float *mult,
                                     const moe_narrow_fmt *fmt, bool half_up, bool fp4, uint8_t *q) {
-  const moe_narrow_fmt f = *fmt; /* a local: the stores to q may alias *fmt */
+  const narrow_lanes L = narrow_lanes_of(fmt); /* a local: the stores to q may alias *fmt */
+  const __m128i sign_shift = _mm_cvtsi32_si128(32 - fmt->bits);
+  const __m512i sign_bit = _mm512_set1_epi32(1 << (fmt->bits - 1));
   for (size_t b = 0; b < nb; b++) {
     const __m512 sc = _mm512_set1_ps(mult[b]);
     __m128i c[2];
@@ -122,7 +102,12 @@ V512 static void tile_encode_avx512(const uint16_t *h, bool bf16, size_t nb, con
       const __m256i x = _mm256_loadu_si256((const __m256i *)(h + b * BLOCK + 16 * k));
       const __m512 v =
           bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)) : _mm512_cvtph_ps(x);
-      c[k] = _mm512_cvtepi32_epi8(narrow_avx512(_mm512_mul_ps(v, sc), &f, half_up));
+      const __m512i y = _mm512_castps_si512(_mm512_mul_ps(v, sc));
+      const __m512i mag = narrow_lanes_mag(
+          _mm512_castsi512_ps(_mm512_and_si512(y, _mm512_set1_epi32(0x7FFFFFFF))), &L, half_up, false);
+      /* mag | (the sign moved to the code's top bit); the bits above the low byte do not matter */
+      c[k] = _mm512_cvtepi32_epi8(
+          _mm512_ternarylogic_epi32(mag, _mm512_srl_epi32(y, sign_shift), sign_bit, 0xF8));
     }
     if (fp4) {
       const __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(c[0]), c[1], 1);
