@@ -2,7 +2,7 @@
  * tiles of 16 blocks of 32 elements, dequant a block at a time through a
  * table of the codes' values; blocks are
  * independent, so any thread split gives the same bits. Where the CPU has
- * AVX-512 (moe_cpu_vector_kernels), a tile of fp16/bf16 input is
+ * AVX-512 or AVX2 (moe_cpu_quant_isa), a tile of fp16/bf16 input is
  * quantized by intrinsics (amaxes, scales, codes); fp32 input, other CPUs
  * and the reference switch take the C below. */
 #include <immintrin.h>
@@ -72,17 +72,24 @@ V512 static bool tile_scales_avx512(const uint32_t *amax, size_t nb, moe_mx_rule
   return nf != 0;
 }
 
+/* The block amax's fp32 bits from the 16-bit maxes of |h| in the 16 lanes of
+ * m16 (the AVX-512 and the AVX2 front share it). */
+__attribute__((target("avx2"), always_inline)) static inline uint32_t block_amax_bits(__m256i m16,
+                                                                                      bool bf16) {
+  __m128i m8 = _mm_max_epu16(_mm256_castsi256_si128(m16), _mm256_extracti128_si256(m16, 1));
+  m8 = _mm_max_epu16(m8, _mm_shuffle_epi32(m8, 0x4E));
+  m8 = _mm_max_epu16(m8, _mm_shuffle_epi32(m8, 0xB1));
+  m8 = _mm_max_epu16(m8, _mm_srli_epi32(m8, 16));
+  const uint16_t top = (uint16_t)_mm_cvtsi128_si32(m8);
+  return bf16 ? (uint32_t)top << 16 : moe_f32_bits(moe_f16_to_f32(top));
+}
+
 V512 static void tile_amax_avx512(const uint16_t *h, bool bf16, size_t nb, uint32_t *amax) {
   const __m512i abs_mask = _mm512_set1_epi16(0x7FFF);
   for (size_t b = 0; b < nb; b++) {
     const __m512i m = _mm512_and_si512(_mm512_loadu_si512(h + b * BLOCK), abs_mask);
-    const __m256i m16 = _mm256_max_epu16(_mm512_castsi512_si256(m), _mm512_extracti64x4_epi64(m, 1));
-    __m128i m8 = _mm_max_epu16(_mm256_castsi256_si128(m16), _mm256_extracti128_si256(m16, 1));
-    m8 = _mm_max_epu16(m8, _mm_shuffle_epi32(m8, 0x4E));
-    m8 = _mm_max_epu16(m8, _mm_shuffle_epi32(m8, 0xB1));
-    m8 = _mm_max_epu16(m8, _mm_srli_epi32(m8, 16));
-    const uint16_t top = (uint16_t)_mm_cvtsi128_si32(m8);
-    amax[b] = bf16 ? (uint32_t)top << 16 : moe_f32_bits(moe_f16_to_f32(top));
+    amax[b] =
+        block_amax_bits(_mm256_max_epu16(_mm512_castsi512_si256(m), _mm512_extracti64x4_epi64(m, 1)), bf16);
   }
 }
 
@@ -120,21 +127,90 @@ V512 static void tile_encode_avx512(const uint16_t *h, bool bf16, size_t nb, con
   }
 }
 
+/* ---- the front of a tile of fp16/bf16 input in AVX2 ------------------------------------ */
+/* For CPUs without AVX-512: the amaxes as above in two 256-bit halves, the
+ * scales by the C code (moe_mx_scale), the codes below. test_quant_ops runs
+ * it against the C path (moe_cpu_set_isa_cap) on every fp16/bf16 pattern. */
+#define VAVX2 __attribute__((target("avx2,f16c")))
+
+VAVX2 static void tile_amax_avx2(const uint16_t *h, bool bf16, size_t nb, uint32_t *amax) {
+  const __m256i abs_mask = _mm256_set1_epi16(0x7FFF);
+  for (size_t b = 0; b < nb; b++) {
+    const __m256i lo = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(h + b * BLOCK)), abs_mask);
+    const __m256i hi = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(h + b * BLOCK + 16)), abs_mask);
+    amax[b] = block_amax_bits(_mm256_max_epu16(lo, hi), bf16);
+  }
+}
+
+/* The tile's codes: the rounding add of narrow_lanes_avx512.h with m(E)
+ * computed, not looked up (vpermd has 8 entries, e4m3fn needs 15):
+ * m = e + (e >> (23 - mbits)) + c for e = |y|'s exponent bits clamped up to
+ * 2^Emin. The magnitudes' low bytes packed by vpackusdw/vpackuswb and one
+ * vpermd; the signs packed from the inputs' high bytes and or-ed in (every
+ * MX format keeps -0; NaN/inf blocks are zeroed after). */
+VAVX2 static void tile_encode_avx2(const uint16_t *h, bool bf16, size_t nb, const float *mult,
+                                   const moe_narrow_fmt *fmt, bool half_up, bool fp4, uint8_t *q) {
+  const int sh = 23 - fmt->mbits, min_exp = (128 - fmt->bias) << 23;
+  const __m128i shift = _mm_cvtsi32_si128(sh);
+  const __m256i c_min = _mm256_set1_epi32(min_exp), c_add = _mm256_set1_epi32((sh << 23) - (min_exp >> sh));
+  const __m256 max_finite = _mm256_set1_ps(fmt->max_finite);
+  const __m256i low = _mm256_set1_epi32(half_up ? 1 : 0);
+  /* after the two packs, dword d of lane l holds elements 8 (d) + 4 l .. + 3 */
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  /* the sign: bit 15 of the input to the code's top bit */
+  const int sign_shift = fp4 ? 12 : 8;
+  const __m256i sign_bit = _mm256_set1_epi8((char)(fp4 ? 0x08 : 0x80));
+  for (size_t b = 0; b < nb; b++) {
+    const uint16_t *hb = h + b * BLOCK;
+    const __m256 sc = _mm256_set1_ps(mult[b]);
+    __m256i c[4];
+    for (size_t k = 0; k < 4; k++) {
+      const __m128i x = _mm_loadu_si128((const __m128i *)(hb + 8 * k));
+      const __m256 v =
+          bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)) : _mm256_cvtph_ps(x);
+      __m256i a = _mm256_and_si256(_mm256_castps_si256(_mm256_mul_ps(v, sc)), _mm256_set1_epi32(0x7FFFFFFF));
+      a = _mm256_castps_si256(_mm256_min_ps(max_finite, _mm256_castsi256_ps(a))); /* satfinite */
+      const __m256i e = _mm256_max_epu32(_mm256_and_si256(a, _mm256_set1_epi32(0x7F800000)), c_min);
+      const __m256i m = _mm256_add_epi32(_mm256_add_epi32(e, _mm256_srl_epi32(e, shift)), c_add);
+      const __m256i t = _mm256_castps_si256(
+          _mm256_add_ps(_mm256_castsi256_ps(_mm256_or_si256(a, low)), _mm256_castsi256_ps(m)));
+      c[k] = _mm256_and_si256(t, _mm256_set1_epi32(0xFF));
+    }
+    const __m256i mag = _mm256_permutevar8x32_epi32(
+        _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3])), order);
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)hb),
+                  x1 = _mm256_loadu_si256((const __m256i *)(hb + 16));
+    const __m256i sign = _mm256_permute4x64_epi64(
+        _mm256_packus_epi16(_mm256_srli_epi16(x0, sign_shift), _mm256_srli_epi16(x1, sign_shift)), 0xD8);
+    const __m256i bytes = _mm256_or_si256(mag, _mm256_and_si256(sign, sign_bit));
+    if (fp4) { /* the pair of codes in a 16-bit lane folded into its low byte, then the low bytes */
+      const __m256i w =
+          _mm256_and_si256(_mm256_or_si256(bytes, _mm256_srli_epi16(bytes, 4)), _mm256_set1_epi16(0xFF));
+      const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);
+      _mm_storeu_si128((__m128i *)(q + b * (BLOCK / 2)), _mm256_castsi256_si128(p));
+    } else {
+      _mm256_storeu_si256((__m256i *)(q + b * BLOCK), bytes);
+    }
+  }
+}
+
 /* Quantizes blocks [b0, b0 + nb), nb <= TILE, in passes over an L1-resident
  * tile so that each loop is long, straight and vectorizes: widen x, the
  * blocks' amax (an integer max of |x| bits: orders like the values and
  * flags NaN/inf as >= 0x7F800000), the scales (scalar, one per block), the
- * scaled elements, then one encode loop over the whole tile. `vec`: 16-bit
- * input through the AVX-512 functions above instead. */
+ * scaled elements, then one encode loop over the whole tile. `isa`: 16-bit
+ * input through the AVX-512 or the AVX2 functions above instead. */
 ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb, const moe_mx_args *a,
-                              const moe_narrow_fmt *fmt, bool vec, uint8_t *q, uint8_t *scales) {
+                              const moe_narrow_fmt *fmt, moe_cpu_isa isa, uint8_t *q, uint8_t *scales) {
   float v[TILE * BLOCK];
   uint32_t amax[TILE];
   float mult[TILE];
   const size_t n = nb * BLOCK, base = b0 * BLOCK;
   const uint16_t *h = (const uint16_t *)x + base;
-  if (vec) {
+  if (isa >= MOE_CPU_ISA_AVX512) {
     tile_amax_avx512(h, xt == MOE_BF16, nb, amax);
+  } else if (isa == MOE_CPU_ISA_AVX2) {
+    tile_amax_avx2(h, xt == MOE_BF16, nb, amax);
   } else {
     for (size_t i = 0; i < n; i++)
       v[i] = moe_load_float(x, xt, base + i);
@@ -148,7 +224,7 @@ ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb,
     }
   }
   bool non_finite = false;
-  if (vec)
+  if (isa >= MOE_CPU_ISA_AVX512)
     non_finite = tile_scales_avx512(amax, nb, a->rule, fmt, scales + b0, mult);
   else
     for (size_t b = 0; b < nb; b++) {
@@ -161,8 +237,12 @@ ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb,
       }
     }
   const bool half_up = a->half_up, fp4 = a->qdtype == MOE_FP4_E2M1;
-  if (vec) {
-    tile_encode_avx512(h, xt == MOE_BF16, nb, mult, fmt, half_up, fp4, q + b0 * (fp4 ? BLOCK / 2 : BLOCK));
+  if (isa != MOE_CPU_ISA_C) {
+    uint8_t *qb = q + b0 * (fp4 ? BLOCK / 2 : BLOCK);
+    if (isa >= MOE_CPU_ISA_AVX512)
+      tile_encode_avx512(h, xt == MOE_BF16, nb, mult, fmt, half_up, fp4, qb);
+    else
+      tile_encode_avx2(h, xt == MOE_BF16, nb, mult, fmt, half_up, fp4, qb);
     if (non_finite)
       for (size_t b = 0; b < nb; b++)
         if (scales[b0 + b] == 0xFF)
@@ -195,18 +275,17 @@ ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb,
 }
 
 /* Blocks [b0, b1). */
-MOE_CPU_HOT static void quant_blocks(const moe_tensor *x, const moe_mx_args *a, size_t b0, size_t b1,
-                                     uint8_t *q, uint8_t *scales) {
+MOE_CPU_HOT static void quant_blocks(const moe_tensor *x, const moe_mx_args *a, moe_cpu_isa isa, size_t b0,
+                                     size_t b1, uint8_t *q, uint8_t *scales) {
   /* a local copy: byte stores to q may alias *a, which would keep the
    * loops from vectorizing */
   const moe_narrow_fmt fmt = a->fmt;
-  const bool vec = x->dtype != MOE_F32 && moe_cpu_quant_isa() >= MOE_CPU_ISA_AVX512;
   for (size_t t = b0; t < b1; t += TILE) {
     const size_t nb = b1 - t < TILE ? b1 - t : TILE;
     switch (x->dtype) {
-    case MOE_F16: quant_tile(x->data, MOE_F16, t, nb, a, &fmt, vec, q, scales); break;
-    case MOE_BF16: quant_tile(x->data, MOE_BF16, t, nb, a, &fmt, vec, q, scales); break;
-    default: quant_tile(x->data, MOE_F32, t, nb, a, &fmt, false, q, scales); break;
+    case MOE_F16: quant_tile(x->data, MOE_F16, t, nb, a, &fmt, isa, q, scales); break;
+    case MOE_BF16: quant_tile(x->data, MOE_BF16, t, nb, a, &fmt, isa, q, scales); break;
+    default: quant_tile(x->data, MOE_F32, t, nb, a, &fmt, MOE_CPU_ISA_C, q, scales); break;
     }
   }
 }
@@ -219,10 +298,11 @@ moe_status moe_cpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err) {
   size_t blocks = n / BLOCK;
   long groups = (long)((blocks + GROUP - 1) / GROUP);
   uint8_t *q = c->out[0].tensor.data, *scales = c->out[1].tensor.data;
+  const moe_cpu_isa isa = moe_cpu_quant_isa(); /* read once per call */
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long g = 0; g < groups; g++) {
     size_t b0 = (size_t)g * GROUP, b1 = b0 + GROUP < blocks ? b0 + GROUP : blocks;
-    quant_blocks(x, a, b0, b1, q, scales);
+    quant_blocks(x, a, isa, b0, b1, q, scales);
   }
   return MOE_OK;
 }

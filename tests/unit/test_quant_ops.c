@@ -456,12 +456,12 @@ START_TEST(large_calls_match_their_slices) {
 }
 END_TEST
 
-/* quant.mx's AVX-512 front (the amaxes and scaled elements of 16-bit input,
- * kernels/cpu/quant_mx.c) gives the bytes of its C path (the reference
- * kernels): every fp16 and bf16 pattern, in bit order and shuffled (NaN/inf
- * blocks, subnormals, mixed magnitudes), every scale rule, mxfp8 e4m3fn /
- * e5m2 and mxfp4 with both roundings. Without AVX-512 both runs take the C
- * path. */
+/* quant.mx's AVX-512 and AVX2 fronts (the amaxes, scales and codes of
+ * 16-bit input, kernels/cpu/quant_mx.c) give the bytes of its C path (the
+ * reference kernels): every fp16 and bf16 pattern, in bit order and shuffled
+ * (NaN/inf blocks, subnormals, mixed magnitudes), every scale rule, mxfp8
+ * e4m3fn / e5m2 and mxfp4 with both roundings. A front the CPU lacks falls
+ * to the next lower one, down to the C path. */
 START_TEST(quant_mx_vector_front_matches_c_path) {
   enum { N = 1 << 17 }; /* every pattern twice: bit order, then shuffled */
   uint16_t *x = malloc(N * sizeof *x);
@@ -487,20 +487,25 @@ START_TEST(quant_mx_vector_front_matches_c_path) {
           moe_named_tensor in[1] = {tensor("x", dtypes[d], x, N * sizeof *x, 2, shape)};
           moe_param p[3] = {pstr("format", formats[f]), pstr("scale_rule", rules[r]),
                             pstr("element_rounding", h ? "half_up" : "rne")};
-          moe_named_tensor *out[2];
-          size_t nout[2];
+          /* the machine's own front, the AVX2 front (capped), the C path (the reference switch) */
+          moe_named_tensor *out[3];
+          size_t nout[3];
           moe_error err;
-          for (int ref = 0; ref < 2; ref++) {
-            moe_cpu_set_reference_kernels(ref == 1);
-            ck_assert_int_eq(run("quant.mx", in, 1, p, 3, &out[ref], &nout[ref], &err), MOE_OK);
+          for (int run_ = 0; run_ < 3; run_++) {
+            moe_cpu_set_isa_cap(run_ == 1 ? MOE_CPU_ISA_AVX2 : MOE_CPU_ISA_AVX512_VBMI);
+            moe_cpu_set_reference_kernels(run_ == 2);
+            ck_assert_int_eq(run("quant.mx", in, 1, p, 3, &out[run_], &nout[run_], &err), MOE_OK);
           }
           moe_cpu_set_reference_kernels(false);
-          for (size_t o = 0; o < 2; o++)
-            ck_assert_msg(memcmp(out[0][o].tensor.data, out[1][o].tensor.data, out[0][o].tensor.nbytes) == 0,
-                          "%s %s %s %s: output %zu differs from the C path", d ? "fp16" : "bf16", formats[f],
-                          rules[r], h ? "half_up" : "rne", o);
-          moe_outputs_free(out[0], nout[0]);
-          moe_outputs_free(out[1], nout[1]);
+          moe_cpu_set_isa_cap(MOE_CPU_ISA_AVX512_VBMI);
+          for (int run_ = 0; run_ < 2; run_++)
+            for (size_t o = 0; o < 2; o++)
+              ck_assert_msg(
+                  memcmp(out[run_][o].tensor.data, out[2][o].tensor.data, out[2][o].tensor.nbytes) == 0,
+                  "%s %s %s %s: output %zu of the %s front differs from the C path", d ? "fp16" : "bf16",
+                  formats[f], rules[r], h ? "half_up" : "rne", o, run_ ? "AVX2" : "machine's");
+          for (int run_ = 0; run_ < 3; run_++)
+            moe_outputs_free(out[run_], nout[run_]);
         }
   free(x);
 }
