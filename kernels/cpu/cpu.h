@@ -55,12 +55,14 @@ void moe_cpu_set_isa_cap(moe_cpu_isa cap);
 void moe_cpu_set_reference_kernels(bool on);
 
 /* The scaled quant ops' codes in AVX-512 lanes (quant_encode_avx512.c; needs
- * MOE_CPU_ISA_AVX512_VBMI): q[i] = cvt(x[i] * r), or cvt(x[i] / s) when
- * `exact`, to int8 or to fp8 `fmt` (e4m3fn, e4m3fnuz), for the leading
- * elements of [0, n) in steps of 64. Returns how many it wrote (0 for a
- * format it does not encode); the caller's C loop takes the rest. */
-size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t n, float s, float r, bool exact,
-                                    bool int8, const moe_narrow_fmt *fmt, uint8_t *q);
+ * MOE_CPU_ISA_AVX512_VBMI): `units` runs of g elements, unit u's codes
+ * q[i] = cvt(x[i] * r[u]), or cvt(x[i] / s[u]) when `exact`, to int8 or to
+ * fp8 `fmt` (e4m3fn, e4m3fnuz), for the leading multiple of 64 of each unit.
+ * Returns that count per unit (0 for a format it does not encode); the
+ * caller's C loop takes the rest of each unit. */
+size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
+                                    const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
+                                    uint8_t *q);
 
 /* fused_moe's fp8 activations (docs/numerics.md "Weight scheme fp8"): the
  * n fp32 values v are quantized to e4m3fn as quant.per_token_group does one

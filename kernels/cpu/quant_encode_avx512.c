@@ -31,7 +31,6 @@
 
 /* What the loop needs of the output format, built once per call. */
 typedef struct lanes {
-  __m512 mul;          /* r (fast) or s (exact) */
   __m512 hi, nan;      /* fp8: max finite, N; int8: 127, -128 */
   narrow_lanes narrow; /* fp8 */
   __m512i order;       /* vpermt2b index: byte 0 of each dword of two vectors, in element order */
@@ -81,8 +80,8 @@ VBMI ALWAYS_INLINE void load64(const void *x, moe_dtype xt, size_t i, bool abs, 
 }
 
 /* One vector's codes in the low byte of each lane. */
-VBMI ALWAYS_INLINE __m512i code16(__m512 v, int out, bool exact, const lanes *L) {
-  const __m512 y = exact ? _mm512_div_ps(v, L->mul) : _mm512_mul_ps(v, L->mul);
+VBMI ALWAYS_INLINE __m512i code16(__m512 v, __m512 mul, int out, bool exact, const lanes *L) {
+  const __m512 y = exact ? _mm512_div_ps(v, mul) : _mm512_mul_ps(v, mul);
   if (out == OUT_INT8) {
     const __m512 c = _mm512_max_ps(L->nan, _mm512_min_ps(L->hi, y)); /* operand order keeps NaN */
     return _mm512_cvt_roundps_epi32(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -91,30 +90,35 @@ VBMI ALWAYS_INLINE __m512i code16(__m512 v, int out, bool exact, const lanes *L)
   return narrow_lanes_mag(a, &L->narrow, false, true);
 }
 
-VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t n, int out, bool exact,
-                                      const lanes *L, uint8_t *q) {
+/* Units [0, units) of g elements, unit u scaled by s[u] (exact) or r[u]:
+ * the leading multiple of 64 of each. */
+VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
+                                      const float *r, int out, bool exact, const lanes *L, uint8_t *q) {
   const bool fp8 = out != OUT_INT8;
-  size_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    __m512 v[4];
-    __m512i sign = _mm512_setzero_si512(), c[4];
-    load64(x, xt, i, fp8, L, v, &sign);
-    for (int k = 0; k < 4; k++)
-      c[k] = code16(v[k], out, exact, L);
-    __m512i b = _mm512_mask_blend_epi64(0xF0, _mm512_permutex2var_epi8(c[0], L->order, c[1]),
-                                        _mm512_permutex2var_epi8(c[2], L->order, c[3]));
-    if (fp8) {
-      const __m512i mag = b;
-      b = _mm512_ternarylogic_epi32(mag, sign, _mm512_set1_epi8((char)0x80), 0xF8); /* mag | (sign & 0x80) */
-      if (out == OUT_FP8_NEG_ZERO) /* NaN's code has no sign: 0xFF -> 0x7F */
-        b = _mm512_mask_blend_epi8(_mm512_cmpeq_epi8_mask(b, _mm512_set1_epi8(-1)), b,
-                                   _mm512_set1_epi8(0x7F));
-      else /* no -0: a zero magnitude drops its sign */
-        b = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(mag, mag), b);
+  const size_t n = g / 64 * 64;
+  for (size_t u = 0; u < units; u++)
+    for (size_t i = u * g, end = i + n; i < end; i += 64) {
+      const __m512 mul = _mm512_set1_ps(exact ? s[u] : r[u]);
+      __m512 v[4];
+      __m512i sign = _mm512_setzero_si512(), c[4];
+      load64(x, xt, i, fp8, L, v, &sign);
+      for (int k = 0; k < 4; k++)
+        c[k] = code16(v[k], mul, out, exact, L);
+      __m512i b = _mm512_mask_blend_epi64(0xF0, _mm512_permutex2var_epi8(c[0], L->order, c[1]),
+                                          _mm512_permutex2var_epi8(c[2], L->order, c[3]));
+      if (fp8) {
+        const __m512i mag = b;
+        b = _mm512_ternarylogic_epi32(mag, sign, _mm512_set1_epi8((char)0x80),
+                                      0xF8); /* mag | (sign & 0x80) */
+        if (out == OUT_FP8_NEG_ZERO)         /* NaN's code has no sign: 0xFF -> 0x7F */
+          b = _mm512_mask_blend_epi8(_mm512_cmpeq_epi8_mask(b, _mm512_set1_epi8(-1)), b,
+                                     _mm512_set1_epi8(0x7F));
+        else /* no -0: a zero magnitude drops its sign */
+          b = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(mag, mag), b);
+      }
+      _mm512_storeu_si512(q + i, b);
     }
-    _mm512_storeu_si512(q + i, b);
-  }
-  return i;
+  return n;
 }
 
 /* vpermt2b indices. Output byte j (j < 32) of a pack of two vectors of codes: bf16 takes element j
@@ -135,11 +139,11 @@ static const uint8_t sign_idx[64] = {
     45, 47, 49, 51, 53, 55, 57,  59,  61,  63,  65,  67,  69,  71,  73,  75,  77,  79,  81,  83, 85, 87,
     89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127};
 
-VBMI size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t n, float s, float r, bool exact,
-                                         bool int8, const moe_narrow_fmt *fmt, uint8_t *q) {
+VBMI size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
+                                         const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
+                                         uint8_t *q) {
   lanes L;
   int out = OUT_INT8;
-  L.mul = _mm512_set1_ps(exact ? s : r);
   if (int8) {
     L.hi = _mm512_set1_ps(127.0f);
     L.nan = _mm512_set1_ps(-128.0f);
@@ -157,9 +161,9 @@ VBMI size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t n, 
   /* one straight loop per (input dtype, output kind); the division mode is a branch it hoists */
 #define ENCODE_OUT(XT)                                                                                       \
   switch (out) {                                                                                             \
-  case OUT_INT8: return encode_loop(x, XT, n, OUT_INT8, exact, &L, q);                                       \
-  case OUT_FP8_NEG_ZERO: return encode_loop(x, XT, n, OUT_FP8_NEG_ZERO, exact, &L, q);                       \
-  default: return encode_loop(x, XT, n, OUT_FP8_NO_NEG_ZERO, exact, &L, q);                                  \
+  case OUT_INT8: return encode_loop(x, XT, units, g, s, r, OUT_INT8, exact, &L, q);                          \
+  case OUT_FP8_NEG_ZERO: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NEG_ZERO, exact, &L, q);          \
+  default: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NO_NEG_ZERO, exact, &L, q);                     \
   }
   switch (xt) {
   case MOE_BF16: ENCODE_OUT(MOE_BF16);

@@ -80,8 +80,8 @@ MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t
   const moe_narrow_fmt fmt = a->fmt;
   const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8;
   if (lanes)
-    begin += moe_cpu_encode_scaled_avx512((const char *)x + begin * (xt == MOE_F32 ? 4 : 2), xt, end - begin,
-                                          s, r, exact, int8, &fmt, (uint8_t *)q + begin);
+    begin += moe_cpu_encode_scaled_avx512((const char *)x + begin * (xt == MOE_F32 ? 4 : 2), xt, 1,
+                                          end - begin, &s, &r, exact, int8, &fmt, (uint8_t *)q + begin);
   switch (xt) {
   case MOE_F16: encode_dtype(x, MOE_F16, begin, end, s, r, exact, int8, &fmt, q); break;
   case MOE_BF16: encode_dtype(x, MOE_BF16, begin, end, s, r, exact, int8, &fmt, q); break;
@@ -114,13 +114,14 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
       r[k] = 1.0f / s[k];
       scales[b0 + k] = s[k];
     }
+    size_t done = 0; /* of each unit, by the lane encoder: the batch's units in one call */
     if (lanes && g >= 64)
-      for (size_t k = 0; k < nb; k++) {
-        const size_t o = (b0 + k) * g, es = xt == MOE_F32 ? 4 : 2;
-        const size_t done = moe_cpu_encode_scaled_avx512((const char *)x + o * es, xt, g, s[k], r[k], exact,
-                                                         int8, &fmt, (uint8_t *)q + o);
-        encode_dtype(x, xt, o + done, o + g, s[k], r[k], exact, int8, &fmt, q);
-      }
+      done = moe_cpu_encode_scaled_avx512((const char *)x + b0 * g * (xt == MOE_F32 ? 4 : 2), xt, nb, g, s, r,
+                                          exact, int8, &fmt, (uint8_t *)q + b0 * g);
+    if (done == g) continue;
+    if (done)
+      for (size_t k = 0; k < nb; k++)
+        encode_dtype(x, xt, (b0 + k) * g + done, (b0 + k + 1) * g, s[k], r[k], exact, int8, &fmt, q);
     else if (g == 128) /* per_token_group's usual G as a constant trip count: no loop set-up per unit */
       for (size_t k = 0; k < nb; k++) {
         const size_t o = (b0 + k) * 128;
