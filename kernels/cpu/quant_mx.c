@@ -84,13 +84,33 @@ __attribute__((target("avx2"), always_inline)) static inline uint32_t block_amax
   return bf16 ? (uint32_t)top << 16 : moe_f32_bits(moe_f16_to_f32(top));
 }
 
+/* The tile's 16 block amaxes by a tree of vertical maxes that halves each
+ * block's lanes while it merges the registers: 256-bit halves, 128-bit
+ * quarters (vshufi64x2), 64-bit (vpunpck*qdq), 32-bit (vshufps) and the two
+ * words of a dword, about 4 ops per block instead of a reduction of its own
+ * register (~13); the blocks end up in dword lanes 4k + j = block k + 4j,
+ * which one vpermd puts in order. Blocks past nb are zeros. */
 V512 static void tile_amax_avx512(const uint16_t *h, bool bf16, size_t nb, uint32_t *amax) {
   const __m512i abs_mask = _mm512_set1_epi16(0x7FFF);
-  for (size_t b = 0; b < nb; b++) {
-    const __m512i m = _mm512_and_si512(_mm512_loadu_si512(h + b * BLOCK), abs_mask);
-    amax[b] =
-        block_amax_bits(_mm256_max_epu16(_mm512_castsi512_si256(m), _mm512_extracti64x4_epi64(m, 1)), bf16);
-  }
+  __m512i r[TILE];
+  for (size_t b = 0; b < TILE; b++)
+    r[b] = b < nb ? _mm512_and_si512(_mm512_loadu_si512(h + b * BLOCK), abs_mask) : _mm512_setzero_si512();
+  for (size_t b = 0; b < TILE; b += 2) /* [block b, block b + 1], 16 words each */
+    r[b / 2] = _mm512_max_epu16(_mm512_shuffle_i64x2(r[b], r[b + 1], 0x44),
+                                _mm512_shuffle_i64x2(r[b], r[b + 1], 0xEE));
+  for (size_t b = 0; b < TILE / 2; b += 2) /* blocks 4i .. 4i + 3 in the 128-bit lanes, 8 words each */
+    r[b / 2] = _mm512_max_epu16(_mm512_shuffle_i64x2(r[b], r[b + 1], 0x88),
+                                _mm512_shuffle_i64x2(r[b], r[b + 1], 0xDD));
+  for (size_t b = 0; b < TILE / 4; b += 2) /* lane k: blocks 8i + k, 8i + k + 4, 4 words each */
+    r[b / 2] = _mm512_max_epu16(_mm512_unpacklo_epi64(r[b], r[b + 1]), _mm512_unpackhi_epi64(r[b], r[b + 1]));
+  const __m512 g = _mm512_castsi512_ps(r[0]), hh = _mm512_castsi512_ps(r[1]);
+  __m512i m = _mm512_max_epu16(_mm512_castps_si512(_mm512_shuffle_ps(g, hh, _MM_SHUFFLE(2, 0, 2, 0))),
+                               _mm512_castps_si512(_mm512_shuffle_ps(g, hh, _MM_SHUFFLE(3, 1, 3, 1))));
+  m = _mm512_max_epu16(m, _mm512_srli_epi32(m, 16)); /* the block's max in the dword's low word */
+  m = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), m);
+  const __m512i bits = bf16 ? _mm512_slli_epi32(m, 16)
+                            : _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(m))); /* exact */
+  _mm512_storeu_si512(amax, bits);
 }
 
 /* The tile's codes straight from x: widened, times the block's factor,
