@@ -10,6 +10,7 @@
 
 #include "../ops/op.h"
 #include "cpu.h"
+#include "narrow_lanes_avx2.h"
 #include "narrow_lanes_avx512.h"
 
 #define BLOCK 32
@@ -162,21 +163,13 @@ VAVX2 static void tile_amax_avx2(const uint16_t *h, bool bf16, size_t nb, uint32
   }
 }
 
-/* The tile's codes: the rounding add of narrow_lanes_avx512.h with m(E)
- * computed, not looked up (vpermd has 8 entries, e4m3fn needs 15):
- * m = e + (e >> (23 - mbits)) + c for e = |y|'s exponent bits clamped up to
- * 2^Emin. The magnitudes' low bytes packed by vpackusdw/vpackuswb and one
- * vpermd; the signs packed from the inputs' high bytes and or-ed in (every
- * MX format keeps -0; NaN/inf blocks are zeroed after). */
+/* The tile's codes: the rounding add with its addend computed
+ * (narrow_lanes_avx2.h), the magnitudes' low bytes packed, the signs packed
+ * from the inputs' high bytes and or-ed in (every MX format keeps -0;
+ * NaN/inf blocks are zeroed after). */
 VAVX2 static void tile_encode_avx2(const uint16_t *h, bool bf16, size_t nb, const float *mult,
                                    const moe_narrow_fmt *fmt, bool half_up, bool fp4, uint8_t *q) {
-  const int sh = 23 - fmt->mbits, min_exp = (128 - fmt->bias) << 23;
-  const __m128i shift = _mm_cvtsi32_si128(sh);
-  const __m256i c_min = _mm256_set1_epi32(min_exp), c_add = _mm256_set1_epi32((sh << 23) - (min_exp >> sh));
-  const __m256 max_finite = _mm256_set1_ps(fmt->max_finite);
-  const __m256i low = _mm256_set1_epi32(half_up ? 1 : 0);
-  /* after the two packs, dword d of lane l holds elements 8 (d) + 4 l .. + 3 */
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const narrow_avx2 L = narrow_avx2_of(fmt); /* a local: the stores to q may alias *fmt */
   /* the sign: bit 15 of the input to the code's top bit */
   const int sign_shift = fp4 ? 12 : 8;
   const __m256i sign_bit = _mm256_set1_epi8((char)(fp4 ? 0x08 : 0x80));
@@ -188,21 +181,13 @@ VAVX2 static void tile_encode_avx2(const uint16_t *h, bool bf16, size_t nb, cons
       const __m128i x = _mm_loadu_si128((const __m128i *)(hb + 8 * k));
       const __m256 v =
           bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)) : _mm256_cvtph_ps(x);
-      __m256i a = _mm256_and_si256(_mm256_castps_si256(_mm256_mul_ps(v, sc)), _mm256_set1_epi32(0x7FFFFFFF));
-      a = _mm256_castps_si256(_mm256_min_ps(max_finite, _mm256_castsi256_ps(a))); /* satfinite */
-      const __m256i e = _mm256_max_epu32(_mm256_and_si256(a, _mm256_set1_epi32(0x7F800000)), c_min);
-      const __m256i m = _mm256_add_epi32(_mm256_add_epi32(e, _mm256_srl_epi32(e, shift)), c_add);
-      const __m256i t = _mm256_castps_si256(
-          _mm256_add_ps(_mm256_castsi256_ps(_mm256_or_si256(a, low)), _mm256_castsi256_ps(m)));
-      c[k] = _mm256_and_si256(t, _mm256_set1_epi32(0xFF));
+      const __m256i a =
+          _mm256_and_si256(_mm256_castps_si256(_mm256_mul_ps(v, sc)), _mm256_set1_epi32(0x7FFFFFFF));
+      c[k] = narrow_avx2_mag(_mm256_castsi256_ps(a), &L, half_up, false);
     }
-    const __m256i mag = _mm256_permutevar8x32_epi32(
-        _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3])), order);
-    const __m256i x0 = _mm256_loadu_si256((const __m256i *)hb),
-                  x1 = _mm256_loadu_si256((const __m256i *)(hb + 16));
-    const __m256i sign = _mm256_permute4x64_epi64(
-        _mm256_packus_epi16(_mm256_srli_epi16(x0, sign_shift), _mm256_srli_epi16(x1, sign_shift)), 0xD8);
-    const __m256i bytes = _mm256_or_si256(mag, _mm256_and_si256(sign, sign_bit));
+    const __m256i sign = narrow_avx2_high_bytes(_mm256_loadu_si256((const __m256i *)hb),
+                                                _mm256_loadu_si256((const __m256i *)(hb + 16)), sign_shift);
+    const __m256i bytes = _mm256_or_si256(narrow_avx2_pack(c), _mm256_and_si256(sign, sign_bit));
     if (fp4) { /* the pair of codes in a 16-bit lane folded into its low byte, then the low bytes */
       const __m256i w =
           _mm256_and_si256(_mm256_or_si256(bytes, _mm256_srli_epi16(bytes, 4)), _mm256_set1_epi16(0xFF));

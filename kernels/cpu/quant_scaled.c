@@ -9,6 +9,14 @@
 /* Elements per OpenMP work item: big enough to amortize scheduling. */
 #define CHUNK 16384
 
+/* The SIMD encoder the quant ops take at this call (read once per call). */
+static moe_cpu_scaled_lanes scaled_lanes(void) {
+  const moe_cpu_isa isa = moe_cpu_quant_isa();
+  return isa >= MOE_CPU_ISA_AVX512_VBMI ? moe_cpu_encode_scaled_avx512
+         : isa >= MOE_CPU_ISA_AVX2      ? moe_cpu_encode_scaled_avx2
+                                        : NULL;
+}
+
 /* ---- shared loops ----------------------------------------------------------- */
 
 /* max |x| over the finite elements of x[begin, end). In the integer domain:
@@ -70,18 +78,18 @@ ALWAYS_INLINE void encode_dtype(const void *x, moe_dtype xt, size_t begin, size_
     encode_range(x, xt, begin, end, s, r, false, int8, fmt, q);
 }
 
-/* `lanes`: the leading multiple of 64 elements by the AVX-512 encoder
- * (quant_encode_avx512.c), the rest by the C loops. */
+/* `lanes` (NULL: none): the leading elements by the SIMD encoder, the rest by
+ * the C loops. */
 MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t end, float s,
-                               const moe_scaled_args *a, bool lanes, void *q) {
+                               const moe_scaled_args *a, moe_cpu_scaled_lanes lanes, void *q) {
   const float r = 1.0f / s; /* fast mode: one reciprocal, then multiplies */
   /* a local copy: byte stores to q may alias *a, which would keep the loops
    * from vectorizing */
   const moe_narrow_fmt fmt = a->fmt;
   const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8;
   if (lanes)
-    begin += moe_cpu_encode_scaled_avx512((const char *)x + begin * (xt == MOE_F32 ? 4 : 2), xt, 1,
-                                          end - begin, &s, &r, exact, int8, &fmt, (uint8_t *)q + begin);
+    begin += lanes((const char *)x + begin * (xt == MOE_F32 ? 4 : 2), xt, 1, end - begin, &s, &r, exact, int8,
+                   &fmt, (uint8_t *)q + begin);
   switch (xt) {
   case MOE_F16: encode_dtype(x, MOE_F16, begin, end, s, r, exact, int8, &fmt, q); break;
   case MOE_BF16: encode_dtype(x, MOE_BF16, begin, end, s, r, exact, int8, &fmt, q); break;
@@ -95,7 +103,8 @@ MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t
  * unit's reduction), then its codes. All inlined: a unit of 128 costs no
  * calls. */
 ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
-                                     const moe_scaled_args *a, bool lanes, float *scales, void *q) {
+                                     const moe_scaled_args *a, moe_cpu_scaled_lanes lanes, float *scales,
+                                     void *q) {
   enum { BATCH_ELEMS = 4096, MAX_BATCH = 64 };
   const moe_narrow_fmt fmt = a->fmt; /* locals: stores to q and scales may alias *a */
   const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8, pow2 = a->pow2_scale;
@@ -115,9 +124,9 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
       scales[b0 + k] = s[k];
     }
     size_t done = 0; /* of each unit, by the lane encoder: the batch's units in one call */
-    if (lanes && g >= 64)
-      done = moe_cpu_encode_scaled_avx512((const char *)x + b0 * g * (xt == MOE_F32 ? 4 : 2), xt, nb, g, s, r,
-                                          exact, int8, &fmt, (uint8_t *)q + b0 * g);
+    if (lanes)
+      done = lanes((const char *)x + b0 * g * (xt == MOE_F32 ? 4 : 2), xt, nb, g, s, r, exact, int8, &fmt,
+                   (uint8_t *)q + b0 * g);
     if (done == g) continue;
     if (done)
       for (size_t k = 0; k < nb; k++)
@@ -135,7 +144,8 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
 }
 
 MOE_CPU_HOT static void quant_units(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
-                                    const moe_scaled_args *a, bool lanes, float *scales, void *q) {
+                                    const moe_scaled_args *a, moe_cpu_scaled_lanes lanes, float *scales,
+                                    void *q) {
   switch (xt) {
   case MOE_F16: quant_units_dtype(x, MOE_F16, u0, u1, g, a, lanes, scales, q); break;
   case MOE_BF16: quant_units_dtype(x, MOE_BF16, u0, u1, g, a, lanes, scales, q); break;
@@ -153,7 +163,7 @@ moe_status moe_cpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_error *err)
   long chunks = (long)((n + CHUNK - 1) / CHUNK);
   int threads = moe_cpu_threads_for(b, n);
   float s = a->static_scale;
-  const bool lanes = moe_cpu_quant_isa() >= MOE_CPU_ISA_AVX512_VBMI;
+  const moe_cpu_scaled_lanes lanes = scaled_lanes();
   if (!a->has_static_scale) {
     float amax = 0.0f; /* max is exact, so the reduction order cannot matter */
 #pragma omp parallel for num_threads(threads) reduction(max : amax) schedule(static)
@@ -186,7 +196,7 @@ moe_status moe_cpu_quant_grouped(moe_backend *b, moe_call *c, moe_error *err) {
   const size_t per = g >= CHUNK ? 1 : CHUNK / g;
   const long items = (long)((units + per - 1) / per);
   float *scales = c->out[1].tensor.data;
-  const bool lanes = moe_cpu_quant_isa() >= MOE_CPU_ISA_AVX512_VBMI;
+  const moe_cpu_scaled_lanes lanes = scaled_lanes();
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long it = 0; it < items; it++) {
     const size_t u0 = (size_t)it * per, u1 = u0 + per < units ? u0 + per : units;
@@ -201,7 +211,7 @@ float moe_cpu_fp8_quant_group(float *v, size_t n, float static_scale, bool exact
       .qdtype = MOE_FP8_E4M3FN, .fmt = MOE_FMT_E4M3FN, .dtype_max = 448.0f, .exact_division = exact_division};
   const float s =
       static_scale > 0.0f ? static_scale : moe_dynamic_scale(amax_of(v, MOE_F32, 0, n), 448.0f, false);
-  const bool lanes = moe_cpu_quant_isa() >= MOE_CPU_ISA_AVX512_VBMI;
+  const moe_cpu_scaled_lanes lanes = scaled_lanes();
   uint8_t q[TILE];
   for (size_t i0 = 0; i0 < n; i0 += TILE) {
     const size_t m = n - i0 < TILE ? n - i0 : TILE;
