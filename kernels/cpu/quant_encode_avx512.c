@@ -101,6 +101,9 @@ VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units,
       const __m512 mul = _mm512_set1_ps(exact ? s[u] : r[u]);
       __m512 v[4];
       __m512i sign = _mm512_setzero_si512(), c[4];
+      const size_t es = xt == MOE_F32 ? 4 : 2;
+      for (size_t l = 0; l < 64 * es; l += 64) /* the input a page ahead (cpu.h MOE_CPU_PREFETCH) */
+        _mm_prefetch((const char *)x + i * es + l + MOE_CPU_PREFETCH, _MM_HINT_T0);
       load64(x, xt, i, fp8, L, v, &sign);
       for (int k = 0; k < 4; k++)
         c[k] = code16(v[k], mul, out, exact, L);
