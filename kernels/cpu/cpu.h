@@ -63,17 +63,18 @@ void moe_cpu_set_reference_kernels(bool on);
  * unit u's codes q[i] = cvt(x[i] * r[u]), or cvt(x[i] / s[u]) when `exact`,
  * to int8 or to fp8 `fmt` (e4m3fn, e4m3fnuz), for the leading multiple of 64
  * (AVX-512, quant_encode_avx512.c; needs MOE_CPU_ISA_AVX512_VBMI) or 32
- * (AVX2, quant_encode_avx2.c) of each unit. Return that count per unit (0 for
- * a format they do not encode); the caller's C loop takes the rest. */
+ * (AVX2, quant_encode_avx2.c) of each unit, prefetching the input `ahead`
+ * bytes ahead. Return that count per unit (0 for a format they do not
+ * encode); the caller's C loop takes the rest. */
 typedef size_t (*moe_cpu_scaled_lanes)(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                        const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
-                                       uint8_t *q);
+                                       size_t ahead, uint8_t *q);
 size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                     const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
-                                    uint8_t *q);
+                                    size_t ahead, uint8_t *q);
 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                   const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
-                                  uint8_t *q);
+                                  size_t ahead, uint8_t *q);
 
 /* fused_moe's fp8 activations (docs/numerics.md "Weight scheme fp8"): the
  * n fp32 values v are quantized to e4m3fn as quant.per_token_group does one

@@ -73,7 +73,8 @@ VAVX2 ALWAYS_INLINE __m256i code8(__m256 v, __m256 mul, int out, bool exact, con
 /* Units [0, units) of g elements, unit u scaled by s[u] (exact) or r[u]:
  * the leading multiple of 32 of each. */
 VAVX2 ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
-                                       const float *r, int out, bool exact, const lanes *L, uint8_t *q) {
+                                       const float *r, int out, bool exact, const lanes *L, size_t ahead,
+                                       uint8_t *q) {
   const bool fp8 = out != OUT_INT8;
   const size_t n = g / 32 * 32;
   for (size_t u = 0; u < units; u++) {
@@ -82,8 +83,8 @@ VAVX2 ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units
       __m256 v[4];
       __m256i sign = _mm256_setzero_si256(), c[4];
       const size_t es = xt == MOE_F32 ? 4 : 2;
-      for (size_t l = 0; l < 32 * es; l += 64) /* the input a page ahead (cpu.h MOE_CPU_PREFETCH) */
-        _mm_prefetch((const char *)x + i * es + l + MOE_CPU_PREFETCH, _MM_HINT_T0);
+      for (size_t l = 0; l < 32 * es; l += 64) /* the input `ahead` bytes ahead */
+        _mm_prefetch((const char *)x + i * es + l + ahead, _MM_HINT_T0);
       load32(x, xt, i, fp8, v, &sign);
       for (int k = 0; k < 4; k++)
         c[k] = code8(v[k], mul, out, exact, L);
@@ -105,7 +106,7 @@ VAVX2 ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units
 
 VAVX2 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                         const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
-                                        uint8_t *q) {
+                                        size_t ahead, uint8_t *q) {
   lanes L;
   int out = OUT_INT8;
   if (int8) {
@@ -123,9 +124,9 @@ VAVX2 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t unit
   /* one straight loop per (input dtype, output kind); the division mode is a branch it hoists */
 #define ENCODE_OUT(XT)                                                                                       \
   switch (out) {                                                                                             \
-  case OUT_INT8: return encode_loop(x, XT, units, g, s, r, OUT_INT8, exact, &L, q);                          \
-  case OUT_FP8_NEG_ZERO: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NEG_ZERO, exact, &L, q);          \
-  default: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NO_NEG_ZERO, exact, &L, q);                     \
+  case OUT_INT8: return encode_loop(x, XT, units, g, s, r, OUT_INT8, exact, &L, ahead, q);                   \
+  case OUT_FP8_NEG_ZERO: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NEG_ZERO, exact, &L, ahead, q);   \
+  default: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NO_NEG_ZERO, exact, &L, ahead, q);              \
   }
   switch (xt) {
   case MOE_BF16: ENCODE_OUT(MOE_BF16);

@@ -93,7 +93,8 @@ VBMI ALWAYS_INLINE __m512i code16(__m512 v, __m512 mul, int out, bool exact, con
 /* Units [0, units) of g elements, unit u scaled by s[u] (exact) or r[u]:
  * the leading multiple of 64 of each. */
 VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
-                                      const float *r, int out, bool exact, const lanes *L, uint8_t *q) {
+                                      const float *r, int out, bool exact, const lanes *L, size_t ahead,
+                                      uint8_t *q) {
   const bool fp8 = out != OUT_INT8;
   const size_t n = g / 64 * 64;
   for (size_t u = 0; u < units; u++)
@@ -102,8 +103,8 @@ VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units,
       __m512 v[4];
       __m512i sign = _mm512_setzero_si512(), c[4];
       const size_t es = xt == MOE_F32 ? 4 : 2;
-      for (size_t l = 0; l < 64 * es; l += 64) /* the input a page ahead (cpu.h MOE_CPU_PREFETCH) */
-        _mm_prefetch((const char *)x + i * es + l + MOE_CPU_PREFETCH, _MM_HINT_T0);
+      for (size_t l = 0; l < 64 * es; l += 64) /* the input `ahead` bytes ahead */
+        _mm_prefetch((const char *)x + i * es + l + ahead, _MM_HINT_T0);
       load64(x, xt, i, fp8, L, v, &sign);
       for (int k = 0; k < 4; k++)
         c[k] = code16(v[k], mul, out, exact, L);
@@ -144,7 +145,7 @@ static const uint8_t sign_idx[64] = {
 
 VBMI size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                          const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
-                                         uint8_t *q) {
+                                         size_t ahead, uint8_t *q) {
   lanes L;
   int out = OUT_INT8;
   if (int8) {
@@ -164,9 +165,9 @@ VBMI size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t uni
   /* one straight loop per (input dtype, output kind); the division mode is a branch it hoists */
 #define ENCODE_OUT(XT)                                                                                       \
   switch (out) {                                                                                             \
-  case OUT_INT8: return encode_loop(x, XT, units, g, s, r, OUT_INT8, exact, &L, q);                          \
-  case OUT_FP8_NEG_ZERO: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NEG_ZERO, exact, &L, q);          \
-  default: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NO_NEG_ZERO, exact, &L, q);                     \
+  case OUT_INT8: return encode_loop(x, XT, units, g, s, r, OUT_INT8, exact, &L, ahead, q);                   \
+  case OUT_FP8_NEG_ZERO: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NEG_ZERO, exact, &L, ahead, q);   \
+  default: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NO_NEG_ZERO, exact, &L, ahead, q);              \
   }
   switch (xt) {
   case MOE_BF16: ENCODE_OUT(MOE_BF16);

@@ -105,7 +105,7 @@ MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t
   const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8;
   if (lanes)
     begin += lanes((const char *)x + begin * (xt == MOE_F32 ? 4 : 2), xt, 1, end - begin, &s, &r, exact, int8,
-                   &fmt, (uint8_t *)q + begin);
+                   &fmt, MOE_CPU_PREFETCH, (uint8_t *)q + begin);
   switch (xt) {
   case MOE_F16: encode_dtype(x, MOE_F16, begin, end, s, r, exact, int8, &fmt, q); break;
   case MOE_BF16: encode_dtype(x, MOE_BF16, begin, end, s, r, exact, int8, &fmt, q); break;
@@ -141,8 +141,10 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
     }
     size_t done = 0; /* of each unit, by the lane encoder: the batch's units in one call */
     if (lanes)
+      /* prefetching the next batch, which the next amax pass reads: the memory
+       * stays busy while this batch, already in cache, is encoded */
       done = lanes((const char *)x + b0 * g * (xt == MOE_F32 ? 4 : 2), xt, nb, g, s, r, exact, int8, &fmt,
-                   (uint8_t *)q + b0 * g);
+                   nb * g * (xt == MOE_F32 ? 4 : 2), (uint8_t *)q + b0 * g);
     if (done == g) continue;
     if (done)
       for (size_t k = 0; k < nb; k++)
