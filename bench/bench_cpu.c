@@ -7,12 +7,15 @@
  * machine the fastest is the least disturbed).
  *
  *   moe-bench-cpu [--quick] [--quant-only] [--fused-only] [--tokens 1,16,256] [--threads N] [--reference]
- *                 [--in-cache]
+ *                 [--in-cache] [--mib 64,1024] [--isa c|avx2|avx512|avx512vbmi]
  *
  * --reference runs fused_moe through the CPU backend's reference kernels
  * (the element-wise path the vector decoders replace): old and new in one
  * binary. --in-cache adds the quant ops in cache (implies --quant-only): the
  * compute per element, the figure to tune them by (run it with --threads 1).
+ * --mib: the quant table's input sizes (default 64; this VM's L3 is 480 MiB,
+ * so 1024 is the one out of every cache). --isa caps the quant ops' lane code
+ * (moe_cpu_set_isa_cap): each lower path timed on this machine.
  */
 #include <getopt.h>
 #include <omp.h>
@@ -424,9 +427,21 @@ static int parse_tokens(const char *s, int *tokens, int max) {
   return n;
 }
 
+static bool parse_isa(const char *s, moe_cpu_isa *isa) {
+  static const char *const names[] = {"c", "avx2", "avx512", "avx512vbmi"};
+  for (int i = 0; i < 4; i++)
+    if (strcmp(s, names[i]) == 0) {
+      *isa = (moe_cpu_isa)i;
+      return true;
+    }
+  return false;
+}
+
 int main(int argc, char **argv) {
   int threads = 0, quick = 0, quant_only = 0, fused_only = 0, reference = 0, in_cache = 0;
   int toks[8] = {1, 16, 256}, nt = 3;
+  int mibs[8] = {64}, nm = 1;
+  moe_cpu_isa isa = MOE_CPU_ISA_AVX512_VBMI;
   static const struct option opts[] = {{"threads", required_argument, 0, 't'},
                                        {"quick", no_argument, 0, 'q'},
                                        {"quant-only", no_argument, 0, 'Q'},
@@ -434,9 +449,11 @@ int main(int argc, char **argv) {
                                        {"tokens", required_argument, 0, 'T'},
                                        {"reference", no_argument, 0, 'R'},
                                        {"in-cache", no_argument, 0, 'C'},
+                                       {"mib", required_argument, 0, 'M'},
+                                       {"isa", required_argument, 0, 'I'},
                                        {"help", no_argument, 0, 'h'},
                                        {0, 0, 0, 0}};
-  for (int ch; (ch = getopt_long(argc, argv, "t:qQFT:RCh", opts, NULL)) != -1;) {
+  for (int ch; (ch = getopt_long(argc, argv, "t:qQFT:RCM:I:h", opts, NULL)) != -1;) {
     if (ch == 't')
       threads = atoi(optarg);
     else if (ch == 'q')
@@ -451,15 +468,20 @@ int main(int argc, char **argv) {
       in_cache = quant_only = 1;
     else if (ch == 'T' && (nt = parse_tokens(optarg, toks, 8)) > 0)
       continue;
+    else if (ch == 'M' && (nm = parse_tokens(optarg, mibs, 8)) > 0)
+      continue;
+    else if (ch == 'I' && parse_isa(optarg, &isa))
+      continue;
     else {
       printf("usage: %s [--threads N] [--quick] [--quant-only] [--fused-only] [--tokens 1,16,256] "
-             "[--reference] [--in-cache]\n",
+             "[--reference] [--in-cache] [--mib 64,1024] [--isa c|avx2|avx512|avx512vbmi]\n",
              argv[0]);
       return ch == 'h' ? 0 : 2;
     }
   }
   if (quick && nt > 2) nt = 2;
   moe_cpu_set_reference_kernels(reference);
+  moe_cpu_set_isa_cap(isa);
   moe_backend *b;
   moe_error err;
   if (moe_backend_open(MOE_BACKEND_HOST, threads, &b, &err)) return 1;
@@ -472,11 +494,13 @@ int main(int argc, char **argv) {
   if (!quant_only && gemm > 0.0)
     printf("; OpenBLAS sgemm [2048]^3 on %d threads: %.1f GFLOP/s", nthreads, gemm);
   if (!quant_only && gemm <= 0.0) printf("; no OpenBLAS in this build: %% of sgemm reads inf");
-  printf("%s\n\n", reference ? "; fused_moe: reference kernels" : "");
+  printf("%s; quant lane code: %s\n\n", reference ? "; fused_moe: reference kernels" : "",
+         (const char *[]){"C", "AVX2", "AVX-512", "AVX-512 VBMI"}[moe_cpu_quant_isa()]);
   if (!fused_only) {
     printf("| op | input | median | GB/s | %% of memcpy | fastest | %% of memcpy (fastest) |\n"
            "|---|---|---|---|---|---|---|\n");
-    bench_quant(b, ceiling, 64);
+    for (int i = 0; i < nm; i++)
+      bench_quant(b, ceiling, (size_t)mibs[i]);
   }
   if (in_cache) {
     printf("\n");

@@ -25,18 +25,37 @@ int moe_cpu_threads_for(const moe_backend *b, size_t elements) {
 }
 
 static _Atomic bool reference_kernels;
+static _Atomic int isa_cap = MOE_CPU_ISA_AVX512_VBMI;
 
 void moe_cpu_set_reference_kernels(bool on) { atomic_store(&reference_kernels, on); }
 
-bool moe_cpu_vector_kernels(void) {
-  static _Atomic int avx512 = -1; /* the CPU's answer; threads that ask at once all get the same */
-  int has = atomic_load_explicit(&avx512, memory_order_relaxed);
+void moe_cpu_set_isa_cap(moe_cpu_isa cap) { atomic_store(&isa_cap, (int)cap); }
+
+static moe_cpu_isa cpu_isa(void) {
+  static _Atomic int isa = -1; /* the CPU's answer; threads that ask at once all get the same */
+  int has = atomic_load_explicit(&isa, memory_order_relaxed);
   if (has < 0) {
-    has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-    atomic_store_explicit(&avx512, has, memory_order_relaxed);
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    const bool avx2 =
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    has = avx512 && __builtin_cpu_supports("avx512vbmi") ? MOE_CPU_ISA_AVX512_VBMI
+          : avx512                                       ? MOE_CPU_ISA_AVX512
+          : avx2                                         ? MOE_CPU_ISA_AVX2
+                                                         : MOE_CPU_ISA_C;
+    atomic_store_explicit(&isa, has, memory_order_relaxed);
   }
-  return has && !atomic_load(&reference_kernels);
+  return (moe_cpu_isa)has;
+}
+
+moe_cpu_isa moe_cpu_quant_isa(void) {
+  if (atomic_load(&reference_kernels)) return MOE_CPU_ISA_C;
+  const moe_cpu_isa has = cpu_isa(), cap = (moe_cpu_isa)atomic_load(&isa_cap);
+  return has < cap ? has : cap;
+}
+
+bool moe_cpu_vector_kernels(void) {
+  return cpu_isa() >= MOE_CPU_ISA_AVX512 && !atomic_load(&reference_kernels);
 }
 
 void *moe_cpu_workspace(moe_backend *b, size_t bytes) {

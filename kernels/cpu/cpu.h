@@ -6,6 +6,8 @@
 #include <stddef.h>
 
 #include "moe/backend.h"
+#include "moe/codec.h"
+#include "moe/tensor.h"
 
 /* Hot loops are compiled three times, for x86-64-v4 (AVX-512), AVX2 and the
  * x86-64 baseline, and the loader picks one (GNU ifunc): same source, same
@@ -31,11 +33,48 @@ void *moe_cpu_workspace(moe_backend *b, size_t bytes);
 /* Whether fused_moe takes the formats' AVX-512 members (weight_format.h):
  * the CPU has AVX-512 and the reference kernels are not asked for. */
 bool moe_cpu_vector_kernels(void);
+/* The instruction sets the quant ops' hand-written lane code may use, in
+ * order: each level includes the ones below it. */
+typedef enum moe_cpu_isa {
+  MOE_CPU_ISA_C = 0,       /* the C loops (compiled as target_clones) */
+  MOE_CPU_ISA_AVX2,        /* AVX2 + FMA + F16C */
+  MOE_CPU_ISA_AVX512,      /* AVX-512 F/BW/DQ/VL */
+  MOE_CPU_ISA_AVX512_VBMI, /* ... and VBMI's byte permutes */
+} moe_cpu_isa;
+/* The level the quant ops take: the CPU's, capped by moe_cpu_set_isa_cap;
+ * MOE_CPU_ISA_C while the reference kernels are asked for. */
+moe_cpu_isa moe_cpu_quant_isa(void);
+/* Tests: the highest level the quant ops may take (process-wide, read once
+ * per call), so that each lower path runs on a machine that has the higher
+ * ones. MOE_CPU_ISA_AVX512_VBMI (the default) caps nothing. */
+void moe_cpu_set_isa_cap(moe_cpu_isa cap);
 /* Tests: true makes fused_moe take its reference kernels (weights
  * dequantized element by element into a strip, every dot product read from
  * the strip: the code the vector members must equal byte for byte);
  * process-wide, read once per call. */
 void moe_cpu_set_reference_kernels(bool on);
+
+/* How far ahead (bytes) the quant ops' lane code prefetches its input: a page,
+ * since the hardware prefetchers stop at 4 KiB boundaries. On the Intel VM at
+ * 1 GiB (past the L3) it took static fp8 from 148 to 108 ms (bench/RESULTS.md). */
+#define MOE_CPU_PREFETCH 4096
+
+/* The scaled quant ops' codes in SIMD lanes: `units` runs of g elements,
+ * unit u's codes q[i] = cvt(x[i] * r[u]), or cvt(x[i] / s[u]) when `exact`,
+ * to int8 or to fp8 `fmt` (e4m3fn, e4m3fnuz), for the leading multiple of 64
+ * (AVX-512, quant_encode_avx512.c; needs MOE_CPU_ISA_AVX512_VBMI) or 32
+ * (AVX2, quant_encode_avx2.c) of each unit, prefetching the input `ahead`
+ * bytes ahead. Return that count per unit (0 for a format they do not
+ * encode); the caller's C loop takes the rest. */
+typedef size_t (*moe_cpu_scaled_lanes)(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
+                                       const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
+                                       size_t ahead, uint8_t *q);
+size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
+                                    const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
+                                    size_t ahead, uint8_t *q);
+size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
+                                  const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
+                                  size_t ahead, uint8_t *q);
 
 /* fused_moe's fp8 activations (docs/numerics.md "Weight scheme fp8"): the
  * n fp32 values v are quantized to e4m3fn as quant.per_token_group does one

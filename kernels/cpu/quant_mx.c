@@ -2,7 +2,7 @@
  * tiles of 16 blocks of 32 elements, dequant a block at a time through a
  * table of the codes' values; blocks are
  * independent, so any thread split gives the same bits. Where the CPU has
- * AVX-512 (moe_cpu_vector_kernels), a tile of fp16/bf16 input is
+ * AVX-512 or AVX2 (moe_cpu_quant_isa), a tile of fp16/bf16 input is
  * quantized by intrinsics (amaxes, scales, codes); fp32 input, other CPUs
  * and the reference switch take the C below. */
 #include <immintrin.h>
@@ -10,6 +10,8 @@
 
 #include "../ops/op.h"
 #include "cpu.h"
+#include "narrow_lanes_avx2.h"
+#include "narrow_lanes_avx512.h"
 
 #define BLOCK 32
 #define GROUP 512 /* blocks per OpenMP work item */
@@ -20,15 +22,15 @@
 /* ---- the front of a tile of fp16/bf16 input in AVX-512 -------------------------------- */
 /* GCC vectorizes the per-block C loops below across the blocks (strided
  * accesses) rather than along them; here a block of 32 16-bit values is one
- * register. The amax: a 16-bit max of |h| reduced in the register (|h| orders
- * like the values, and widening keeps the order and the NaN/inf flag, so it
- * is the C path's fp32 amax); the scales of the tile's 16 blocks in one
- * register; then each block widened (a shift for bf16, vcvtph2ps for fp16:
- * exact, as moe_f16_to_f32 but for NaN payloads, whose blocks are zeroed
- * anyway), multiplied, encoded and packed without a pass through memory.
- * test_quant_ops compares the bytes with the C path on every fp16/bf16
- * pattern. In cache, one thread, bf16 in: mxfp8 0.35 -> 0.29-0.31 ns per
- * element (bench/RESULTS.md). */
+ * register. The amax: a 16-bit max of |h| (|h| orders like the values, and
+ * widening keeps the order and the NaN/inf flag, so it is the C path's fp32
+ * amax), the tile's 16 blocks reduced together; the scales of the 16 blocks
+ * in one register; then each block widened (a shift for bf16, vcvtph2ps for
+ * fp16: exact, as moe_f16_to_f32 but for NaN payloads, whose blocks are
+ * zeroed anyway), multiplied, encoded and packed without a pass through
+ * memory. test_quant_ops compares the bytes with the C path on every
+ * fp16/bf16 pattern. In cache, one thread, bf16 in: mxfp8 0.35 -> 0.163 ns
+ * per element over three passes (bench/RESULTS.md). */
 #define V512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c")))
 
 /* moe_mx_scale of the tile's finite amaxes in the lanes (the same integer
@@ -71,50 +73,58 @@ V512 static bool tile_scales_avx512(const uint32_t *amax, size_t nb, moe_mx_rule
   return nf != 0;
 }
 
-V512 static void tile_amax_avx512(const uint16_t *h, bool bf16, size_t nb, uint32_t *amax) {
-  const __m512i abs_mask = _mm512_set1_epi16(0x7FFF);
-  for (size_t b = 0; b < nb; b++) {
-    const __m512i m = _mm512_and_si512(_mm512_loadu_si512(h + b * BLOCK), abs_mask);
-    const __m256i m16 = _mm256_max_epu16(_mm512_castsi512_si256(m), _mm512_extracti64x4_epi64(m, 1));
-    __m128i m8 = _mm_max_epu16(_mm256_castsi256_si128(m16), _mm256_extracti128_si256(m16, 1));
-    m8 = _mm_max_epu16(m8, _mm_shuffle_epi32(m8, 0x4E));
-    m8 = _mm_max_epu16(m8, _mm_shuffle_epi32(m8, 0xB1));
-    m8 = _mm_max_epu16(m8, _mm_srli_epi32(m8, 16));
-    const uint16_t top = (uint16_t)_mm_cvtsi128_si32(m8);
-    amax[b] = bf16 ? (uint32_t)top << 16 : moe_f32_bits(moe_f16_to_f32(top));
-  }
+/* The block amax's fp32 bits from the 16-bit maxes of |h| in the 16 lanes of
+ * m16 (the AVX-512 and the AVX2 front share it). */
+__attribute__((target("avx2"), always_inline)) static inline uint32_t block_amax_bits(__m256i m16,
+                                                                                      bool bf16) {
+  __m128i m8 = _mm_max_epu16(_mm256_castsi256_si128(m16), _mm256_extracti128_si256(m16, 1));
+  m8 = _mm_max_epu16(m8, _mm_shuffle_epi32(m8, 0x4E));
+  m8 = _mm_max_epu16(m8, _mm_shuffle_epi32(m8, 0xB1));
+  m8 = _mm_max_epu16(m8, _mm_srli_epi32(m8, 16));
+  const uint16_t top = (uint16_t)_mm_cvtsi128_si32(m8);
+  return bf16 ? (uint32_t)top << 16 : moe_f32_bits(moe_f16_to_f32(top));
 }
 
-/* moe_f32_to_narrow (codec.h) in the lanes: the same integer and IEEE steps,
- * the selects as masks. */
-V512 static inline __attribute__((always_inline)) __m512i narrow_avx512(__m512 f, const moe_narrow_fmt *fmt,
-                                                                        bool half_up) {
-  const int s = 23 - fmt->mbits;
-  const __m512i min_exp = _mm512_set1_epi32((128 - fmt->bias) << 23);
-  const __m512i max_exp = _mm512_set1_epi32((127 + fmt->emax) << 23);
-  const __m512i u = _mm512_castps_si512(f);
-  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-  __m512i e = _mm512_and_si512(a, _mm512_set1_epi32(0x7F800000));
-  e = _mm512_min_epu32(_mm512_max_epu32(e, min_exp), max_exp);
-  const __m512i m = _mm512_add_epi32(e, _mm512_set1_epi32(s << 23));
-  const __m512i ah = half_up ? _mm512_or_si512(a, _mm512_set1_epi32(1)) : a;
-  const __m512i t = _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(ah), _mm512_castsi512_ps(m)));
-  __m512i mag = _mm512_add_epi32(_mm512_sub_epi32(t, m),
-                                 _mm512_srl_epi32(_mm512_sub_epi32(e, min_exp), _mm_cvtsi32_si128(s)));
-  mag = _mm512_min_epu32(mag, _mm512_set1_epi32(fmt->max_mag));
-  __m512i sign = _mm512_sll_epi32(_mm512_srli_epi32(u, 31), _mm_cvtsi32_si128(fmt->bits - 1));
-  if (!fmt->neg_zero) sign = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(mag, mag), sign);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
-  return _mm512_mask_mov_epi32(_mm512_or_si512(sign, mag), nan,
-                               _mm512_set1_epi32(fmt->nan_code < 0 ? 0 : fmt->nan_code));
+/* The tile's 16 block amaxes by a tree of vertical maxes that halves each
+ * block's lanes while it merges the registers: 256-bit halves, 128-bit
+ * quarters (vshufi64x2), 64-bit (vpunpck*qdq), 32-bit (vshufps) and the two
+ * words of a dword, about 4 ops per block instead of a reduction of its own
+ * register (~13); the blocks end up in dword lanes 4k + j = block k + 4j,
+ * which one vpermd puts in order. Blocks past nb are zeros. */
+V512 static void tile_amax_avx512(const uint16_t *h, bool bf16, size_t nb, uint32_t *amax) {
+  const __m512i abs_mask = _mm512_set1_epi16(0x7FFF);
+  __m512i r[TILE];
+  for (size_t b = 0; b < TILE; b++) {
+    _mm_prefetch((const char *)(h + b * BLOCK) + MOE_CPU_PREFETCH, _MM_HINT_T0); /* cpu.h */
+    r[b] = b < nb ? _mm512_and_si512(_mm512_loadu_si512(h + b * BLOCK), abs_mask) : _mm512_setzero_si512();
+  }
+  for (size_t b = 0; b < TILE; b += 2) /* [block b, block b + 1], 16 words each */
+    r[b / 2] = _mm512_max_epu16(_mm512_shuffle_i64x2(r[b], r[b + 1], 0x44),
+                                _mm512_shuffle_i64x2(r[b], r[b + 1], 0xEE));
+  for (size_t b = 0; b < TILE / 2; b += 2) /* blocks 4i .. 4i + 3 in the 128-bit lanes, 8 words each */
+    r[b / 2] = _mm512_max_epu16(_mm512_shuffle_i64x2(r[b], r[b + 1], 0x88),
+                                _mm512_shuffle_i64x2(r[b], r[b + 1], 0xDD));
+  for (size_t b = 0; b < TILE / 4; b += 2) /* lane k: blocks 8i + k, 8i + k + 4, 4 words each */
+    r[b / 2] = _mm512_max_epu16(_mm512_unpacklo_epi64(r[b], r[b + 1]), _mm512_unpackhi_epi64(r[b], r[b + 1]));
+  const __m512 g = _mm512_castsi512_ps(r[0]), hh = _mm512_castsi512_ps(r[1]);
+  __m512i m = _mm512_max_epu16(_mm512_castps_si512(_mm512_shuffle_ps(g, hh, _MM_SHUFFLE(2, 0, 2, 0))),
+                               _mm512_castps_si512(_mm512_shuffle_ps(g, hh, _MM_SHUFFLE(3, 1, 3, 1))));
+  m = _mm512_max_epu16(m, _mm512_srli_epi32(m, 16)); /* the block's max in the dword's low word */
+  m = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), m);
+  const __m512i bits = bf16 ? _mm512_slli_epi32(m, 16)
+                            : _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(m))); /* exact */
+  _mm512_storeu_si512(amax, bits);
 }
 
 /* The tile's codes straight from x: widened, times the block's factor,
- * encoded and packed in registers (fp8: vpmovdb; fp4: the byte pairs of a
- * 16-bit lane folded by a shift, then vpmovwb). */
+ * the magnitude by one rounding add (narrow_lanes_avx512.h), the sign merged
+ * by one vpternlogd, packed in registers (fp8: vpmovdb; fp4: the byte pairs
+ * of a 16-bit lane folded by a shift, then vpmovwb). */
 V512 static void tile_encode_avx512(const uint16_t *h, bool bf16, size_t nb, const float *mult,
                                     const moe_narrow_fmt *fmt, bool half_up, bool fp4, uint8_t *q) {
-  const moe_narrow_fmt f = *fmt; /* a local: the stores to q may alias *fmt */
+  const narrow_lanes L = narrow_lanes_of(fmt); /* a local: the stores to q may alias *fmt */
+  const __m128i sign_shift = _mm_cvtsi32_si128(32 - fmt->bits);
+  const __m512i sign_bit = _mm512_set1_epi32(1 << (fmt->bits - 1));
   for (size_t b = 0; b < nb; b++) {
     const __m512 sc = _mm512_set1_ps(mult[b]);
     __m128i c[2];
@@ -122,7 +132,12 @@ V512 static void tile_encode_avx512(const uint16_t *h, bool bf16, size_t nb, con
       const __m256i x = _mm256_loadu_si256((const __m256i *)(h + b * BLOCK + 16 * k));
       const __m512 v =
           bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)) : _mm512_cvtph_ps(x);
-      c[k] = _mm512_cvtepi32_epi8(narrow_avx512(_mm512_mul_ps(v, sc), &f, half_up));
+      const __m512i y = _mm512_castps_si512(_mm512_mul_ps(v, sc));
+      const __m512i mag = narrow_lanes_mag(
+          _mm512_castsi512_ps(_mm512_and_si512(y, _mm512_set1_epi32(0x7FFFFFFF))), &L, half_up, false);
+      /* mag | (the sign moved to the code's top bit); the bits above the low byte do not matter */
+      c[k] = _mm512_cvtepi32_epi8(
+          _mm512_ternarylogic_epi32(mag, _mm512_srl_epi32(y, sign_shift), sign_bit, 0xF8));
     }
     if (fp4) {
       const __m256i w = _mm256_inserti128_si256(_mm256_castsi128_si256(c[0]), c[1], 1);
@@ -135,21 +150,75 @@ V512 static void tile_encode_avx512(const uint16_t *h, bool bf16, size_t nb, con
   }
 }
 
+/* ---- the front of a tile of fp16/bf16 input in AVX2 ------------------------------------ */
+/* For CPUs without AVX-512: the amaxes as above in two 256-bit halves, the
+ * scales by the C code (moe_mx_scale), the codes below. test_quant_ops runs
+ * it against the C path (moe_cpu_set_isa_cap) on every fp16/bf16 pattern. */
+#define VAVX2 __attribute__((target("avx2,f16c")))
+
+VAVX2 static void tile_amax_avx2(const uint16_t *h, bool bf16, size_t nb, uint32_t *amax) {
+  const __m256i abs_mask = _mm256_set1_epi16(0x7FFF);
+  for (size_t b = 0; b < nb; b++) {
+    _mm_prefetch((const char *)(h + b * BLOCK) + MOE_CPU_PREFETCH, _MM_HINT_T0); /* cpu.h */
+    const __m256i lo = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(h + b * BLOCK)), abs_mask);
+    const __m256i hi = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(h + b * BLOCK + 16)), abs_mask);
+    amax[b] = block_amax_bits(_mm256_max_epu16(lo, hi), bf16);
+  }
+}
+
+/* The tile's codes: the rounding add with its addend computed
+ * (narrow_lanes_avx2.h), the magnitudes' low bytes packed, the signs packed
+ * from the inputs' high bytes and or-ed in (every MX format keeps -0;
+ * NaN/inf blocks are zeroed after). */
+VAVX2 static void tile_encode_avx2(const uint16_t *h, bool bf16, size_t nb, const float *mult,
+                                   const moe_narrow_fmt *fmt, bool half_up, bool fp4, uint8_t *q) {
+  const narrow_avx2 L = narrow_avx2_of(fmt); /* a local: the stores to q may alias *fmt */
+  /* the sign: bit 15 of the input to the code's top bit */
+  const int sign_shift = fp4 ? 12 : 8;
+  const __m256i sign_bit = _mm256_set1_epi8((char)(fp4 ? 0x08 : 0x80));
+  for (size_t b = 0; b < nb; b++) {
+    const uint16_t *hb = h + b * BLOCK;
+    const __m256 sc = _mm256_set1_ps(mult[b]);
+    __m256i c[4];
+    for (size_t k = 0; k < 4; k++) {
+      const __m128i x = _mm_loadu_si128((const __m128i *)(hb + 8 * k));
+      const __m256 v =
+          bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)) : _mm256_cvtph_ps(x);
+      const __m256i a =
+          _mm256_and_si256(_mm256_castps_si256(_mm256_mul_ps(v, sc)), _mm256_set1_epi32(0x7FFFFFFF));
+      c[k] = narrow_avx2_mag(_mm256_castsi256_ps(a), &L, half_up, false);
+    }
+    const __m256i sign = narrow_avx2_high_bytes(_mm256_loadu_si256((const __m256i *)hb),
+                                                _mm256_loadu_si256((const __m256i *)(hb + 16)), sign_shift);
+    const __m256i bytes = _mm256_or_si256(narrow_avx2_pack(c), _mm256_and_si256(sign, sign_bit));
+    if (fp4) { /* the pair of codes in a 16-bit lane folded into its low byte, then the low bytes */
+      const __m256i w =
+          _mm256_and_si256(_mm256_or_si256(bytes, _mm256_srli_epi16(bytes, 4)), _mm256_set1_epi16(0xFF));
+      const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);
+      _mm_storeu_si128((__m128i *)(q + b * (BLOCK / 2)), _mm256_castsi256_si128(p));
+    } else {
+      _mm256_storeu_si256((__m256i *)(q + b * BLOCK), bytes);
+    }
+  }
+}
+
 /* Quantizes blocks [b0, b0 + nb), nb <= TILE, in passes over an L1-resident
  * tile so that each loop is long, straight and vectorizes: widen x, the
  * blocks' amax (an integer max of |x| bits: orders like the values and
  * flags NaN/inf as >= 0x7F800000), the scales (scalar, one per block), the
- * scaled elements, then one encode loop over the whole tile. `vec`: 16-bit
- * input through the AVX-512 functions above instead. */
+ * scaled elements, then one encode loop over the whole tile. `isa`: 16-bit
+ * input through the AVX-512 or the AVX2 functions above instead. */
 ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb, const moe_mx_args *a,
-                              const moe_narrow_fmt *fmt, bool vec, uint8_t *q, uint8_t *scales) {
+                              const moe_narrow_fmt *fmt, moe_cpu_isa isa, uint8_t *q, uint8_t *scales) {
   float v[TILE * BLOCK];
   uint32_t amax[TILE];
   float mult[TILE];
   const size_t n = nb * BLOCK, base = b0 * BLOCK;
   const uint16_t *h = (const uint16_t *)x + base;
-  if (vec) {
+  if (isa >= MOE_CPU_ISA_AVX512) {
     tile_amax_avx512(h, xt == MOE_BF16, nb, amax);
+  } else if (isa == MOE_CPU_ISA_AVX2) {
+    tile_amax_avx2(h, xt == MOE_BF16, nb, amax);
   } else {
     for (size_t i = 0; i < n; i++)
       v[i] = moe_load_float(x, xt, base + i);
@@ -163,7 +232,7 @@ ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb,
     }
   }
   bool non_finite = false;
-  if (vec)
+  if (isa >= MOE_CPU_ISA_AVX512)
     non_finite = tile_scales_avx512(amax, nb, a->rule, fmt, scales + b0, mult);
   else
     for (size_t b = 0; b < nb; b++) {
@@ -176,8 +245,12 @@ ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb,
       }
     }
   const bool half_up = a->half_up, fp4 = a->qdtype == MOE_FP4_E2M1;
-  if (vec) {
-    tile_encode_avx512(h, xt == MOE_BF16, nb, mult, fmt, half_up, fp4, q + b0 * (fp4 ? BLOCK / 2 : BLOCK));
+  if (isa != MOE_CPU_ISA_C) {
+    uint8_t *qb = q + b0 * (fp4 ? BLOCK / 2 : BLOCK);
+    if (isa >= MOE_CPU_ISA_AVX512)
+      tile_encode_avx512(h, xt == MOE_BF16, nb, mult, fmt, half_up, fp4, qb);
+    else
+      tile_encode_avx2(h, xt == MOE_BF16, nb, mult, fmt, half_up, fp4, qb);
     if (non_finite)
       for (size_t b = 0; b < nb; b++)
         if (scales[b0 + b] == 0xFF)
@@ -210,18 +283,17 @@ ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb,
 }
 
 /* Blocks [b0, b1). */
-MOE_CPU_HOT static void quant_blocks(const moe_tensor *x, const moe_mx_args *a, size_t b0, size_t b1,
-                                     uint8_t *q, uint8_t *scales) {
+MOE_CPU_HOT static void quant_blocks(const moe_tensor *x, const moe_mx_args *a, moe_cpu_isa isa, size_t b0,
+                                     size_t b1, uint8_t *q, uint8_t *scales) {
   /* a local copy: byte stores to q may alias *a, which would keep the
    * loops from vectorizing */
   const moe_narrow_fmt fmt = a->fmt;
-  const bool vec = x->dtype != MOE_F32 && moe_cpu_vector_kernels();
   for (size_t t = b0; t < b1; t += TILE) {
     const size_t nb = b1 - t < TILE ? b1 - t : TILE;
     switch (x->dtype) {
-    case MOE_F16: quant_tile(x->data, MOE_F16, t, nb, a, &fmt, vec, q, scales); break;
-    case MOE_BF16: quant_tile(x->data, MOE_BF16, t, nb, a, &fmt, vec, q, scales); break;
-    default: quant_tile(x->data, MOE_F32, t, nb, a, &fmt, false, q, scales); break;
+    case MOE_F16: quant_tile(x->data, MOE_F16, t, nb, a, &fmt, isa, q, scales); break;
+    case MOE_BF16: quant_tile(x->data, MOE_BF16, t, nb, a, &fmt, isa, q, scales); break;
+    default: quant_tile(x->data, MOE_F32, t, nb, a, &fmt, MOE_CPU_ISA_C, q, scales); break;
     }
   }
 }
@@ -234,10 +306,11 @@ moe_status moe_cpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err) {
   size_t blocks = n / BLOCK;
   long groups = (long)((blocks + GROUP - 1) / GROUP);
   uint8_t *q = c->out[0].tensor.data, *scales = c->out[1].tensor.data;
+  const moe_cpu_isa isa = moe_cpu_quant_isa(); /* read once per call */
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long g = 0; g < groups; g++) {
     size_t b0 = (size_t)g * GROUP, b1 = b0 + GROUP < blocks ? b0 + GROUP : blocks;
-    quant_blocks(x, a, b0, b1, q, scales);
+    quant_blocks(x, a, isa, b0, b1, q, scales);
   }
   return MOE_OK;
 }

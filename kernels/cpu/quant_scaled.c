@@ -9,6 +9,14 @@
 /* Elements per OpenMP work item: big enough to amortize scheduling. */
 #define CHUNK 16384
 
+/* The SIMD encoder the quant ops take at this call (read once per call). */
+static moe_cpu_scaled_lanes scaled_lanes(void) {
+  const moe_cpu_isa isa = moe_cpu_quant_isa();
+  return isa >= MOE_CPU_ISA_AVX512_VBMI ? moe_cpu_encode_scaled_avx512
+         : isa >= MOE_CPU_ISA_AVX2      ? moe_cpu_encode_scaled_avx2
+                                        : NULL;
+}
+
 /* ---- shared loops ----------------------------------------------------------- */
 
 /* max |x| over the finite elements of x[begin, end). In the integer domain:
@@ -16,7 +24,7 @@
  * integer max reduction vectorizes where a NaN-aware float one does not.
  * fp16/bf16 in their own 16-bit lanes: twice the elements per vector, no
  * widening. */
-ALWAYS_INLINE float amax_range(const void *x, moe_dtype xt, size_t begin, size_t end) {
+ALWAYS_INLINE float amax_span(const void *x, moe_dtype xt, size_t begin, size_t end) {
   if (xt == MOE_F32) {
     int32_t m = 0; /* signed: SSE2 has a signed 32-bit compare, no unsigned one */
     for (size_t i = begin; i < end; i++) {
@@ -35,6 +43,22 @@ ALWAYS_INLINE float amax_range(const void *x, moe_dtype xt, size_t begin, size_t
     m = a > m ? a : m;
   }
   return moe_load_float(&m, xt, 0);
+}
+
+/* amax_span a page of input at a time, each page's lines prefetched a page
+ * ahead first (cpu.h MOE_CPU_PREFETCH: the hardware prefetchers stop at page
+ * boundaries). The max is exact, so the split cannot change it. */
+ALWAYS_INLINE float amax_range(const void *x, moe_dtype xt, size_t begin, size_t end) {
+  const size_t es = xt == MOE_F32 ? 4 : 2, page = 4096 / es;
+  float m = 0.0f;
+  for (size_t i0 = begin; i0 < end; i0 += page) {
+    const size_t i1 = end - i0 < page ? end : i0 + page;
+    for (size_t b = 0; b < (i1 - i0) * es; b += 64)
+      __builtin_prefetch((const char *)x + i0 * es + b + MOE_CPU_PREFETCH);
+    const float a = amax_span(x, xt, i0, i1);
+    m = a > m ? a : m;
+  }
+  return m;
 }
 
 MOE_CPU_HOT static float amax_of(const void *x, moe_dtype xt, size_t begin, size_t end) {
@@ -70,13 +94,18 @@ ALWAYS_INLINE void encode_dtype(const void *x, moe_dtype xt, size_t begin, size_
     encode_range(x, xt, begin, end, s, r, false, int8, fmt, q);
 }
 
+/* `lanes` (NULL: none): the leading elements by the SIMD encoder, the rest by
+ * the C loops. */
 MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t end, float s,
-                               const moe_scaled_args *a, void *q) {
+                               const moe_scaled_args *a, moe_cpu_scaled_lanes lanes, void *q) {
   const float r = 1.0f / s; /* fast mode: one reciprocal, then multiplies */
   /* a local copy: byte stores to q may alias *a, which would keep the loops
    * from vectorizing */
   const moe_narrow_fmt fmt = a->fmt;
   const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8;
+  if (lanes)
+    begin += lanes((const char *)x + begin * (xt == MOE_F32 ? 4 : 2), xt, 1, end - begin, &s, &r, exact, int8,
+                   &fmt, MOE_CPU_PREFETCH, (uint8_t *)q + begin);
   switch (xt) {
   case MOE_F16: encode_dtype(x, MOE_F16, begin, end, s, r, exact, int8, &fmt, q); break;
   case MOE_BF16: encode_dtype(x, MOE_BF16, begin, end, s, r, exact, int8, &fmt, q); break;
@@ -90,7 +119,8 @@ MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t
  * unit's reduction), then its codes. All inlined: a unit of 128 costs no
  * calls. */
 ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
-                                     const moe_scaled_args *a, float *scales, void *q) {
+                                     const moe_scaled_args *a, moe_cpu_scaled_lanes lanes, float *scales,
+                                     void *q) {
   enum { BATCH_ELEMS = 4096, MAX_BATCH = 64 };
   const moe_narrow_fmt fmt = a->fmt; /* locals: stores to q and scales may alias *a */
   const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8, pow2 = a->pow2_scale;
@@ -109,7 +139,17 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
       r[k] = 1.0f / s[k];
       scales[b0 + k] = s[k];
     }
-    if (g == 128) /* per_token_group's usual G as a constant trip count: no loop set-up per unit */
+    size_t done = 0; /* of each unit, by the lane encoder: the batch's units in one call */
+    if (lanes)
+      /* prefetching the next batch, which the next amax pass reads: the memory
+       * stays busy while this batch, already in cache, is encoded */
+      done = lanes((const char *)x + b0 * g * (xt == MOE_F32 ? 4 : 2), xt, nb, g, s, r, exact, int8, &fmt,
+                   nb * g * (xt == MOE_F32 ? 4 : 2), (uint8_t *)q + b0 * g);
+    if (done == g) continue;
+    if (done)
+      for (size_t k = 0; k < nb; k++)
+        encode_dtype(x, xt, (b0 + k) * g + done, (b0 + k + 1) * g, s[k], r[k], exact, int8, &fmt, q);
+    else if (g == 128) /* per_token_group's usual G as a constant trip count: no loop set-up per unit */
       for (size_t k = 0; k < nb; k++) {
         const size_t o = (b0 + k) * 128;
         encode_dtype((const char *)x + o * (xt == MOE_F32 ? 4 : 2), xt, 0, 128, s[k], r[k], exact, int8, &fmt,
@@ -122,11 +162,12 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
 }
 
 MOE_CPU_HOT static void quant_units(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
-                                    const moe_scaled_args *a, float *scales, void *q) {
+                                    const moe_scaled_args *a, moe_cpu_scaled_lanes lanes, float *scales,
+                                    void *q) {
   switch (xt) {
-  case MOE_F16: quant_units_dtype(x, MOE_F16, u0, u1, g, a, scales, q); break;
-  case MOE_BF16: quant_units_dtype(x, MOE_BF16, u0, u1, g, a, scales, q); break;
-  default: quant_units_dtype(x, MOE_F32, u0, u1, g, a, scales, q); break;
+  case MOE_F16: quant_units_dtype(x, MOE_F16, u0, u1, g, a, lanes, scales, q); break;
+  case MOE_BF16: quant_units_dtype(x, MOE_BF16, u0, u1, g, a, lanes, scales, q); break;
+  default: quant_units_dtype(x, MOE_F32, u0, u1, g, a, lanes, scales, q); break;
   }
 }
 
@@ -140,6 +181,7 @@ moe_status moe_cpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_error *err)
   long chunks = (long)((n + CHUNK - 1) / CHUNK);
   int threads = moe_cpu_threads_for(b, n);
   float s = a->static_scale;
+  const moe_cpu_scaled_lanes lanes = scaled_lanes();
   if (!a->has_static_scale) {
     float amax = 0.0f; /* max is exact, so the reduction order cannot matter */
 #pragma omp parallel for num_threads(threads) reduction(max : amax) schedule(static)
@@ -153,7 +195,7 @@ moe_status moe_cpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_error *err)
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (long ch = 0; ch < chunks; ch++) {
     size_t end = (size_t)(ch + 1) * CHUNK < n ? (size_t)(ch + 1) * CHUNK : n;
-    encode(x->data, x->dtype, (size_t)ch * CHUNK, end, s, a, c->out[0].tensor.data);
+    encode(x->data, x->dtype, (size_t)ch * CHUNK, end, s, a, lanes, c->out[0].tensor.data);
   }
   *(float *)c->out[1].tensor.data = s;
   return MOE_OK;
@@ -172,10 +214,11 @@ moe_status moe_cpu_quant_grouped(moe_backend *b, moe_call *c, moe_error *err) {
   const size_t per = g >= CHUNK ? 1 : CHUNK / g;
   const long items = (long)((units + per - 1) / per);
   float *scales = c->out[1].tensor.data;
+  const moe_cpu_scaled_lanes lanes = scaled_lanes();
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long it = 0; it < items; it++) {
     const size_t u0 = (size_t)it * per, u1 = u0 + per < units ? u0 + per : units;
-    quant_units(x->data, x->dtype, u0, u1, g, a, scales, c->out[0].tensor.data);
+    quant_units(x->data, x->dtype, u0, u1, g, a, lanes, scales, c->out[0].tensor.data);
   }
   return MOE_OK;
 }
@@ -186,10 +229,11 @@ float moe_cpu_fp8_quant_group(float *v, size_t n, float static_scale, bool exact
       .qdtype = MOE_FP8_E4M3FN, .fmt = MOE_FMT_E4M3FN, .dtype_max = 448.0f, .exact_division = exact_division};
   const float s =
       static_scale > 0.0f ? static_scale : moe_dynamic_scale(amax_of(v, MOE_F32, 0, n), 448.0f, false);
+  const moe_cpu_scaled_lanes lanes = scaled_lanes();
   uint8_t q[TILE];
   for (size_t i0 = 0; i0 < n; i0 += TILE) {
     const size_t m = n - i0 < TILE ? n - i0 : TILE;
-    encode(v + i0, MOE_F32, 0, m, s, &a, q);
+    encode(v + i0, MOE_F32, 0, m, s, &a, lanes, q);
     for (size_t j = 0; j < m; j++)
       v[i0 + j] = moe_narrow_to_f32(q[j], &a.fmt);
   }

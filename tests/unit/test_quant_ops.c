@@ -4,6 +4,7 @@
  * against an independent oracle lives in tests/oracle/. */
 #include <check.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -455,12 +456,12 @@ START_TEST(large_calls_match_their_slices) {
 }
 END_TEST
 
-/* quant.mx's AVX-512 front (the amaxes and scaled elements of 16-bit input,
- * kernels/cpu/quant_mx.c) gives the bytes of its C path (the reference
- * kernels): every fp16 and bf16 pattern, in bit order and shuffled (NaN/inf
- * blocks, subnormals, mixed magnitudes), every scale rule, mxfp8 e4m3fn /
- * e5m2 and mxfp4 with both roundings. Without AVX-512 both runs take the C
- * path. */
+/* quant.mx's AVX-512 and AVX2 fronts (the amaxes, scales and codes of
+ * 16-bit input, kernels/cpu/quant_mx.c) give the bytes of its C path (the
+ * reference kernels): every fp16 and bf16 pattern, in bit order and shuffled
+ * (NaN/inf blocks, subnormals, mixed magnitudes), every scale rule, mxfp8
+ * e4m3fn / e5m2 and mxfp4 with both roundings. A front the CPU lacks falls
+ * to the next lower one, down to the C path. */
 START_TEST(quant_mx_vector_front_matches_c_path) {
   enum { N = 1 << 17 }; /* every pattern twice: bit order, then shuffled */
   uint16_t *x = malloc(N * sizeof *x);
@@ -478,30 +479,140 @@ START_TEST(quant_mx_vector_front_matches_c_path) {
   static const char *const formats[3] = {"mxfp8_e4m3fn", "mxfp8_e5m2", "mxfp4"};
   static const char *const rules[4] = {"even", "floor", "amax_up", "amax_down"};
   static const moe_dtype dtypes[2] = {MOE_BF16, MOE_F16};
-  int64_t shape[2] = {N / 256, 256};
-  for (int d = 0; d < 2; d++)
-    for (int f = 0; f < 3; f++)
-      for (int r = 0; r < 4; r++)
-        for (int h = 0; h < (f == 2 ? 2 : 1); h++) {
-          moe_named_tensor in[1] = {tensor("x", dtypes[d], x, N * sizeof *x, 2, shape)};
-          moe_param p[3] = {pstr("format", formats[f]), pstr("scale_rule", rules[r]),
-                            pstr("element_rounding", h ? "half_up" : "rne")};
-          moe_named_tensor *out[2];
-          size_t nout[2];
-          moe_error err;
-          for (int ref = 0; ref < 2; ref++) {
-            moe_cpu_set_reference_kernels(ref == 1);
-            ck_assert_int_eq(run("quant.mx", in, 1, p, 3, &out[ref], &nout[ref], &err), MOE_OK);
+  /* [512, 256]: whole tiles of 16 blocks; [1, N - 160]: 4091 blocks, so a tile of 11 at the end */
+  const int64_t shapes[2][2] = {{N / 256, 256}, {1, N - 160}};
+  for (int sh = 0; sh < 2; sh++)
+    for (int d = 0; d < 2; d++)
+      for (int f = 0; f < 3; f++)
+        for (int r = 0; r < 4; r++)
+          for (int h = 0; h < (f == 2 ? 2 : 1); h++) {
+            const size_t n = (size_t)(shapes[sh][0] * shapes[sh][1]);
+            moe_named_tensor in[1] = {tensor("x", dtypes[d], x, n * sizeof *x, 2, shapes[sh])};
+            moe_param p[3] = {pstr("format", formats[f]), pstr("scale_rule", rules[r]),
+                              pstr("element_rounding", h ? "half_up" : "rne")};
+            /* the machine's own front, the AVX2 front (capped), the C path (the reference switch) */
+            moe_named_tensor *out[3];
+            size_t nout[3];
+            moe_error err;
+            for (int run_ = 0; run_ < 3; run_++) {
+              moe_cpu_set_isa_cap(run_ == 1 ? MOE_CPU_ISA_AVX2 : MOE_CPU_ISA_AVX512_VBMI);
+              moe_cpu_set_reference_kernels(run_ == 2);
+              ck_assert_int_eq(run("quant.mx", in, 1, p, 3, &out[run_], &nout[run_], &err), MOE_OK);
+            }
+            moe_cpu_set_reference_kernels(false);
+            moe_cpu_set_isa_cap(MOE_CPU_ISA_AVX512_VBMI);
+            for (int run_ = 0; run_ < 2; run_++)
+              for (size_t o = 0; o < 2; o++)
+                ck_assert_msg(
+                    memcmp(out[run_][o].tensor.data, out[2][o].tensor.data, out[2][o].tensor.nbytes) == 0,
+                    "shape %d %s %s %s %s: output %zu of the %s front differs from the C path", sh,
+                    d ? "fp16" : "bf16", formats[f], rules[r], h ? "half_up" : "rne", o,
+                    run_ ? "AVX2" : "machine's");
+            for (int run_ = 0; run_ < 3; run_++)
+              moe_outputs_free(out[run_], nout[run_]);
           }
-          moe_cpu_set_reference_kernels(false);
-          for (size_t o = 0; o < 2; o++)
-            ck_assert_msg(memcmp(out[0][o].tensor.data, out[1][o].tensor.data, out[0][o].tensor.nbytes) == 0,
-                          "%s %s %s %s: output %zu differs from the C path", d ? "fp16" : "bf16", formats[f],
-                          rules[r], h ? "half_up" : "rne", o);
-          moe_outputs_free(out[0], nout[0]);
-          moe_outputs_free(out[1], nout[1]);
-        }
   free(x);
+}
+END_TEST
+
+/* Every quant path of a lower dispatch level (moe_cpu_set_isa_cap; the C
+ * loops at MOE_CPU_ISA_C) against the machine's own: the scaled ops on every
+ * fp16 and bf16 pattern (in bit order, then shuffled: NaN, inf, -0,
+ * subnormals, every tie) and on random fp32 bits, at scales that include
+ * powers of two, odd values, subnormal ones and ones whose reciprocal
+ * overflows, both division modes, fp8 e4m3fn / e4m3fnuz and int8; dynamic
+ * per_tensor, per_token (with and without scale_ub) and per_token_group
+ * alike. The oracle tests check the machine's own path against the contract;
+ * this one ties each lower path to it. On a machine without the higher
+ * levels both runs take the same path. */
+static uint16_t *every_pattern_twice(void) {
+  enum { N = 1 << 17 };
+  uint16_t *x = malloc(N * sizeof *x);
+  ck_assert_ptr_nonnull(x);
+  for (uint32_t i = 0; i < N; i++)
+    x[i] = (uint16_t)i;
+  uint64_t z = 0x9E3779B97F4A7C15ull;
+  for (uint32_t i = N - 1; i > N / 2; i--) { /* Fisher-Yates over the second half */
+    z ^= z << 13, z ^= z >> 7, z ^= z << 17;
+    uint32_t j = N / 2 + (uint32_t)(z % (i - N / 2 + 1));
+    uint16_t t = x[i];
+    x[i] = x[j];
+    x[j] = t;
+  }
+  return x;
+}
+
+/* Runs op at the machine's level and at `cap`; every output byte equal. */
+static void expect_same_at_cap(moe_cpu_isa cap, const char *op, moe_named_tensor *in, size_t nin,
+                               moe_param *p, size_t np, const char *what) {
+  moe_named_tensor *out[2];
+  size_t nout[2];
+  moe_error err;
+  for (int k = 0; k < 2; k++) {
+    moe_cpu_set_isa_cap(k ? cap : MOE_CPU_ISA_AVX512_VBMI);
+    ck_assert_int_eq(run(op, in, nin, p, np, &out[k], &nout[k], &err), MOE_OK);
+  }
+  moe_cpu_set_isa_cap(MOE_CPU_ISA_AVX512_VBMI);
+  for (size_t o = 0; o < nout[0]; o++)
+    ck_assert_msg(memcmp(out[0][o].tensor.data, out[1][o].tensor.data, out[0][o].tensor.nbytes) == 0,
+                  "%s %s: output %zu differs at dispatch level %d", op, what, o, (int)cap);
+  moe_outputs_free(out[0], nout[0]);
+  moe_outputs_free(out[1], nout[1]);
+}
+
+START_TEST(scaled_quant_lower_levels_match) {
+  enum { N = 1 << 17 };
+  uint16_t *x16 = every_pattern_twice();
+  uint32_t *x32 = malloc(N * sizeof *x32);
+  ck_assert_ptr_nonnull(x32);
+  uint64_t z = 0x2545F4914F6CDD1Dull;
+  for (uint32_t i = 0; i < N; i++) {
+    z ^= z << 13, z ^= z >> 7, z ^= z << 17;
+    x32[i] = (uint32_t)(z >> 16);
+  }
+  static const float scales[] = {
+      1.0f,   0.5f,   2.0f,        0.05f,     0.1f,       1.0f / 3,         448.0f / 240,
+      7.0f,   1e-3f,  1e-20f,      1e-30f,    1e20f,      3.4e38f,          1e-38f,
+      1e-40f, 1e-45f, 0.3f,        123.456f,  1.0f / 448, 1.0f / 127,       65504.0f / 448,
+      1e-7f,  6e-8f,  0x1.8p-120f, 0x1p-100f, 0x1p100f,   0x1.fffffep+127f, 0x1p-126f};
+  static const char *const dtypes[3] = {"fp8_e4m3fn", "fp8_e4m3fnuz", "int8"};
+  const moe_dtype xts[3] = {MOE_BF16, MOE_F16, MOE_F32};
+  for (moe_cpu_isa cap = MOE_CPU_ISA_C; cap <= MOE_CPU_ISA_AVX2; cap++)
+    for (int d = 0; d < 3; d++) {
+      const void *x = xts[d] == MOE_F32 ? (const void *)x32 : (const void *)x16;
+      const size_t es = xts[d] == MOE_F32 ? 4 : 2;
+      int64_t shape[2] = {N / 1024, 1024}, one[1] = {1};
+      for (int o = 0; o < 3; o++)
+        for (int exact = 0; exact < 2; exact++) {
+          moe_param p[4] = {pstr("out_dtype", dtypes[o]), pbool("exact_division", exact)};
+          char what[96];
+          for (size_t k = 0; k < sizeof scales / sizeof scales[0]; k++) {
+            float sc = scales[k];
+            moe_named_tensor in[2] = {tensor("x", xts[d], (void *)x, N * es, 2, shape),
+                                      tensor("scale", MOE_F32, &sc, 4, 1, one)};
+            snprintf(what, sizeof what, "x dtype %d %s exact %d scale %a", (int)xts[d], dtypes[o], exact, sc);
+            expect_same_at_cap(cap, "quant.per_tensor", in, 2, p, 2, what);
+          }
+          moe_named_tensor in[1] = {tensor("x", xts[d], (void *)x, N * es, 2, shape)};
+          snprintf(what, sizeof what, "x dtype %d %s exact %d", (int)xts[d], dtypes[o], exact);
+          expect_same_at_cap(cap, "quant.per_tensor", in, 1, p, 2, what);
+          expect_same_at_cap(cap, "quant.per_token", in, 1, p, 2, what);
+          p[2] = pdbl("scale_ub", 3.0);
+          expect_same_at_cap(cap, "quant.per_token", in, 1, p, 3, what);
+          for (int g = 64; g <= 256; g *= 2) {
+            p[2] = pint("group_size", g);
+            expect_same_at_cap(cap, "quant.per_token_group", in, 1, p, 3, what);
+            p[3] = pstr("scale_rule", "pow2_up");
+            expect_same_at_cap(cap, "quant.per_token_group", in, 1, p, 4, what);
+          }
+          /* rows of a length that leaves a tail past the last 64-element step */
+          int64_t odd[2] = {N / 1000, 1000};
+          moe_named_tensor tail[1] = {tensor("x", xts[d], (void *)x, (size_t)(odd[0] * odd[1]) * es, 2, odd)};
+          expect_same_at_cap(cap, "quant.per_token", tail, 1, p, 2, what);
+        }
+    }
+  free(x32);
+  free(x16);
 }
 END_TEST
 
@@ -518,6 +629,7 @@ int main(void) {
   tcase_add_test(tc, per_token_group_scales_and_pow2_up);
   tcase_add_test(tc, dequant_mx_nan_scale_and_fp4_nibbles);
   tcase_add_test(tc, quant_mx_vector_front_matches_c_path);
+  tcase_add_test(tc, scaled_quant_lower_levels_match);
   tcase_add_test(tc, dequant_per_tensor_rounds_to_out_dtype);
   tcase_add_test(tc, bad_inputs_are_named);
   tcase_add_test(tc, unknown_op_is_not_found);

@@ -1,0 +1,178 @@
+/* CPU: the codes of the scaled quant ops (docs/numerics.md quant.per_tensor,
+ * quant.per_token, quant.per_token_group) in AVX-512 lanes, 64 elements a
+ * step, taken where the CPU has AVX-512 with VBMI (moe_cpu_quant_isa). The
+ * results are moe_f32_to_narrow's and moe_f32_to_int8's (codec.h) bit for
+ * bit; test_quant_ops compares them with the C loops on every fp16/bf16
+ * pattern. The C encoders spend ~16 lane ops per 16 elements plus a
+ * 32 -> 8 bit pack of 2 uops; these spend ~7 and a pack of under 1.
+ *
+ * fp8 (e4m3fn, e4m3fnuz), on a = |x * r|:
+ * - a = min(max finite, a) (inf and beyond saturate; NaN stays NaN), then
+ *   min(a, N) with N the value of magnitude code max_mag + 1 (480 for
+ *   e4m3fn, 256 for e4m3fnuz): only NaN becomes N, whose code is then the
+ *   format's NaN code (0x7F, 0x80).
+ * - the magnitude code by one rounding add (narrow_lanes_avx512.h).
+ * - the low bytes of four such vectors packed by two vpermt2b (VBMI), the
+ *   sign bits of 64 inputs by one more and merged by one vpternlogd; then
+ *   e4m3fn's NaN with a sign (0xFF) back to 0x7F, e4m3fnuz's -0 to 0x00.
+ * int8, on v = x * r with its sign: min(127, v), max(-128, v) (NaN stays
+ * NaN), vcvtps2dq with round-to-nearest-even encoded in the instruction (so
+ * MXCSR cannot change it): NaN converts to 0x80000000, whose low byte is the
+ * NaN code 0; the low bytes packed as for fp8. Clamping before rounding
+ * equals saturating after it, the bounds being integers. */
+#include <immintrin.h>
+
+#include "../ops/op.h"
+#include "cpu.h"
+#include "narrow_lanes_avx512.h"
+
+#define VBMI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,f16c")))
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* What the loop needs of the output format, built once per call. */
+typedef struct lanes {
+  __m512 hi, nan;      /* fp8: max finite, N; int8: 127, -128 */
+  narrow_lanes narrow; /* fp8 */
+  __m512i order;       /* vpermt2b index: byte 0 of each dword of two vectors, in element order */
+  __m512i sign_idx;
+} lanes;
+
+enum { OUT_INT8, OUT_FP8_NEG_ZERO, OUT_FP8_NO_NEG_ZERO };
+
+/* 64 elements widened to fp32 in v[0..3]; the bytes of their sign bits in
+ * the order of the elements, bit 7 (fp8 only). bf16: the even elements by a
+ * shift, the odd ones by a mask (v[0], v[2] even, v[1], v[3] odd; `order`
+ * interleaves them back); fp16: vcvtph2ps (exact; a NaN's payload is quieted,
+ * and any NaN encodes to the NaN code); fp32: as loaded. */
+VBMI ALWAYS_INLINE void load64(const void *x, moe_dtype xt, size_t i, bool abs, const lanes *L, __m512 v[4],
+                               __m512i *sign) {
+  if (xt == MOE_F32) {
+    const float *f = (const float *)x + i;
+    __m512i u[4];
+    for (int k = 0; k < 4; k++)
+      u[k] = _mm512_loadu_si512(f + 16 * k);
+    if (abs) {
+      const __m512i idx3 = _mm512_add_epi8(L->order, _mm512_set1_epi8(3)); /* byte 3: the sign */
+      *sign = _mm512_mask_blend_epi64(0xF0, _mm512_permutex2var_epi8(u[0], idx3, u[1]),
+                                      _mm512_permutex2var_epi8(u[2], idx3, u[3]));
+      for (int k = 0; k < 4; k++)
+        u[k] = _mm512_and_si512(u[k], _mm512_set1_epi32(0x7FFFFFFF));
+    }
+    for (int k = 0; k < 4; k++)
+      v[k] = _mm512_castsi512_ps(u[k]);
+    return;
+  }
+  const uint16_t *h = (const uint16_t *)x + i;
+  __m512i w[2] = {_mm512_loadu_si512(h), _mm512_loadu_si512(h + 32)};
+  if (abs) {
+    *sign = _mm512_permutex2var_epi8(w[0], L->sign_idx, w[1]);
+    w[0] = _mm512_and_si512(w[0], _mm512_set1_epi16(0x7FFF));
+    w[1] = _mm512_and_si512(w[1], _mm512_set1_epi16(0x7FFF));
+  }
+  for (int k = 0; k < 2; k++)
+    if (xt == MOE_BF16) {
+      v[2 * k] = _mm512_castsi512_ps(_mm512_slli_epi32(w[k], 16));
+      v[2 * k + 1] = _mm512_castsi512_ps(_mm512_and_si512(w[k], _mm512_set1_epi32((int)0xFFFF0000u)));
+    } else {
+      v[2 * k] = _mm512_cvtph_ps(_mm512_castsi512_si256(w[k]));
+      v[2 * k + 1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w[k], 1));
+    }
+}
+
+/* One vector's codes in the low byte of each lane. */
+VBMI ALWAYS_INLINE __m512i code16(__m512 v, __m512 mul, int out, bool exact, const lanes *L) {
+  const __m512 y = exact ? _mm512_div_ps(v, mul) : _mm512_mul_ps(v, mul);
+  if (out == OUT_INT8) {
+    const __m512 c = _mm512_max_ps(L->nan, _mm512_min_ps(L->hi, y)); /* operand order keeps NaN */
+    return _mm512_cvt_roundps_epi32(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  const __m512 a = _mm512_min_ps(_mm512_min_ps(L->hi, y), L->nan); /* NaN -> N */
+  return narrow_lanes_mag(a, &L->narrow, false, true);
+}
+
+/* Units [0, units) of g elements, unit u scaled by s[u] (exact) or r[u]:
+ * the leading multiple of 64 of each. */
+VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
+                                      const float *r, int out, bool exact, const lanes *L, size_t ahead,
+                                      uint8_t *q) {
+  const bool fp8 = out != OUT_INT8;
+  const size_t n = g / 64 * 64;
+  for (size_t u = 0; u < units; u++)
+    for (size_t i = u * g, end = i + n; i < end; i += 64) {
+      const __m512 mul = _mm512_set1_ps(exact ? s[u] : r[u]);
+      __m512 v[4];
+      __m512i sign = _mm512_setzero_si512(), c[4];
+      const size_t es = xt == MOE_F32 ? 4 : 2;
+      for (size_t l = 0; l < 64 * es; l += 64) /* the input `ahead` bytes ahead */
+        _mm_prefetch((const char *)x + i * es + l + ahead, _MM_HINT_T0);
+      load64(x, xt, i, fp8, L, v, &sign);
+      for (int k = 0; k < 4; k++)
+        c[k] = code16(v[k], mul, out, exact, L);
+      __m512i b = _mm512_mask_blend_epi64(0xF0, _mm512_permutex2var_epi8(c[0], L->order, c[1]),
+                                          _mm512_permutex2var_epi8(c[2], L->order, c[3]));
+      if (fp8) {
+        const __m512i mag = b;
+        b = _mm512_ternarylogic_epi32(mag, sign, _mm512_set1_epi8((char)0x80),
+                                      0xF8); /* mag | (sign & 0x80) */
+        if (out == OUT_FP8_NEG_ZERO)         /* NaN's code has no sign: 0xFF -> 0x7F */
+          b = _mm512_mask_blend_epi8(_mm512_cmpeq_epi8_mask(b, _mm512_set1_epi8(-1)), b,
+                                     _mm512_set1_epi8(0x7F));
+        else /* no -0: a zero magnitude drops its sign */
+          b = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(mag, mag), b);
+      }
+      _mm512_storeu_si512(q + i, b);
+    }
+  return n;
+}
+
+/* vpermt2b indices. Output byte j (j < 32) of a pack of two vectors of codes: bf16 takes element j
+ * from vector j & 1 (even/odd), lane j / 2; fp16 and fp32 from vector j / 16, lane j % 16; the
+ * second half alike (its vpermt2b fills bytes 32..63 from the next two vectors). Bit 6 picks the
+ * second vector; a lane's low byte is at 4 * lane. */
+#define ORDER_BF16_32                                                                                        \
+  0, 64, 4, 68, 8, 72, 12, 76, 16, 80, 20, 84, 24, 88, 28, 92, 32, 96, 36, 100, 40, 104, 44, 108, 48, 112,   \
+      52, 116, 56, 120, 60, 124
+#define ORDER_NATURAL_32                                                                                     \
+  0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, \
+      108, 112, 116, 120, 124
+static const uint8_t order_bf16[64] = {ORDER_BF16_32, ORDER_BF16_32};
+static const uint8_t order_natural[64] = {ORDER_NATURAL_32, ORDER_NATURAL_32};
+/* the high byte (sign, exponent) of 16-bit element j of two vectors: byte 2j + 1 */
+static const uint8_t sign_idx[64] = {
+    1,  3,  5,  7,  9,  11, 13,  15,  17,  19,  21,  23,  25,  27,  29,  31,  33,  35,  37,  39, 41, 43,
+    45, 47, 49, 51, 53, 55, 57,  59,  61,  63,  65,  67,  69,  71,  73,  75,  77,  79,  81,  83, 85, 87,
+    89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127};
+
+VBMI size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
+                                         const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
+                                         size_t ahead, uint8_t *q) {
+  lanes L;
+  int out = OUT_INT8;
+  if (int8) {
+    L.hi = _mm512_set1_ps(127.0f);
+    L.nan = _mm512_set1_ps(-128.0f);
+  } else {
+    /* e4m3 shapes only (8-bit codes, 3 mantissa bits, no inf codes; e5m2 is not a scaled op's output) */
+    if (fmt->bits != 8 || fmt->mbits != 3 || fmt->inf_codes) return 0;
+    out = fmt->neg_zero ? OUT_FP8_NEG_ZERO : OUT_FP8_NO_NEG_ZERO;
+    L.narrow = narrow_lanes_of(fmt);
+    const int c = fmt->max_mag + 1; /* N: code max_mag + 1's value on the format's grid */
+    L.hi = _mm512_set1_ps(fmt->max_finite);
+    L.nan = _mm512_set1_ps((float)(8 + (c & 7)) * moe_pow2f((c >> 3) - fmt->bias - 3));
+  }
+  L.order = _mm512_loadu_si512(xt == MOE_BF16 ? order_bf16 : order_natural);
+  L.sign_idx = _mm512_loadu_si512(sign_idx);
+  /* one straight loop per (input dtype, output kind); the division mode is a branch it hoists */
+#define ENCODE_OUT(XT)                                                                                       \
+  switch (out) {                                                                                             \
+  case OUT_INT8: return encode_loop(x, XT, units, g, s, r, OUT_INT8, exact, &L, ahead, q);                   \
+  case OUT_FP8_NEG_ZERO: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NEG_ZERO, exact, &L, ahead, q);   \
+  default: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NO_NEG_ZERO, exact, &L, ahead, q);              \
+  }
+  switch (xt) {
+  case MOE_BF16: ENCODE_OUT(MOE_BF16);
+  case MOE_F16: ENCODE_OUT(MOE_F16);
+  default: ENCODE_OUT(MOE_F32);
+  }
+#undef ENCODE_OUT
+}
