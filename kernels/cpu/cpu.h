@@ -72,6 +72,25 @@ typedef size_t (*moe_cpu_scaled_lanes)(const void *x, moe_dtype xt, size_t units
 size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                     const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
                                     size_t ahead, uint8_t *q);
+/* The lane encoders' output kinds, and the kind for int8 / fmt with the
+ * fp32 bounds they clamp to before rounding: *hi the largest finite value
+ * (int8: 127), *lo the value of magnitude code max_mag + 1, whose code NaN
+ * is given (int8: -128). -1: a format they do not encode (e4m3 shapes only:
+ * 8-bit codes, 3 mantissa bits, no inf codes; e5m2 is not a scaled op's
+ * output). */
+enum { MOE_SCALED_INT8, MOE_SCALED_FP8_NEG_ZERO, MOE_SCALED_FP8_NO_NEG_ZERO };
+static inline int moe_cpu_scaled_kind(bool int8, const moe_narrow_fmt *fmt, float *hi, float *lo) {
+  if (int8) {
+    *hi = 127.0f;
+    *lo = -128.0f;
+    return MOE_SCALED_INT8;
+  }
+  if (fmt->bits != 8 || fmt->mbits != 3 || fmt->inf_codes) return -1;
+  const int c = fmt->max_mag + 1; /* N: code max_mag + 1's value on the format's grid */
+  *hi = fmt->max_finite;
+  *lo = (float)(8 + (c & 7)) * moe_pow2f((c >> 3) - fmt->bias - 3);
+  return fmt->neg_zero ? MOE_SCALED_FP8_NEG_ZERO : MOE_SCALED_FP8_NO_NEG_ZERO;
+}
 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                   const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
                                   size_t ahead, uint8_t *q);

@@ -20,8 +20,6 @@
 #define VAVX2 __attribute__((target("avx2,f16c")))
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-enum { OUT_INT8, OUT_FP8_NEG_ZERO, OUT_FP8_NO_NEG_ZERO };
-
 typedef struct lanes {
   __m256 hi, lo;      /* fp8: max finite, N; int8: 127, -128 */
   narrow_avx2 narrow; /* fp8 */
@@ -61,7 +59,7 @@ VAVX2 ALWAYS_INLINE void load32(const void *x, moe_dtype xt, size_t i, bool abs,
 /* One vector's codes in the low byte of each lane, the bits above cleared. */
 VAVX2 ALWAYS_INLINE __m256i code8(__m256 v, __m256 mul, int out, bool exact, const lanes *L) {
   const __m256 y = exact ? _mm256_div_ps(v, mul) : _mm256_mul_ps(v, mul);
-  if (out == OUT_INT8) {
+  if (out == MOE_SCALED_INT8) {
     const __m256 c = _mm256_max_ps(L->lo, _mm256_min_ps(L->hi, y)); /* operand order keeps NaN */
     const __m256i i = _mm256_cvttps_epi32(_mm256_round_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     return _mm256_and_si256(i, _mm256_set1_epi32(0xFF));
@@ -75,7 +73,7 @@ VAVX2 ALWAYS_INLINE __m256i code8(__m256 v, __m256 mul, int out, bool exact, con
 VAVX2 ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                        const float *r, int out, bool exact, const lanes *L, size_t ahead,
                                        uint8_t *q) {
-  const bool fp8 = out != OUT_INT8;
+  const bool fp8 = out != MOE_SCALED_INT8;
   const size_t n = g / 32 * 32;
   for (size_t u = 0; u < units; u++) {
     const __m256 mul = _mm256_set1_ps(exact ? s[u] : r[u]);
@@ -92,7 +90,7 @@ VAVX2 ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units
       if (fp8) {
         const __m256i mag = b;
         b = _mm256_or_si256(mag, _mm256_and_si256(sign, _mm256_set1_epi8((char)0x80)));
-        if (out == OUT_FP8_NEG_ZERO) /* NaN's code has no sign: 0xFF -> 0x7F */
+        if (out == MOE_SCALED_FP8_NEG_ZERO) /* NaN's code has no sign: 0xFF -> 0x7F */
           b = _mm256_xor_si256(
               b, _mm256_and_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi8(-1)), _mm256_set1_epi8((char)0x80)));
         else /* no -0: a zero magnitude drops its sign */
@@ -108,25 +106,19 @@ VAVX2 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t unit
                                         const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
                                         size_t ahead, uint8_t *q) {
   lanes L;
-  int out = OUT_INT8;
-  if (int8) {
-    L.hi = _mm256_set1_ps(127.0f);
-    L.lo = _mm256_set1_ps(-128.0f);
-  } else {
-    /* e4m3 shapes only (8-bit codes, 3 mantissa bits, no inf codes; e5m2 is not a scaled op's output) */
-    if (fmt->bits != 8 || fmt->mbits != 3 || fmt->inf_codes) return 0;
-    out = fmt->neg_zero ? OUT_FP8_NEG_ZERO : OUT_FP8_NO_NEG_ZERO;
-    L.narrow = narrow_avx2_of(fmt);
-    const int c = fmt->max_mag + 1; /* N: code max_mag + 1's value on the format's grid */
-    L.hi = _mm256_set1_ps(fmt->max_finite);
-    L.lo = _mm256_set1_ps((float)(8 + (c & 7)) * moe_pow2f((c >> 3) - fmt->bias - 3));
-  }
-  /* one straight loop per (input dtype, output kind); the division mode is a branch it hoists */
+  float hi, lo;
+  const int out = moe_cpu_scaled_kind(int8, fmt, &hi, &lo);
+  if (out < 0) return 0;
+  L.hi = _mm256_set1_ps(hi);
+  L.lo = _mm256_set1_ps(lo);
+  if (!int8) L.narrow = narrow_avx2_of(fmt);
+    /* one straight loop per (input dtype, output kind); the division mode is a branch it hoists */
 #define ENCODE_OUT(XT)                                                                                       \
   switch (out) {                                                                                             \
-  case OUT_INT8: return encode_loop(x, XT, units, g, s, r, OUT_INT8, exact, &L, ahead, q);                   \
-  case OUT_FP8_NEG_ZERO: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NEG_ZERO, exact, &L, ahead, q);   \
-  default: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NO_NEG_ZERO, exact, &L, ahead, q);              \
+  case MOE_SCALED_INT8: return encode_loop(x, XT, units, g, s, r, MOE_SCALED_INT8, exact, &L, ahead, q);     \
+  case MOE_SCALED_FP8_NEG_ZERO:                                                                              \
+    return encode_loop(x, XT, units, g, s, r, MOE_SCALED_FP8_NEG_ZERO, exact, &L, ahead, q);                 \
+  default: return encode_loop(x, XT, units, g, s, r, MOE_SCALED_FP8_NO_NEG_ZERO, exact, &L, ahead, q);       \
   }
   switch (xt) {
   case MOE_BF16: ENCODE_OUT(MOE_BF16);

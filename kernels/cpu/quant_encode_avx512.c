@@ -37,8 +37,6 @@ typedef struct lanes {
   __m512i sign_idx;
 } lanes;
 
-enum { OUT_INT8, OUT_FP8_NEG_ZERO, OUT_FP8_NO_NEG_ZERO };
-
 /* 64 elements widened to fp32 in v[0..3]; the bytes of their sign bits in
  * the order of the elements, bit 7 (fp8 only). bf16: the even elements by a
  * shift, the odd ones by a mask (v[0], v[2] even, v[1], v[3] odd; `order`
@@ -82,7 +80,7 @@ VBMI ALWAYS_INLINE void load64(const void *x, moe_dtype xt, size_t i, bool abs, 
 /* One vector's codes in the low byte of each lane. */
 VBMI ALWAYS_INLINE __m512i code16(__m512 v, __m512 mul, int out, bool exact, const lanes *L) {
   const __m512 y = exact ? _mm512_div_ps(v, mul) : _mm512_mul_ps(v, mul);
-  if (out == OUT_INT8) {
+  if (out == MOE_SCALED_INT8) {
     const __m512 c = _mm512_max_ps(L->nan, _mm512_min_ps(L->hi, y)); /* operand order keeps NaN */
     return _mm512_cvt_roundps_epi32(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
@@ -95,7 +93,7 @@ VBMI ALWAYS_INLINE __m512i code16(__m512 v, __m512 mul, int out, bool exact, con
 VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                       const float *r, int out, bool exact, const lanes *L, size_t ahead,
                                       uint8_t *q) {
-  const bool fp8 = out != OUT_INT8;
+  const bool fp8 = out != MOE_SCALED_INT8;
   const size_t n = g / 64 * 64;
   for (size_t u = 0; u < units; u++)
     for (size_t i = u * g, end = i + n; i < end; i += 64) {
@@ -114,7 +112,7 @@ VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units,
         const __m512i mag = b;
         b = _mm512_ternarylogic_epi32(mag, sign, _mm512_set1_epi8((char)0x80),
                                       0xF8); /* mag | (sign & 0x80) */
-        if (out == OUT_FP8_NEG_ZERO)         /* NaN's code has no sign: 0xFF -> 0x7F */
+        if (out == MOE_SCALED_FP8_NEG_ZERO)  /* NaN's code has no sign: 0xFF -> 0x7F */
           b = _mm512_mask_blend_epi8(_mm512_cmpeq_epi8_mask(b, _mm512_set1_epi8(-1)), b,
                                      _mm512_set1_epi8(0x7F));
         else /* no -0: a zero magnitude drops its sign */
@@ -147,27 +145,21 @@ VBMI size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t uni
                                          const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
                                          size_t ahead, uint8_t *q) {
   lanes L;
-  int out = OUT_INT8;
-  if (int8) {
-    L.hi = _mm512_set1_ps(127.0f);
-    L.nan = _mm512_set1_ps(-128.0f);
-  } else {
-    /* e4m3 shapes only (8-bit codes, 3 mantissa bits, no inf codes; e5m2 is not a scaled op's output) */
-    if (fmt->bits != 8 || fmt->mbits != 3 || fmt->inf_codes) return 0;
-    out = fmt->neg_zero ? OUT_FP8_NEG_ZERO : OUT_FP8_NO_NEG_ZERO;
-    L.narrow = narrow_lanes_of(fmt);
-    const int c = fmt->max_mag + 1; /* N: code max_mag + 1's value on the format's grid */
-    L.hi = _mm512_set1_ps(fmt->max_finite);
-    L.nan = _mm512_set1_ps((float)(8 + (c & 7)) * moe_pow2f((c >> 3) - fmt->bias - 3));
-  }
+  float hi, lo;
+  const int out = moe_cpu_scaled_kind(int8, fmt, &hi, &lo);
+  if (out < 0) return 0;
+  L.hi = _mm512_set1_ps(hi);
+  L.nan = _mm512_set1_ps(lo);
+  if (!int8) L.narrow = narrow_lanes_of(fmt);
   L.order = _mm512_loadu_si512(xt == MOE_BF16 ? order_bf16 : order_natural);
   L.sign_idx = _mm512_loadu_si512(sign_idx);
   /* one straight loop per (input dtype, output kind); the division mode is a branch it hoists */
 #define ENCODE_OUT(XT)                                                                                       \
   switch (out) {                                                                                             \
-  case OUT_INT8: return encode_loop(x, XT, units, g, s, r, OUT_INT8, exact, &L, ahead, q);                   \
-  case OUT_FP8_NEG_ZERO: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NEG_ZERO, exact, &L, ahead, q);   \
-  default: return encode_loop(x, XT, units, g, s, r, OUT_FP8_NO_NEG_ZERO, exact, &L, ahead, q);              \
+  case MOE_SCALED_INT8: return encode_loop(x, XT, units, g, s, r, MOE_SCALED_INT8, exact, &L, ahead, q);     \
+  case MOE_SCALED_FP8_NEG_ZERO:                                                                              \
+    return encode_loop(x, XT, units, g, s, r, MOE_SCALED_FP8_NEG_ZERO, exact, &L, ahead, q);                 \
+  default: return encode_loop(x, XT, units, g, s, r, MOE_SCALED_FP8_NO_NEG_ZERO, exact, &L, ahead, q);       \
   }
   switch (xt) {
   case MOE_BF16: ENCODE_OUT(MOE_BF16);

@@ -456,14 +456,10 @@ START_TEST(large_calls_match_their_slices) {
 }
 END_TEST
 
-/* quant.mx's AVX-512 and AVX2 fronts (the amaxes, scales and codes of
- * 16-bit input, kernels/cpu/quant_mx.c) give the bytes of its C path (the
- * reference kernels): every fp16 and bf16 pattern, in bit order and shuffled
- * (NaN/inf blocks, subnormals, mixed magnitudes), every scale rule, mxfp8
- * e4m3fn / e5m2 and mxfp4 with both roundings. A front the CPU lacks falls
- * to the next lower one, down to the C path. */
-START_TEST(quant_mx_vector_front_matches_c_path) {
-  enum { N = 1 << 17 }; /* every pattern twice: bit order, then shuffled */
+/* Every 16-bit pattern twice (1 << 17 values): in bit order, then the second
+ * copy shuffled (NaN/inf runs, subnormals and magnitudes mixed). */
+static uint16_t *every_pattern_twice(void) {
+  enum { N = 1 << 17 };
   uint16_t *x = malloc(N * sizeof *x);
   ck_assert_ptr_nonnull(x);
   for (uint32_t i = 0; i < N; i++)
@@ -476,6 +472,18 @@ START_TEST(quant_mx_vector_front_matches_c_path) {
     x[i] = x[j];
     x[j] = t;
   }
+  return x;
+}
+
+/* quant.mx's AVX-512 and AVX2 fronts (the amaxes, scales and codes of
+ * 16-bit input, kernels/cpu/quant_mx.c) give the bytes of its C path (the
+ * reference kernels): every fp16 and bf16 pattern, in bit order and shuffled
+ * (NaN/inf blocks, subnormals, mixed magnitudes), every scale rule, mxfp8
+ * e4m3fn / e5m2 and mxfp4 with both roundings. A front the CPU lacks falls
+ * to the next lower one, down to the C path. */
+START_TEST(quant_mx_vector_front_matches_c_path) {
+  enum { N = 1 << 17 }; /* every pattern twice: bit order, then shuffled */
+  uint16_t *x = every_pattern_twice();
   static const char *const formats[3] = {"mxfp8_e4m3fn", "mxfp8_e5m2", "mxfp4"};
   static const char *const rules[4] = {"even", "floor", "amax_up", "amax_down"};
   static const moe_dtype dtypes[2] = {MOE_BF16, MOE_F16};
@@ -525,23 +533,6 @@ END_TEST
  * alike. The oracle tests check the machine's own path against the contract;
  * this one ties each lower path to it. On a machine without the higher
  * levels both runs take the same path. */
-static uint16_t *every_pattern_twice(void) {
-  enum { N = 1 << 17 };
-  uint16_t *x = malloc(N * sizeof *x);
-  ck_assert_ptr_nonnull(x);
-  for (uint32_t i = 0; i < N; i++)
-    x[i] = (uint16_t)i;
-  uint64_t z = 0x9E3779B97F4A7C15ull;
-  for (uint32_t i = N - 1; i > N / 2; i--) { /* Fisher-Yates over the second half */
-    z ^= z << 13, z ^= z >> 7, z ^= z << 17;
-    uint32_t j = N / 2 + (uint32_t)(z % (i - N / 2 + 1));
-    uint16_t t = x[i];
-    x[i] = x[j];
-    x[j] = t;
-  }
-  return x;
-}
-
 /* Runs op at the machine's level and at `cap`; every output byte equal. */
 static void expect_same_at_cap(moe_cpu_isa cap, const char *op, moe_named_tensor *in, size_t nin,
                                moe_param *p, size_t np, const char *what) {
