@@ -1,4 +1,5 @@
 /* The CPU backend: host memory, OpenMP threads, a reusable workspace. */
+#include <cpuid.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,8 +38,10 @@ static moe_cpu_isa cpu_isa(void) {
   if (has < 0) {
     const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-    const bool avx2 =
-        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    /* F16C by cpuid: clang's __builtin_cpu_supports does not know "f16c" */
+    unsigned a, b, c, d;
+    const bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
     has = avx512 && __builtin_cpu_supports("avx512vbmi") ? MOE_CPU_ISA_AVX512_VBMI
           : avx512                                       ? MOE_CPU_ISA_AVX512
           : avx2                                         ? MOE_CPU_ISA_AVX2
