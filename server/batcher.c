@@ -283,11 +283,6 @@ static bool watch_submit(moed_server *s, infer_job *j) {
   return true;
 }
 
-/* Whether the caller of work with this deadline and call stopped waiting by `now`. */
-static bool gave_up(uint64_t deadline_ns, const moed_rpc *rpc, uint64_t now) {
-  return now >= deadline_ns || moed_rpc_cancelled(rpc);
-}
-
 #define SWEEP_BATCH 64 /* answered per pass, outside the lock */
 
 /* One pass of the sweep: takes up to max requests whose callers gave up at
@@ -304,7 +299,7 @@ static size_t sweep_pass(moed_batcher *b, uint64_t now, moed_infer_req **out, mo
   for (infer_job *j = b->watched, *jn; j && got + *n_raw < max; j = jn) {
     jn = j->wnext;
     if (j->raw) {
-      if (gave_up(j->deadline_ns, j->raw->rpc, now)) {
+      if (moed_caller_gone(j->deadline_ns, j->raw->rpc, now)) {
         raw_out[(*n_raw)++] = j->raw;
         j->raw = NULL;
       } else if (j->deadline_ns < *next) {
@@ -315,7 +310,7 @@ static size_t sweep_pass(moed_batcher *b, uint64_t now, moed_infer_req **out, mo
       j->deadline_ns = UINT64_MAX;
       for (size_t k = 0; k < j->n; k++) {
         moed_infer_req *r = j->reqs[k];
-        if (got + *n_raw < max && gave_up(r->deadline_ns, r->req->rpc, now)) {
+        if (got + *n_raw < max && moed_caller_gone(r->deadline_ns, r->req->rpc, now)) {
           out[got++] = r;
           continue;
         }

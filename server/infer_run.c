@@ -24,9 +24,8 @@ typedef struct run_ctx {
   char err[MOED_ERR_LEN];
 } run_ctx;
 
-/* Whether r's caller still waits for its work at `now`. */
-static bool wanted(const moed_infer_req *r, uint64_t now) {
-  return !moed_rpc_cancelled(r->req->rpc) && now < r->deadline_ns;
+bool moed_caller_gone(uint64_t deadline_ns, const moed_rpc *rpc, uint64_t now) {
+  return now >= deadline_ns || moed_rpc_cancelled(rpc);
 }
 
 /* A running op stops once nobody waits for it (every caller cancelled or
@@ -37,7 +36,7 @@ static bool run_stop(void *ctx) {
   if (atomic_load(&c->srv->stop_work)) return true;
   const uint64_t now = moed_now_ns();
   for (size_t k = 0; k < c->n_reqs; k++)
-    if (wanted(c->reqs[k], now)) return false;
+    if (!moed_caller_gone(c->reqs[k]->deadline_ns, c->reqs[k]->req->rpc, now)) return false;
   return true;
 }
 

@@ -517,6 +517,9 @@ void moed_batcher_submit(moed_batcher *b, moed_infer_req *r);
 void moed_infer_dispatch(moed_server *s, moed_infer_req **reqs, size_t n);
 /* Queues an admitted request that is decoded on the worker (large). */
 void moed_infer_dispatch_raw(moed_server *s, moed_request *req);
+/* Whether the caller of work with this deadline and call stopped waiting by
+ * `now` (cancelled, or the deadline passed). Any thread. */
+bool moed_caller_gone(uint64_t deadline_ns, const moed_rpc *rpc, uint64_t now);
 /* Answers every queued request whose caller gave up (cancelled, or past
  * its deadline or parameters['timeout']) and withdraws the jobs left
  * without requests from the device queues; returns how many it withdrew
