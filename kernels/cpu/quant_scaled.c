@@ -104,8 +104,8 @@ MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t
   const moe_narrow_fmt fmt = a->fmt;
   const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8;
   if (lanes)
-    begin += lanes((const char *)x + begin * (xt == MOE_F32 ? 4 : 2), xt, 1, end - begin, &s, &r, exact, int8,
-                   &fmt, MOE_CPU_PREFETCH, (uint8_t *)q + begin);
+    begin += lanes((const char *)x + begin * (moe_dtype_bits(xt) / 8), xt, 1, end - begin, &s, &r, exact,
+                   int8, &fmt, MOE_CPU_PREFETCH, (uint8_t *)q + begin);
   switch (xt) {
   case MOE_F16: encode_dtype(x, MOE_F16, begin, end, s, r, exact, int8, &fmt, q); break;
   case MOE_BF16: encode_dtype(x, MOE_BF16, begin, end, s, r, exact, int8, &fmt, q); break;
@@ -143,8 +143,8 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
     if (lanes)
       /* prefetching the next batch, which the next amax pass reads: the memory
        * stays busy while this batch, already in cache, is encoded */
-      done = lanes((const char *)x + b0 * g * (xt == MOE_F32 ? 4 : 2), xt, nb, g, s, r, exact, int8, &fmt,
-                   nb * g * (xt == MOE_F32 ? 4 : 2), (uint8_t *)q + b0 * g);
+      done = lanes((const char *)x + b0 * g * (moe_dtype_bits(xt) / 8), xt, nb, g, s, r, exact, int8, &fmt,
+                   nb * g * (moe_dtype_bits(xt) / 8), (uint8_t *)q + b0 * g);
     if (done == g) continue;
     if (done)
       for (size_t k = 0; k < nb; k++)
@@ -152,8 +152,8 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
     else if (g == 128) /* per_token_group's usual G as a constant trip count: no loop set-up per unit */
       for (size_t k = 0; k < nb; k++) {
         const size_t o = (b0 + k) * 128;
-        encode_dtype((const char *)x + o * (xt == MOE_F32 ? 4 : 2), xt, 0, 128, s[k], r[k], exact, int8, &fmt,
-                     (uint8_t *)q + o);
+        encode_dtype((const char *)x + o * (moe_dtype_bits(xt) / 8), xt, 0, 128, s[k], r[k], exact, int8,
+                     &fmt, (uint8_t *)q + o);
       }
     else
       for (size_t k = 0; k < nb; k++)
