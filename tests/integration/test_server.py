@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import queue
 
 import grpc
@@ -362,7 +363,6 @@ def triton_metrics(text, model):
 
 
 def test_metrics(cli, http_port):
-    import urllib.request
     s = cli.get_inference_statistics("quant.per_token").model_stats[0]  # nothing runs meanwhile
     text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics").read().decode()
     nv = triton_metrics(text, "quant.per_token")
@@ -429,7 +429,17 @@ def test_drain(tmp):
     req = make_req("quant.per_token", [("x", "FP32", list(big.shape), big.tobytes())], {"out_dtype": "int8"})
     f = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=lambda m: m.SerializeToString())
     futs = [f.future(req, timeout=60) for _ in range(6)]
-    time.sleep(0.3)
+    # SIGTERM once all six are admitted (running or answered): a 64 MiB
+    # message still in transit when the drain starts is refused UNAVAILABLE
+    # (retryable, no work done) -- under ASan six take longer than any sleep
+    for _ in range(600):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics").read().decode()
+        got = sum(float(m) for m in re.findall(
+            r'^(?:moed_inflight_requests|moed_requests_total\{model="quant.per_token",outcome="\w+"\}) (\S+)$',
+            text, re.M))
+        if got >= 6:
+            break
+        time.sleep(0.05)
     p.send_signal(signal.SIGTERM)
     time.sleep(0.05)
     code, _ = code_of(lambda: f(make_req("quant.per_token", [("x", "FP32", [1, 32], bytes(128))], {"out_dtype": "int8"}), timeout=5))
