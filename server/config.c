@@ -78,6 +78,8 @@ static const char usage[] =
     "  --upload-budget-bytes N   tensor bytes of all uploads in progress together "
     "(MOED_UPLOAD_BUDGET_BYTES,\n"
     "                            default 64 GiB)\n"
+    "  --shm-max-regions N      system shared-memory regions registered at once (MOED_SHM_MAX_REGIONS,\n"
+    "                            default 64; 0 = the extension off)\n"
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
     "  --log-json                JSON log lines (MOED_LOG_JSON=1)\n"
     "  --port-file PATH          write \"GRPC_PORT HTTP_PORT REST_PORT\" once listening (tests; -1: off)\n"
@@ -151,6 +153,7 @@ enum {
   OPT_MAX_UPLOADS,
   OPT_UPLOAD_BUDGET,
   OPT_ALLOW_GPU_METRICS,
+  OPT_SHM_MAX_REGIONS,
 };
 
 static const struct option options[] = {
@@ -196,6 +199,7 @@ static const struct option options[] = {
     {"auth-metrics-exempt", no_argument, NULL, OPT_AUTH_METRICS_EXEMPT},
     {"max-uploads", required_argument, NULL, OPT_MAX_UPLOADS},
     {"upload-budget-bytes", required_argument, NULL, OPT_UPLOAD_BUDGET},
+    {"shm-max-regions", required_argument, NULL, OPT_SHM_MAX_REGIONS},
     {"help", no_argument, NULL, OPT_HELP},
     /* Triton's spellings (usage) */
     {"grpc-address", required_argument, NULL, OPT_ADDRESS},
@@ -360,6 +364,7 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_AUTH_METRICS_EXEMPT: c->auth_metrics_exempt = !v || strcmp(v, "0") != 0; break;
   case OPT_HTTP_PLAINTEXT: c->http_port_plaintext = !v || strcmp(v, "0") != 0; break;
   case OPT_MAX_UPLOADS: ok = parse_i64(v, 1, 1 << 16, &n) && (c->max_uploads = (int)n, true); break;
+  case OPT_SHM_MAX_REGIONS: ok = parse_i64(v, 0, 1 << 16, &n) && (c->shm_max_regions = (int)n, true); break;
   case OPT_UPLOAD_BUDGET:
     ok = parse_i64(v, 1, INT64_MAX, &n) && (c->upload_budget_bytes = (size_t)n, true);
     break;
@@ -408,6 +413,7 @@ static const struct {
     {"MOED_AUTH_METRICS_EXEMPT", OPT_AUTH_METRICS_EXEMPT},
     {"MOED_MAX_UPLOADS", OPT_MAX_UPLOADS},
     {"MOED_UPLOAD_BUDGET_BYTES", OPT_UPLOAD_BUDGET},
+    {"MOED_SHM_MAX_REGIONS", OPT_SHM_MAX_REGIONS},
 };
 
 int moed_config_parse(moed_config *c, int argc, char **argv) {
@@ -441,6 +447,7 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .tls_client_auth = -1, /* require when a client CA is given */
       .max_uploads = 4,
       .upload_budget_bytes = (size_t)64 << 30,
+      .shm_max_regions = 64,
   };
   for (size_t i = 0; i < sizeof env_map / sizeof env_map[0]; i++) {
     const char *v = getenv(env_map[i].env);

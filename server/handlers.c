@@ -46,12 +46,14 @@ static const char *version_ok(const char *v) { return (!v || !*v || strcmp(v, "1
 
 /* ---- health and server metadata ------------------------------------------------------ */
 
-static void server_metadata(moed_request *req) {
-  static char *extensions[] = {"model_repository", "statistics", "grpc_health", "moe_expert_store"};
+static void server_metadata(const moed_server *s, moed_request *req) {
+  /* the last one only while regions may be registered */
+  static char *extensions[] = {"model_repository", "statistics", "grpc_health", "moe_expert_store",
+                               "system_shared_memory"};
   Inference__ServerMetadataResponse r = INFERENCE__SERVER_METADATA_RESPONSE__INIT;
   r.name = "moed";
   r.version = MOED_VERSION;
-  r.n_extensions = sizeof extensions / sizeof extensions[0];
+  r.n_extensions = sizeof extensions / sizeof extensions[0] - !s->shm;
   r.extensions = extensions;
   reply(req, &r.base);
 }
@@ -449,6 +451,130 @@ static void repository_index(moed_server *s, moed_request *req) {
   protobuf_c_message_free_unpacked(&in->base, NULL);
 }
 
+/* ---- shared memory (Triton's extensions; the regions are shm.c's) ---------------------------- */
+
+static bool shm_on(moed_server *s, moed_request *req) {
+  if (!s->shm)
+    reply_error(req, GRPC_STATUS_FAILED_PRECONDITION, "system shared memory is off (--shm-max-regions 0)");
+  return s->shm != NULL;
+}
+
+static void shm_register(moed_server *s, moed_request *req) {
+  Inference__SystemSharedMemoryRegisterRequest *in =
+      unpack(req, &inference__system_shared_memory_register_request__descriptor);
+  if (!in) return;
+  if (shm_on(s, req)) {
+    char err[MOED_ERR_LEN];
+    grpc_status_code code = moed_shm_register(s->shm, in->name, in->key, in->offset, in->byte_size, err);
+    if (code) {
+      moed_rpc_finish(req->rpc, code, err, NULL);
+    } else {
+      moed_log(MOED_LOG_INFO, "shm_register", "region %s: '%s' bytes [%llu, +%llu), by %s", in->name, in->key,
+               (unsigned long long)in->offset, (unsigned long long)in->byte_size, moed_rpc_peer(req->rpc));
+      Inference__SystemSharedMemoryRegisterResponse r =
+          INFERENCE__SYSTEM_SHARED_MEMORY_REGISTER_RESPONSE__INIT;
+      reply(req, &r.base);
+    }
+  }
+  protobuf_c_message_free_unpacked(&in->base, NULL);
+}
+
+static void shm_unregister(moed_server *s, moed_request *req) {
+  Inference__SystemSharedMemoryUnregisterRequest *in =
+      unpack(req, &inference__system_shared_memory_unregister_request__descriptor);
+  if (!in) return;
+  if (*in->name && !moed_model_name_ok(in->name)) {
+    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "name: not a valid region name (%s)",
+                MOED_MODEL_NAME_RULE);
+  } else if (shm_on(s, req)) {
+    moed_shm_unregister(s->shm, in->name);
+    moed_log(MOED_LOG_INFO, "shm_unregister", "region %s, by %s", *in->name ? in->name : "(all)",
+             moed_rpc_peer(req->rpc));
+    Inference__SystemSharedMemoryUnregisterResponse r =
+        INFERENCE__SYSTEM_SHARED_MEMORY_UNREGISTER_RESPONSE__INIT;
+    reply(req, &r.base);
+  }
+  protobuf_c_message_free_unpacked(&in->base, NULL);
+}
+
+static void shm_status(moed_server *s, moed_request *req) {
+  Inference__SystemSharedMemoryStatusRequest *in =
+      unpack(req, &inference__system_shared_memory_status_request__descriptor);
+  if (!in) return;
+  moed_shm_info *v = NULL;
+  Inference__SystemSharedMemoryStatusResponse__RegionStatus *st = NULL;
+  Inference__SystemSharedMemoryStatusResponse__RegionsEntry *e = NULL, **pe = NULL;
+  long n = 0;
+  if (*in->name && !moed_model_name_ok(in->name)) {
+    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "name: not a valid region name (%s)",
+                MOED_MODEL_NAME_RULE);
+    goto done;
+  }
+  if (!shm_on(s, req)) goto done;
+  n = moed_shm_status(s->shm, in->name, &v);
+  st = calloc(n > 0 ? (size_t)n : 1, sizeof *st);
+  e = calloc(n > 0 ? (size_t)n : 1, sizeof *e);
+  pe = calloc(n > 0 ? (size_t)n : 1, sizeof *pe);
+  if (n < 0 || !st || !e || !pe) {
+    reply_error(req, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory");
+    goto done;
+  }
+  if (*in->name && n == 0) {
+    reply_error(req, GRPC_STATUS_NOT_FOUND, "name: no region '%s' is registered", in->name);
+    goto done;
+  }
+  for (long i = 0; i < n; i++) {
+    inference__system_shared_memory_status_response__region_status__init(&st[i]);
+    inference__system_shared_memory_status_response__regions_entry__init(&e[i]);
+    st[i].name = v[i].name;
+    st[i].key = v[i].key;
+    st[i].offset = v[i].offset;
+    st[i].byte_size = v[i].byte_size;
+    e[i].key = v[i].name;
+    e[i].value = &st[i];
+    pe[i] = &e[i];
+  }
+  Inference__SystemSharedMemoryStatusResponse r = INFERENCE__SYSTEM_SHARED_MEMORY_STATUS_RESPONSE__INIT;
+  r.n_regions = (size_t)n;
+  r.regions = pe;
+  reply(req, &r.base);
+done:
+  free(v);
+  free(st);
+  free(e);
+  free(pe);
+  protobuf_c_message_free_unpacked(&in->base, NULL);
+}
+
+/* CUDA shared memory: moed maps no device buffer of another process (no
+ * CUDA IPC), so none is ever registered: status lists none, unregistering
+ * has nothing to do, registering is refused with what to use instead. */
+static void cuda_shm(moed_request *req) {
+  if (req->method == MOED_M_CUDA_SHM_REGISTER) {
+    reply_error(req, GRPC_STATUS_UNIMPLEMENTED,
+                "CUDA shared memory is not supported by moed (no CUDA IPC): register the tensors' host "
+                "memory with SystemSharedMemoryRegister instead");
+    return;
+  }
+  const bool status = req->method == MOED_M_CUDA_SHM_STATUS;
+  ProtobufCMessage *in = unpack(req, status ? &inference__cuda_shared_memory_status_request__descriptor
+                                            : &inference__cuda_shared_memory_unregister_request__descriptor);
+  if (!in) return;
+  const char *name = status ? ((Inference__CudaSharedMemoryStatusRequest *)in)->name
+                            : ((Inference__CudaSharedMemoryUnregisterRequest *)in)->name;
+  if (status && *name) {
+    reply_error(req, GRPC_STATUS_NOT_FOUND,
+                "name: no CUDA shared memory region is registered (moed has none)");
+  } else if (status) {
+    Inference__CudaSharedMemoryStatusResponse r = INFERENCE__CUDA_SHARED_MEMORY_STATUS_RESPONSE__INIT;
+    reply(req, &r.base);
+  } else {
+    Inference__CudaSharedMemoryUnregisterResponse r = INFERENCE__CUDA_SHARED_MEMORY_UNREGISTER_RESPONSE__INIT;
+    reply(req, &r.base);
+  }
+  protobuf_c_message_free_unpacked(in, NULL);
+}
+
 /* ---- jobs on the device queues -------------------------------------------------------------- */
 
 /* Messages up to this size are decoded on the loop (microseconds), so the
@@ -597,13 +723,19 @@ void moed_handle_request(moed_request *req, void *arg) {
     break;
   }
   case MOED_M_MODEL_READY: model_ready(s, req); break;
-  case MOED_M_SERVER_METADATA: server_metadata(req); break;
+  case MOED_M_SERVER_METADATA: server_metadata(s, req); break;
   case MOED_M_MODEL_METADATA: model_metadata(s, req); break;
   case MOED_M_MODEL_CONFIG: model_config(s, req); break;
   case MOED_M_MODEL_STATISTICS: model_statistics(s, req); break;
   case MOED_M_REPOSITORY_INDEX: repository_index(s, req); break;
   case MOED_M_HEALTH_CHECK: health(s, req, false); break;
   case MOED_M_HEALTH_WATCH: health(s, req, true); break;
+  case MOED_M_SHM_REGISTER: shm_register(s, req); break;
+  case MOED_M_SHM_UNREGISTER: shm_unregister(s, req); break;
+  case MOED_M_SHM_STATUS: shm_status(s, req); break;
+  case MOED_M_CUDA_SHM_STATUS:
+  case MOED_M_CUDA_SHM_REGISTER:
+  case MOED_M_CUDA_SHM_UNREGISTER: cuda_shm(req); break;
   case MOED_M_MODEL_INFER:
     infer(s, req);
     keep = true;

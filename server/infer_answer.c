@@ -11,6 +11,8 @@ void moed_infer_req_free(moed_infer_req *r) {
   if (!r) return;
   for (size_t i = 0; i < MOED_MAX_TENSORS; i++)
     moed_hostmem_free(r->owned[i]);
+  for (size_t i = 0; i < r->n_shm; i++) /* an unregistered region is unmapped with its last user */
+    moed_shm_release(r->shm[i]);
   free(r->raw);
   free(r->key);
   if (r->msg) inference__model_infer_request__free_unpacked(r->msg, NULL);

@@ -24,7 +24,12 @@ bool moed_infer_inline_ok(moed_server *srv, grpc_byte_buffer *payload) {
   char name[128];
   moed_kserve_string(GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), false, MOED_KSERVE_MODEL_NAME, name,
                      sizeof name);
+  /* a tensor in shared memory costs what its region's bytes cost, not what
+   * the message does: any mention of one sends it to a worker (a false
+   * match only costs the fast path) */
+  const bool shm = memmem(GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), "shared_memory_region", 20) != NULL;
   grpc_slice_unref(s);
+  if (shm) return false;
   moed_model *m = moed_repository_acquire(srv->repo, name);
   /* unknown: answered at once wherever it runs; an op that takes weights (an
    * expert set or inline weights) may compute far longer than its message
@@ -201,14 +206,20 @@ static grpc_status_code typed_contents(moed_infer_req *c, size_t i,
   return GRPC_STATUS_OK;
 }
 
-static grpc_status_code decode_inputs(moed_infer_req *c, const moed_config *cfg) {
+static grpc_status_code decode_inputs(moed_infer_req *c, moed_server *srv) {
+  const moed_config *cfg = srv->cfg;
   const Inference__ModelInferRequest *r = c->msg;
   if (r->n_inputs > MOED_MAX_TENSORS)
     return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs: %zu given, at most %d", r->n_inputs,
                 MOED_MAX_TENSORS);
-  if (c->n_raw && c->n_raw != r->n_inputs)
-    return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "raw_input_contents: %zu given for %zu inputs", c->n_raw,
-                r->n_inputs);
+  /* raw_input_contents hold the inputs not in shared memory, in order (Triton's rule) */
+  size_t n_shm = 0, next_raw = 0;
+  for (size_t i = 0; i < r->n_inputs; i++)
+    n_shm += moed_infer_shm_named(r->inputs[i]);
+  if (c->n_raw && c->n_raw != r->n_inputs - n_shm)
+    return fail(c, GRPC_STATUS_INVALID_ARGUMENT,
+                "raw_input_contents: %zu given for %zu inputs (%zu more in shared memory)", c->n_raw,
+                r->n_inputs - n_shm, n_shm);
   for (size_t i = 0; i < r->n_inputs; i++) {
     const Inference__ModelInferRequest__InferInputTensor *t = r->inputs[i];
     if (!t->name || !*t->name) return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu]: name is empty", i);
@@ -221,12 +232,17 @@ static grpc_status_code decode_inputs(moed_infer_req *c, const moed_config *cfg)
     size_t numel = 0;
     grpc_status_code code = check_shape(c, cfg, i, t, wt, &c->in[i].tensor, &numel);
     if (code) return code;
-    if (c->n_raw) {
-      const ProtobufCBinaryData *raw = &c->raw[i];
+    bool in_shm = false;
+    if ((code = moed_infer_shm_input(c, srv, i, t, &c->in[i].tensor, &in_shm))) return code;
+    if (in_shm) {
+      /* read from its region (infer_shm.c) */
+    } else if (c->n_raw) {
+      const size_t k = next_raw++;
+      const ProtobufCBinaryData *raw = &c->raw[k];
       if (raw->len != c->in[i].tensor.nbytes)
         return fail(c, GRPC_STATUS_INVALID_ARGUMENT,
                     "inputs[%zu] '%s': raw_input_contents[%zu] has %zu bytes, shape and %s need %zu", i,
-                    t->name, i, raw->len, t->datatype, c->in[i].tensor.nbytes);
+                    t->name, k, raw->len, t->datatype, c->in[i].tensor.nbytes);
       c->in[i].tensor.data = raw->data;
       size_t align = moe_dtype_bits(wt->dtype) / 8;
       if (align > 1 && (uintptr_t)raw->data % align) {
@@ -386,7 +402,8 @@ moed_infer_req *moed_infer_decode(moed_server *srv, moed_request *req) {
                    r->msg->model_version);
     return r;
   }
-  if ((r->code = decode_inputs(r, srv->cfg))) return r;
+  if ((r->code = decode_inputs(r, srv))) return r;
+  if ((r->code = moed_infer_shm_outputs_decode(r, srv))) return r;
   if ((r->code = decode_params(r))) return r;
   moed_batch_key(r, srv);
   return r;

@@ -2,6 +2,7 @@
  * internal to the inference path. A request goes through the files in this
  * order:
  *   infer_decode.c  the message (walked by kserve_wire.c) -> moed_infer_req
+ *   infer_shm.c     inputs read from, outputs written to shared memory
  *   batcher.c       its batch key; merged with others or queued alone
  *   infer_run.c     one op call, merged or not; outputs split per request
  *                   and encoded by kserve_wire.c
@@ -37,7 +38,40 @@ struct moed_infer_req {
   grpc_status_code code; /* decode failure */
   char err[MOED_ERR_LEN];
   uint64_t bytes_in;
+  /* system shared memory (infer_shm.c): the regions the request uses (one
+   * reference each), inputs still to be copied out of a region (the bytes
+   * to copy; NULL: none), and where each requested output goes (NULL: in
+   * the response) with the room there */
+  moed_shm_region *shm[2 * MOED_MAX_TENSORS];
+  size_t n_shm;
+  const uint8_t *shm_in[MOED_MAX_TENSORS];
+  uint8_t *shm_out[MOED_MAX_TENSORS];
+  uint64_t shm_out_size[MOED_MAX_TENSORS];
 };
+
+/* ---- infer_shm.c ------------------------------------------------------------------------- */
+
+/* Whether input t names a shared-memory region (parameters['shared_memory_region']). */
+bool moed_infer_shm_named(const Inference__ModelInferRequest__InferInputTensor *t);
+/* Input i (t, its tensor `out` with shape and dtype set) from the region it
+ * names: bounds and byte size checked, the bytes copied now when small
+ * (else at moed_infer_shm_inputs). OK with *used false: t names no region. */
+grpc_status_code moed_infer_shm_input(moed_infer_req *r, moed_server *srv, size_t i,
+                                      const Inference__ModelInferRequest__InferInputTensor *t,
+                                      moe_tensor *out, bool *used);
+/* Each requested output that names a region: the region found and the
+ * span checked (decoding). */
+grpc_status_code moed_infer_shm_outputs_decode(moed_infer_req *r, moed_server *srv);
+/* Copies the inputs left in their regions into the request's own memory
+ * (on the worker, before the op reads them: a client writing its region
+ * meanwhile cannot change what was validated). Error in r->err. */
+grpc_status_code moed_infer_shm_inputs(moed_infer_req *r);
+/* Writes each output r asks into shared memory into its region and puts an
+ * empty slice in its place in data[] (the response then carries its
+ * metadata and no bytes, as Triton's does). outs/data: the model's
+ * outputs. Error in err[MOED_ERR_LEN] naming the output. */
+grpc_status_code moed_infer_shm_outputs(moed_infer_req *r, const moe_named_tensor *outs, grpc_slice *data,
+                                        size_t num_out, char *err);
 
 /* ---- batcher.c: the batch key ---------------------------------------------------------- */
 

@@ -228,7 +228,8 @@ static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r) {
     data[nd] = moed_hostmem_slice(host[nd], outs[nd].tensor.nbytes);
     host[nd] = NULL;
   }
-  code = encode(srv, r, outs, data, c.num_out, &resp, &bytes_out, c.err);
+  code = moed_infer_shm_outputs(r, outs, data, c.num_out, c.err);
+  if (!code) code = encode(srv, r, outs, data, c.num_out, &resp, &bytes_out, c.err);
   t.output_ns += moed_now_ns() - encoding;
 done:
   for (size_t i = 0; i < nd; i++)
@@ -346,7 +347,8 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
     grpc_byte_buffer *resp = NULL;
     uint64_t bytes_out = 0;
     char err[MOED_ERR_LEN];
-    grpc_status_code code = encode(srv, rk, mine, data, c.num_out, &resp, &bytes_out, err);
+    grpc_status_code code = moed_infer_shm_outputs(rk, mine, data, c.num_out, err);
+    if (!code) code = encode(srv, rk, mine, data, c.num_out, &resp, &bytes_out, err);
     for (size_t i = 0; i < c.num_out; i++)
       grpc_slice_unref(data[i]);
     tk.output_ns += moed_now_ns() - encoding;
@@ -370,6 +372,8 @@ void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, siz
     moed_infer_req *r = reqs[k];
     char err[MOED_ERR_LEN];
     grpc_status_code code = r->code ? r->code : moed_infer_unwanted(srv, r, false, err);
+    /* inputs still in shared memory become the request's own before anything reads them */
+    if (!code && (r->code = moed_infer_shm_inputs(r))) code = r->code;
     if (code)
       moed_infer_finish(srv, r, code, r->code ? r->err : err, NULL, NULL, 0);
     else

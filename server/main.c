@@ -189,6 +189,7 @@ int main(int argc, char **argv) {
   if (moed_devices_create(&a.cfg, &s->devices) != 0) goto out;
   if (moed_batcher_create(s, &s->batcher) != 0) goto out;
   if (a.cfg.cache_bytes && moed_weight_cache_create(a.cfg.cache_bytes, &s->weights) != 0) goto out;
+  if (a.cfg.shm_max_regions > 0 && moed_shm_create(a.cfg.shm_max_regions, &s->shm) != 0) goto out;
   if (moed_rpc_start(&a.cfg, &a.loop, moed_handle_request, moed_handle_inline, moed_handle_cancel, s, &s->rpc,
                      &grpc_port) != 0)
     goto out;
@@ -230,6 +231,7 @@ out:
   uv_run(&a.loop, UV_RUN_NOWAIT);   /* ... then its timer's close */
   moed_devices_stop(s->devices);
   moed_weight_cache_destroy(s->weights); /* no request uses it; its backends still live */
+  moed_shm_destroy(s->shm);              /* no request holds a region any more */
   moed_devices_destroy(s->devices);
   moed_repository_destroy(s->repo);
   moed_auth_destroy();

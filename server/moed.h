@@ -74,6 +74,7 @@ typedef struct moed_config {
   bool auth_metrics_exempt;     /* the HTTP port's /metrics needs no token */
   int max_uploads;              /* uploads in progress at once; beyond: RESOURCE_EXHAUSTED */
   size_t upload_budget_bytes;   /* tensor bytes of all uploads in progress together */
+  int shm_max_regions;          /* system shared-memory regions registered at once; 0: extension off */
 } moed_config;
 
 /* --tls-client-auth: no client certificate asked; verified when sent; required */
@@ -141,6 +142,12 @@ typedef enum moed_method {
   MOED_M_HEALTH_CHECK,
   MOED_M_HEALTH_WATCH,
   MOED_M_EXPERT_UPLOAD,
+  MOED_M_SHM_STATUS, /* Triton's system shared-memory extension (shm.c) */
+  MOED_M_SHM_REGISTER,
+  MOED_M_SHM_UNREGISTER,
+  MOED_M_CUDA_SHM_STATUS, /* ... and its CUDA one: no region is ever registered */
+  MOED_M_CUDA_SHM_REGISTER,
+  MOED_M_CUDA_SHM_UNREGISTER,
   MOED_M_COUNT
 } moed_method;
 
@@ -346,6 +353,47 @@ size_t moed_repository_index(moed_repository *r, moed_index_entry **out);
 /* Stats of every loaded model; calls fn for each under the lock. */
 void moed_repository_foreach(moed_repository *r, void (*fn)(moed_model *m, void *arg), void *arg);
 
+/* ---- shm.c: system shared-memory regions (Triton's extension) ------------- */
+
+/* The registry: region name -> a POSIX shared-memory object's bytes
+ * [offset, offset + byte_size), mapped read/write at registration. At most
+ * max regions; any thread (one mutex). A region is reference-counted: an
+ * unregistered region leaves the registry at once, and its mapping lives
+ * until the last request that acquired it lets it go. */
+typedef struct moed_shm moed_shm;
+typedef struct moed_shm_region moed_shm_region;
+
+int moed_shm_create(int max_regions, moed_shm **out);
+/* Unregisters every region (mappings still acquired live on). */
+void moed_shm_destroy(moed_shm *s);
+/* OK, or a failure naming the field in err[MOED_ERR_LEN]: name or key not
+ * valid (INVALID_ARGUMENT), name taken (ALREADY_EXISTS), no such object
+ * (NOT_FOUND), byte_size 0 or [offset, offset + byte_size) past the
+ * object's end (INVALID_ARGUMENT), the registry full (RESOURCE_EXHAUSTED). */
+grpc_status_code moed_shm_register(moed_shm *s, const char *name, const char *key, uint64_t offset,
+                                   uint64_t byte_size, char *err);
+/* Unregisters `name` (NULL or "": every region); a name not registered is
+ * no error (Triton's rule: unregistering is idempotent). */
+void moed_shm_unregister(moed_shm *s, const char *name);
+typedef struct moed_shm_info {
+  char name[128];
+  char key[256];
+  uint64_t offset, byte_size;
+} moed_shm_info;
+/* The regions registered now (only `name` unless NULL or ""), malloc'ed
+ * into *out (free()); returns how many, or -1 when out of memory. */
+long moed_shm_status(moed_shm *s, const char *name, moed_shm_info **out);
+/* The region registered as `name` with a reference for the caller; NULL
+ * when there is none. */
+moed_shm_region *moed_shm_acquire(moed_shm *s, const char *name);
+void moed_shm_release(moed_shm_region *r);
+/* The region's bytes [offset, offset + size), or NULL when they are not
+ * all within it (overflow-checked). */
+uint8_t *moed_shm_span(const moed_shm_region *r, uint64_t offset, uint64_t size);
+uint64_t moed_shm_byte_size(const moed_shm_region *r);
+/* A region name follows the model-name rule (it is echoed in messages). */
+#define MOED_SHM_KEY_RULE "an optional leading '/', then 1 to 250 of letters, digits, '.', '_', '-'"
+
 /* ---- devices.c: device queues (one worker per backend) --------------------- */
 
 typedef struct moed_devices moed_devices;
@@ -421,6 +469,7 @@ typedef struct moed_server {
   _Atomic uint64_t upload_bytes; /* tensor bytes they announced (upload.c, --upload-budget-bytes) */
   moed_batcher *batcher;
   moed_weight_cache *weights;
+  moed_shm *shm; /* system shared-memory regions; NULL: --shm-max-regions 0 */
 } moed_server;
 
 /* The loop's request callback (moed_request_fn). */

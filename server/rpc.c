@@ -50,6 +50,13 @@ static const method_desc methods[MOED_M_COUNT] = {
                               .read_stream = true,
                               .paced = true,
                               .changes = true},
+    /* registering maps a node-local object: who did it is logged as for repository changes */
+    [MOED_M_SHM_STATUS] = {.path = KSERVE("SystemSharedMemoryStatus")},
+    [MOED_M_SHM_REGISTER] = {.path = KSERVE("SystemSharedMemoryRegister"), .changes = true},
+    [MOED_M_SHM_UNREGISTER] = {.path = KSERVE("SystemSharedMemoryUnregister"), .changes = true},
+    [MOED_M_CUDA_SHM_STATUS] = {.path = KSERVE("CudaSharedMemoryStatus")},
+    [MOED_M_CUDA_SHM_REGISTER] = {.path = KSERVE("CudaSharedMemoryRegister")},
+    [MOED_M_CUDA_SHM_UNREGISTER] = {.path = KSERVE("CudaSharedMemoryUnregister")},
 };
 #undef KSERVE
 

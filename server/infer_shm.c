@@ -1,0 +1,192 @@
+/* infer_shm: the tensors of one inference request that live in system
+ * shared memory (Triton's extension; the regions are shm.c's). An input or
+ * a requested output names a region in its parameters:
+ *   shared_memory_region     string, a registered region
+ *   shared_memory_offset     integer >= 0, bytes into the region (default 0)
+ *   shared_memory_byte_size  integer >= 0, required with the region
+ * The span is checked against the region at every use. Input bytes are
+ * copied into the request's own memory before the op validates them (small
+ * ones while decoding, since the batch key reads them; large ones on the
+ * worker), so a client rewriting its region cannot change them mid-call.
+ * Outputs are copied into their region once computed. */
+#include <stdio.h>
+#include <string.h>
+
+#include "infer_req.h"
+
+#define P_REGION "shared_memory_region"
+#define P_OFFSET "shared_memory_offset"
+#define P_SIZE "shared_memory_byte_size"
+
+/* Inputs up to this size are copied while decoding (on the loop: cheap). */
+#define COPY_AT_DECODE ((uint64_t)64 << 10)
+
+typedef struct shm_ref {
+  const char *region; /* NULL: the tensor names none */
+  int64_t offset, size;
+  bool has_offset, has_size;
+} shm_ref;
+
+/* One tensor parameter into ref when it is one of the three (what: the
+ * tensor, for messages). */
+static grpc_status_code shm_param(moed_infer_req *r, const char *what, const char *key,
+                                  const Inference__InferParameter *v, shm_ref *ref) {
+  const bool region = strcmp(key, P_REGION) == 0, offset = strcmp(key, P_OFFSET) == 0,
+             size = strcmp(key, P_SIZE) == 0;
+  if (!region && !offset && !size) return GRPC_STATUS_OK;
+  const int c = v ? (int)v->parameter_choice_case : 0;
+  if (region) {
+    if (c != INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_STRING_PARAM)
+      return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT, "%s: parameters['%s']: a string is expected",
+                        what, key);
+    ref->region = v->string_param;
+    return GRPC_STATUS_OK;
+  }
+  int64_t n = -1;
+  if (c == INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_INT64_PARAM)
+    n = v->int64_param;
+  else if (c == INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_UINT64_PARAM && v->uint64_param <= INT64_MAX)
+    n = (int64_t)v->uint64_param;
+  if (n < 0)
+    return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT,
+                      "%s: parameters['%s']: an integer >= 0 is expected", what, key);
+  if (offset) {
+    ref->offset = n;
+    ref->has_offset = true;
+  } else {
+    ref->size = n;
+    ref->has_size = true;
+  }
+  return GRPC_STATUS_OK;
+}
+
+/* The span ref names: its region held by r, *at its first byte. */
+static grpc_status_code shm_resolve(moed_infer_req *r, moed_server *srv, const char *what, const shm_ref *ref,
+                                    uint8_t **at) {
+  if (!ref->region)
+    return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT, "%s: parameters['%s'] given without '%s'", what,
+                      ref->has_offset ? P_OFFSET : P_SIZE, P_REGION);
+  if (!ref->has_size)
+    return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT, "%s: parameters['%s'] is required with '%s'",
+                      what, P_SIZE, P_REGION);
+  if (!srv->shm)
+    return moed_failf(r->err, GRPC_STATUS_FAILED_PRECONDITION,
+                      "%s: parameters['%s']: system shared memory is off (--shm-max-regions 0)", what,
+                      P_REGION);
+  if (!moed_model_name_ok(ref->region)) /* not echoed */
+    return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT,
+                      "%s: parameters['%s']: not a valid region name (%s)", what, P_REGION,
+                      MOED_MODEL_NAME_RULE);
+  if (r->n_shm == sizeof r->shm / sizeof r->shm[0]) /* inputs and outputs are bounded: cannot happen */
+    return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT, "%s: too many shared memory tensors", what);
+  moed_shm_region *g = moed_shm_acquire(srv->shm, ref->region);
+  if (!g)
+    return moed_failf(r->err, GRPC_STATUS_NOT_FOUND, "%s: parameters['%s']: no region '%s' is registered",
+                      what, P_REGION, ref->region);
+  r->shm[r->n_shm++] = g; /* released with r */
+  *at = moed_shm_span(g, (uint64_t)ref->offset, (uint64_t)ref->size);
+  if (!*at)
+    return moed_failf(
+        r->err, GRPC_STATUS_INVALID_ARGUMENT,
+        "%s: parameters['%s'] + ['%s']: %lld + %lld bytes run past the end of region '%s' (%llu bytes)", what,
+        P_OFFSET, P_SIZE, (long long)ref->offset, (long long)ref->size, ref->region,
+        (unsigned long long)moed_shm_byte_size(g));
+  return GRPC_STATUS_OK;
+}
+
+bool moed_infer_shm_named(const Inference__ModelInferRequest__InferInputTensor *t) {
+  for (size_t k = 0; k < t->n_parameters; k++)
+    if (t->parameters[k]->key && strcmp(t->parameters[k]->key, P_REGION) == 0) return true;
+  return false;
+}
+
+grpc_status_code moed_infer_shm_input(moed_infer_req *r, moed_server *srv, size_t i,
+                                      const Inference__ModelInferRequest__InferInputTensor *t,
+                                      moe_tensor *out, bool *used) {
+  char what[200];
+  snprintf(what, sizeof what, "inputs[%zu] '%s'", i, t->name);
+  shm_ref ref = {0};
+  grpc_status_code code;
+  for (size_t k = 0; k < t->n_parameters; k++)
+    if (t->parameters[k]->key &&
+        (code = shm_param(r, what, t->parameters[k]->key, t->parameters[k]->value, &ref)))
+      return code;
+  *used = ref.region || ref.has_offset || ref.has_size;
+  if (!*used) return GRPC_STATUS_OK;
+  uint8_t *at = NULL;
+  if ((code = shm_resolve(r, srv, what, &ref, &at))) return code;
+  if (t->contents)
+    return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT, "%s: contents given with parameters['%s']", what,
+                      P_REGION);
+  if ((uint64_t)ref.size != out->nbytes)
+    return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT,
+                      "%s: parameters['%s'] = %lld, shape and %s need %zu bytes", what, P_SIZE,
+                      (long long)ref.size, t->datatype, out->nbytes);
+  if (out->nbytes > COPY_AT_DECODE) {
+    r->shm_in[i] = at; /* moed_infer_shm_inputs copies it on the worker */
+    out->data = NULL;
+    return GRPC_STATUS_OK;
+  }
+  if (out->nbytes) {
+    if (!(r->owned[i] = moed_hostmem_alloc(out->nbytes)))
+      return moed_failf(r->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for input '%s'", t->name);
+    memcpy(r->owned[i], at, out->nbytes);
+  }
+  out->data = r->owned[i];
+  return GRPC_STATUS_OK;
+}
+
+grpc_status_code moed_infer_shm_outputs_decode(moed_infer_req *r, moed_server *srv) {
+  const Inference__ModelInferRequest *m = r->msg;
+  for (size_t k = 0; k < m->n_outputs && k < MOED_MAX_TENSORS; k++) {
+    const Inference__ModelInferRequest__InferRequestedOutputTensor *o = m->outputs[k];
+    char what[200];
+    snprintf(what, sizeof what, "outputs[%zu] '%s'", k, o->name);
+    shm_ref ref = {0};
+    grpc_status_code code;
+    for (size_t j = 0; j < o->n_parameters; j++)
+      if (o->parameters[j]->key &&
+          (code = shm_param(r, what, o->parameters[j]->key, o->parameters[j]->value, &ref)))
+        return code;
+    if (!ref.region && !ref.has_offset && !ref.has_size) continue;
+    if ((code = shm_resolve(r, srv, what, &ref, &r->shm_out[k]))) return code;
+    r->shm_out_size[k] = (uint64_t)ref.size;
+  }
+  return GRPC_STATUS_OK;
+}
+
+grpc_status_code moed_infer_shm_inputs(moed_infer_req *r) {
+  for (size_t i = 0; i < r->n_in; i++) {
+    if (!r->shm_in[i]) continue;
+    moe_tensor *t = &r->in[i].tensor;
+    if (!(r->owned[i] = moed_hostmem_alloc(t->nbytes)))
+      return moed_failf(r->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for input '%s'",
+                        r->in[i].name);
+    memcpy(r->owned[i], r->shm_in[i], t->nbytes);
+    t->data = r->owned[i];
+    r->shm_in[i] = NULL;
+  }
+  return GRPC_STATUS_OK;
+}
+
+grpc_status_code moed_infer_shm_outputs(moed_infer_req *r, const moe_named_tensor *outs, grpc_slice *data,
+                                        size_t num_out, char *err) {
+  const Inference__ModelInferRequest *m = r->msg;
+  for (size_t k = 0; k < m->n_outputs && k < MOED_MAX_TENSORS; k++) {
+    if (!r->shm_out[k]) continue;
+    const char *name = m->outputs[k]->name;
+    size_t j = 0;
+    while (j < num_out && strcmp(outs[j].name, name) != 0)
+      j++;
+    if (j == num_out) continue; /* the encoder names an output the model lacks */
+    const size_t n = GRPC_SLICE_LENGTH(data[j]);
+    if (n > r->shm_out_size[k])
+      return moed_failf(err, GRPC_STATUS_INVALID_ARGUMENT,
+                        "outputs[%zu] '%s': parameters['%s'] = %llu bytes, the output needs %zu", k, name,
+                        P_SIZE, (unsigned long long)r->shm_out_size[k], n);
+    memcpy(r->shm_out[k], GRPC_SLICE_START_PTR(data[j]), n);
+    grpc_slice_unref(data[j]);
+    data[j] = grpc_empty_slice();
+  }
+  return GRPC_STATUS_OK;
+}
