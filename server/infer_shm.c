@@ -94,6 +94,19 @@ static grpc_status_code shm_resolve(moed_infer_req *r, moed_server *srv, const c
   return GRPC_STATUS_OK;
 }
 
+/* Input i's bytes from r->shm_in[i] into memory of its own. */
+static grpc_status_code copy_input(moed_infer_req *r, size_t i, const char *name, moe_tensor *t) {
+  if (t->nbytes && !(r->owned[i] = moed_hostmem_alloc(t->nbytes)))
+    return moed_failf(r->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for input '%s'", name);
+  if (t->nbytes && !moed_shm_copy(r->owned[i], r->shm_in[i], t->nbytes))
+    return moed_failf(
+        r->err, GRPC_STATUS_INVALID_ARGUMENT,
+        "inputs[%zu] '%s': its shared memory region is no longer backed (the object was truncated)", i, name);
+  t->data = r->owned[i];
+  r->shm_in[i] = NULL;
+  return GRPC_STATUS_OK;
+}
+
 bool moed_infer_shm_named(const Inference__ModelInferRequest__InferInputTensor *t) {
   for (size_t k = 0; k < t->n_parameters; k++)
     if (t->parameters[k]->key && strcmp(t->parameters[k]->key, P_REGION) == 0) return true;
@@ -127,13 +140,8 @@ grpc_status_code moed_infer_shm_input(moed_infer_req *r, moed_server *srv, size_
     out->data = NULL;
     return GRPC_STATUS_OK;
   }
-  if (out->nbytes) {
-    if (!(r->owned[i] = moed_hostmem_alloc(out->nbytes)))
-      return moed_failf(r->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for input '%s'", t->name);
-    memcpy(r->owned[i], at, out->nbytes);
-  }
-  out->data = r->owned[i];
-  return GRPC_STATUS_OK;
+  r->shm_in[i] = at;
+  return copy_input(r, i, t->name, out);
 }
 
 grpc_status_code moed_infer_shm_outputs_decode(moed_infer_req *r, moed_server *srv) {
@@ -157,14 +165,8 @@ grpc_status_code moed_infer_shm_outputs_decode(moed_infer_req *r, moed_server *s
 
 grpc_status_code moed_infer_shm_inputs(moed_infer_req *r) {
   for (size_t i = 0; i < r->n_in; i++) {
-    if (!r->shm_in[i]) continue;
-    moe_tensor *t = &r->in[i].tensor;
-    if (!(r->owned[i] = moed_hostmem_alloc(t->nbytes)))
-      return moed_failf(r->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for input '%s'",
-                        r->in[i].name);
-    memcpy(r->owned[i], r->shm_in[i], t->nbytes);
-    t->data = r->owned[i];
-    r->shm_in[i] = NULL;
+    grpc_status_code code = r->shm_in[i] ? copy_input(r, i, r->in[i].name, &r->in[i].tensor) : GRPC_STATUS_OK;
+    if (code) return code;
   }
   return GRPC_STATUS_OK;
 }
@@ -184,7 +186,11 @@ grpc_status_code moed_infer_shm_outputs(moed_infer_req *r, const moe_named_tenso
       return moed_failf(err, GRPC_STATUS_INVALID_ARGUMENT,
                         "outputs[%zu] '%s': parameters['%s'] = %llu bytes, the output needs %zu", k, name,
                         P_SIZE, (unsigned long long)r->shm_out_size[k], n);
-    memcpy(r->shm_out[k], GRPC_SLICE_START_PTR(data[j]), n);
+    if (!moed_shm_copy(r->shm_out[k], GRPC_SLICE_START_PTR(data[j]), n))
+      return moed_failf(
+          err, GRPC_STATUS_INVALID_ARGUMENT,
+          "outputs[%zu] '%s': its shared memory region is no longer backed (the object was truncated)", k,
+          name);
     grpc_slice_unref(data[j]);
     data[j] = grpc_empty_slice();
   }

@@ -391,6 +391,10 @@ void moed_shm_release(moed_shm_region *r);
  * all within it (overflow-checked). */
 uint8_t *moed_shm_span(const moed_shm_region *r, uint64_t offset, uint64_t size);
 uint64_t moed_shm_byte_size(const moed_shm_region *r);
+/* memcpy to or from a region's bytes; false when they are no longer backed
+ * (the client shrank its object: the fault is caught, nothing is lost but
+ * this copy). */
+bool moed_shm_copy(void *dst, const void *src, size_t n);
 /* A region name follows the model-name rule (it is echoed in messages). */
 #define MOED_SHM_KEY_RULE "an optional leading '/', then 1 to 250 of letters, digits, '.', '_', '-'"
 

@@ -7,10 +7,17 @@
  * compares; at most --shm-max-regions entries). Each region is reference
  * counted: the registry holds one, each request that uses it one more, so
  * unregistering while requests are in flight only takes the name away; the
- * mapping is unmapped by whoever drops the last reference. */
+ * mapping is unmapped by whoever drops the last reference.
+ *
+ * The object belongs to the client, which may shrink it while it is
+ * mapped: touching the pages past its new end raises SIGBUS. Every copy to
+ * or from a region goes through moed_shm_copy, which turns that fault into
+ * an error for the one request instead of the end of the server. */
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,7 +57,49 @@ static bool key_ok(const char *key) {
   return true;
 }
 
+/* ---- copies that survive a truncated object ----------------------------------------- */
+
+static _Thread_local sigjmp_buf *volatile copy_jmp; /* set while this thread copies */
+static struct sigaction prev_bus;                   /* the handler before ours */
+static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
+
+static void on_sigbus(int sig, siginfo_t *si, void *uc) {
+  if (copy_jmp) siglongjmp(*copy_jmp, 1);
+  /* not a region copy: what would have happened without us */
+  if (prev_bus.sa_flags & SA_SIGINFO) {
+    prev_bus.sa_sigaction(sig, si, uc);
+  } else if (prev_bus.sa_handler != SIG_DFL && prev_bus.sa_handler != SIG_IGN) {
+    prev_bus.sa_handler(sig);
+  } else {
+    signal(SIGBUS, SIG_DFL); /* the faulting access runs again and ends the process */
+  }
+}
+
+static void install_sigbus(void) {
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_sigbus;
+  sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGBUS, &sa, &prev_bus);
+}
+
+bool moed_shm_copy(void *dst, const void *src, size_t n) {
+  sigjmp_buf jb;
+  if (sigsetjmp(jb, 1)) {
+    copy_jmp = NULL;
+    return false;
+  }
+  copy_jmp = &jb;
+  memcpy(dst, src, n);
+  copy_jmp = NULL;
+  return true;
+}
+
+/* ---- the registry ------------------------------------------------------------------- */
+
 int moed_shm_create(int max_regions, moed_shm **out) {
+  pthread_once(&bus_once, install_sigbus);
   moed_shm *s = calloc(1, sizeof *s);
   if (!s || !(s->r = calloc(max_regions > 0 ? (size_t)max_regions : 1, sizeof *s->r))) {
     free(s);

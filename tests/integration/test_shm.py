@@ -227,6 +227,26 @@ def test_errors(cli, ch, hout):
            ["SystemSharedMemoryRegister"], "CudaSharedMemoryRegister")
     check(len(cli.get_cuda_shared_memory_status().regions) == 0, "CudaSharedMemoryStatus: no regions")
     check(code_of(lambda: cli.unregister_cuda_shared_memory())[0] == C.OK, "CudaSharedMemoryUnregister: nothing to do")
+    # a client that shrinks its object under a registered region: the copy's
+    # fault is that request's error, the server goes on
+    h = region("tr", 1 << 18, "_tr")
+    try:
+        cli.register_system_shared_memory("tr", KEY + "_tr", 1 << 18)
+        os.truncate("/dev/shm/" + (KEY + "_tr").lstrip("/"), 0)
+        expect(infer_with(region="tr"), C.INVALID_ARGUMENT, ["inputs[0] 'x'", "no longer backed"],
+               "an input region whose object was truncated (small input)")
+        big = tc.InferInput("x", [512, 128], "FP32")
+        big.set_shared_memory("tr", 512 * 128 * 4)
+        expect(lambda: cli.infer("quant.per_token", [big], parameters={"out_dtype": "int8"}), C.INVALID_ARGUMENT,
+               ["inputs[0] 'x'", "no longer backed"], "an input region whose object was truncated (copied on a worker)")
+        o = tc.InferRequestedOutput("q")
+        o.set_shared_memory("tr", 128)
+        expect(infer_with(out=[o]), C.INVALID_ARGUMENT, ["outputs[0] 'q'", "no longer backed"],
+               "an output region whose object was truncated")
+        check(cli.is_server_live(), "the server lives on")
+        cli.unregister_system_shared_memory("tr")
+    finally:
+        shm.destroy_shared_memory_region(h)
     # unregister one, then all; an unknown name is no error (Triton's rule)
     cli.register_system_shared_memory("extra", KEY + "_out", 64, offset=4096)
     cli.unregister_system_shared_memory("extra")
