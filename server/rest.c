@@ -45,7 +45,8 @@ typedef struct rest_call {
   size_t n_out;
   char out_name[MOED_MAX_TENSORS][128];
   bool out_binary[MOED_MAX_TENSORS];
-  char model[160]; /* ModelReady: the model and version its "not ready" names */
+  bool out_shm[MOED_MAX_TENSORS]; /* written to shared memory: no data in the answer */
+  char model[160];                /* ModelReady: the model and version its "not ready" names */
   /* the answer */
   grpc_status_code code;
   char *msg;
@@ -347,7 +348,14 @@ typedef struct infer_build {
   Inference__ModelInferRequest__InferRequestedOutputTensor out[MOED_MAX_TENSORS], *pout[MOED_MAX_TENSORS];
   int64_t shapes[MOED_MAX_TENSORS][MOE_MAX_DIMS];
   ProtobufCBinaryData raw[MOED_MAX_TENSORS];
+  bool in_shm[MOED_MAX_TENSORS]; /* names a shared-memory region: no raw contents */
   void *owned[MOED_MAX_TENSORS]; /* JSON data converted */
+  /* tensors' shared-memory parameters (3 each), inputs then outputs */
+  Inference__InferParameter tv[2][MOED_MAX_TENSORS][3];
+  Inference__ModelInferRequest__InferInputTensor__ParametersEntry ie[MOED_MAX_TENSORS][3],
+      *pie[MOED_MAX_TENSORS][3];
+  Inference__ModelInferRequest__InferRequestedOutputTensor__ParametersEntry oe[MOED_MAX_TENSORS][3],
+      *poe[MOED_MAX_TENSORS][3];
   Inference__InferParameter pv[64];
   Inference__ModelInferRequest__ParametersEntry pe[64], *ppe[64];
   char err[MOED_ERR_LEN];
@@ -397,6 +405,24 @@ static bool build_params(infer_build *b, const cJSON *params, rest_call *k) {
   return true;
 }
 
+/* A tensor's parameter e when it is one of Triton's shared-memory three,
+ * into v as the gRPC request carries it (infer_shm.c checks the values:
+ * anything but a string or an integer is left empty, for it to name). */
+static bool shm_param(const cJSON *e, Inference__InferParameter *v) {
+  if (strcmp(e->string, "shared_memory_region") != 0 && strcmp(e->string, "shared_memory_offset") != 0 &&
+      strcmp(e->string, "shared_memory_byte_size") != 0)
+    return false;
+  inference__infer_parameter__init(v);
+  if (cJSON_IsString(e)) {
+    v->parameter_choice_case = INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_STRING_PARAM;
+    v->string_param = e->valuestring;
+  } else if (cJSON_IsNumber(e) && e->valuedouble == floor(e->valuedouble) && fabs(e->valuedouble) < 9.0e18) {
+    v->parameter_choice_case = INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_INT64_PARAM;
+    v->int64_param = (int64_t)e->valuedouble;
+  }
+  return true;
+}
+
 /* inputs[i]: name, datatype, shape, and its data (JSON `data`, or
  * `binary_data_size` bytes of the binary part at *bin_at). */
 static bool build_input(infer_build *b, const moed_config *cfg, size_t i, const cJSON *t, const char *bin,
@@ -429,10 +455,29 @@ static bool build_input(infer_build *b, const moed_config *cfg, size_t i, const 
   in->n_shape = rank;
   const cJSON *bsize = params ? cJSON_GetObjectItemCaseSensitive(params, "binary_data_size") : NULL;
   if (params && !cJSON_IsObject(params)) return bad(b, "inputs[%zu] '%s': parameters: not an object", i, nm);
-  for (const cJSON *e = params ? params->child : NULL; e; e = e->next)
-    if (strcmp(e->string, "binary_data_size") != 0)
-      return bad(b, "inputs[%zu] '%s': parameters.%s is not supported (binary_data_size is)", i, nm,
-                 e->string);
+  size_t np = 0;
+  for (const cJSON *e = params ? params->child : NULL; e; e = e->next) {
+    if (np < 3 && shm_param(e, &b->tv[0][i][np])) {
+      inference__model_infer_request__infer_input_tensor__parameters_entry__init(&b->ie[i][np]);
+      b->ie[i][np].key = e->string;
+      b->ie[i][np].value = &b->tv[0][i][np];
+      b->pie[i][np] = &b->ie[i][np];
+      np++;
+    } else if (strcmp(e->string, "binary_data_size") != 0) {
+      return bad(b,
+                 "inputs[%zu] '%s': parameters.%s is not supported (binary_data_size and the "
+                 "shared_memory_* ones are)",
+                 i, nm, e->string);
+    }
+  }
+  in->n_parameters = np;
+  in->parameters = b->pie[i];
+  if (params && cJSON_GetObjectItemCaseSensitive(params, "shared_memory_region")) {
+    if (data || bsize)
+      return bad(b, "inputs[%zu] '%s': data given with parameters.shared_memory_region", i, nm);
+    b->in_shm[i] = true; /* its bytes are in the region */
+    return true;
+  }
   if (bsize) {
     if (data) return bad(b, "inputs[%zu] '%s': both data and parameters.binary_data_size", i, nm);
     if (!cJSON_IsNumber(bsize) || bsize->valuedouble < 0 || bsize->valuedouble != floor(bsize->valuedouble))
@@ -480,14 +525,28 @@ static bool build_output(infer_build *b, size_t i, const cJSON *t, rest_call *k)
   if (params && !cJSON_IsObject(params))
     return bad(b, "outputs[%zu] '%s': parameters: not an object", i, name->valuestring);
   bool binary = k->binary_default;
+  size_t np = 0;
   for (const cJSON *e = params ? params->child : NULL; e; e = e->next) {
+    if (np < 3 && shm_param(e, &b->tv[1][i][np])) {
+      inference__model_infer_request__infer_requested_output_tensor__parameters_entry__init(&b->oe[i][np]);
+      b->oe[i][np].key = e->string;
+      b->oe[i][np].value = &b->tv[1][i][np];
+      b->poe[i][np] = &b->oe[i][np];
+      np++;
+      continue;
+    }
     if (strcmp(e->string, "binary_data") != 0 || !cJSON_IsBool(e))
-      return bad(b, "outputs[%zu] '%s': parameters.%s is not supported (binary_data, a boolean, is)", i,
-                 name->valuestring, e->string);
+      return bad(b,
+                 "outputs[%zu] '%s': parameters.%s is not supported (binary_data, a boolean, and the "
+                 "shared_memory_* ones are)",
+                 i, name->valuestring, e->string);
     binary = cJSON_IsTrue(e);
   }
   inference__model_infer_request__infer_requested_output_tensor__init(&b->out[i]);
   b->out[i].name = name->valuestring;
+  b->out[i].n_parameters = np;
+  b->out[i].parameters = b->poe[i];
+  k->out_shm[i] = params && cJSON_GetObjectItemCaseSensitive(params, "shared_memory_region");
   b->pout[i] = &b->out[i];
   snprintf(k->out_name[i], sizeof k->out_name[i], "%s", name->valuestring);
   k->out_binary[i] = binary;
@@ -520,8 +579,12 @@ static bool build_infer(infer_build *b, const moed_config *cfg, const cJSON *j, 
                bin_len, bin_at);
   b->m.inputs = b->pin;
   b->m.n_inputs = n;
+  /* raw contents for the inputs not in shared memory, in order (as gRPC clients send them) */
+  size_t n_raw = 0;
+  for (size_t i = 0; i < n; i++)
+    if (!b->in_shm[i]) b->raw[n_raw++] = b->raw[i];
   b->m.raw_input_contents = b->raw;
-  b->m.n_raw_input_contents = n;
+  b->m.n_raw_input_contents = n_raw;
   n = 0;
   for (const cJSON *t = outs ? outs->child : NULL; t; t = t->next, n++) {
     if (n == MOED_MAX_TENSORS) return bad(b, "outputs: more than %d", MOED_MAX_TENSORS);
@@ -624,6 +687,12 @@ static bool output_binary(const rest_call *k, const char *name) {
   return k->binary_default;
 }
 
+static bool output_shm(const rest_call *k, const char *name) {
+  for (size_t i = 0; i < k->n_out; i++)
+    if (!strcmp(k->out_name[i], name)) return k->out_shm[i];
+  return false;
+}
+
 /* The ModelInferResponse as JSON, each output's data in it or (binary)
  * after it, in output order. */
 static void answer_infer(rest_call *k, const Inference__ModelInferResponse *m) {
@@ -663,7 +732,9 @@ static void answer_infer(rest_call *k, const Inference__ModelInferResponse *m) {
     for (size_t d = 0; d < t->n_shape; d++)
       cJSON_AddItemToArray(shape, cJSON_CreateNumber((double)t->shape[d]));
     cJSON_AddItemToObject(o, "shape", shape);
-    if (output_binary(k, t->name) || !kt) {
+    if (output_shm(k, t->name)) {
+      /* its bytes are in the region it named: the metadata alone, as Triton answers */
+    } else if (output_binary(k, t->name) || !kt) {
       cJSON *p = cJSON_AddObjectToObject(o, "parameters");
       cJSON_AddNumberToObject(p, "binary_data_size", (double)raw->len);
       bin_len += raw->len;
@@ -686,7 +757,8 @@ static void answer_infer(rest_call *k, const Inference__ModelInferResponse *m) {
   }
   size_t at = tl;
   for (size_t i = 0; i < m->n_outputs; i++)
-    if (output_binary(k, m->outputs[i]->name) || !moed_kserve_by_name(m->outputs[i]->datatype)) {
+    if (!output_shm(k, m->outputs[i]->name) &&
+        (output_binary(k, m->outputs[i]->name) || !moed_kserve_by_name(m->outputs[i]->datatype))) {
       memcpy(body + at, m->raw_output_contents[i].data, m->raw_output_contents[i].len);
       at += m->raw_output_contents[i].len;
     }
@@ -718,7 +790,9 @@ static const ProtobufCMessageDescriptor *response_descriptor(moed_method m) {
   case MOED_M_MODEL_STATISTICS: return &inference__model_statistics_response__descriptor;
   case MOED_M_REPOSITORY_INDEX: return &inference__repository_index_response__descriptor;
   case MOED_M_MODEL_INFER: return &inference__model_infer_response__descriptor;
-  default: return NULL; /* load, unload: nothing to say */
+  case MOED_M_SHM_STATUS: return &inference__system_shared_memory_status_response__descriptor;
+  case MOED_M_CUDA_SHM_STATUS: return &inference__cuda_shared_memory_status_response__descriptor;
+  default: return NULL; /* load, unload, shared-memory changes: nothing to say */
   }
 }
 
@@ -759,6 +833,18 @@ static void answer(rest_call *k) {
     break;
   }
   case MOED_M_MODEL_INFER: answer_infer(k, (Inference__ModelInferResponse *)m); break;
+  case MOED_M_SHM_STATUS:
+  case MOED_M_CUDA_SHM_STATUS: { /* Triton answers a list of the regions, not the map */
+    cJSON *j = pb_json(m), *map = cJSON_GetObjectItemCaseSensitive(j, "regions"), *list = cJSON_CreateArray();
+    for (cJSON *e = map ? map->child : NULL; list && e;) {
+      cJSON *next = e->next;
+      cJSON_AddItemToArray(list, cJSON_DetachItemViaPointer(map, e));
+      e = next;
+    }
+    cJSON_Delete(j);
+    respond_json(c, list);
+    break;
+  }
   default: respond_json(c, pb_json(m)); break;
   }
   protobuf_c_message_free_unpacked(m, NULL);
@@ -903,6 +989,76 @@ static void model(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const 
   no_endpoint(c, path);
 }
 
+/* A JSON number that is an integer in [0, 2^53] (exact); false otherwise. */
+static bool json_u64(const cJSON *v, uint64_t *out) {
+  if (!v) return true; /* absent: 0 */
+  if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble != floor(v->valuedouble) ||
+      v->valuedouble > 9007199254740992.0)
+    return false;
+  *out = (uint64_t)v->valuedouble;
+  return true;
+}
+
+/* Triton's shared-memory extensions: /v2/{system,cuda}sharedmemory[/region/NAME]/status (GET),
+ * .../register, .../unregister (POST), translated to the gRPC methods. */
+static void shared_memory(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const char *path,
+                          char **seg, size_t n) {
+  const bool cuda = !strcmp(seg[1], "cudasharedmemory");
+  const char *name = "";
+  size_t at = 2;
+  if (n >= 4 && !strcmp(seg[2], "region")) {
+    name = seg[3];
+    at = 4;
+  }
+  const char *action = n == at + 1 ? seg[at] : "";
+  const bool status = !strcmp(action, "status"), reg = !strcmp(action, "register") && *name,
+             unreg = !strcmp(action, "unregister");
+  if (!status && !reg && !unreg) return no_endpoint(c, path);
+  if (rq->method != (status ? HTTP_GET : HTTP_POST))
+    return moed_http_respond_error(c, 405, status ? "status takes GET" : "register and unregister take POST");
+  if (status && cuda) {
+    Inference__CudaSharedMemoryStatusRequest m = INFERENCE__CUDA_SHARED_MEMORY_STATUS_REQUEST__INIT;
+    m.name = (char *)name;
+    return call(r, c, rq, MOED_M_CUDA_SHM_STATUS, &m.base);
+  }
+  if (status) {
+    Inference__SystemSharedMemoryStatusRequest m = INFERENCE__SYSTEM_SHARED_MEMORY_STATUS_REQUEST__INIT;
+    m.name = (char *)name;
+    return call(r, c, rq, MOED_M_SHM_STATUS, &m.base);
+  }
+  if (unreg && cuda) {
+    Inference__CudaSharedMemoryUnregisterRequest m = INFERENCE__CUDA_SHARED_MEMORY_UNREGISTER_REQUEST__INIT;
+    m.name = (char *)name;
+    return call(r, c, rq, MOED_M_CUDA_SHM_UNREGISTER, &m.base);
+  }
+  if (unreg) {
+    Inference__SystemSharedMemoryUnregisterRequest m =
+        INFERENCE__SYSTEM_SHARED_MEMORY_UNREGISTER_REQUEST__INIT;
+    m.name = (char *)name;
+    return call(r, c, rq, MOED_M_SHM_UNREGISTER, &m.base);
+  }
+  if (cuda) { /* the handler refuses it, whatever the body */
+    Inference__CudaSharedMemoryRegisterRequest m = INFERENCE__CUDA_SHARED_MEMORY_REGISTER_REQUEST__INIT;
+    m.name = (char *)name;
+    return call(r, c, rq, MOED_M_CUDA_SHM_REGISTER, &m.base);
+  }
+  cJSON *j;
+  if (!body_object(c, rq, &j)) return;
+  Inference__SystemSharedMemoryRegisterRequest m = INFERENCE__SYSTEM_SHARED_MEMORY_REGISTER_REQUEST__INIT;
+  const cJSON *key = cJSON_GetObjectItemCaseSensitive(j, "key");
+  m.name = (char *)name;
+  m.key = cJSON_IsString(key) ? key->valuestring : NULL;
+  if (!m.key)
+    moed_http_respond_error(c, 400, "key: missing or not a string");
+  else if (!json_u64(cJSON_GetObjectItemCaseSensitive(j, "offset"), &m.offset))
+    moed_http_respond_error(c, 400, "offset: not a non-negative integer (at most 2^53)");
+  else if (!json_u64(cJSON_GetObjectItemCaseSensitive(j, "byte_size"), &m.byte_size))
+    moed_http_respond_error(c, 400, "byte_size: not a non-negative integer (at most 2^53)");
+  else
+    call(r, c, rq, MOED_M_SHM_REGISTER, &m.base);
+  cJSON_Delete(j);
+}
+
 static void on_request(moed_http_conn *c, moed_http_request *rq, void *arg) {
   moed_rest *r = arg;
   char *seg[8], path[sizeof rq->path];
@@ -916,6 +1072,8 @@ static void on_request(moed_http_conn *c, moed_http_request *rq, void *arg) {
   }
   if (n >= 3 && !strcmp(seg[1], "models") && !(n == 3 && !strcmp(seg[2], "stats")))
     return model(r, c, rq, path, seg, n);
+  if (n >= 3 && (!strcmp(seg[1], "systemsharedmemory") || !strcmp(seg[1], "cudasharedmemory")))
+    return shared_memory(r, c, rq, path, seg, n);
   if (!get) return moed_http_respond_error(c, 405, "this endpoint takes GET");
   if (n == 1) {
     Inference__ServerMetadataRequest m = INFERENCE__SERVER_METADATA_REQUEST__INIT;

@@ -16,6 +16,7 @@ import time
 import grpc
 import numpy as np
 import tritonclient.grpc as tc
+import tritonclient.http as th
 import tritonclient.utils.shared_memory as shm
 from tritonclient.grpc import service_pb2 as pb
 
@@ -270,6 +271,61 @@ def test_limit(cli):
         shm.destroy_shared_memory_region(h)
 
 
+def test_rest(rest_port, ch):
+    """The same through the KServe REST API and tritonclient.http."""
+    cli = th.InferenceServerClient(f"127.0.0.1:{rest_port}")
+    x = np.random.default_rng(5).standard_normal((16, 64)).astype(np.float32)
+    ref = infer_pb(ch, make_req("quant.mx", [("x", "FP32", [16, 64], x.tobytes())], {"format": "mxfp4"}))
+    ro = {o.name: ref.raw_output_contents[k] for k, o in enumerate(ref.outputs)}
+    hin, hout = region("rin", x.nbytes, "_rin"), region("rout", 4096, "_rout")
+    try:
+        shm.set_shared_memory_region(hin, [x])
+        cli.register_system_shared_memory("rin", KEY + "_rin", x.nbytes)
+        cli.register_system_shared_memory("rout", KEY + "_rout", 4096)
+        st = cli.get_system_shared_memory_status()
+        got = sorted((e["name"], e["key"], e["offset"], e["byte_size"]) for e in st)
+        check(got == [("rin", KEY + "_rin", 0, x.nbytes), ("rout", KEY + "_rout", 0, 4096)],
+              f"REST status: a list of the regions ({got})")
+        i = th.InferInput("x", [16, 64], "FP32")
+        i.set_shared_memory("rin", x.nbytes)
+        oq, osc = th.InferRequestedOutput("q"), th.InferRequestedOutput("scales")
+        oq.set_shared_memory("rout", 1024, offset=64)
+        res = cli.infer("quant.mx", [i], outputs=[oq, osc], parameters={"format": "mxfp4"})
+        q = shm.get_contents_as_numpy(hout, np.uint8, [len(ro["q"])], offset=64).tobytes()
+        check(q == ro["q"] and res.as_numpy("scales").tobytes() == ro["scales"],
+              "REST: input from and q into shared memory, scales binary: bit-equal to gRPC raw")
+        out = res.get_output("q")
+        check(out is not None and out["shape"] == [16, 32] and "data" not in out
+              and "binary_data_size" not in out.get("parameters", {}),
+              f"REST: the shared-memory output has its metadata and no data ({out})")
+        expect_http(lambda: cli.register_system_shared_memory("rin", KEY + "_rin", 64), 409, "name",
+                    "REST register a name twice")
+        expect_http(lambda: cli.register_system_shared_memory("zz", "/moed_no_such_object_x", 64), 404, "key",
+                    "REST register a missing object")
+        i.set_shared_memory("nope", x.nbytes)
+        expect_http(lambda: cli.infer("quant.mx", [i], parameters={"format": "mxfp4"}), 404,
+                    "shared_memory_region", "REST infer naming an unknown region")
+        cli.unregister_system_shared_memory("rin")
+        check([e["name"] for e in cli.get_system_shared_memory_status()] == ["rout"], "REST unregister one")
+        check(cli.get_cuda_shared_memory_status() == [], "REST CUDA status: none")
+        expect_http(lambda: cli.register_cuda_shared_memory("g", b"\0" * 64, 0, 64), 501,
+                    "SystemSharedMemoryRegister", "REST CUDA register")
+        cli.unregister_system_shared_memory()
+        check(cli.get_system_shared_memory_status() == [], "REST unregister all")
+    finally:
+        shm.destroy_shared_memory_region(hin)
+        shm.destroy_shared_memory_region(hout)
+
+
+def expect_http(fn, status, word, what):
+    try:
+        fn()
+        got, msg = 200, ""
+    except Exception as e:  # tritonclient.utils.InferenceServerException
+        got, msg = getattr(e, "status", lambda: None)(), str(e)
+    check(str(got) == str(status) and word in msg, f"{what}: {status} naming {word} ({got}: {msg})")
+
+
 def test_in_use(tmp):
     """Requests held 1.5 s in an open batch (--max-queue-delay-us) use a
     region for a large input (copied on the worker) and one for the output;
@@ -340,6 +396,7 @@ def main():
                   "ServerMetadata lists system_shared_memory")
             test_ops(cli, ch)
             test_limit(cli)
+            test_rest(p.rest_port, ch)
         finally:
             ts.stop(p)
         test_in_use(tmp)
