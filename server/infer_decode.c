@@ -25,11 +25,10 @@ bool moed_infer_inline_ok(moed_server *srv, grpc_byte_buffer *payload) {
   moed_kserve_string(GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), false, MOED_KSERVE_MODEL_NAME, name,
                      sizeof name);
   /* a tensor in shared memory costs what its region's bytes cost, not what
-   * the message does: any mention of one sends it to a worker (a false
-   * match only costs the fast path) */
-  const bool shm = memmem(GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), "shared_memory_region", 20) != NULL;
+   * the message does: only small ones stay on the fast path */
+  const bool shm_ok = moed_infer_shm_small(GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s));
   grpc_slice_unref(s);
-  if (shm) return false;
+  if (!shm_ok) return false;
   moed_model *m = moed_repository_acquire(srv->repo, name);
   /* unknown: answered at once wherever it runs; an op that takes weights (an
    * expert set or inline weights) may compute far longer than its message

@@ -51,6 +51,10 @@ struct moed_infer_req {
 
 /* ---- infer_shm.c ------------------------------------------------------------------------- */
 
+/* Whether the ModelInferRequest p[0..n) (a small one) reads at most the
+ * bytes that decoding copies at once from shared memory (true when it
+ * names no region; false when it cannot tell). */
+bool moed_infer_shm_small(const uint8_t *p, size_t n);
 /* Whether input t names a shared-memory region (parameters['shared_memory_region']). */
 bool moed_infer_shm_named(const Inference__ModelInferRequest__InferInputTensor *t);
 /* Input i (t, its tensor `out` with shape and dtype set) from the region it

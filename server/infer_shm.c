@@ -107,6 +107,29 @@ static grpc_status_code copy_input(moed_infer_req *r, size_t i, const char *name
   return GRPC_STATUS_OK;
 }
 
+bool moed_infer_shm_small(const uint8_t *p, size_t n) {
+  if (!memmem(p, n, P_REGION, sizeof P_REGION - 1)) return true; /* the common case: no unpacking */
+  Inference__ModelInferRequest *m = inference__model_infer_request__unpack(NULL, n, p);
+  uint64_t total = 0;
+  for (size_t i = 0; m && i < m->n_inputs; i++) {
+    const Inference__ModelInferRequest__InferInputTensor *t = m->inputs[i];
+    for (size_t k = 0; k < t->n_parameters; k++) {
+      const Inference__InferParameter *v = t->parameters[k]->value;
+      if (!t->parameters[k]->key || strcmp(t->parameters[k]->key, P_SIZE) != 0 || !v) continue;
+      /* any other value type fails in decoding, wherever it runs */
+      uint64_t b = v->parameter_choice_case == INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_UINT64_PARAM
+                       ? v->uint64_param
+                   : v->parameter_choice_case == INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_INT64_PARAM
+                       ? (uint64_t)v->int64_param
+                       : 0;
+      total = b > COPY_AT_DECODE ? COPY_AT_DECODE + 1 : total + b;
+    }
+  }
+  const bool small = m && total <= COPY_AT_DECODE;
+  if (m) inference__model_infer_request__free_unpacked(m, NULL);
+  return small;
+}
+
 bool moed_infer_shm_named(const Inference__ModelInferRequest__InferInputTensor *t) {
   for (size_t k = 0; k < t->n_parameters; k++)
     if (t->parameters[k]->key && strcmp(t->parameters[k]->key, P_REGION) == 0) return true;

@@ -65,12 +65,14 @@ def write_inputs(h, ins):
 
 
 def test_ops(cli, ch):
-    """Each op of test_server's cases, plus a large input copied on the
-    worker (> 64 KiB), through shared memory vs raw contents."""
+    """Each op of test_server's cases (small: copied while decoding, the
+    unbatched ones on the gRPC thread's fast path), plus large inputs
+    (> 64 KiB: copied on a worker), through shared memory vs raw contents."""
     rng = np.random.default_rng(7)
     cases = ts.op_cases(rng)
     big = rng.standard_normal((512, 128)).astype(np.float32)  # 256 KiB
-    cases.append(("quant.per_token", {"x": (big, "fp32")}, {"out_dtype": "fp8_e4m3fn"}))
+    cases.append(("quant.per_token", {"x": (big, "fp32")}, {"out_dtype": "fp8_e4m3fn"}))  # batched
+    cases.append(("quant.per_tensor", {"x": (big, "fp32")}, {"out_dtype": "int8"}))  # off the gRPC thread's fast path
     hin, hout = region("in", 1 << 20, "_in"), region("out", 1 << 20, "_out")
     cli.register_system_shared_memory("in", KEY + "_in", 1 << 20)
     cli.register_system_shared_memory("out", KEY + "_out", 1 << 20)
