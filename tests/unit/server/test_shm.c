@@ -1,0 +1,166 @@
+/* shm.c, the system shared-memory registry: registration errors (each
+ * status and the field it names), spans at and past a region's end
+ * (overflow included) with the offset inside the object honoured, the
+ * region limit, status, a region that outlives its unregistration while
+ * held, and a copy from an object truncated under its region failing
+ * instead of killing the process. Each test makes its own POSIX object. */
+#include <check.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "moed.h"
+
+static char key[64];
+
+/* A fresh object of n bytes; its name in key[]. */
+static void object(size_t n) {
+  snprintf(key, sizeof key, "/moed_unit_shm_%d", (int)getpid());
+  shm_unlink(key);
+  int fd = shm_open(key, O_RDWR | O_CREAT | O_EXCL, 0600);
+  ck_assert_int_ge(fd, 0);
+  ck_assert_int_eq(ftruncate(fd, (off_t)n), 0);
+  close(fd);
+}
+
+static void teardown(void) { shm_unlink(key); }
+
+START_TEST(register_errors_name_the_field) {
+  object(8192);
+  moed_shm *s;
+  char err[MOED_ERR_LEN];
+  ck_assert_int_eq(moed_shm_create(2, &s), 0);
+  ck_assert_int_eq(moed_shm_register(s, "a", "/moed_unit_no_such_object", 0, 64, err), GRPC_STATUS_NOT_FOUND);
+  ck_assert_ptr_nonnull(strstr(err, "key:"));
+  ck_assert_int_eq(moed_shm_register(s, "a", "x/y", 0, 64, err), GRPC_STATUS_INVALID_ARGUMENT);
+  ck_assert_ptr_nonnull(strstr(err, "key:"));
+  ck_assert_int_eq(moed_shm_register(s, "a", "/..", 0, 64, err), GRPC_STATUS_INVALID_ARGUMENT);
+  ck_assert_int_eq(moed_shm_register(s, "a b", key, 0, 64, err), GRPC_STATUS_INVALID_ARGUMENT);
+  ck_assert_ptr_nonnull(strstr(err, "name:"));
+  ck_assert_int_eq(moed_shm_register(s, "a", key, 0, 0, err), GRPC_STATUS_INVALID_ARGUMENT);
+  ck_assert_ptr_nonnull(strstr(err, "byte_size:"));
+  ck_assert_int_eq(moed_shm_register(s, "a", key, 8000, 193, err), GRPC_STATUS_INVALID_ARGUMENT);
+  ck_assert_ptr_nonnull(strstr(err, "offset + byte_size:"));
+  ck_assert_int_eq(moed_shm_register(s, "a", key, UINT64_MAX - 10, 100, err), GRPC_STATUS_INVALID_ARGUMENT);
+  ck_assert_int_eq(moed_shm_register(s, "a", key, 8000, 192, err), GRPC_STATUS_OK); /* to the last byte */
+  ck_assert_int_eq(moed_shm_register(s, "a", key, 0, 64, err), GRPC_STATUS_ALREADY_EXISTS);
+  ck_assert_int_eq(moed_shm_register(s, "b", key, 0, 64, err), GRPC_STATUS_OK);
+  ck_assert_int_eq(moed_shm_register(s, "c", key, 0, 64, err), GRPC_STATUS_RESOURCE_EXHAUSTED);
+  moed_shm_unregister(s, "b");
+  ck_assert_int_eq(moed_shm_register(s, "c", key, 0, 64, err), GRPC_STATUS_OK);
+  moed_shm_destroy(s);
+}
+END_TEST
+
+START_TEST(spans_and_offsets) {
+  object(3 * 4096);
+  moed_shm *s;
+  char err[MOED_ERR_LEN];
+  ck_assert_int_eq(moed_shm_create(4, &s), 0);
+  /* an offset that is not a page's: the region still starts there */
+  ck_assert_int_eq(moed_shm_register(s, "r", key, 4096 + 100, 1000, err), GRPC_STATUS_OK);
+  moed_shm_region *r = moed_shm_acquire(s, "r");
+  ck_assert_ptr_nonnull(r);
+  ck_assert_uint_eq(moed_shm_byte_size(r), 1000);
+  ck_assert_ptr_nonnull(moed_shm_span(r, 0, 1000));
+  ck_assert_ptr_nonnull(moed_shm_span(r, 1000, 0)); /* empty, at the end */
+  ck_assert_ptr_null(moed_shm_span(r, 1, 1000));
+  ck_assert_ptr_null(moed_shm_span(r, 1001, 0));
+  ck_assert_ptr_null(moed_shm_span(r, UINT64_MAX, 2)); /* offset + size wraps */
+  ck_assert_ptr_null(moed_shm_span(r, 2, UINT64_MAX));
+  uint8_t *p = moed_shm_span(r, 10, 4);
+  memcpy(p, "moed", 4);
+  int fd = shm_open(key, O_RDONLY, 0);
+  char got[4];
+  ck_assert_int_eq(pread(fd, got, 4, 4096 + 100 + 10), 4);
+  close(fd);
+  ck_assert_int_eq(memcmp(got, "moed", 4), 0);
+  ck_assert_ptr_null(moed_shm_acquire(s, "nope"));
+  moed_shm_release(r);
+  moed_shm_destroy(s);
+}
+END_TEST
+
+START_TEST(status_lists_regions) {
+  object(4096);
+  moed_shm *s;
+  char err[MOED_ERR_LEN];
+  ck_assert_int_eq(moed_shm_create(4, &s), 0);
+  ck_assert_int_eq(moed_shm_register(s, "x", key, 0, 16, err), GRPC_STATUS_OK);
+  ck_assert_int_eq(moed_shm_register(s, "y", key + 1, 64, 32, err), GRPC_STATUS_OK); /* the key without '/' */
+  moed_shm_info *v;
+  ck_assert_int_eq(moed_shm_status(s, "", &v), 2);
+  free(v);
+  ck_assert_int_eq(moed_shm_status(s, "y", &v), 1);
+  ck_assert_str_eq(v[0].name, "y");
+  ck_assert_str_eq(v[0].key, key + 1);
+  ck_assert_uint_eq(v[0].offset, 64);
+  ck_assert_uint_eq(v[0].byte_size, 32);
+  free(v);
+  ck_assert_int_eq(moed_shm_status(s, "z", &v), 0);
+  free(v);
+  moed_shm_unregister(s, "never"); /* no error, nothing changes */
+  moed_shm_unregister(s, "");
+  ck_assert_int_eq(moed_shm_status(s, NULL, &v), 0);
+  free(v);
+  moed_shm_destroy(s);
+}
+END_TEST
+
+START_TEST(held_region_outlives_unregister) {
+  object(4096);
+  moed_shm *s;
+  char err[MOED_ERR_LEN];
+  ck_assert_int_eq(moed_shm_create(4, &s), 0);
+  ck_assert_int_eq(moed_shm_register(s, "h", key, 0, 4096, err), GRPC_STATUS_OK);
+  moed_shm_region *r = moed_shm_acquire(s, "h");
+  moed_shm_unregister(s, "h");
+  ck_assert_ptr_null(moed_shm_acquire(s, "h")); /* the name is gone at once */
+  uint8_t *p = moed_shm_span(r, 4000, 96);      /* ... the mapping is not */
+  memset(p, 7, 96);
+  ck_assert_uint_eq(p[95], 7);
+  ck_assert_int_eq(moed_shm_register(s, "h", key, 0, 64, err), GRPC_STATUS_OK); /* the name free again */
+  moed_shm_release(r);
+  moed_shm_destroy(s);
+}
+END_TEST
+
+START_TEST(truncated_object_fails_the_copy) {
+  object(1 << 16);
+  moed_shm *s;
+  char err[MOED_ERR_LEN];
+  ck_assert_int_eq(moed_shm_create(4, &s), 0);
+  ck_assert_int_eq(moed_shm_register(s, "t", key, 0, 1 << 16, err), GRPC_STATUS_OK);
+  moed_shm_region *r = moed_shm_acquire(s, "t");
+  static uint8_t buf[1 << 16];
+  ck_assert(moed_shm_copy(buf, moed_shm_span(r, 0, sizeof buf), sizeof buf));
+  int fd = shm_open(key, O_RDWR, 0);
+  ck_assert_int_eq(ftruncate(fd, 0), 0); /* the client shrinks its object */
+  close(fd);
+  ck_assert(!moed_shm_copy(buf, moed_shm_span(r, 0, sizeof buf), sizeof buf));
+  ck_assert(!moed_shm_copy(moed_shm_span(r, 4096, 8), buf, 8));
+  ck_assert(moed_shm_copy(buf, buf + 8, 8)); /* other copies are untouched */
+  moed_shm_release(r);
+  moed_shm_destroy(s);
+}
+END_TEST
+
+int main(void) {
+  Suite *su = suite_create("shm");
+  TCase *tc = tcase_create("registry");
+  tcase_add_checked_fixture(tc, NULL, teardown);
+  tcase_add_test(tc, register_errors_name_the_field);
+  tcase_add_test(tc, spans_and_offsets);
+  tcase_add_test(tc, status_lists_regions);
+  tcase_add_test(tc, held_region_outlives_unregister);
+  tcase_add_test(tc, truncated_object_fails_the_copy);
+  suite_add_tcase(su, tc);
+  SRunner *sr = srunner_create(su);
+  srunner_run_all(sr, CK_NORMAL);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return failed ? 1 : 0;
+}
