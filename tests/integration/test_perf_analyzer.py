@@ -4,7 +4,8 @@ shape given) and on a moe-mkset expert set (--input-data JSON with valid
 bf16 activations and router logits, two rows per request); each run exits
 0 and prints the server-side breakdown for every concurrency level, whose
 request counts moed's own ModelStatistics must cover. The same runs over
-HTTP (`-i http`) against the KServe REST port.
+HTTP (`-i http`) against the KServe REST port, and quant.per_token with
+`--shared-memory system` (perf_analyzer's own regions) over both.
 
 perf_analyzer comes from scripts/requirements-perf.txt (installed by
 scripts/deps.sh into .venv/perf_analyzer; that file says why this release).
@@ -86,6 +87,15 @@ def main():
             check_run(perf_analyzer(port, "set", "--input-data", data, "-b", "2"), "expert set", cli, "set")
             for model, args in (("quant.per_tensor", ("--shape", "x:4,64")), ("set", ("--input-data", data, "-b", "2"))):
                 check_run(perf_analyzer(p.rest_port, model, *args, protocol="http"), f"{model} over HTTP", cli, model)
+            # Triton's system shared memory: perf_analyzer makes, registers and uses its own regions
+            # (a model without optional inputs: this perf_analyzer refuses those with shared memory)
+            shm_args = ("-b", "4", "--shape", "x:64", "--shared-memory", "system", "--output-shared-memory-size",
+                        "65536")
+            check_run(perf_analyzer(port, "quant.per_token", *shm_args), "quant.per_token, shared memory", cli,
+                      "quant.per_token")
+            check_run(perf_analyzer(p.rest_port, "quant.per_token", *shm_args, protocol="http"),
+                      "quant.per_token, shared memory over HTTP", cli, "quant.per_token")
+            check(len(cli.get_system_shared_memory_status().regions) == 0, "perf_analyzer unregistered its regions")
             s = cli.get_inference_statistics("set").model_stats[0]
             check(s.inference_count == 2 * s.inference_stats.success.count,
                   f"expert set: inference_count counts 2 rows per request ({s.inference_count})")
