@@ -5,9 +5,9 @@
  * --auth-tokens FILE holds one token a line, "NAME ROLE TOKEN" ('#'
  * comments and blank lines skipped): NAME follows the model-name rule and
  * is what the log shows, ROLE is `infer` (inference, metadata, statistics,
- * the repository index, health, shared-memory regions) or `admin` (everything, repository changes
- * and uploads included), TOKEN is 16 to 256 printable characters without
- * spaces. Clients send `authorization: Bearer TOKEN`. SIGHUP rereads the
+ * the repository index, health, shared-memory regions) or `admin`
+ * (everything, repository changes and uploads included), TOKEN is 16 to
+ * 256 printable characters without spaces. Clients send `authorization: Bearer TOKEN`. SIGHUP rereads the
  * file; a file that does not parse keeps the tokens in force (logged). */
 #include <ctype.h>
 #include <pthread.h>
@@ -42,30 +42,21 @@ static struct {
   token_set *set;
 } auth = {.mu = PTHREAD_RWLOCK_INITIALIZER};
 
-/* What each method needs: 0 none beyond health exemption, 1 infer, 2 admin. */
+/* What each method needs: 0 none beyond health exemption, 1 infer, 2 admin.
+ * Shared-memory regions are the inference clients' (security.md says what
+ * a registration can reach). */
 enum { NEED_HEALTH = 0, NEED_INFER, NEED_ADMIN };
 static const unsigned char need[MOED_M_COUNT] = {
-    [MOED_M_SERVER_LIVE] = NEED_HEALTH,
-    [MOED_M_SERVER_READY] = NEED_HEALTH,
-    [MOED_M_MODEL_READY] = NEED_HEALTH,
-    [MOED_M_HEALTH_CHECK] = NEED_HEALTH,
-    [MOED_M_HEALTH_WATCH] = NEED_HEALTH,
-    [MOED_M_SERVER_METADATA] = NEED_INFER,
-    [MOED_M_MODEL_METADATA] = NEED_INFER,
-    [MOED_M_MODEL_INFER] = NEED_INFER,
-    [MOED_M_MODEL_STREAM_INFER] = NEED_INFER,
-    [MOED_M_MODEL_CONFIG] = NEED_INFER,
-    [MOED_M_MODEL_STATISTICS] = NEED_INFER,
-    [MOED_M_REPOSITORY_INDEX] = NEED_INFER,
-    [MOED_M_REPOSITORY_LOAD] = NEED_ADMIN,
-    [MOED_M_REPOSITORY_UNLOAD] = NEED_ADMIN,
-    [MOED_M_EXPERT_UPLOAD] = NEED_ADMIN,
-    /* shared memory is the inference clients' (security.md: what a registration can reach) */
-    [MOED_M_SHM_STATUS] = NEED_INFER,
-    [MOED_M_SHM_REGISTER] = NEED_INFER,
-    [MOED_M_SHM_UNREGISTER] = NEED_INFER,
-    [MOED_M_CUDA_SHM_STATUS] = NEED_INFER,
-    [MOED_M_CUDA_SHM_REGISTER] = NEED_INFER,
+    [MOED_M_SERVER_LIVE] = NEED_HEALTH,        [MOED_M_SERVER_READY] = NEED_HEALTH,
+    [MOED_M_MODEL_READY] = NEED_HEALTH,        [MOED_M_HEALTH_CHECK] = NEED_HEALTH,
+    [MOED_M_HEALTH_WATCH] = NEED_HEALTH,       [MOED_M_SERVER_METADATA] = NEED_INFER,
+    [MOED_M_MODEL_METADATA] = NEED_INFER,      [MOED_M_MODEL_INFER] = NEED_INFER,
+    [MOED_M_MODEL_STREAM_INFER] = NEED_INFER,  [MOED_M_MODEL_CONFIG] = NEED_INFER,
+    [MOED_M_MODEL_STATISTICS] = NEED_INFER,    [MOED_M_REPOSITORY_INDEX] = NEED_INFER,
+    [MOED_M_REPOSITORY_LOAD] = NEED_ADMIN,     [MOED_M_REPOSITORY_UNLOAD] = NEED_ADMIN,
+    [MOED_M_EXPERT_UPLOAD] = NEED_ADMIN,       [MOED_M_SHM_STATUS] = NEED_INFER,
+    [MOED_M_SHM_REGISTER] = NEED_INFER,        [MOED_M_SHM_UNREGISTER] = NEED_INFER,
+    [MOED_M_CUDA_SHM_STATUS] = NEED_INFER,     [MOED_M_CUDA_SHM_REGISTER] = NEED_INFER,
     [MOED_M_CUDA_SHM_UNREGISTER] = NEED_INFER,
 };
 
