@@ -376,6 +376,34 @@ def test_in_use(tmp):
         ts.stop(p)
 
 
+def test_auth(tmp):
+    """--auth-tokens: an infer token may register, use and unregister a region; no token may not."""
+    tokens = os.path.join(tmp, "tokens")
+    with open(tokens, "w") as f:
+        f.write("client infer 0123456789abcdef0123456789abcdef\n")
+    p, port, _ = ts.start(tmp, "--auth-tokens", tokens)
+    h = region("auth", 4096, "_auth")
+    try:
+        cli = tc.InferenceServerClient(f"127.0.0.1:{port}")
+        hdr = {"authorization": "Bearer 0123456789abcdef0123456789abcdef"}
+        expect(lambda: cli.register_system_shared_memory("a", KEY + "_auth", 4096), C.UNAUTHENTICATED,
+               ["authorization"], "auth: register without a token")
+        cli.register_system_shared_memory("a", KEY + "_auth", 4096, headers=hdr)
+        x = np.ones((2, 64), np.float32)
+        shm.set_shared_memory_region(h, [x])
+        i = tc.InferInput("x", [2, 64], "FP32")
+        i.set_shared_memory("a", x.nbytes)
+        res = cli.infer("quant.per_token", [i], parameters={"out_dtype": "int8"}, headers=hdr)
+        check(res.as_numpy("q").shape == (2, 64), "auth: an infer token registers and infers from a region")
+        expect(lambda: cli.get_system_shared_memory_status(), C.UNAUTHENTICATED, ["authorization"],
+               "auth: status without a token")
+        cli.unregister_system_shared_memory(headers=hdr)
+        check(len(cli.get_system_shared_memory_status(headers=hdr).regions) == 0, "auth: an infer token unregisters")
+    finally:
+        shm.destroy_shared_memory_region(h)
+        ts.stop(p)
+
+
 def test_off(tmp):
     p, port, _ = ts.start(tmp, "--shm-max-regions", "0")
     try:
@@ -402,6 +430,7 @@ def main():
         finally:
             ts.stop(p)
         test_in_use(tmp)
+        test_auth(tmp)
         test_off(tmp)
         if ts.failures:
             print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
