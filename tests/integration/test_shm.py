@@ -6,8 +6,9 @@ register / status / unregister and InferInput / InferRequestedOutput
 to the same request with raw contents; each error names its field; a region
 unregistered while a request uses it stays mapped until that request ends.
 
-env: MOED (server binary)."""
+env: MOED (server binary), MOE_MKSET (expert-set writer)."""
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -257,6 +258,50 @@ def test_errors(cli, ch, hout):
     check(code_of(lambda: cli.unregister_system_shared_memory("never"))[0] == C.OK, "unregister an unknown name: OK")
 
 
+def test_expert_set(cli, ch):
+    """fused_moe on an expert set (moe-mkset, bf16, H=128, E=8): activations
+    and router logits from a region, the output into one, bit-equal to raw;
+    three requests sent at once (the batcher may merge them: each output is
+    then split back into its own span)."""
+    H, E = 128, 8
+    rng = np.random.default_rng(11)
+    hin, hout = region("set_in", 1 << 16, "_set_in"), region("set_out", 1 << 16, "_set_out")
+    try:
+        cli.register_system_shared_memory("set_in", KEY + "_set_in", 1 << 16)
+        cli.register_system_shared_memory("set_out", KEY + "_set_out", 1 << 16)
+        calls = []
+        for k, T in enumerate((3, 5, 7)):
+            h = ts.bf16(rng.standard_normal((T, H)))
+            lg = rng.standard_normal((T, E)).astype(np.float32)
+            ref = infer_pb(ch, make_req("set", [("hidden_states", "BF16", [T, H], h.tobytes()),
+                                                ("router_logits", "FP32", [T, E], lg.tobytes())]))
+            base = k * 8192
+            shm.set_shared_memory_region(hin, [h], offset=base)
+            shm.set_shared_memory_region(hin, [lg], offset=base + 4096)
+            ih, il = tc.InferInput("hidden_states", [T, H], "BF16"), tc.InferInput("router_logits", [T, E], "FP32")
+            ih.set_shared_memory("set_in", h.nbytes, offset=base)
+            il.set_shared_memory("set_in", lg.nbytes, offset=base + 4096)
+            o = tc.InferRequestedOutput("output")
+            o.set_shared_memory("set_out", 4096, offset=base)
+            calls.append((ih, il, o, base, ref.raw_output_contents[0]))
+        results = [None] * len(calls)
+        for k, (ih, il, o, _, _) in enumerate(calls):
+            cli.async_infer("set", [ih, il], lambda result, error, k=k: results.__setitem__(k, error or result), outputs=[o])
+        for _ in range(200):
+            if all(r is not None for r in results):
+                break
+            time.sleep(0.05)
+        ok = all(isinstance(r, tc.InferResult) for r in results)
+        check(ok, f"expert set: three requests through shared memory answered ({results})")
+        for k, (_, _, _, base, want) in enumerate(calls):
+            got = shm.get_contents_as_numpy(hout, np.uint8, [len(want)], offset=base).tobytes()
+            check(got == want, f"expert set: request {k} output bit-equal to raw ({len(want)} bytes)")
+    finally:
+        cli.unregister_system_shared_memory()
+        shm.destroy_shared_memory_region(hin)
+        shm.destroy_shared_memory_region(hout)
+
+
 def test_limit(cli):
     h = region("lim", 4096, "_lim")
     try:
@@ -417,7 +462,12 @@ def test_off(tmp):
 
 def main():
     with tempfile.TemporaryDirectory() as tmp:
-        p, port, _ = ts.start(tmp, "--shm-max-regions", "3")
+        repo = os.path.join(tmp, "repo")
+        subprocess.run([os.environ["MOE_MKSET"], "--out", f"{repo}/set", "--scheme", "bf16", "--experts", "8",
+                        "--hidden", "128", "--intermediate", "64", "--top-k", "2"], check=True, capture_output=True)
+        # a 20 ms batch window, for the expert set's three requests to meet in
+        p, port, _ = ts.start(tmp, "--shm-max-regions", "3", "--model-repository", repo, "--max-queue-delay-us",
+                              "20000")
         target = f"127.0.0.1:{port}"
         try:
             cli = tc.InferenceServerClient(target)
@@ -425,6 +475,7 @@ def main():
             check("system_shared_memory" in cli.get_server_metadata().extensions,
                   "ServerMetadata lists system_shared_memory")
             test_ops(cli, ch)
+            test_expert_set(cli, ch)
             test_limit(cli)
             test_rest(p.rest_port, ch)
         finally:
