@@ -108,7 +108,12 @@ static grpc_status_code copy_input(moed_infer_req *r, size_t i, const char *name
 }
 
 bool moed_infer_shm_small(const uint8_t *p, size_t n) {
-  if (!memmem(p, n, P_REGION, sizeof P_REGION - 1)) return true; /* the common case: no unpacking */
+  /* the common case, no region, without unpacking: the tensors' parameters
+   * precede the raw contents in every encoder we know, so only those bytes
+   * are searched (a request encoded otherwise is still served right, only
+   * its region's copy may then run on the gRPC thread) */
+  const size_t raw_at = moed_kserve_raw_at(p, n);
+  if (!memmem(p, raw_at ? raw_at : n, P_REGION, sizeof P_REGION - 1)) return true;
   Inference__ModelInferRequest *m = inference__model_infer_request__unpack(NULL, n, p);
   uint64_t total = 0;
   for (size_t i = 0; m && i < m->n_inputs; i++) {
