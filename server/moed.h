@@ -619,6 +619,7 @@ typedef struct moed_http_stats {
   uint64_t
       idle_closed;     /* closed with no request begun within --idle-timeout (--handshake-timeout at first) */
   uint64_t tls_failed; /* closed by a failed TLS handshake or record */
+  uint64_t abandoned;  /* requests in work whose client closed or reset the connection (http_conn.c) */
 } moed_http_stats;
 
 int moed_http_listen(uv_loop_t *loop, const char *address, int port, const moed_http_options *o,
