@@ -155,7 +155,9 @@ def test_queued_and_running(tmp, repo):
         leavers[0].close()
         leavers[1].reset()
         leavers[2].half_close()
-        wait_metric(http_port, QUEUE, 0, "requests whose REST clients left leave the device queue at once")
+        # "at once": well before the long call could end and let the worker drain the queue
+        wait_metric(http_port, QUEUE, 0, "requests whose REST clients left leave the device queue at once",
+                    seconds=full / 2)
         wait_metric(http_port, ABANDONED, n, "each counted as abandoned on the REST port")
         check(leavers[2].ended(), "the half-closed keep-alive client gets no answer: the connection ends")
         leavers[2].close()
@@ -192,7 +194,8 @@ def test_queued_and_running(tmp, repo):
         wait_metric(http_port, "moed_batches_in_flight ", 1, "a long REST call runs")
         t0 = time.monotonic()
         run.close()
-        wait_metric(http_port, "moed_batches_in_flight ", 0, "the running call stops when its client leaves")
+        wait_metric(http_port, "moed_batches_in_flight ", 0, "the running call stops when its client leaves",
+                    seconds=full / 2)
         code, msg, t = timed(lambda: f(req_of(1, seed=31), timeout=60))
         check(code == SC.OK and time.monotonic() - t0 < full / 2,
               f"the worker is free: the next call answered {time.monotonic() - t0:.2f}s after the close "
