@@ -15,13 +15,14 @@ running on the worker stops when its REST client leaves (the worker is free
 at once). In a merged batch queued behind the long call, the rows of clients
 that left are dropped before it runs: ModelStatistics shows an execution of
 the live rows only, and each live answer is byte-equal to the same request
-run alone.
+run alone. The same over TLS.
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import http.client
 import json
 import os
 import socket
+import ssl
 import struct
 import sys
 import tempfile
@@ -87,9 +88,11 @@ class Client:
     """A raw REST connection that has sent reqs (pipelined when several) and
     reads the answers in order."""
 
-    def __init__(self, port, *reqs):
+    def __init__(self, port, *reqs, tls=None):
         self.s = socket.create_connection(("127.0.0.1", port), timeout=120)
         self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls:  # an ssl.SSLContext
+            self.s = tls.wrap_socket(self.s, server_hostname="127.0.0.1")
         self.f = self.s.makefile("rb")
         self.s.sendall(b"".join(reqs))
 
@@ -109,7 +112,9 @@ class Client:
         return self.f.read(1) == b""
 
     def half_close(self):
-        self.s.shutdown(socket.SHUT_WR)
+        # the TCP socket's own: SSLSocket.shutdown would drop the TLS session, and
+        # the answer would then be read as raw records
+        socket.socket.shutdown(self.s, socket.SHUT_WR)
 
     def close(self):
         self.f.close()
@@ -214,7 +219,7 @@ def test_queued_and_running(tmp, repo):
     finally:
         if p.poll() is None:
             p.kill()
-    return tokens
+    return tokens, full
 
 
 def test_merged_batch(tmp, repo, tokens):
@@ -254,12 +259,62 @@ def test_merged_batch(tmp, repo, tokens):
             p.kill()
 
 
+def test_tls(tmp, repo, tokens, full):
+    """The same over TLS (the REST port with --tls-cert: http_conn.c decrypts
+    what arrives while a request is in work): a close and a reset leave the
+    queue, a half-close after a Connection: close request is answered, and
+    the long call, sent over REST too, stops when its client closes."""
+    from test_security import make_certs
+    d = os.path.join(tmp, "certs")
+    os.makedirs(d, exist_ok=True)
+    pem = make_certs(d)
+    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--workers", "1", "--max-batch-tokens", "0",
+                                  "--tls-cert", pem("server-ca1.pem"), "--tls-key", pem("server-ca1.key"),
+                                  "--http-port-plaintext")
+    rest = p.rest_port
+    tls = ssl.create_default_context(cafile=pem("ca1.pem"))
+    try:
+        blocker = Client(rest, rest_request(rest, 4 * tokens, seed=1), tls=tls)
+        wait_metric(http_port, "moed_batches_in_flight ", 1, "TLS: the long REST call runs on the one worker")
+        gone = [Client(rest, rest_request(rest, 1, seed=2 + k), tls=tls) for k in range(2)]
+        last = Client(rest, rest_request(rest, 2, seed=4, close=True), tls=tls)
+        wait_metric(http_port, QUEUE, 3, "TLS: three requests queued")
+        gone[0].close()
+        gone[1].reset()
+        last.half_close()
+        wait_metric(http_port, QUEUE, 1, "TLS: the two that left leave the queue at once", seconds=full / 2)
+        wait_metric(http_port, ABANDONED, 2, "TLS: counted as abandoned")
+        blocker.close()
+        wait_metric(http_port, "moed_batches_in_flight ", 0, "TLS: the long call stops when its client closes",
+                    seconds=full / 2)
+        status, out = last.response()
+        check(status == 200 and out == alone_tls(port, pem, 2, 4),
+              f"TLS: the half-closed Connection: close client answered: 200, the bytes alone ({status})")
+        check(last.ended(), "TLS: then the connection closed")
+        last.close()
+        wait_metric(http_port, ABANDONED, 3, "TLS: the long call counted as abandoned")
+        wait_metric(http_port, "moed_inflight_requests ", 0, "TLS: nothing left in flight")
+        wait_metric(http_port, REST_OPEN, 0, "TLS: no REST connection left open")
+        ts.stop(p)
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def alone_tls(port, pem, tokens, seed):
+    """alone() over the TLS gRPC port."""
+    creds = grpc.ssl_channel_credentials(root_certificates=open(pem("ca1.pem"), "rb").read())
+    ch = grpc.secure_channel(f"127.0.0.1:{port}", creds)
+    return ts.infer_pb(ch, req_of(tokens, seed), timeout=120).raw_output_contents[0]
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         repo = os.path.join(tmp, "repo")
         mkset(f"{repo}/bigset", "bf16", experts=EXPERTS, hidden=HIDDEN, inter=4096)
-        tokens = test_queued_and_running(tmp, repo)
+        tokens, full = test_queued_and_running(tmp, repo)
         test_merged_batch(tmp, repo, tokens)
+        test_tls(tmp, repo, tokens, full)
         ts.print_log_tail(tmp)
     ts.exit_with_summary()
 
