@@ -833,6 +833,11 @@ bool moed_http_memory_feed(moed_http_conn *c, const char *data, size_t n) {
   return !c->closing;
 }
 
+bool moed_http_memory_eof(moed_http_conn *c) {
+  if (!c->closing) peer_eof(c);
+  return !c->closing;
+}
+
 void moed_http_memory_close(moed_http_conn *c) {
   if (c->unfinished) { /* its completion will not run: release what it holds */
     write_req *wr = c->unfinished;

@@ -652,6 +652,8 @@ moed_http_listener *moed_http_memory_listener(uv_loop_t *loop, const moed_http_o
 moed_http_conn *moed_http_memory_conn(moed_http_listener *l, void (*sink)(void *, const char *, size_t),
                                       void *arg);
 bool moed_http_memory_feed(moed_http_conn *c, const char *data, size_t n);
+/* The client's FIN, as a read of EOF would see it; false once the connection closed. */
+bool moed_http_memory_eof(moed_http_conn *c);
 void moed_http_memory_close(moed_http_conn *c);
 
 /* ---- tls.c: the gRPC port's credentials ----------------------------------- */
