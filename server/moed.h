@@ -638,7 +638,10 @@ void moed_http_respond_copy(moed_http_conn *c, int code, const char *ctype, cons
 /* {"error": msg} (application/json), as Triton answers errors. */
 void moed_http_respond_error(moed_http_conn *c, int code, const char *msg);
 /* The answer comes later: if the connection closes first, gone(arg) is
- * called (on the loop) and the answer must not be sent. */
+ * called (on the loop) and the answer must not be sent. The connection is
+ * read meanwhile, so gone also follows the client's leaving: a reset, or a
+ * FIN unless the client had said its last request was the last
+ * (http_conn.c). */
 void moed_http_defer(moed_http_conn *c, void (*gone)(void *), void *arg);
 /* The client's address, "ADDR:PORT" ("unknown" when it cannot be read),
  * and under mTLS " cert 'SUBJECT'" of its verified certificate. */
