@@ -1,7 +1,9 @@
 /* libFuzzer: the HTTP/1.1 connection layer (server/http_conn.c) without a
  * socket: a byte stream (pipelined requests, chunked bodies, anything) fed
  * to a memory connection in pieces split at points the input chooses, the
- * answers collected.
+ * answers collected. A request whose path starts "/d" is answered later
+ * (deferred, as an inference is): before the next piece arrives, or at the
+ * end; bytes that arrive meanwhile are held by the connection.
  *
  * Input: the first byte seeds the split points, the rest is the stream.
  * Checks beyond "no crash, no leak": the handler sees a NUL-terminated path
@@ -9,7 +11,12 @@
  * answers (head, Content-Length bytes of body), one per request handled
  * plus at most one refusal that ends the connection; and
  * the bytes written are the same whatever the split, as they are when the
- * whole stream arrives in one read. */
+ * whole stream arrives in one read. Then the whole stream once more,
+ * followed by the client's FIN: its answers are those of the first run up
+ * to where the connection ended; a deferred request whose client is taken
+ * as gone (the FIN came while it was in work, after a keep-alive request)
+ * is never answered, and then the answers stop short of the first run's;
+ * otherwise they are all of them. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,7 +29,11 @@
 typedef struct out {
   char *p;
   size_t len, cap;
-  int handled; /* requests the handler answered */
+  int handled;             /* requests the handler took */
+  int gone;                /* deferred requests whose connection closed first */
+  moed_http_conn *waiting; /* the deferred request's connection (NULL: none) */
+  char text[1200];         /* its answer */
+  int text_len;
 } out;
 
 static void sink(void *arg, const char *data, size_t n) {
@@ -40,6 +51,13 @@ static void sink(void *arg, const char *data, size_t n) {
 
 static out *current; /* the connection being run */
 
+static void on_gone(void *arg) {
+  out *o = arg;
+  if (!o->waiting) abort(); /* called once, for a request in work */
+  o->waiting = NULL;
+  o->gone++;
+}
+
 /* Answers from what it was given (the body by its FNV-1a hash: its bytes
  * could fake a status line), so that a request read differently (another
  * path, header or body cut) writes different bytes. */
@@ -55,37 +73,59 @@ static void on_request(moed_http_conn *c, moed_http_request *rq, void *arg) {
   uint64_t ha = 14695981039346656037u;
   for (int i = 0; i < rq->authorization_len; i++)
     ha = (ha ^ (uint8_t)rq->authorization[i]) * 1099511628211u;
-  char text[1200];
-  int n = snprintf(text, sizeof text, "%d %s|%lld|%d %016llx|%zu %016llx", rq->method, rq->path,
+  char *text = current->text;
+  int n = snprintf(text, sizeof current->text, "%d %s|%lld|%d %016llx|%zu %016llx", rq->method, rq->path,
                    (long long)rq->inference_header_length, rq->authorization_len, (unsigned long long)ha,
                    rq->body_len, (unsigned long long)h);
-  if (rq->path[1] == 'e') /* "/e...": the error answer's JSON writer */
+  if (rq->path[1] == 'd') { /* "/d...": answered later (answer_waiting) */
+    current->waiting = c;
+    current->text_len = n;
+    moed_http_defer(c, on_gone, current);
+  } else if (rq->path[1] == 'e') { /* "/e...": the error answer's JSON writer */
     moed_http_respond_error(c, 400, text);
-  else
+  } else {
     moed_http_respond_copy(c, 200, "text/plain", text, (size_t)n);
+  }
+}
+
+/* Answers the deferred requests, each letting the connection go on to the
+ * requests held behind it (which may defer again); false once it closed. */
+static bool answer_waiting(moed_http_conn *c, out *o) {
+  while (o->waiting) {
+    if (o->waiting != c) abort();
+    o->waiting = NULL;
+    moed_http_respond_copy(c, 200, "text/plain", o->text, (size_t)o->text_len);
+    if (!moed_http_memory_feed(c, NULL, 0)) return false; /* the write completes: the next request */
+  }
+  return true;
 }
 
 static uv_loop_t loop;
 static moed_config cfg;
 static moed_http_listener *listener;
 
-/* The stream through one connection, split by seed (0: in one piece). */
-static void run(const uint8_t *data, size_t size, unsigned seed, out *o) {
+/* The stream through one connection, split by seed (0: in one piece),
+ * then (eof) the client's FIN. */
+static void run(const uint8_t *data, size_t size, unsigned seed, bool eof, out *o) {
   moed_http_conn *c = moed_http_memory_conn(listener, sink, o);
   if (!c) abort();
   current = o;
   size_t at = 0;
-  while (at < size) {
+  bool open = true;
+  while (at < size && (open = answer_waiting(c, o))) {
     size_t step = size - at;
     if (seed) {
       seed = seed * 1103515245u + 12345u;
       step = 1 + (seed >> 16) % 97;
       if (step > size - at) step = size - at;
     }
-    if (!moed_http_memory_feed(c, (const char *)data + at, step)) break;
+    if (!(open = moed_http_memory_feed(c, (const char *)data + at, step))) break;
     at += step;
   }
+  if (eof && open) open = moed_http_memory_eof(c);
+  if (open) answer_waiting(c, o);
   moed_http_memory_close(c);
+  if (o->waiting) abort();      /* a deferred request neither answered nor told gone */
   uv_run(&loop, UV_RUN_NOWAIT); /* the closed connection's timer: then it is freed */
 }
 
@@ -125,9 +165,15 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size < 1) return 0;
-  out whole = {0}, split = {0};
-  run(data + 1, size - 1, 0, &whole);
-  run(data + 1, size - 1, 1u + data[0], &split);
+  out whole = {0}, split = {0}, fin = {0};
+  run(data + 1, size - 1, 0, false, &whole);
+  run(data + 1, size - 1, 1u + data[0], false, &split);
+  run(data + 1, size - 1, 0, true, &fin);
+  if (whole.gone || split.gone || fin.gone > 1) abort();
+  /* the FIN's run: the first run's answers, all of them or (a request gone) fewer */
+  if (fin.len > whole.len || (fin.len && memcmp(fin.p, whole.p, fin.len) != 0) ||
+      (fin.gone ? fin.len == whole.len : fin.len != whole.len))
+    abort();
   /* an answer per handled request, and at most one refusal (it ends the connection) */
   int answers = count_answers(&whole);
   if (answers < whole.handled || answers > whole.handled + 1) abort();
@@ -137,5 +183,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (whole.len != split.len || (whole.len && memcmp(whole.p, split.p, whole.len) != 0)) abort();
   free(whole.p);
   free(split.p);
+  free(fin.p);
   return 0;
 }

@@ -141,6 +141,9 @@ def http_conn_seeds():
         "too_large": b"POST /x HTTP/1.1\r\nContent-Length: 5000\r\n\r\n" + b"a" * 64,
         "http10": b"GET /metrics HTTP/1.0\r\n\r\n",
         "malformed": b"GET / HTTP/1.1\r\nBad Header\r\n\r\n",
+        # answered later ("/d"), with requests held behind it; the FIN's run: the last says close
+        "deferred": b"GET /d1 HTTP/1.1\r\n\r\n" + get + b"GET /d2 HTTP/1.1\r\nConnection: close\r\n\r\n",
+        "deferred_keepalive": b"POST /d HTTP/1.1\r\nContent-Length: 2\r\n\r\nab",
     }
     for k, (name, stream) in enumerate(seeds.items()):
         write("http_conn", name, bytes([k * 37 % 256]) + stream)

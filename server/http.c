@@ -190,6 +190,10 @@ static void http_accepted(const char *port, const moed_http_stats *n, void *arg)
   wb_printf(arg, "moed_http_connections_accepted_total{port=\"%s\"} %llu\n", port,
             (unsigned long long)n->accepted);
 }
+static void http_abandoned(const char *port, const moed_http_stats *n, void *arg) {
+  wb_printf(arg, "moed_http_requests_abandoned_total{port=\"%s\"} %llu\n", port,
+            (unsigned long long)n->abandoned);
+}
 static void http_closed(const char *port, const moed_http_stats *n, void *arg) {
   const struct {
     const char *reason;
@@ -296,6 +300,10 @@ static void render_metrics(moed_http *h, wbuf *b) {
                "handshake (tls).\n"
                "# TYPE moed_http_connections_closed_total counter\n");
   moed_http_foreach_listener(http_closed, b);
+  wb_printf(b, "# HELP moed_http_requests_abandoned_total Requests in work whose client closed or reset its "
+               "connection (their work withdrawn, nothing written).\n"
+               "# TYPE moed_http_requests_abandoned_total counter\n");
+  moed_http_foreach_listener(http_abandoned, b);
   uint64_t fd_reserve, fd_exhausted;
   moed_fd_budget_refused(&fd_reserve, &fd_exhausted);
   wb_printf(b,

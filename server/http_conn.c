@@ -9,8 +9,19 @@
  * long between two reads; a keep-alive connection waits --idle-timeout for
  * its next request. While the handler works (the answer may come from a
  * worker), no deadline runs: the answer has its own bounds. One request at
- * a time per connection: reading stops until the answer is written, and
- * bytes of a pipelined next request are kept for then.
+ * a time per connection: bytes of a pipelined next request are held (up to
+ * HELD_MAX, then reading pauses) until the answer is written.
+ *
+ * A client that leaves while its request is in work: reading goes on while
+ * the handler works, so a connection error or the client's FIN is seen
+ * then, not when the answer is written. A FIN is a half-close or a close,
+ * which TCP does not tell apart until the server writes, and moed has
+ * nothing to write before the answer. It is taken as the client leaving
+ * (the handler's gone() is called and nothing is written) unless the
+ * client said it would send nothing more: the last whole request it sent
+ * does not keep the connection (Connection: close, or HTTP/1.0 without
+ * keep-alive), and nothing follows that request. Such a client is answered
+ * (every request up to that one) and the connection then closed.
  *
  * Transport: the socket as is, or TLS (OpenSSL through memory BIOs: the
  * records go through libuv's stream like any bytes; tls.c owns the
@@ -29,6 +40,10 @@
 #include "moed.h"
 
 #define IHCL "inference-header-content-length"
+
+/* Bytes held while a request is in work (a pipelined request); past this,
+ * reading pauses until the answer is written and a close is not seen. */
+#define HELD_MAX (64 * 1024)
 
 enum { H_OTHER, H_IHCL, H_EXPECT, H_ENCODING, H_AUTH };
 
@@ -68,10 +83,14 @@ struct moed_http_conn {
   bool encoded;         /* Content-Encoding other than identity: 415 */
   bool busy;            /* a whole request is with the handler or its answer being written */
   bool keep_alive;      /* of the current request */
+  bool said_close;      /* the current request declared itself the client's last */
+  bool paused;          /* the socket is not read (held bytes at HELD_MAX, or a refusal) */
+  bool eof;             /* the client's FIN (or TLS close_notify) came: nothing more will */
+  bool half_closed;     /* ... after its last request: it still waits for the answers */
   bool closing;
   void (*gone)(void *); /* the deferred handler's: the connection closed first */
   void *gone_arg;
-  char *pending; /* bytes read past the current request (pipelined) */
+  char *pending; /* bytes read past the current request (pipelined), held for after its answer */
   size_t pending_len;
   SSL *ssl;                                   /* TLS: its BIOs hold records read and to write */
   void (*sink)(void *, const char *, size_t); /* a memory connection's output (no tcp) */
@@ -203,11 +222,24 @@ static void on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf);
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 
 static void pause_input(moed_http_conn *c) {
-  if (!c->sink) uv_read_stop((uv_stream_t *)&c->tcp);
+  if (!c->sink && !c->paused) uv_read_stop((uv_stream_t *)&c->tcp);
+  c->paused = true;
 }
 
 static int resume_input(moed_http_conn *c) {
+  if (!c->paused) return 0; /* libuv refuses a second start */
+  c->paused = false;
   return c->sink ? 0 : uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+}
+
+/* Keeps data[0..n) for after the answer of the request in work. */
+static void hold(moed_http_conn *c, const char *data, size_t n) {
+  char *g = realloc(c->pending, c->pending_len + n);
+  if (!g) return close_conn(c);
+  memcpy(g + c->pending_len, data, n);
+  c->pending = g;
+  c->pending_len += n;
+  if (c->pending_len >= HELD_MAX) pause_input(c);
 }
 
 /* ---- parsing ----------------------------------------------------------------------- */
@@ -353,7 +385,8 @@ static int on_message_complete(http_parser *p) {
   moed_http_conn *c = p->data;
   c->busy = true;
   c->in_request = false;
-  c->keep_alive = c->l->o.keep_alive && http_should_keep_alive(p);
+  c->said_close = !http_should_keep_alive(p);
+  c->keep_alive = c->l->o.keep_alive && !c->said_close;
   http_parser_pause(p, 1); /* one request at a time: the rest waits in c->pending */
   return 0;
 }
@@ -399,21 +432,72 @@ static void feed(moed_http_conn *c, const char *data, size_t n) {
       arm(c, c->l->o.cfg->handshake_timeout_s); /* the body is coming: the next read has as long */
     return;
   }
-  pause_input(c);
   uv_timer_stop(&c->timer);
-  if (used < n) { /* a pipelined request: kept for after this answer */
-    char *keep = malloc(n - used);
-    if (!keep) return close_conn(c);
-    memcpy(keep, data + used, n - used);
-    free(c->pending);
-    c->pending = keep;
-    c->pending_len = n - used;
-  }
+  if (used < n) hold(c, data + used, n - used); /* a pipelined request */
+  if (c->closing) return;
   char *q = strchr(c->rq.path, '?');
   if (q) *q = 0;
   if (c->rq.body) c->rq.body[c->rq.body_len] = 0;
   c->rq.method = (int)c->parser.method;
   c->l->fn(c, &c->rq, c->l->arg);
+}
+
+/* Bytes from the client: parsed, or held while a request is in work. */
+static void take_input(moed_http_conn *c, const char *data, size_t n) {
+  if (c->busy)
+    hold(c, data, n);
+  else
+    feed(c, data, n);
+}
+
+static int scan_begin(http_parser *p) {
+  ((int *)p->data)[0]++;
+  return 0;
+}
+static int scan_complete(http_parser *p) {
+  int *n = p->data;
+  n[1]++;
+  n[2] = !http_should_keep_alive(p);
+  return 0;
+}
+
+/* Whether the client, whose FIN came while a request was in work, had said
+ * it would send nothing more: the last whole request it sent (the one in
+ * work, or the last of those held behind it) does not keep the connection,
+ * and no partial or malformed one follows it. */
+static bool sending_done(const moed_http_conn *c) {
+  if (!c->pending_len) return c->said_close;
+  static const http_parser_settings scan = {.on_message_begin = scan_begin,
+                                            .on_message_complete = scan_complete};
+  int n[3] = {0, 0, 0}; /* requests begun, whole, the last whole one said close */
+  http_parser p;
+  http_parser_init(&p, HTTP_REQUEST);
+  p.data = n;
+  const size_t used = http_parser_execute(&p, &scan, c->pending, c->pending_len);
+  if (HTTP_PARSER_ERRNO(&p) != HPE_OK || used != c->pending_len || n[0] != n[1]) return false;
+  return n[1] ? n[2] : c->said_close; /* only blank lines held: the request in work decides */
+}
+
+/* The client's FIN (or TLS close_notify). Between requests, or within one
+ * not yet whole, the connection ends as before. With a request in work, it
+ * ends there (the handler's gone() is called: the client left) unless the
+ * client had said it sends nothing more; then its answers are written and
+ * the connection closed after them (next_request). */
+static void peer_eof(moed_http_conn *c) {
+  if (c->eof || c->closing) return;
+  c->eof = true;
+  if (!c->busy) return close_conn(c);
+  c->half_closed = sending_done(c);
+  if (!c->half_closed && c->gone) {
+    c->l->n.abandoned++;
+    close_conn(c);
+  }
+}
+
+/* A connection error (a reset): the client is gone whatever it had sent. */
+static void peer_lost(moed_http_conn *c) {
+  if (c->gone && !c->closing) c->l->n.abandoned++;
+  close_conn(c);
 }
 
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
@@ -422,27 +506,30 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   buf->len = buf->base ? suggested : 0;
 }
 
-/* Decrypts what TLS holds and feeds it, until a request is whole (the
- * rest stays in TLS's buffers for next_request) or more records are
- * needed; a failed handshake (no client certificate under mTLS, a client
- * that does not speak TLS) closes the connection after its alert. */
+/* Decrypts what TLS holds and takes it as input, until more records are
+ * needed or HELD_MAX bytes are held (the rest stays in TLS's buffers for
+ * next_request); close_notify is the client's FIN; a failed handshake (no
+ * client certificate under mTLS, a client that does not speak TLS) closes
+ * the connection after its alert. */
 static void tls_input(moed_http_conn *c) {
   char plain[16384]; /* one TLS record's plaintext at most */
-  while (!c->busy && !c->closing) {
+  while (!c->closing && !c->eof && !(c->busy && c->pending_len >= HELD_MAX)) {
     int n = SSL_read(c->ssl, plain, sizeof plain);
     if (n > 0) {
-      feed(c, plain, (size_t)n);
+      take_input(c, plain, (size_t)n);
       continue;
     }
     int e = SSL_get_error(c->ssl, n);
     if (e == SSL_ERROR_WANT_READ) break;
-    if (e != SSL_ERROR_ZERO_RETURN) {
-      char why[160];
-      ERR_error_string_n(ERR_get_error(), why, sizeof why);
-      c->l->n.tls_failed++;
-      moed_log(MOED_LOG_DEBUG, "tls_handshake_failed", "%s: %s", c->l->o.name, why);
-      ERR_clear_error();
+    if (e == SSL_ERROR_ZERO_RETURN) {
+      peer_eof(c);
+      break;
     }
+    char why[160];
+    ERR_error_string_n(ERR_get_error(), why, sizeof why);
+    c->l->n.tls_failed++;
+    moed_log(MOED_LOG_DEBUG, "tls_handshake_failed", "%s: %s", c->l->o.name, why);
+    ERR_clear_error();
     tls_flush(c, NULL); /* the alert */
     return close_conn(c);
   }
@@ -451,15 +538,17 @@ static void tls_input(moed_http_conn *c) {
 
 static void on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
   moed_http_conn *c = st->data;
-  if (n > 0 && !c->busy && !c->closing) {
+  if (n > 0 && !c->closing) {
     if (!c->ssl)
-      feed(c, buf->base, (size_t)n);
+      take_input(c, buf->base, (size_t)n);
     else if (BIO_write(SSL_get_rbio(c->ssl), buf->base, (int)n) != (int)n) /* n <= 64 KiB (on_alloc) */
       close_conn(c);
     else
       tls_input(c);
+  } else if (n == UV_EOF) {
+    peer_eof(c);
   } else if (n < 0) {
-    close_conn(c);
+    peer_lost(c);
   }
   free(buf->base);
 }
@@ -467,7 +556,7 @@ static void on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
 /* The answer is written: the next request, or the end. */
 static void next_request(moed_http_conn *c) {
   if (c->closing) return;
-  if (!c->keep_alive) return close_conn(c);
+  if (!c->keep_alive || (c->eof && !c->half_closed)) return close_conn(c);
   c->busy = false;
   free(c->rq.body); /* a large body's buffer is not kept for an idle connection */
   c->rq.body = NULL;
@@ -475,16 +564,17 @@ static void next_request(moed_http_conn *c) {
   c->in_body = false;
   http_parser_pause(&c->parser, 0);
   arm(c, c->l->o.cfg->idle_timeout_s);
-  if (resume_input(c) != 0) return close_conn(c);
+  if (!c->eof && resume_input(c) != 0) return close_conn(c);
   if (c->pending) {
     char *p = c->pending;
     size_t len = c->pending_len;
     c->pending = NULL;
     c->pending_len = 0;
-    feed(c, p, len);
+    feed(c, p, len); /* held behind a next request again when one is whole */
     free(p);
   }
-  if (c->ssl) tls_input(c); /* records that came with the last request */
+  if (c->ssl && !c->closing) tls_input(c);              /* records left in TLS's buffers */
+  if (c->eof && !c->busy && !c->closing) close_conn(c); /* half-closed: nothing more comes */
 }
 
 /* ---- answers ---------------------------------------------------------------------- */
@@ -734,12 +824,17 @@ moed_http_conn *moed_http_memory_conn(moed_http_listener *l, void (*sink)(void *
 }
 
 bool moed_http_memory_feed(moed_http_conn *c, const char *data, size_t n) {
-  if (!c->closing && !c->busy && n) feed(c, data, n);
+  if (!c->closing && n) take_input(c, data, n);
   while (!c->closing && c->unfinished) { /* answered: the write "completes", pipelined requests follow */
     write_req *wr = c->unfinished;
     c->unfinished = NULL;
     on_written(&wr->w, 0);
   }
+  return !c->closing;
+}
+
+bool moed_http_memory_eof(moed_http_conn *c) {
+  if (!c->closing) peer_eof(c);
   return !c->closing;
 }
 

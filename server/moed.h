@@ -672,6 +672,7 @@ typedef struct moed_http_stats {
   uint64_t
       idle_closed;     /* closed with no request begun within --idle-timeout (--handshake-timeout at first) */
   uint64_t tls_failed; /* closed by a failed TLS handshake or record */
+  uint64_t abandoned;  /* requests in work whose client closed or reset the connection (http_conn.c) */
 } moed_http_stats;
 
 int moed_http_listen(uv_loop_t *loop, const char *address, int port, const moed_http_options *o,
@@ -690,7 +691,10 @@ void moed_http_respond_copy(moed_http_conn *c, int code, const char *ctype, cons
 /* {"error": msg} (application/json), as Triton answers errors. */
 void moed_http_respond_error(moed_http_conn *c, int code, const char *msg);
 /* The answer comes later: if the connection closes first, gone(arg) is
- * called (on the loop) and the answer must not be sent. */
+ * called (on the loop) and the answer must not be sent. The connection is
+ * read meanwhile, so gone also follows the client's leaving: a reset, or a
+ * FIN unless the client had said its last request was the last
+ * (http_conn.c). */
 void moed_http_defer(moed_http_conn *c, void (*gone)(void *), void *arg);
 /* The client's address, "ADDR:PORT" ("unknown" when it cannot be read),
  * and under mTLS " cert 'SUBJECT'" of its verified certificate. */
@@ -704,6 +708,8 @@ moed_http_listener *moed_http_memory_listener(uv_loop_t *loop, const moed_http_o
 moed_http_conn *moed_http_memory_conn(moed_http_listener *l, void (*sink)(void *, const char *, size_t),
                                       void *arg);
 bool moed_http_memory_feed(moed_http_conn *c, const char *data, size_t n);
+/* The client's FIN, as a read of EOF would see it; false once the connection closed. */
+bool moed_http_memory_eof(moed_http_conn *c);
 void moed_http_memory_close(moed_http_conn *c);
 
 /* ---- tls.c: the gRPC port's credentials ----------------------------------- */
