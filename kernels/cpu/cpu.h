@@ -54,16 +54,27 @@ void moe_cpu_set_isa_cap(moe_cpu_isa cap);
  * process-wide, read once per call. */
 void moe_cpu_set_reference_kernels(bool on);
 
-/* How far ahead (bytes) quant.mx prefetches its input into L1: a page, since
+/* How far ahead (bytes) the quant ops prefetch their input: a page, since
  * the hardware prefetchers stop at 4 KiB boundaries. On the Intel VM at
  * 1 GiB (past the L3) it took static fp8 from 148 to 108 ms (bench/RESULTS.md). */
 #define MOE_CPU_PREFETCH 4096
-/* The scaled ops (quant.per_tensor, per_token, per_token_group) look twice
- * as far ahead and prefetch into L2 only (prefetcht2): past the L3 on the
- * Intel VM, static int8 121 -> 111 ms at 1 GiB, and with streamed codes
- * (below) 98 ms; quant.mx measured no gain from it (bench/RESULTS.md). */
-#define MOE_CPU_PREFETCH_L2 8192
-static inline void moe_cpu_prefetch_l2(const void *p) { __builtin_prefetch(p, 0, 1); }
+/* A look-ahead: `bytes` ahead, into L2 only (prefetcht2) or into L1. The
+ * straight streams over a whole tensor (quant.per_tensor's amax and codes)
+ * take two pages into L2 (MOE_CPU_AHEAD_STREAM): past the L3 on the Intel
+ * VM, static int8 1 GiB 111 -> 93 ms with the streamed codes below. The
+ * batched ops (per_token's next row, quant.mx's tiles) keep a page or a
+ * batch into L1: their L2 look-ahead lost 5-10% inside the L3. */
+typedef struct moe_cpu_ahead {
+  size_t bytes;
+  bool l2;
+} moe_cpu_ahead;
+#define MOE_CPU_AHEAD_STREAM ((moe_cpu_ahead){2 * MOE_CPU_PREFETCH, true})
+static inline void moe_cpu_prefetch(const void *p, moe_cpu_ahead a) {
+  if (a.l2)
+    __builtin_prefetch((const char *)p + a.bytes, 0, 1);
+  else
+    __builtin_prefetch((const char *)p + a.bytes, 0, 3);
+}
 
 /* Whether the scaled ops write their codes with non-temporal (streaming)
  * stores: when the call's input and output together exceed the last-level
@@ -81,17 +92,17 @@ void moe_cpu_set_stream_min(size_t bytes);
  * unit u's codes q[i] = cvt(x[i] * r[u]), or cvt(x[i] / s[u]) when `exact`,
  * to int8 or to fp8 `fmt` (e4m3fn, e4m3fnuz), for the leading multiple of 64
  * (AVX-512, quant_encode_avx512.c; needs MOE_CPU_ISA_AVX512_VBMI) or 32
- * (AVX2, quant_encode_avx2.c) of each unit, prefetching the input `ahead`
- * bytes ahead into L2; `stream`: the codes by non-temporal stores where q is
+ * (AVX2, quant_encode_avx2.c) of each unit, prefetching the input
+ * `ahead`; `stream`: the codes by non-temporal stores where q is
  * aligned to the vector (moe_cpu_stream_codes), fenced before the return so
  * the caller's own stores come after them. Return that count per unit (0
  * for a format they do not encode); the caller's C loop takes the rest. */
 typedef size_t (*moe_cpu_scaled_lanes)(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                        const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
-                                       size_t ahead, bool stream, uint8_t *q);
+                                       moe_cpu_ahead ahead, bool stream, uint8_t *q);
 size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                     const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
-                                    size_t ahead, bool stream, uint8_t *q);
+                                    moe_cpu_ahead ahead, bool stream, uint8_t *q);
 /* The lane encoders' output kinds, and the kind for int8 / fmt with the
  * fp32 bounds they clamp to before rounding: *hi the largest finite value
  * (int8: 127), *lo the value of magnitude code max_mag + 1, whose code NaN
@@ -113,7 +124,7 @@ static inline int moe_cpu_scaled_kind(bool int8, const moe_narrow_fmt *fmt, floa
 }
 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                   const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
-                                  size_t ahead, bool stream, uint8_t *q);
+                                  moe_cpu_ahead ahead, bool stream, uint8_t *q);
 
 /* fused_moe's fp8 activations (docs/numerics.md "Weight scheme fp8"): the
  * n fp32 values v are quantized to e4m3fn as quant.per_token_group does one

@@ -71,8 +71,8 @@ VAVX2 ALWAYS_INLINE __m256i code8(__m256 v, __m256 mul, int out, bool exact, con
 /* Units [0, units) of g elements, unit u scaled by s[u] (exact) or r[u]:
  * the leading multiple of 32 of each. */
 VAVX2 ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
-                                       const float *r, int out, bool exact, const lanes *L, size_t ahead,
-                                       bool stream, uint8_t *q) {
+                                       const float *r, int out, bool exact, const lanes *L,
+                                       moe_cpu_ahead ahead, bool stream, uint8_t *q) {
   const bool fp8 = out != MOE_SCALED_INT8;
   const size_t n = g / 32 * 32;
   for (size_t u = 0; u < units; u++) {
@@ -82,7 +82,7 @@ VAVX2 ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units
       __m256i sign = _mm256_setzero_si256(), c[4];
       const size_t es = xt == MOE_F32 ? 4 : 2;
       for (size_t l = 0; l < 32 * es; l += 64) /* the input `ahead` bytes ahead */
-        moe_cpu_prefetch_l2((const char *)x + i * es + l + ahead);
+        moe_cpu_prefetch((const char *)x + i * es + l, ahead);
       load32(x, xt, i, fp8, v, &sign);
       for (int k = 0; k < 4; k++)
         c[k] = code8(v[k], mul, out, exact, L);
@@ -108,7 +108,7 @@ VAVX2 ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units
 
 VAVX2 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                         const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
-                                        size_t ahead, bool stream, uint8_t *q) {
+                                        moe_cpu_ahead ahead, bool stream, uint8_t *q) {
   lanes L;
   float hi, lo;
   const int out = moe_cpu_scaled_kind(int8, fmt, &hi, &lo);

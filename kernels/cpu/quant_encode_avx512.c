@@ -91,8 +91,8 @@ VBMI ALWAYS_INLINE __m512i code16(__m512 v, __m512 mul, int out, bool exact, con
 /* Units [0, units) of g elements, unit u scaled by s[u] (exact) or r[u]:
  * the leading multiple of 64 of each. */
 VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
-                                      const float *r, int out, bool exact, const lanes *L, size_t ahead,
-                                      bool stream, uint8_t *q) {
+                                      const float *r, int out, bool exact, const lanes *L,
+                                      moe_cpu_ahead ahead, bool stream, uint8_t *q) {
   const bool fp8 = out != MOE_SCALED_INT8;
   const size_t n = g / 64 * 64;
   for (size_t u = 0; u < units; u++)
@@ -102,7 +102,7 @@ VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units,
       __m512i sign = _mm512_setzero_si512(), c[4];
       const size_t es = xt == MOE_F32 ? 4 : 2;
       for (size_t l = 0; l < 64 * es; l += 64) /* the input `ahead` bytes ahead */
-        moe_cpu_prefetch_l2((const char *)x + i * es + l + ahead);
+        moe_cpu_prefetch((const char *)x + i * es + l, ahead);
       load64(x, xt, i, fp8, L, v, &sign);
       for (int k = 0; k < 4; k++)
         c[k] = code16(v[k], mul, out, exact, L);
@@ -147,7 +147,7 @@ static const uint8_t sign_idx[64] = {
 
 VBMI size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                          const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
-                                         size_t ahead, bool stream, uint8_t *q) {
+                                         moe_cpu_ahead ahead, bool stream, uint8_t *q) {
   lanes L;
   float hi, lo;
   const int out = moe_cpu_scaled_kind(int8, fmt, &hi, &lo);

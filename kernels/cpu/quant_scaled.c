@@ -45,16 +45,16 @@ ALWAYS_INLINE float amax_span(const void *x, moe_dtype xt, size_t begin, size_t 
   return moe_load_float(&m, xt, 0);
 }
 
-/* amax_span a page of input at a time, each page's lines prefetched into L2
- * two pages ahead first (cpu.h MOE_CPU_PREFETCH_L2: the hardware prefetchers
- * stop at page boundaries). The max is exact, so the split cannot change it. */
-ALWAYS_INLINE float amax_range(const void *x, moe_dtype xt, size_t begin, size_t end) {
+/* amax_span a page of input at a time, each page's lines prefetched `ahead`
+ * first (cpu.h: the hardware prefetchers stop at page boundaries). The max
+ * is exact, so the split cannot change it. */
+ALWAYS_INLINE float amax_range(const void *x, moe_dtype xt, size_t begin, size_t end, moe_cpu_ahead ahead) {
   const size_t es = xt == MOE_F32 ? 4 : 2, page = 4096 / es;
   float m = 0.0f;
   for (size_t i0 = begin; i0 < end; i0 += page) {
     const size_t i1 = end - i0 < page ? end : i0 + page;
     for (size_t b = 0; b < (i1 - i0) * es; b += 64)
-      moe_cpu_prefetch_l2((const char *)x + i0 * es + b + MOE_CPU_PREFETCH_L2);
+      moe_cpu_prefetch((const char *)x + i0 * es + b, ahead);
     const float a = amax_span(x, xt, i0, i1);
     m = a > m ? a : m;
   }
@@ -63,9 +63,9 @@ ALWAYS_INLINE float amax_range(const void *x, moe_dtype xt, size_t begin, size_t
 
 MOE_CPU_HOT static float amax_of(const void *x, moe_dtype xt, size_t begin, size_t end) {
   switch (xt) {
-  case MOE_F16: return amax_range(x, MOE_F16, begin, end);
-  case MOE_BF16: return amax_range(x, MOE_BF16, begin, end);
-  default: return amax_range(x, MOE_F32, begin, end);
+  case MOE_F16: return amax_range(x, MOE_F16, begin, end, MOE_CPU_AHEAD_STREAM);
+  case MOE_BF16: return amax_range(x, MOE_BF16, begin, end, MOE_CPU_AHEAD_STREAM);
+  default: return amax_range(x, MOE_F32, begin, end, MOE_CPU_AHEAD_STREAM);
   }
 }
 
@@ -105,7 +105,7 @@ MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t
   const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8;
   if (lanes)
     begin += lanes((const char *)x + begin * (moe_dtype_bits(xt) / 8), xt, 1, end - begin, &s, &r, exact,
-                   int8, &fmt, MOE_CPU_PREFETCH_L2, stream, (uint8_t *)q + begin);
+                   int8, &fmt, MOE_CPU_AHEAD_STREAM, stream, (uint8_t *)q + begin);
   switch (xt) {
   case MOE_F16: encode_dtype(x, MOE_F16, begin, end, s, r, exact, int8, &fmt, q); break;
   case MOE_BF16: encode_dtype(x, MOE_BF16, begin, end, s, r, exact, int8, &fmt, q); break;
@@ -132,7 +132,7 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
   for (size_t b0 = u0; b0 < u1; b0 += batch) {
     const size_t nb = u1 - b0 < batch ? u1 - b0 : batch;
     for (size_t k = 0; k < nb; k++)
-      s[k] = amax_range(x, xt, (b0 + k) * g, (b0 + k + 1) * g);
+      s[k] = amax_range(x, xt, (b0 + k) * g, (b0 + k + 1) * g, (moe_cpu_ahead){MOE_CPU_PREFETCH, false});
     for (size_t k = 0; k < nb; k++) {
       const float amax = has_ub && ub < s[k] ? ub : s[k];
       s[k] = moe_dynamic_scale(amax, dtype_max, pow2);
@@ -144,7 +144,7 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
       /* prefetching the next batch, which the next amax pass reads: the memory
        * stays busy while this batch, already in cache, is encoded */
       done = lanes((const char *)x + b0 * g * (moe_dtype_bits(xt) / 8), xt, nb, g, s, r, exact, int8, &fmt,
-                   nb * g * (moe_dtype_bits(xt) / 8), stream, (uint8_t *)q + b0 * g);
+                   (moe_cpu_ahead){nb * g * (moe_dtype_bits(xt) / 8), false}, stream, (uint8_t *)q + b0 * g);
     if (done == g) continue;
     if (done)
       for (size_t k = 0; k < nb; k++)
