@@ -63,7 +63,8 @@ void moe_cpu_set_reference_kernels(bool on);
  * take two pages into L2 (MOE_CPU_AHEAD_STREAM): past the L3 on the Intel
  * VM, static int8 1 GiB 111 -> 93 ms with the streamed codes below. The
  * batched ops (per_token's next row, quant.mx's tiles) keep a page or a
- * batch into L1: their L2 look-ahead lost 5-10% inside the L3. */
+ * batch into L1: with an L2 look-ahead per_token and per_token_group took
+ * 8-10% longer at 64 MiB in one set of runs, and gained nothing at 1 GiB. */
 typedef struct moe_cpu_ahead {
   size_t bytes;
   bool l2;
@@ -76,12 +77,13 @@ static inline void moe_cpu_prefetch(const void *p, moe_cpu_ahead a) {
     __builtin_prefetch((const char *)p + a.bytes, 0, 3);
 }
 
-/* Whether the scaled ops write their codes with non-temporal (streaming)
+/* Whether quant.per_tensor writes its codes with non-temporal (streaming)
  * stores: when the call's input and output together exceed the last-level
  * cache (sysconf; 32 MiB where it says nothing), so the codes would leave the
  * cache before anyone read them, and a cached store would first read each
- * line from memory for nothing. Streaming spares that read: a third of the
- * traffic of fp8 codes from bf16. The bits are the same either way. */
+ * line from memory for nothing. On the Intel VM at 1 GiB, with the L2
+ * look-ahead above: static int8 114 -> 94 ms; per_token and per_token_group
+ * lost 13-15% with them and keep cached stores. The bits are the same either way. */
 bool moe_cpu_stream_codes(size_t bytes);
 /* Tests: the byte count from which moe_cpu_stream_codes says yes
  * (process-wide; 0 restores the cache-size rule), so the streamed paths
