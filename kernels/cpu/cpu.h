@@ -58,13 +58,13 @@ void moe_cpu_set_reference_kernels(bool on);
  * the hardware prefetchers stop at 4 KiB boundaries. On the Intel VM at
  * 1 GiB (past the L3) it took static fp8 from 148 to 108 ms (bench/RESULTS.md). */
 #define MOE_CPU_PREFETCH 4096
-/* A look-ahead: `bytes` ahead, into L2 only (prefetcht2) or into L1. The
- * straight streams over a whole tensor (quant.per_tensor's amax and codes)
- * take two pages into L2 (MOE_CPU_AHEAD_STREAM): past the L3 on the Intel
- * VM, static int8 1 GiB 111 -> 93 ms with the streamed codes below. The
- * batched ops (per_token's next row, quant.mx's tiles) keep a page or a
- * batch into L1: with an L2 look-ahead per_token and per_token_group took
- * 8-10% longer at 64 MiB in one set of runs, and gained nothing at 1 GiB. */
+/* A look-ahead: `bytes` ahead, into L2 only (prefetcht2) or into L1.
+ * quant.per_tensor's straight streams over the whole tensor (amax and codes)
+ * take two pages into L2 (MOE_CPU_AHEAD_STREAM); per_token and
+ * per_token_group the next batch into L1, or the two next into L2 while
+ * their codes are streamed (below); quant.mx a page into L1. An L1 prefetch
+ * and a streamed store each hold one of the core's line fill buffers:
+ * streamed codes gained only with the L2 look-ahead (bench/RESULTS.md). */
 typedef struct moe_cpu_ahead {
   size_t bytes;
   bool l2;
@@ -77,13 +77,13 @@ static inline void moe_cpu_prefetch(const void *p, moe_cpu_ahead a) {
     __builtin_prefetch((const char *)p + a.bytes, 0, 3);
 }
 
-/* Whether quant.per_tensor writes its codes with non-temporal (streaming)
- * stores: when the call's input and output together exceed the last-level
- * cache (sysconf; 32 MiB where it says nothing), so the codes would leave the
- * cache before anyone read them, and a cached store would first read each
- * line from memory for nothing. On the Intel VM at 1 GiB, with the L2
- * look-ahead above: static int8 114 -> 94 ms; per_token and per_token_group
- * lost 13-15% with them and keep cached stores. The bits are the same either way. */
+/* Whether the scaled quant ops write their codes with non-temporal
+ * (streaming) stores: when the call's input and output together exceed the
+ * last-level cache (sysconf; 32 MiB where it says nothing), so the codes
+ * would leave the cache before anyone read them, and a cached store would
+ * first read each line from memory for nothing. On the Intel VM at 1 GiB,
+ * with the L2 look-ahead: static int8 114 -> 94 ms, per_token_group 128
+ * 143 -> 130 ms. The bits are the same either way. */
 bool moe_cpu_stream_codes(size_t bytes);
 /* Tests: the byte count from which moe_cpu_stream_codes says yes
  * (process-wide; 0 restores the cache-size rule), so the streamed paths

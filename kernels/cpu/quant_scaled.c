@@ -119,8 +119,8 @@ MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t
  * unit's reduction), then its codes. All inlined: a unit of 128 costs no
  * calls. */
 ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
-                                     const moe_scaled_args *a, moe_cpu_scaled_lanes lanes, float *scales,
-                                     void *q) {
+                                     const moe_scaled_args *a, moe_cpu_scaled_lanes lanes, bool stream,
+                                     float *scales, void *q) {
   enum { BATCH_ELEMS = 4096, MAX_BATCH = 64 };
   const moe_narrow_fmt fmt = a->fmt; /* locals: stores to q and scales may alias *a */
   const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8, pow2 = a->pow2_scale;
@@ -140,15 +140,18 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
       scales[b0 + k] = s[k];
     }
     size_t done = 0; /* of each unit, by the lane encoder: the batch's units in one call */
-    if (lanes)
-      /* prefetching the next batch, which the next amax pass reads: the memory
-       * stays busy while this batch, already in cache, is encoded */
+    if (lanes) {
+      /* prefetching ahead, where the next amax passes read: the memory stays
+       * busy while this batch, already in cache, is encoded. The next batch
+       * into L1; with streamed codes the two next into L2 only, since a
+       * streamed store and an L1 prefetch each hold a line fill buffer
+       * (streamed with the L1 look-ahead: 13-15% slower past the L3, with
+       * this one 5-9% faster; bench/RESULTS.md) */
+      const size_t span = nb * g * (moe_dtype_bits(xt) / 8);
+      const moe_cpu_ahead ahead = stream ? (moe_cpu_ahead){2 * span, true} : (moe_cpu_ahead){span, false};
       done = lanes((const char *)x + b0 * g * (moe_dtype_bits(xt) / 8), xt, nb, g, s, r, exact, int8, &fmt,
-                   (moe_cpu_ahead){nb * g * (moe_dtype_bits(xt) / 8), false},
-                   /* cached stores: streamed ones were 13-15% slower past the
-                    * L3 here (bench/RESULTS.md), competing with the L1
-                    * look-ahead for the line fill buffers, it seems */
-                   false, (uint8_t *)q + b0 * g);
+                   ahead, stream, (uint8_t *)q + b0 * g);
+    }
     if (done == g) continue;
     if (done)
       for (size_t k = 0; k < nb; k++)
@@ -166,12 +169,12 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
 }
 
 MOE_CPU_HOT static void quant_units(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
-                                    const moe_scaled_args *a, moe_cpu_scaled_lanes lanes, float *scales,
-                                    void *q) {
+                                    const moe_scaled_args *a, moe_cpu_scaled_lanes lanes, bool stream,
+                                    float *scales, void *q) {
   switch (xt) {
-  case MOE_F16: quant_units_dtype(x, MOE_F16, u0, u1, g, a, lanes, scales, q); break;
-  case MOE_BF16: quant_units_dtype(x, MOE_BF16, u0, u1, g, a, lanes, scales, q); break;
-  default: quant_units_dtype(x, MOE_F32, u0, u1, g, a, lanes, scales, q); break;
+  case MOE_F16: quant_units_dtype(x, MOE_F16, u0, u1, g, a, lanes, stream, scales, q); break;
+  case MOE_BF16: quant_units_dtype(x, MOE_BF16, u0, u1, g, a, lanes, stream, scales, q); break;
+  default: quant_units_dtype(x, MOE_F32, u0, u1, g, a, lanes, stream, scales, q); break;
   }
 }
 
@@ -220,10 +223,11 @@ moe_status moe_cpu_quant_grouped(moe_backend *b, moe_call *c, moe_error *err) {
   const long items = (long)((units + per - 1) / per);
   float *scales = c->out[1].tensor.data;
   const moe_cpu_scaled_lanes lanes = scaled_lanes();
+  const bool stream = moe_cpu_stream_codes(x->nbytes + n); /* cpu.h; one byte a code */
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long it = 0; it < items; it++) {
     const size_t u0 = (size_t)it * per, u1 = u0 + per < units ? u0 + per : units;
-    quant_units(x->data, x->dtype, u0, u1, g, a, lanes, scales, c->out[0].tensor.data);
+    quant_units(x->data, x->dtype, u0, u1, g, a, lanes, stream, scales, c->out[0].tensor.data);
   }
   return MOE_OK;
 }

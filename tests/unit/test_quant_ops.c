@@ -532,10 +532,11 @@ END_TEST
  * per_tensor, per_token (with and without scale_ub) and per_token_group
  * alike. The oracle tests check the machine's own path against the contract;
  * this one ties each lower path to it. On a machine without the higher
- * levels both runs take the same path. quant.per_tensor's streamed stores
+ * levels both runs take the same path. The lane encoders' streamed stores
  * (taken only past the last-level cache, cpu.h moe_cpu_stream_codes) are
  * forced on for two more levels, the machine's and AVX2's, against the
- * cached stores of the machine's level. */
+ * cached stores of the machine's level; per_token's rows of 1000 put codes
+ * of both kinds into one cache line. */
 typedef struct level {
   moe_cpu_isa cap;
   bool stream;
