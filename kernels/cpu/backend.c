@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -49,6 +50,24 @@ static moe_cpu_isa cpu_isa(void) {
     atomic_store_explicit(&isa, has, memory_order_relaxed);
   }
   return (moe_cpu_isa)has;
+}
+
+static _Atomic size_t stream_min; /* 0: the last-level cache's size */
+
+void moe_cpu_set_stream_min(size_t bytes) { atomic_store(&stream_min, bytes); }
+
+bool moe_cpu_stream_codes(size_t bytes) {
+  size_t min = atomic_load(&stream_min);
+  if (!min) {
+    static _Atomic size_t llc; /* read once; threads that ask at once all get the same */
+    min = atomic_load_explicit(&llc, memory_order_relaxed);
+    if (!min) {
+      long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE), l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+      min = l3 > 0 ? (size_t)l3 : l2 > 0 ? (size_t)l2 : (size_t)32 << 20;
+      atomic_store_explicit(&llc, min, memory_order_relaxed);
+    }
+  }
+  return bytes >= min;
 }
 
 moe_cpu_isa moe_cpu_quant_isa(void) {

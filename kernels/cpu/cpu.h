@@ -54,24 +54,57 @@ void moe_cpu_set_isa_cap(moe_cpu_isa cap);
  * process-wide, read once per call. */
 void moe_cpu_set_reference_kernels(bool on);
 
-/* How far ahead (bytes) the quant ops' lane code prefetches its input: a page,
- * since the hardware prefetchers stop at 4 KiB boundaries. On the Intel VM at
+/* How far ahead (bytes) the quant ops prefetch their input: a page, since
+ * the hardware prefetchers stop at 4 KiB boundaries. On the Intel VM at
  * 1 GiB (past the L3) it took static fp8 from 148 to 108 ms (bench/RESULTS.md). */
 #define MOE_CPU_PREFETCH 4096
+/* A look-ahead: `bytes` ahead, into L2 only (prefetcht2) or into L1.
+ * quant.per_tensor's straight streams over the whole tensor (amax and codes)
+ * take two pages into L2 (MOE_CPU_AHEAD_STREAM); per_token and
+ * per_token_group the next batch into L1, or the two next into L2 while
+ * their codes are streamed (below); quant.mx a page into L1. An L1 prefetch
+ * and a streamed store each hold one of the core's line fill buffers:
+ * streamed codes gained only with the L2 look-ahead (bench/RESULTS.md). */
+typedef struct moe_cpu_ahead {
+  size_t bytes;
+  bool l2;
+} moe_cpu_ahead;
+#define MOE_CPU_AHEAD_STREAM ((moe_cpu_ahead){2 * MOE_CPU_PREFETCH, true})
+static inline void moe_cpu_prefetch(const void *p, moe_cpu_ahead a) {
+  if (a.l2)
+    __builtin_prefetch((const char *)p + a.bytes, 0, 1);
+  else
+    __builtin_prefetch((const char *)p + a.bytes, 0, 3);
+}
+
+/* Whether the scaled quant ops write their codes with non-temporal
+ * (streaming) stores: when the call's input and output together exceed the
+ * last-level cache (sysconf; 32 MiB where it says nothing), so the codes
+ * would leave the cache before anyone read them, and a cached store would
+ * first read each line from memory for nothing. On the Intel VM at 1 GiB,
+ * with the L2 look-ahead: static int8 114 -> 94 ms, per_token_group 128
+ * 143 -> 130 ms. The bits are the same either way. */
+bool moe_cpu_stream_codes(size_t bytes);
+/* Tests: the byte count from which moe_cpu_stream_codes says yes
+ * (process-wide; 0 restores the cache-size rule), so the streamed paths
+ * run on small tensors. */
+void moe_cpu_set_stream_min(size_t bytes);
 
 /* The scaled quant ops' codes in SIMD lanes: `units` runs of g elements,
  * unit u's codes q[i] = cvt(x[i] * r[u]), or cvt(x[i] / s[u]) when `exact`,
  * to int8 or to fp8 `fmt` (e4m3fn, e4m3fnuz), for the leading multiple of 64
  * (AVX-512, quant_encode_avx512.c; needs MOE_CPU_ISA_AVX512_VBMI) or 32
- * (AVX2, quant_encode_avx2.c) of each unit, prefetching the input `ahead`
- * bytes ahead. Return that count per unit (0 for a format they do not
- * encode); the caller's C loop takes the rest. */
+ * (AVX2, quant_encode_avx2.c) of each unit, prefetching the input
+ * `ahead`; `stream`: the codes by non-temporal stores where q is
+ * aligned to the vector (moe_cpu_stream_codes), fenced before the return so
+ * the caller's own stores come after them. Return that count per unit (0
+ * for a format they do not encode); the caller's C loop takes the rest. */
 typedef size_t (*moe_cpu_scaled_lanes)(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                        const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
-                                       size_t ahead, uint8_t *q);
+                                       moe_cpu_ahead ahead, bool stream, uint8_t *q);
 size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                     const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
-                                    size_t ahead, uint8_t *q);
+                                    moe_cpu_ahead ahead, bool stream, uint8_t *q);
 /* The lane encoders' output kinds, and the kind for int8 / fmt with the
  * fp32 bounds they clamp to before rounding: *hi the largest finite value
  * (int8: 127), *lo the value of magnitude code max_mag + 1, whose code NaN
@@ -93,7 +126,7 @@ static inline int moe_cpu_scaled_kind(bool int8, const moe_narrow_fmt *fmt, floa
 }
 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                   const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
-                                  size_t ahead, uint8_t *q);
+                                  moe_cpu_ahead ahead, bool stream, uint8_t *q);
 
 /* fused_moe's fp8 activations (docs/numerics.md "Weight scheme fp8"): the
  * n fp32 values v are quantized to e4m3fn as quant.per_token_group does one

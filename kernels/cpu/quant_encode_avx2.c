@@ -71,8 +71,8 @@ VAVX2 ALWAYS_INLINE __m256i code8(__m256 v, __m256 mul, int out, bool exact, con
 /* Units [0, units) of g elements, unit u scaled by s[u] (exact) or r[u]:
  * the leading multiple of 32 of each. */
 VAVX2 ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
-                                       const float *r, int out, bool exact, const lanes *L, size_t ahead,
-                                       uint8_t *q) {
+                                       const float *r, int out, bool exact, const lanes *L,
+                                       moe_cpu_ahead ahead, bool stream, uint8_t *q) {
   const bool fp8 = out != MOE_SCALED_INT8;
   const size_t n = g / 32 * 32;
   for (size_t u = 0; u < units; u++) {
@@ -82,7 +82,7 @@ VAVX2 ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units
       __m256i sign = _mm256_setzero_si256(), c[4];
       const size_t es = xt == MOE_F32 ? 4 : 2;
       for (size_t l = 0; l < 32 * es; l += 64) /* the input `ahead` bytes ahead */
-        _mm_prefetch((const char *)x + i * es + l + ahead, _MM_HINT_T0);
+        moe_cpu_prefetch((const char *)x + i * es + l, ahead);
       load32(x, xt, i, fp8, v, &sign);
       for (int k = 0; k < 4; k++)
         c[k] = code8(v[k], mul, out, exact, L);
@@ -96,15 +96,19 @@ VAVX2 ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units
         else /* no -0: a zero magnitude drops its sign */
           b = _mm256_andnot_si256(_mm256_cmpeq_epi8(mag, _mm256_setzero_si256()), b);
       }
-      _mm256_storeu_si256((__m256i *)(q + i), b);
+      if (stream && !((uintptr_t)(q + i) & 31)) /* written around the cache */
+        _mm256_stream_si256((__m256i *)(q + i), b);
+      else
+        _mm256_storeu_si256((__m256i *)(q + i), b);
     }
   }
+  if (stream) _mm_sfence(); /* the streamed lines ordered before the caller's later stores */
   return n;
 }
 
 VAVX2 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                         const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
-                                        size_t ahead, uint8_t *q) {
+                                        moe_cpu_ahead ahead, bool stream, uint8_t *q) {
   lanes L;
   float hi, lo;
   const int out = moe_cpu_scaled_kind(int8, fmt, &hi, &lo);
@@ -115,10 +119,12 @@ VAVX2 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t unit
     /* one straight loop per (input dtype, output kind); the division mode is a branch it hoists */
 #define ENCODE_OUT(XT)                                                                                       \
   switch (out) {                                                                                             \
-  case MOE_SCALED_INT8: return encode_loop(x, XT, units, g, s, r, MOE_SCALED_INT8, exact, &L, ahead, q);     \
+  case MOE_SCALED_INT8:                                                                                      \
+    return encode_loop(x, XT, units, g, s, r, MOE_SCALED_INT8, exact, &L, ahead, stream, q);                 \
   case MOE_SCALED_FP8_NEG_ZERO:                                                                              \
-    return encode_loop(x, XT, units, g, s, r, MOE_SCALED_FP8_NEG_ZERO, exact, &L, ahead, q);                 \
-  default: return encode_loop(x, XT, units, g, s, r, MOE_SCALED_FP8_NO_NEG_ZERO, exact, &L, ahead, q);       \
+    return encode_loop(x, XT, units, g, s, r, MOE_SCALED_FP8_NEG_ZERO, exact, &L, ahead, stream, q);         \
+  default:                                                                                                   \
+      return encode_loop(x, XT, units, g, s, r, MOE_SCALED_FP8_NO_NEG_ZERO, exact, &L, ahead, stream, q);    \
   }
   switch (xt) {
   case MOE_BF16: ENCODE_OUT(MOE_BF16);

@@ -91,8 +91,8 @@ VBMI ALWAYS_INLINE __m512i code16(__m512 v, __m512 mul, int out, bool exact, con
 /* Units [0, units) of g elements, unit u scaled by s[u] (exact) or r[u]:
  * the leading multiple of 64 of each. */
 VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
-                                      const float *r, int out, bool exact, const lanes *L, size_t ahead,
-                                      uint8_t *q) {
+                                      const float *r, int out, bool exact, const lanes *L,
+                                      moe_cpu_ahead ahead, bool stream, uint8_t *q) {
   const bool fp8 = out != MOE_SCALED_INT8;
   const size_t n = g / 64 * 64;
   for (size_t u = 0; u < units; u++)
@@ -102,7 +102,7 @@ VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units,
       __m512i sign = _mm512_setzero_si512(), c[4];
       const size_t es = xt == MOE_F32 ? 4 : 2;
       for (size_t l = 0; l < 64 * es; l += 64) /* the input `ahead` bytes ahead */
-        _mm_prefetch((const char *)x + i * es + l + ahead, _MM_HINT_T0);
+        moe_cpu_prefetch((const char *)x + i * es + l, ahead);
       load64(x, xt, i, fp8, L, v, &sign);
       for (int k = 0; k < 4; k++)
         c[k] = code16(v[k], mul, out, exact, L);
@@ -118,8 +118,12 @@ VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units,
         else /* no -0: a zero magnitude drops its sign */
           b = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(mag, mag), b);
       }
-      _mm512_storeu_si512(q + i, b);
+      if (stream && !((uintptr_t)(q + i) & 63)) /* a whole line, written around the cache */
+        _mm512_stream_si512((void *)(q + i), b);
+      else
+        _mm512_storeu_si512(q + i, b);
     }
+  if (stream) _mm_sfence(); /* the streamed lines ordered before the caller's later stores */
   return n;
 }
 
@@ -143,7 +147,7 @@ static const uint8_t sign_idx[64] = {
 
 VBMI size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                          const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
-                                         size_t ahead, uint8_t *q) {
+                                         moe_cpu_ahead ahead, bool stream, uint8_t *q) {
   lanes L;
   float hi, lo;
   const int out = moe_cpu_scaled_kind(int8, fmt, &hi, &lo);
@@ -156,10 +160,12 @@ VBMI size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t uni
   /* one straight loop per (input dtype, output kind); the division mode is a branch it hoists */
 #define ENCODE_OUT(XT)                                                                                       \
   switch (out) {                                                                                             \
-  case MOE_SCALED_INT8: return encode_loop(x, XT, units, g, s, r, MOE_SCALED_INT8, exact, &L, ahead, q);     \
+  case MOE_SCALED_INT8:                                                                                      \
+    return encode_loop(x, XT, units, g, s, r, MOE_SCALED_INT8, exact, &L, ahead, stream, q);                 \
   case MOE_SCALED_FP8_NEG_ZERO:                                                                              \
-    return encode_loop(x, XT, units, g, s, r, MOE_SCALED_FP8_NEG_ZERO, exact, &L, ahead, q);                 \
-  default: return encode_loop(x, XT, units, g, s, r, MOE_SCALED_FP8_NO_NEG_ZERO, exact, &L, ahead, q);       \
+    return encode_loop(x, XT, units, g, s, r, MOE_SCALED_FP8_NEG_ZERO, exact, &L, ahead, stream, q);         \
+  default:                                                                                                   \
+      return encode_loop(x, XT, units, g, s, r, MOE_SCALED_FP8_NO_NEG_ZERO, exact, &L, ahead, stream, q);    \
   }
   switch (xt) {
   case MOE_BF16: ENCODE_OUT(MOE_BF16);

@@ -95,7 +95,7 @@ V512 static void tile_amax_avx512(const uint16_t *h, bool bf16, size_t nb, uint3
   const __m512i abs_mask = _mm512_set1_epi16(0x7FFF);
   __m512i r[TILE];
   for (size_t b = 0; b < TILE; b++) {
-    _mm_prefetch((const char *)(h + b * BLOCK) + MOE_CPU_PREFETCH, _MM_HINT_T0); /* cpu.h */
+    moe_cpu_prefetch(h + b * BLOCK, (moe_cpu_ahead){MOE_CPU_PREFETCH, false}); /* cpu.h */
     r[b] = b < nb ? _mm512_and_si512(_mm512_loadu_si512(h + b * BLOCK), abs_mask) : _mm512_setzero_si512();
   }
   for (size_t b = 0; b < TILE; b += 2) /* [block b, block b + 1], 16 words each */
@@ -159,7 +159,7 @@ V512 static void tile_encode_avx512(const uint16_t *h, bool bf16, size_t nb, con
 VAVX2 static void tile_amax_avx2(const uint16_t *h, bool bf16, size_t nb, uint32_t *amax) {
   const __m256i abs_mask = _mm256_set1_epi16(0x7FFF);
   for (size_t b = 0; b < nb; b++) {
-    _mm_prefetch((const char *)(h + b * BLOCK) + MOE_CPU_PREFETCH, _MM_HINT_T0); /* cpu.h */
+    moe_cpu_prefetch(h + b * BLOCK, (moe_cpu_ahead){MOE_CPU_PREFETCH, false}); /* cpu.h */
     const __m256i lo = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(h + b * BLOCK)), abs_mask);
     const __m256i hi = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(h + b * BLOCK + 16)), abs_mask);
     amax[b] = block_amax_bits(_mm256_max_epu16(lo, hi), bf16);

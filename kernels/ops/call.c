@@ -239,7 +239,10 @@ moe_status moe_run_host(const char *op_name, const moe_named_tensor *inputs, siz
   }
   for (size_t i = 0; i < n; i++) {
     moe_named_tensor *o = moe_call_output(c, i);
-    o->tensor.data = malloc(o->tensor.nbytes ? o->tensor.nbytes : 1);
+    /* aligned as the backends' buffers are, so that callers here (the tests)
+     * take the kernels' aligned paths too (streamed stores, cpu.h); free()s */
+    const size_t rounded = (o->tensor.nbytes + 63) & ~(size_t)63;
+    o->tensor.data = rounded >= o->tensor.nbytes ? aligned_alloc(64, rounded ? rounded : 64) : NULL;
     if (!o->tensor.data) {
       s = moe_fail(err, MOE_ENOMEM, "out of memory for output '%s'", o->name);
       goto fail;
