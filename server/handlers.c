@@ -640,6 +640,9 @@ static void refuse(moed_server *s, moed_request *req, const char *why) {
   moed_request_refuse(req, GRPC_STATUS_UNAVAILABLE, why);
 }
 
+/* Queues a job the sweep does not watch (a repository change is answered by its worker only). */
+static bool devices_submit(moed_server *s, moed_job *job) { return moed_devices_submit(s->devices, job); }
+
 /* Repository changes run on a worker (loading maps and checks files). */
 static void submit_repo_change(moed_server *s, moed_request *req) {
   if (atomic_load(&s->draining)) return refuse(s, req, "server is shutting down");
@@ -649,10 +652,7 @@ static void submit_repo_change(moed_server *s, moed_request *req) {
   j->job.cancel = repo_change_cancel;
   j->srv = s;
   j->req = req;
-  /* full: abandoned inference work may hold places (moed_batcher_sweep frees them) */
-  if (moed_devices_submit(s->devices, &j->job) ||
-      (moed_batcher_sweep(s->batcher) && moed_devices_submit(s->devices, &j->job)))
-    return;
+  if (moed_batcher_queue(s, &j->job, devices_submit)) return;
   free(j);
   refuse(s, req, "device queue full");
 }
