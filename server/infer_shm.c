@@ -140,31 +140,15 @@ static grpc_status_code copy_input(moed_infer_req *r, size_t i, const char *name
 }
 
 bool moed_infer_shm_small(const uint8_t *p, size_t n) {
-  /* the common case, no region, without unpacking: the tensors' parameters
+  /* the common case, no region, without a walk: the tensors' parameters
    * precede the raw contents in every encoder we know, so only those bytes
    * are searched (a request encoded otherwise is still served right, only
-   * its region's copy may then run on the gRPC thread) */
+   * its region's copy may then run on the gRPC thread); else the sizes read
+   * off the wire, so that decoding unpacks the message once */
   const size_t raw_at = moed_kserve_raw_at(p, n);
   if (!memmem(p, raw_at ? raw_at : n, P_REGION, sizeof P_REGION - 1)) return true;
-  Inference__ModelInferRequest *m = inference__model_infer_request__unpack(NULL, n, p);
-  uint64_t total = 0;
-  for (size_t i = 0; m && i < m->n_inputs; i++) {
-    const Inference__ModelInferRequest__InferInputTensor *t = m->inputs[i];
-    for (size_t k = 0; k < t->n_parameters; k++) {
-      const Inference__InferParameter *v = t->parameters[k]->value;
-      if (!t->parameters[k]->key || strcmp(t->parameters[k]->key, P_SIZE) != 0 || !v) continue;
-      /* any other value type fails in decoding, wherever it runs */
-      uint64_t b = v->parameter_choice_case == INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_UINT64_PARAM
-                       ? v->uint64_param
-                   : v->parameter_choice_case == INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_INT64_PARAM
-                       ? (uint64_t)v->int64_param
-                       : 0;
-      total = b > COPY_AT_DECODE ? COPY_AT_DECODE + 1 : total + b;
-    }
-  }
-  const bool small = m && total <= COPY_AT_DECODE;
-  if (m) inference__model_infer_request__free_unpacked(m, NULL);
-  return small;
+  uint64_t total;
+  return moed_kserve_input_param_sum(p, n, P_SIZE, COPY_AT_DECODE, &total) && total <= COPY_AT_DECODE;
 }
 
 bool moed_infer_shm_named(const Inference__ModelInferRequest__InferInputTensor *t) {
