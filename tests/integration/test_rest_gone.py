@@ -1,7 +1,7 @@
 """Integration test: a KServe REST client that leaves while its request is
 queued or running (issues 11, 13; docs/server.md "Abandoned work").
 
-One worker runs a long fused_moe call (sized as in test_stop.py). REST
+One worker runs a long fused_moe call (long_call.py, as test_stop.py). REST
 clients behind it leave in each way a client can: a close (FIN), a reset
 (RST), and a keep-alive client's half-close. moed sees it while the request
 waits (http_conn.c reads on while a request is in work), answers the request
