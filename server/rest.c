@@ -543,7 +543,9 @@ static bool build_output(infer_build *b, size_t i, const cJSON *t, rest_call *k)
       np++;
       continue;
     }
-    if (strcmp(e->string, "binary_data") != 0 || !cJSON_IsBool(e))
+    if (!strcmp(e->string, "binary_data") && !cJSON_IsBool(e))
+      return bad(b, "outputs[%zu] '%s': parameters.binary_data: not a boolean", i, name->valuestring);
+    if (strcmp(e->string, "binary_data") != 0)
       return bad(b,
                  "outputs[%zu] '%s': parameters.%s is not supported (binary_data, a boolean, and the "
                  "shared_memory_* ones are)",

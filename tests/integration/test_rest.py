@@ -261,6 +261,10 @@ def test_errors(port):
     check(status == 400 and "data[2]" in msg, f"a string in data: 400 naming data[2] ({status} {msg})")
     status, msg = error_of(port, "POST", path, json.dumps({"input": [x]}).encode())
     check(status == 400 and "inputs" in msg, f"no inputs: 400 naming inputs ({status} {msg})")
+    status, msg = error_of(port, "POST", path, json.dumps(
+        {"inputs": [x], "outputs": [{"name": "q", "parameters": {"binary_data": "yes"}}]}).encode())
+    check(status == 400 and msg.endswith("'q': parameters.binary_data: not a boolean"),
+          f"binary_data not a boolean: 400 saying so ({status} {msg})")
     # binary data that the body does not hold
     head = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [10, 10],
                                    "parameters": {"binary_data_size": 400}}],
