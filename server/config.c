@@ -332,7 +332,11 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_PORT_FILE: c->port_file = v; break;
   case OPT_CACHE_HOST: c->cache_host = true; break;
   case OPT_BATCH_TOKENS: ok = parse_i64(v, 0, INT32_MAX, &n) && (c->max_batch_tokens = n, true); break;
-  case OPT_QUEUE_DELAY: ok = parse_i64(v, 0, 60000000, &n) && (c->max_queue_delay_us = n, true); break;
+  case OPT_QUEUE_DELAY:
+    /* the batcher's timer is libuv's, in whole milliseconds: the delay kept
+     * (and reported in ModelConfig's dynamic_batching) is the one it waits */
+    ok = parse_i64(v, 0, 60000000, &n) && (c->max_queue_delay_us = (n + 999) / 1000 * 1000, true);
+    break;
   case OPT_INLINE: ok = parse_i64(v, 0, 1 << 30, &n) && (c->inline_bytes = (size_t)n, true); break;
   case OPT_HANDSHAKE: ok = parse_i64(v, 1, 3600, &n) && (c->handshake_timeout_s = (int)n, true); break;
   case OPT_IDLE: ok = parse_i64(v, 1, 86400 * 7, &n) && (c->idle_timeout_s = (int)n, true); break;
