@@ -28,7 +28,7 @@ START_TEST(tokens_parse_to_nonfinite) {
   ck_assert_uint_eq(strlen(t), strlen(in));
   cJSON *j = cJSON_Parse(t);
   ck_assert_ptr_nonnull(j);
-  double v[6];
+  double v[6] = {0};
   size_t n = 0;
   for (const cJSON *e = cJSON_GetObjectItemCaseSensitive(j, "data")->child; e && n < 6; e = e->next, n++) {
     if (cJSON_IsNumber(e))
