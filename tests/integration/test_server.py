@@ -354,6 +354,19 @@ def test_stream(cli):
     errs = [e for r, e in got if e is not None]
     check(len(ok_ids) == 90 and len(errs) == 10 and ok_ids == {str(k) for k in range(100) if k % 10 != 3},
           f"ModelStreamInfer 100 interleaved: {len(ok_ids)} ok, {len(errs)} errors, ids echoed")
+    # tritonclient's enable_empty_final_response: its users wait for a response marked final; a moed
+    # request's one response is that one (Triton's triton_final_response), and unmarked without the option
+    cli.start_stream(callback=lambda result, error: q.put((result, error)))
+    for final in (True, False):
+        i = tc.InferInput("x", list(x.shape), "FP32")
+        i.set_data_from_numpy(x)
+        cli.async_stream_infer("quant.mx", [i], request_id=f"f{final}", enable_empty_final_response=final)
+        r, e = q.get(timeout=30)
+        params = r.get_response().parameters if e is None else {}
+        flag = params["triton_final_response"].bool_param if "triton_final_response" in params else None
+        check(e is None and flag == (True if final else None) and q.empty(),
+              f"stream, enable_empty_final_response={final}: one response, triton_final_response {flag}")
+    cli.stop_stream()
 
 
 def triton_metrics(text, model):
