@@ -509,6 +509,10 @@ def test_cli(tmp):
         check(live == b"\x08\x01" and http_port == -1, f"Triton's flags accepted: live, HTTP off ({http_port})")
         p.send_signal(signal.SIGTERM)
         check(p.wait(timeout=30) == 0, "Triton's flags: clean exit")
+        # the start line names every port with its address, the HTTP ones off here
+        log = open(os.path.join(tmp, "moed.log")).read()
+        check(f"listening: grpc 127.0.0.1:{port} rest off http off," in log,
+              "the listening line: gRPC's address and port, REST and metrics off")
     finally:
         if p.poll() is None:
             p.kill()
