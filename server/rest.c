@@ -246,7 +246,12 @@ static cJSON *pb_json(const ProtobufCMessage *m) {
         }
       }
     } else if (f->type == PROTOBUF_C_TYPE_MESSAGE && !*(ProtobufCMessage *const *)at) {
-      continue; /* an absent sub-message */
+      /* an absent sub-message is left out, except a statistics duration:
+       * Triton's REST statistics carry every one (cache_hit, cache_miss at
+       * zero included), and clients index them without checking */
+      if (f->descriptor != &inference__statistic_duration__descriptor) continue;
+      const Inference__StatisticDuration zero = INFERENCE__STATISTIC_DURATION__INIT;
+      v = pb_json(&zero.base);
     } else {
       v = pb_value(f, at);
     }

@@ -188,6 +188,11 @@ def test_infer(h, g):
     gs = g.get_inference_statistics("quant.per_tensor").model_stats[0].inference_stats
     check(hs["success"]["count"] == gs.success.count >= 11 and hs["compute_infer"]["count"] == gs.compute_infer.count,
           f"statistics over REST as over gRPC ({hs['success']['count']} successes)")
+    durations = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit",
+                 "cache_miss")
+    check(all(hs[d] == {"count": hs[d]["count"], "ns": hs[d]["ns"]} for d in durations)
+          and hs["cache_hit"] == {"count": 0, "ns": 0},
+          f"REST statistics carry every duration as Triton's do, cache_hit/miss at zero ({sorted(hs)})")
     every = {m["name"] for m in h.get_inference_statistics()["model_stats"]}
     check({"quant.per_tensor", "bf16set", "fp16set"} <= every, "statistics of every model")
     # concurrent requests on a batched op (quant.mx merges rows): through the batcher, each its own answer
