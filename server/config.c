@@ -261,6 +261,27 @@ static bool parse_host(const char *v, char *buf, size_t size, const char **out) 
 }
 
 /* Applies one option's value; false with a message when it does not parse. */
+/* Triton's flags that moed spells otherwise: a tritonserver command line
+ * that names one is refused (it could not mean the same), with moed's own
+ * spelling. Triton's --http-port is its REST port; moed's --http-port is
+ * the metrics and health port, as Triton's --metrics-port. */
+static void triton_hint(const char *arg) {
+  static const struct {
+    const char *flag, *hint;
+  } hints[] = {
+      {"--metrics-port", "Triton's --metrics-port is moed's --http-port (metrics and health probes; moed's "
+                         "REST port, Triton's --http-port, is --rest-port)"},
+      {"--allow-metrics", "moed's metrics port is off with --http-port -1"},
+      {"--allow-grpc", "moed always serves gRPC"},
+      {"--model-store", "Triton's --model-store is --model-repository"},
+  };
+  if (!arg) return;
+  const size_t n = strcspn(arg, "=");
+  for (size_t i = 0; i < sizeof hints / sizeof hints[0]; i++)
+    if (strlen(hints[i].flag) == n && !strncmp(arg, hints[i].flag, n))
+      fprintf(stderr, "moed: %s\n", hints[i].hint);
+}
+
 static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   int64_t n = 0;
   bool ok = true;
@@ -464,8 +485,9 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       fputs(usage, stdout);
       return 1;
     }
-    if (opt == '?') {
-      fputs(usage, stderr);
+    if (opt == '?') { /* getopt_long named the flag; the usage would bury that line */
+      triton_hint(argv[optind - 1]);
+      fputs("moed: moed --help lists every flag\n", stderr);
       return -1;
     }
     /* the flag's own name: argv[optind - 1] is the value for "--flag value" */

@@ -497,6 +497,13 @@ def test_cli(tmp):
                        capture_output=True, text=True, timeout=30)
     check(r.returncode != 0 and "--model-repository" in r.stderr and "No such file" in r.stderr,
           f"a missing model repository refuses to start ({r.returncode}: {r.stderr.strip()})")
+    # an unknown flag: named, without the whole usage after it; Triton's --metrics-port points at moed's spelling
+    r = subprocess.run([MOED, "--no-such-flag"], capture_output=True, text=True, timeout=30)
+    check(r.returncode == 2 and "'--no-such-flag'" in r.stderr and len(r.stderr.splitlines()) == 2,
+          f"an unknown flag is named, in two lines ({r.returncode}: {r.stderr.strip()})")
+    r = subprocess.run([MOED, "--metrics-port=8002"], capture_output=True, text=True, timeout=30)
+    check(r.returncode == 2 and "--metrics-port" in r.stderr and "is moed's --http-port" in r.stderr,
+          f"Triton's --metrics-port: refused, pointing at --http-port ({r.returncode}: {r.stderr.strip()})")
     r = subprocess.run([MOED, "--allow-http", "maybe"], capture_output=True, text=True, timeout=30)
     check(r.returncode != 0 and "'maybe' for --allow-http" in r.stderr,
           f"a bad Triton flag value names the flag ({r.returncode}: {r.stderr.strip()})")
