@@ -258,9 +258,10 @@ static void expiry_arm(moed_batcher *b, uint64_t at) {
   uv_timer_start(&b->expiry, on_expiry, ms, 0);
 }
 
-/* Queues j on the devices, watched (loop thread). false: the queue is full
- * (j is not queued). */
-static bool watch_submit(moed_server *s, infer_job *j) {
+/* Queues an infer job on the devices, watched (loop thread; a
+ * moed_submit_fn). false: the queue is full (it is not queued). */
+static bool watch_submit(moed_server *s, moed_job *job) {
+  infer_job *j = (infer_job *)job;
   moed_batcher *b = s->batcher;
   const uint64_t deadline = j->deadline_ns; /* once submitted, j is the worker's to free */
   if (b) { /* before the submit: a worker may take j at once, and unwatches it then */
@@ -367,10 +368,8 @@ static void on_expiry(uv_timer_t *t) {
   moed_batcher_sweep(b);
 }
 
-/* Queues j; when the queue is full, first answers and withdraws the work
- * whose callers gave up, which frees places no live job holds. */
-static bool queue_job(moed_server *s, infer_job *j) {
-  return watch_submit(s, j) || (moed_batcher_sweep(s->batcher) && watch_submit(s, j));
+bool moed_batcher_queue(moed_server *s, moed_job *job, moed_submit_fn submit) {
+  return submit(s, job) || (moed_batcher_sweep(s->batcher) && submit(s, job));
 }
 
 void moed_infer_dispatch(moed_server *s, moed_infer_req **reqs, size_t n) {
@@ -394,7 +393,7 @@ void moed_infer_dispatch(moed_server *s, moed_infer_req **reqs, size_t n) {
       if (reqs[k]->priority < j->job.priority) j->job.priority = reqs[k]->priority;
       if (reqs[k]->deadline_ns < j->deadline_ns) j->deadline_ns = reqs[k]->deadline_ns;
     }
-    if (queue_job(s, j)) return;
+    if (moed_batcher_queue(s, &j->job, watch_submit)) return;
     free(j);
   }
   atomic_fetch_add(&s->rejected, n);
@@ -423,7 +422,7 @@ void moed_infer_dispatch_raw(moed_server *s, moed_request *req) {
     j->raw = req;
     j->job.priority = raw_priority(req);
     j->deadline_ns = moed_rpc_deadline_ns(req->rpc); /* parameters['timeout'] is read on the worker */
-    if (queue_job(s, j)) return;
+    if (moed_batcher_queue(s, &j->job, watch_submit)) return;
     free(j);
   }
   atomic_fetch_add(&s->rejected, 1);

@@ -459,42 +459,42 @@ static bool shm_on(moed_server *s, moed_request *req) {
   return s->shm != NULL;
 }
 
-static void shm_register(moed_server *s, moed_request *req) {
-  Inference__SystemSharedMemoryRegisterRequest *in =
-      unpack(req, &inference__system_shared_memory_register_request__descriptor);
-  if (!in) return;
-  if (shm_on(s, req)) {
-    char err[MOED_ERR_LEN];
-    grpc_status_code code = moed_shm_register(s->shm, in->name, in->key, in->offset, in->byte_size, err);
-    if (code) {
-      moed_rpc_finish(req->rpc, code, err, NULL);
-    } else {
-      moed_log(MOED_LOG_INFO, "shm_register", "region %s: '%s' bytes [%llu, +%llu), by %s", in->name, in->key,
-               (unsigned long long)in->offset, (unsigned long long)in->byte_size, moed_rpc_peer(req->rpc));
-      Inference__SystemSharedMemoryRegisterResponse r =
-          INFERENCE__SYSTEM_SHARED_MEMORY_REGISTER_RESPONSE__INIT;
-      reply(req, &r.base);
-    }
-  }
-  protobuf_c_message_free_unpacked(&in->base, NULL);
-}
-
-static void shm_unregister(moed_server *s, moed_request *req) {
-  Inference__SystemSharedMemoryUnregisterRequest *in =
-      unpack(req, &inference__system_shared_memory_unregister_request__descriptor);
-  if (!in) return;
-  if (*in->name && !moed_model_name_ok(in->name)) {
-    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "name: not a valid region name (%s)",
-                MOED_MODEL_NAME_RULE);
-  } else if (shm_on(s, req)) {
-    moed_shm_unregister(s->shm, in->name);
-    moed_log(MOED_LOG_INFO, "shm_unregister", "region %s, by %s", *in->name ? in->name : "(all)",
-             moed_rpc_peer(req->rpc));
+/* Register, or unregister (`reg` false): one scaffold, as in cuda_shm. An
+ * unregister's name is checked before the on/off check, a register's by
+ * moed_shm_register. Both answers are empty messages. */
+static void shm_change(moed_server *s, moed_request *req, bool reg) {
+  ProtobufCMessage *m = unpack(req, reg ? &inference__system_shared_memory_register_request__descriptor
+                                        : &inference__system_shared_memory_unregister_request__descriptor);
+  if (!m) return;
+  const Inference__SystemSharedMemoryRegisterRequest *in = reg ? (void *)m : NULL;
+  const char *name = reg ? in->name : ((Inference__SystemSharedMemoryUnregisterRequest *)m)->name;
+  const char *peer = moed_rpc_peer(req->rpc);
+  char err[MOED_ERR_LEN];
+  grpc_status_code code = GRPC_STATUS_OK;
+  if (!reg && *name && !moed_model_name_ok(name))
+    code = moed_failf(err, GRPC_STATUS_INVALID_ARGUMENT, "name: not a valid region name (%s)",
+                      MOED_MODEL_NAME_RULE);
+  else if (!shm_on(s, req))
+    goto done;
+  else if (reg)
+    code = moed_shm_register(s->shm, name, in->key, in->offset, in->byte_size, err);
+  else
+    moed_shm_unregister(s->shm, name);
+  if (code) {
+    moed_rpc_finish(req->rpc, code, err, NULL);
+  } else if (reg) {
+    moed_log(MOED_LOG_INFO, "shm_register", "region %s: '%s' bytes [%llu, +%llu), by %s", name, in->key,
+             (unsigned long long)in->offset, (unsigned long long)in->byte_size, peer);
+    Inference__SystemSharedMemoryRegisterResponse r = INFERENCE__SYSTEM_SHARED_MEMORY_REGISTER_RESPONSE__INIT;
+    reply(req, &r.base);
+  } else {
+    moed_log(MOED_LOG_INFO, "shm_unregister", "region %s, by %s", *name ? name : "(all)", peer);
     Inference__SystemSharedMemoryUnregisterResponse r =
         INFERENCE__SYSTEM_SHARED_MEMORY_UNREGISTER_RESPONSE__INIT;
     reply(req, &r.base);
   }
-  protobuf_c_message_free_unpacked(&in->base, NULL);
+done:
+  protobuf_c_message_free_unpacked(m, NULL);
 }
 
 static void shm_status(moed_server *s, moed_request *req) {
@@ -640,6 +640,9 @@ static void refuse(moed_server *s, moed_request *req, const char *why) {
   moed_request_refuse(req, GRPC_STATUS_UNAVAILABLE, why);
 }
 
+/* Queues a job the sweep does not watch (a repository change is answered by its worker only). */
+static bool devices_submit(moed_server *s, moed_job *job) { return moed_devices_submit(s->devices, job); }
+
 /* Repository changes run on a worker (loading maps and checks files). */
 static void submit_repo_change(moed_server *s, moed_request *req) {
   if (atomic_load(&s->draining)) return refuse(s, req, "server is shutting down");
@@ -649,10 +652,7 @@ static void submit_repo_change(moed_server *s, moed_request *req) {
   j->job.cancel = repo_change_cancel;
   j->srv = s;
   j->req = req;
-  /* full: abandoned inference work may hold places (moed_batcher_sweep frees them) */
-  if (moed_devices_submit(s->devices, &j->job) ||
-      (moed_batcher_sweep(s->batcher) && moed_devices_submit(s->devices, &j->job)))
-    return;
+  if (moed_batcher_queue(s, &j->job, devices_submit)) return;
   free(j);
   refuse(s, req, "device queue full");
 }
@@ -730,8 +730,8 @@ void moed_handle_request(moed_request *req, void *arg) {
   case MOED_M_REPOSITORY_INDEX: repository_index(s, req); break;
   case MOED_M_HEALTH_CHECK: health(s, req, false); break;
   case MOED_M_HEALTH_WATCH: health(s, req, true); break;
-  case MOED_M_SHM_REGISTER: shm_register(s, req); break;
-  case MOED_M_SHM_UNREGISTER: shm_unregister(s, req); break;
+  case MOED_M_SHM_REGISTER: shm_change(s, req, true); break;
+  case MOED_M_SHM_UNREGISTER: shm_change(s, req, false); break;
   case MOED_M_SHM_STATUS: shm_status(s, req); break;
   case MOED_M_CUDA_SHM_STATUS:
   case MOED_M_CUDA_SHM_REGISTER:

@@ -232,7 +232,7 @@ static grpc_status_code decode_inputs(moed_infer_req *c, moed_server *srv) {
     grpc_status_code code = check_shape(c, cfg, i, t, wt, &c->in[i].tensor, &numel);
     if (code) return code;
     bool in_shm = false;
-    if ((code = moed_infer_shm_input(c, srv, i, t, &c->in[i].tensor, &in_shm))) return code;
+    if ((code = moed_infer_shm_input(c, srv, i, &c->in[i].tensor, &in_shm))) return code;
     if (in_shm) {
       /* read from its region (infer_shm.c) */
     } else if (c->n_raw) {

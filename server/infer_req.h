@@ -57,12 +57,12 @@ struct moed_infer_req {
 bool moed_infer_shm_small(const uint8_t *p, size_t n);
 /* Whether input t names a shared-memory region (parameters['shared_memory_region']). */
 bool moed_infer_shm_named(const Inference__ModelInferRequest__InferInputTensor *t);
-/* Input i (t, its tensor `out` with shape and dtype set) from the region it
- * names: bounds and byte size checked, the bytes copied now when small
- * (else at moed_infer_shm_inputs). OK with *used false: t names no region. */
-grpc_status_code moed_infer_shm_input(moed_infer_req *r, moed_server *srv, size_t i,
-                                      const Inference__ModelInferRequest__InferInputTensor *t,
-                                      moe_tensor *out, bool *used);
+/* Input i of r->msg (its tensor `out` with shape and dtype set) from the
+ * region it names: bounds and byte size checked, the bytes copied now when
+ * small (else at moed_infer_shm_inputs). OK with *used false: it names no
+ * region. */
+grpc_status_code moed_infer_shm_input(moed_infer_req *r, moed_server *srv, size_t i, moe_tensor *out,
+                                      bool *used);
 /* Each requested output that names a region: the region found and the
  * span checked (decoding). */
 grpc_status_code moed_infer_shm_outputs_decode(moed_infer_req *r, moed_server *srv);

@@ -94,6 +94,38 @@ static grpc_status_code shm_resolve(moed_infer_req *r, moed_server *srv, const c
   return GRPC_STATUS_OK;
 }
 
+/* Which of the request's tensors a span is for. */
+typedef enum { SHM_INPUT, SHM_OUTPUT } shm_dir;
+
+#define WHAT_LEN 200
+
+/* The span that inputs[i] or outputs[i] (dir) of r->msg names in its
+ * parameters, checked against its region (held by r): *at its first byte,
+ * *size its byte size. OK with *used false: the tensor names none. what:
+ * the tensor as messages name it. */
+static grpc_status_code shm_span(moed_infer_req *r, moed_server *srv, shm_dir dir, size_t i,
+                                 char what[WHAT_LEN], bool *used, uint8_t **at, uint64_t *size) {
+  const Inference__ModelInferRequest *m = r->msg;
+  const bool in = dir == SHM_INPUT;
+  snprintf(what, WHAT_LEN, "%s[%zu] '%s'", in ? "inputs" : "outputs", i,
+           in ? m->inputs[i]->name : m->outputs[i]->name);
+  shm_ref ref = {0};
+  grpc_status_code code;
+  const size_t n = in ? m->inputs[i]->n_parameters : m->outputs[i]->n_parameters;
+  for (size_t k = 0; k < n; k++) {
+    /* the two entry types are alike but distinct: each read as its own */
+    const char *key = in ? m->inputs[i]->parameters[k]->key : m->outputs[i]->parameters[k]->key;
+    const Inference__InferParameter *v =
+        in ? m->inputs[i]->parameters[k]->value : m->outputs[i]->parameters[k]->value;
+    if (key && (code = shm_param(r, what, key, v, &ref))) return code;
+  }
+  *used = ref.region || ref.has_offset || ref.has_size;
+  if (!*used) return GRPC_STATUS_OK;
+  if ((code = shm_resolve(r, srv, what, &ref, at))) return code;
+  *size = (uint64_t)ref.size;
+  return GRPC_STATUS_OK;
+}
+
 /* Input i's bytes from r->shm_in[i] into memory of its own. */
 static grpc_status_code copy_input(moed_infer_req *r, size_t i, const char *name, moe_tensor *t) {
   if (t->nbytes && !(r->owned[i] = moed_hostmem_alloc(t->nbytes)))
@@ -108,31 +140,15 @@ static grpc_status_code copy_input(moed_infer_req *r, size_t i, const char *name
 }
 
 bool moed_infer_shm_small(const uint8_t *p, size_t n) {
-  /* the common case, no region, without unpacking: the tensors' parameters
+  /* the common case, no region, without a walk: the tensors' parameters
    * precede the raw contents in every encoder we know, so only those bytes
    * are searched (a request encoded otherwise is still served right, only
-   * its region's copy may then run on the gRPC thread) */
+   * its region's copy may then run on the gRPC thread); else the sizes read
+   * off the wire, so that decoding unpacks the message once */
   const size_t raw_at = moed_kserve_raw_at(p, n);
   if (!memmem(p, raw_at ? raw_at : n, P_REGION, sizeof P_REGION - 1)) return true;
-  Inference__ModelInferRequest *m = inference__model_infer_request__unpack(NULL, n, p);
-  uint64_t total = 0;
-  for (size_t i = 0; m && i < m->n_inputs; i++) {
-    const Inference__ModelInferRequest__InferInputTensor *t = m->inputs[i];
-    for (size_t k = 0; k < t->n_parameters; k++) {
-      const Inference__InferParameter *v = t->parameters[k]->value;
-      if (!t->parameters[k]->key || strcmp(t->parameters[k]->key, P_SIZE) != 0 || !v) continue;
-      /* any other value type fails in decoding, wherever it runs */
-      uint64_t b = v->parameter_choice_case == INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_UINT64_PARAM
-                       ? v->uint64_param
-                   : v->parameter_choice_case == INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_INT64_PARAM
-                       ? (uint64_t)v->int64_param
-                       : 0;
-      total = b > COPY_AT_DECODE ? COPY_AT_DECODE + 1 : total + b;
-    }
-  }
-  const bool small = m && total <= COPY_AT_DECODE;
-  if (m) inference__model_infer_request__free_unpacked(m, NULL);
-  return small;
+  uint64_t total;
+  return moed_kserve_input_param_sum(p, n, P_SIZE, COPY_AT_DECODE, &total) && total <= COPY_AT_DECODE;
 }
 
 bool moed_infer_shm_named(const Inference__ModelInferRequest__InferInputTensor *t) {
@@ -141,28 +157,21 @@ bool moed_infer_shm_named(const Inference__ModelInferRequest__InferInputTensor *
   return false;
 }
 
-grpc_status_code moed_infer_shm_input(moed_infer_req *r, moed_server *srv, size_t i,
-                                      const Inference__ModelInferRequest__InferInputTensor *t,
-                                      moe_tensor *out, bool *used) {
-  char what[200];
-  snprintf(what, sizeof what, "inputs[%zu] '%s'", i, t->name);
-  shm_ref ref = {0};
-  grpc_status_code code;
-  for (size_t k = 0; k < t->n_parameters; k++)
-    if (t->parameters[k]->key &&
-        (code = shm_param(r, what, t->parameters[k]->key, t->parameters[k]->value, &ref)))
-      return code;
-  *used = ref.region || ref.has_offset || ref.has_size;
-  if (!*used) return GRPC_STATUS_OK;
+grpc_status_code moed_infer_shm_input(moed_infer_req *r, moed_server *srv, size_t i, moe_tensor *out,
+                                      bool *used) {
+  const Inference__ModelInferRequest__InferInputTensor *t = r->msg->inputs[i];
+  char what[WHAT_LEN];
   uint8_t *at = NULL;
-  if ((code = shm_resolve(r, srv, what, &ref, &at))) return code;
+  uint64_t size = 0;
+  grpc_status_code code = shm_span(r, srv, SHM_INPUT, i, what, used, &at, &size);
+  if (code || !*used) return code;
   if (t->contents)
     return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT, "%s: contents given with parameters['%s']", what,
                       P_REGION);
-  if ((uint64_t)ref.size != out->nbytes)
+  if (size != out->nbytes)
     return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT,
                       "%s: parameters['%s'] = %lld, shape and %s need %zu bytes", what, P_SIZE,
-                      (long long)ref.size, t->datatype, out->nbytes);
+                      (long long)size, t->datatype, out->nbytes);
   if (out->nbytes > COPY_AT_DECODE) {
     r->shm_in[i] = at; /* moed_infer_shm_inputs copies it on the worker */
     out->data = NULL;
@@ -175,18 +184,10 @@ grpc_status_code moed_infer_shm_input(moed_infer_req *r, moed_server *srv, size_
 grpc_status_code moed_infer_shm_outputs_decode(moed_infer_req *r, moed_server *srv) {
   const Inference__ModelInferRequest *m = r->msg;
   for (size_t k = 0; k < m->n_outputs && k < MOED_MAX_TENSORS; k++) {
-    const Inference__ModelInferRequest__InferRequestedOutputTensor *o = m->outputs[k];
-    char what[200];
-    snprintf(what, sizeof what, "outputs[%zu] '%s'", k, o->name);
-    shm_ref ref = {0};
-    grpc_status_code code;
-    for (size_t j = 0; j < o->n_parameters; j++)
-      if (o->parameters[j]->key &&
-          (code = shm_param(r, what, o->parameters[j]->key, o->parameters[j]->value, &ref)))
-        return code;
-    if (!ref.region && !ref.has_offset && !ref.has_size) continue;
-    if ((code = shm_resolve(r, srv, what, &ref, &r->shm_out[k]))) return code;
-    r->shm_out_size[k] = (uint64_t)ref.size;
+    char what[WHAT_LEN];
+    bool used = false;
+    grpc_status_code code = shm_span(r, srv, SHM_OUTPUT, k, what, &used, &r->shm_out[k], &r->shm_out_size[k]);
+    if (code) return code;
   }
   return GRPC_STATUS_OK;
 }

@@ -11,6 +11,8 @@
 /* Field numbers (proto/grpc_service.proto) of what is read or written here. */
 enum {
   REQUEST_PARAMETERS = 4,           /* ModelInferRequest.parameters (map entries: key 1, value 2) */
+  REQUEST_INPUTS = 5,               /* ModelInferRequest.inputs */
+  INPUT_PARAMETERS = 4,             /* InferInputTensor.parameters (map entries, as above) */
   PARAM_INT64 = 2,                  /* InferParameter.int64_param */
   PARAM_UINT64 = 5,                 /* InferParameter.uint64_param */
   REQUEST_RAW_INPUT_CONTENTS = 7,   /* ModelInferRequest.raw_input_contents */
@@ -152,25 +154,54 @@ static int64_t param_int(const uint8_t *m, size_t n) {
   return -1;
 }
 
+/* Map entry m[0..n) (key 1, InferParameter 2): whether its key is `key`
+ * (klen bytes), and its integer into *v (param_int's; -1: none). */
+static bool entry_int(const uint8_t *m, size_t n, const char *key, size_t klen, int64_t *v) {
+  moed_wire_iter e = moed_wire_begin(m, n, false);
+  moed_wire_field k;
+  bool match = false;
+  *v = -1;
+  while (moed_wire_next(&e, &k)) {
+    if (k.number == 1 && k.type == MOED_WIRE_LEN)
+      match = k.len == klen && memcmp(m + k.at, key, klen) == 0;
+    else if (k.number == 2 && k.type == MOED_WIRE_LEN)
+      *v = param_int(m + k.at, k.len);
+  }
+  return match;
+}
+
 int64_t moed_kserve_int_param(const uint8_t *p, size_t n, bool prefix, const char *key) {
   const size_t klen = strlen(key);
   moed_wire_iter it = moed_wire_begin(p, n, prefix);
   moed_wire_field f;
+  int64_t v;
   while (moed_wire_next(&it, &f)) {
     if (f.number != REQUEST_PARAMETERS || f.type != MOED_WIRE_LEN || (prefix && f.at + f.len >= n)) continue;
-    moed_wire_iter e = moed_wire_begin(p + f.at, f.len, false);
-    moed_wire_field k;
-    bool match = false;
-    int64_t v = -1;
-    while (moed_wire_next(&e, &k)) {
-      if (k.number == 1 && k.type == MOED_WIRE_LEN)
-        match = k.len == klen && memcmp(p + f.at + k.at, key, klen) == 0;
-      else if (k.number == 2 && k.type == MOED_WIRE_LEN)
-        v = param_int(p + f.at + k.at, k.len);
-    }
-    if (match) return v;
+    if (entry_int(p + f.at, f.len, key, klen, &v)) return v;
   }
   return -1;
+}
+
+bool moed_kserve_input_param_sum(const uint8_t *p, size_t n, const char *key, uint64_t cap, uint64_t *sum) {
+  const size_t klen = strlen(key);
+  moed_wire_iter it = moed_wire_begin(p, n, false);
+  moed_wire_field f, g;
+  *sum = 0;
+  while (moed_wire_next(&it, &f)) {
+    if (f.number != REQUEST_INPUTS || f.type != MOED_WIRE_LEN) continue;
+    moed_wire_iter t = moed_wire_begin(p + f.at, f.len, false);
+    while (moed_wire_next(&t, &g)) {
+      int64_t v;
+      if (g.number != INPUT_PARAMETERS || g.type != MOED_WIRE_LEN ||
+          !entry_int(p + f.at + g.at, g.len, key, klen, &v))
+        continue;
+      if (v < 0) return false;
+      *sum = (uint64_t)v > cap - *sum ? cap + 1 : *sum + (uint64_t)v;
+      if (*sum > cap) return true;
+    }
+    if (t.bad) return false;
+  }
+  return !it.bad;
 }
 
 /* Whether a length-delimited field's value holds a NUL byte. */

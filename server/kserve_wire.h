@@ -71,6 +71,10 @@ void moed_kserve_string(const uint8_t *p, size_t n, bool prefix, moed_kserve_str
  * 4, ahead of the tensors in every encoder we know); -1 when it is absent,
  * not an integer >= 0, or not within those bytes. */
 int64_t moed_kserve_int_param(const uint8_t *p, size_t n, bool prefix, const char *key);
+/* The sum over the inputs of the ModelInferRequest p[0..n) of their
+ * integer parameter `key`, without unpacking it; once over cap, cap + 1.
+ * false: a value that is not an integer >= 0, or malformed bytes. */
+bool moed_kserve_input_param_sum(const uint8_t *p, size_t n, const char *key, uint64_t cap, uint64_t *sum);
 /* Whether a string field of the ModelInferRequest p[0..n) that names
  * something (model_name, model_version, id, inputs[i].name and .datatype,
  * outputs[i].name) holds a NUL byte: protobuf-c would cut the string there,

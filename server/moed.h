@@ -578,6 +578,12 @@ bool moed_caller_gone(uint64_t deadline_ns, const moed_rpc *rpc, uint64_t now);
  * without requests from the device queues; returns how many it withdrew
  * (loop thread; b NULL: none). */
 size_t moed_batcher_sweep(moed_batcher *b);
+/* How a job is put on the device queues: false when they are full. */
+typedef bool (*moed_submit_fn)(moed_server *s, moed_job *job);
+/* Queues job by submit; when the queues are full, first sweeps (the work
+ * whose callers gave up frees places no live job holds), then tries once
+ * more. false: still full, job not queued (loop thread). */
+bool moed_batcher_queue(moed_server *s, moed_job *job, moed_submit_fn submit);
 /* Requests held in open batches, not yet sent to the device queues (loop). */
 size_t moed_batcher_held(const moed_batcher *b);
 /* Sends every open batch to the device queues now (drain). */

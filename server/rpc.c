@@ -312,16 +312,20 @@ static void start_close(moed_rpc *r) {
   start_batch(r, &op, 1, &r->close_tag);
 }
 
+/* A batch that sends something starts with the initial metadata while it
+ * is unsent; r->mu held. How many ops that put in ops[]: 0 or 1. */
+static size_t metadata_op_locked(moed_rpc *r, grpc_op *ops) {
+  if (r->md_sent) return 0;
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  r->md_sent = true;
+  return 1;
+}
+
 /* Starts the final batch; r->mu held, nothing being written. */
 static void start_finish_locked(moed_rpc *r) {
   grpc_op ops[4];
-  size_t n = 0;
   memset(ops, 0, sizeof ops);
-  if (!r->md_sent) {
-    ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
-    n++;
-    r->md_sent = true;
-  }
+  size_t n = metadata_op_locked(r, ops);
   if (r->fin_msg) {
     ops[n].op = GRPC_OP_SEND_MESSAGE;
     ops[n].data.send_message.send_message = r->fin_msg;
@@ -370,13 +374,8 @@ static void start_write_locked(moed_rpc *r) {
   r->wq_count--;
   free(m);
   grpc_op ops[2];
-  size_t n = 0;
   memset(ops, 0, sizeof ops);
-  if (!r->md_sent) {
-    ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
-    n++;
-    r->md_sent = true;
-  }
+  size_t n = metadata_op_locked(r, ops);
   ops[n].op = GRPC_OP_SEND_MESSAGE;
   ops[n].data.send_message.send_message = r->writing_bb;
   n++;

@@ -124,6 +124,25 @@ static inline int moe_cpu_scaled_kind(bool int8, const moe_narrow_fmt *fmt, floa
   *lo = (float)(8 + (c & 7)) * moe_pow2f((c >> 3) - fmt->bias - 3);
   return fmt->neg_zero ? MOE_SCALED_FP8_NEG_ZERO : MOE_SCALED_FP8_NO_NEG_ZERO;
 }
+
+/* The lane encoders' dispatch, a statement that returns: one call of the
+ * encoder's function-like macro LOOP(XT, OUT) per (input dtype xt, output
+ * kind out), each with both as constants, so that every inner loop is
+ * compiled straight for its pair (the division mode stays a branch the
+ * compiler hoists); the switch itself runs once per call. */
+#define MOE_CPU_SCALED_DISPATCH(xt, out, LOOP)                                                               \
+  switch (xt) {                                                                                              \
+  case MOE_BF16: MOE_CPU_SCALED_DISPATCH_OUT_(MOE_BF16, out, LOOP);                                          \
+  case MOE_F16: MOE_CPU_SCALED_DISPATCH_OUT_(MOE_F16, out, LOOP);                                            \
+  default: MOE_CPU_SCALED_DISPATCH_OUT_(MOE_F32, out, LOOP);                                                 \
+  }
+#define MOE_CPU_SCALED_DISPATCH_OUT_(XT, out, LOOP)                                                          \
+  switch (out) {                                                                                             \
+  case MOE_SCALED_INT8: return LOOP(XT, MOE_SCALED_INT8);                                                    \
+  case MOE_SCALED_FP8_NEG_ZERO: return LOOP(XT, MOE_SCALED_FP8_NEG_ZERO);                                    \
+  default: return LOOP(XT, MOE_SCALED_FP8_NO_NEG_ZERO);                                                      \
+  }
+
 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                   const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
                                   moe_cpu_ahead ahead, bool stream, uint8_t *q);

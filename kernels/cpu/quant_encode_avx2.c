@@ -116,20 +116,8 @@ VAVX2 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t unit
   L.hi = _mm256_set1_ps(hi);
   L.lo = _mm256_set1_ps(lo);
   if (!int8) L.narrow = narrow_avx2_of(fmt);
-    /* one straight loop per (input dtype, output kind); the division mode is a branch it hoists */
-#define ENCODE_OUT(XT)                                                                                       \
-  switch (out) {                                                                                             \
-  case MOE_SCALED_INT8:                                                                                      \
-    return encode_loop(x, XT, units, g, s, r, MOE_SCALED_INT8, exact, &L, ahead, stream, q);                 \
-  case MOE_SCALED_FP8_NEG_ZERO:                                                                              \
-    return encode_loop(x, XT, units, g, s, r, MOE_SCALED_FP8_NEG_ZERO, exact, &L, ahead, stream, q);         \
-  default:                                                                                                   \
-      return encode_loop(x, XT, units, g, s, r, MOE_SCALED_FP8_NO_NEG_ZERO, exact, &L, ahead, stream, q);    \
-  }
-  switch (xt) {
-  case MOE_BF16: ENCODE_OUT(MOE_BF16);
-  case MOE_F16: ENCODE_OUT(MOE_F16);
-  default: ENCODE_OUT(MOE_F32);
-  }
-#undef ENCODE_OUT
+    /* one straight loop per (input dtype, output kind) */
+#define ENCODE(XT, OUT) encode_loop(x, XT, units, g, s, r, OUT, exact, &L, ahead, stream, q)
+  MOE_CPU_SCALED_DISPATCH(xt, out, ENCODE)
+#undef ENCODE
 }

@@ -1,7 +1,7 @@
 """Integration test: a KServe REST client that leaves while its request is
 queued or running (issues 11, 13; docs/server.md "Abandoned work").
 
-One worker runs a long fused_moe call (sized as in test_stop.py). REST
+One worker runs a long fused_moe call (long_call.py, as test_stop.py). REST
 clients behind it leave in each way a client can: a close (FIN), a reset
 (RST), and a keep-alive client's half-close. moed sees it while the request
 waits (http_conn.c reads on while a request is in work), answers the request
@@ -34,10 +34,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_server as ts  # noqa: E402
-from test_fused_moe import mkset  # noqa: E402
-from test_server import check, code_of  # noqa: E402
-from test_stop import (EXPERTS, HIDDEN, calibrate, call_fn, channel, metric_values, req_of,  # noqa: E402
-                       timed, wait_metric)
+from long_call import (EXPERTS, HIDDEN, bigset_repo, busy_worker, calibrate, call_fn, channel,  # noqa: E402
+                       long_call, metric_values, req_of, timed, wait_metric)
+from test_server import check  # noqa: E402
 
 SC = grpc.StatusCode
 QUEUE = "moed_device_queue_jobs{"
@@ -146,8 +145,7 @@ def test_queued_and_running(tmp, repo):
     try:
         f = call_fn(channel(port))
         tokens, full = calibrate(f)
-        blocker = f.future(req_of(4 * tokens), timeout=600)  # >= 16 s where the calibration ran
-        wait_metric(http_port, "moed_batches_in_flight ", 1, "the long call runs on the one worker")
+        blocker = busy_worker(http_port, long_call(f, tokens))
         fail0 = sum(metric_values(http_port, FAILED))
 
         # three clients that leave: a close, a reset, a keep-alive half-close
@@ -195,8 +193,7 @@ def test_queued_and_running(tmp, repo):
             s.close()
 
         # the running call: its REST client leaves, the worker is free at once
-        run = Client(rest, rest_request(rest, tokens, seed=30))
-        wait_metric(http_port, "moed_batches_in_flight ", 1, "a long REST call runs")
+        run = busy_worker(http_port, Client(rest, rest_request(rest, tokens, seed=30)), "a long REST call runs")
         t0 = time.monotonic()
         run.close()
         wait_metric(http_port, "moed_batches_in_flight ", 0, "the running call stops when its client leaves",
@@ -231,8 +228,7 @@ def test_merged_batch(tmp, repo, tokens):
     rest = p.rest_port
     try:
         f = call_fn(channel(port))
-        blocker = f.future(req_of(4 * tokens), timeout=600)
-        wait_metric(http_port, "moed_batches_in_flight ", 1, "the long call runs on the one worker")
+        blocker = busy_worker(http_port, long_call(f, tokens))
         # four requests in one open batch (300 ms), then one job queued behind the long call
         rows = {40: 2, 41: 1, 42: 3, 43: 4}  # seed: rows; 41 and 43 leave (5 rows), 40 and 42 stay (5 rows)
         conns = {seed: Client(rest, rest_request(rest, r, seed)) for seed, r in rows.items()}
@@ -274,8 +270,8 @@ def test_tls(tmp, repo, tokens, full):
     rest = p.rest_port
     tls = ssl.create_default_context(cafile=pem("ca1.pem"))
     try:
-        blocker = Client(rest, rest_request(rest, 4 * tokens, seed=1), tls=tls)
-        wait_metric(http_port, "moed_batches_in_flight ", 1, "TLS: the long REST call runs on the one worker")
+        blocker = busy_worker(http_port, Client(rest, rest_request(rest, 4 * tokens, seed=1), tls=tls),
+                              "TLS: the long REST call runs on the one worker")
         gone = [Client(rest, rest_request(rest, 1, seed=2 + k), tls=tls) for k in range(2)]
         last = Client(rest, rest_request(rest, 2, seed=4, close=True), tls=tls)
         wait_metric(http_port, QUEUE, 3, "TLS: three requests queued")
@@ -310,8 +306,7 @@ def alone_tls(port, pem, tokens, seed):
 
 def main():
     with tempfile.TemporaryDirectory() as tmp:
-        repo = os.path.join(tmp, "repo")
-        mkset(f"{repo}/bigset", "bf16", experts=EXPERTS, hidden=HIDDEN, inter=4096)
+        repo = bigset_repo(tmp)
         tokens, full = test_queued_and_running(tmp, repo)
         test_merged_batch(tmp, repo, tokens)
         test_tls(tmp, repo, tokens, full)

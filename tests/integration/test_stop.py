@@ -35,51 +35,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_server as ts  # noqa: E402
+from long_call import (EXPERTS, HIDDEN, bigset_repo, busy_worker, calibrate, call_fn, channel,  # noqa: E402
+                       long_call, metric_values, req_of, timed, wait_metric)
 from test_fused_moe import mkset, read_safetensors, upload_msgs  # noqa: E402
-from test_server import check, code_of, make_req  # noqa: E402
+from test_server import check, code_of  # noqa: E402
 
 SC = grpc.StatusCode
-HIDDEN, EXPERTS = 512, 8
 DRAIN_S = 1.0
-
-
-def call_fn(ch):
-    return ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
-                          request_serializer=lambda m: m.SerializeToString())
-
-
-def req_of(tokens, seed=1, params=None):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
-    xb = (x.view(np.uint32) >> 16).astype(np.uint16)
-    logits = rng.standard_normal((tokens, EXPERTS)).astype(np.float32)
-    return make_req("bigset", [("hidden_states", "BF16", [tokens, HIDDEN], xb.tobytes()),
-                               ("router_logits", "FP32", [tokens, EXPERTS], logits.tobytes())], params)
-
-
-def timed(fn):
-    t = time.monotonic()
-    code, msg = code_of(fn)
-    return code, msg, time.monotonic() - t
-
-
-def channel(port):
-    return grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 1 << 30),
-                                                               ("grpc.max_receive_message_length", 1 << 30)])
-
-
-def calibrate(f):
-    """Tokens for a call of at least 6 s (linear in tokens), and its time."""
-    code, msg, t = timed(lambda: f(req_of(256), timeout=120))
-    check(code == SC.OK, f"calibration call OK ({code} {msg})")
-    tokens = min(65536, max(256, int(256 * 6.0 / max(t, 1e-3))))
-    for _ in range(3):  # fixed costs make the small call's rate an underestimate: grow until >= 4 s
-        code, msg, full = timed(lambda: f(req_of(tokens), timeout=300))
-        if code != SC.OK or full >= 4.0 or tokens >= 65536:
-            break
-        tokens = min(65536, int(tokens * 6.0 / max(full, 0.1)))
-    check(code == SC.OK and full >= 3.0, f"long call: {tokens} tokens in {full:.2f}s ({code} {msg})")
-    return tokens, full
 
 
 def test_priority(f, tokens, full):
@@ -185,24 +147,6 @@ def test_deadline_and_cancel(tmp, repo):
     return tokens, full
 
 
-def metric_values(http_port, prefix):
-    """The values of every /metrics sample whose line starts with `prefix`."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as r:
-        return [float(ln.rsplit(" ", 1)[1]) for ln in r.read().decode().splitlines() if ln.startswith(prefix)]
-
-
-def wait_metric(http_port, prefix, want, what, seconds=20):
-    """Waits (a state, not a time: the bound only ends a failing wait) until
-    the sum of the samples under `prefix` is `want`."""
-    got = None
-    for _ in range(int(seconds / 0.02)):
-        got = sum(metric_values(http_port, prefix))
-        if got == want:
-            break
-        time.sleep(0.02)
-    check(got == want, f"{what} ({prefix}: {got}, want {want})")
-
-
 def held_stream(ch, reqs):
     """A ModelStreamInfer call that sends reqs and keeps its side open until
     the returned event is set; the call (to cancel) and the event."""
@@ -234,8 +178,7 @@ def test_abandoned_queue(tmp, repo, tokens):
     try:
         ch = channel(port)
         f = call_fn(ch)
-        blocker = f.future(req_of(4 * tokens), timeout=300)  # >= 16 s where the calibration ran
-        wait_metric(http_port, "moed_batches_in_flight ", 1, "the long call runs on the one worker")
+        blocker = busy_worker(http_port, long_call(f, tokens, timeout=300))
         fail0 = sum(metric_values(http_port, failed))
         # callers that cancel: a unary call, one over 1 MiB (decoded on the worker), a stream's two requests
         unary = [f.future(req_of(1, seed=11), timeout=300), f.future(req_of(1100, seed=12), timeout=300)]
@@ -454,8 +397,7 @@ def test_exit_watchdog(tmp):
 
 def main():
     with tempfile.TemporaryDirectory() as tmp:
-        repo = os.path.join(tmp, "repo")
-        mkset(f"{repo}/bigset", "bf16", experts=EXPERTS, hidden=HIDDEN, inter=4096)
+        repo = bigset_repo(tmp)
         tokens, full = test_deadline_and_cancel(tmp, repo)
         test_abandoned_queue(tmp, repo, tokens)
         test_abandoned_batch(tmp, repo)

@@ -3,7 +3,8 @@
  * (overflow included) with the offset inside the object honoured, the
  * region limit, status, a region that outlives its unregistration while
  * held, and a copy from an object truncated under its region failing
- * instead of killing the process. Each test makes its own POSIX object. */
+ * instead of killing the process. Each test makes its own POSIX object.
+ * Also the region sizes a request declares, read off the wire. */
 #include <check.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -12,6 +13,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "kserve_wire.h"
 #include "moed.h"
 
 static char key[64];
@@ -148,6 +150,62 @@ START_TEST(truncated_object_fails_the_copy) {
 }
 END_TEST
 
+/* The sizes that decide whether a request's region copies are small are
+ * read off the wire (kserve_wire.c), not by unpacking it: summed over the
+ * inputs, capped, and false for a value that is not an integer >= 0 or for
+ * bytes that are not a message. */
+static size_t packed(Inference__InferParameter *sizes[2], uint8_t *buf) {
+  static Inference__ModelInferRequest__InferInputTensor__ParametersEntry e[2];
+  static Inference__ModelInferRequest__InferInputTensor__ParametersEntry *pe[2][1];
+  static Inference__ModelInferRequest__InferInputTensor t[2], *pt[2];
+  Inference__ModelInferRequest m = INFERENCE__MODEL_INFER_REQUEST__INIT;
+  for (int i = 0; i < 2; i++) {
+    inference__model_infer_request__infer_input_tensor__init(&t[i]);
+    inference__model_infer_request__infer_input_tensor__parameters_entry__init(&e[i]);
+    e[i].key = "shared_memory_byte_size";
+    e[i].value = sizes[i];
+    pe[i][0] = &e[i];
+    t[i].name = "x";
+    t[i].n_parameters = sizes[i] ? 1 : 0;
+    t[i].parameters = pe[i];
+    pt[i] = &t[i];
+  }
+  m.model_name = "m";
+  m.n_inputs = 2;
+  m.inputs = pt;
+  ck_assert_uint_le(inference__model_infer_request__get_packed_size(&m), 256);
+  return inference__model_infer_request__pack(&m, buf);
+}
+
+START_TEST(input_sizes_read_off_the_wire) {
+  Inference__InferParameter a = INFERENCE__INFER_PARAMETER__INIT, b = INFERENCE__INFER_PARAMETER__INIT;
+  a.parameter_choice_case = INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_UINT64_PARAM;
+  a.uint64_param = 100;
+  b.parameter_choice_case = INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_INT64_PARAM;
+  b.int64_param = 200;
+  uint8_t buf[256];
+  uint64_t sum = 7;
+  size_t n = packed((Inference__InferParameter *[2]){&a, &b}, buf);
+  ck_assert(moed_kserve_input_param_sum(buf, n, "shared_memory_byte_size", 1000, &sum));
+  ck_assert_uint_eq(sum, 300);
+  ck_assert(moed_kserve_input_param_sum(buf, n, "shared_memory_byte_size", 250, &sum));
+  ck_assert_uint_eq(sum, 251); /* over the cap: cap + 1 */
+  ck_assert(moed_kserve_input_param_sum(buf, n, "shared_memory_offset", 1000, &sum));
+  ck_assert_uint_eq(sum, 0); /* another key */
+  ck_assert(!moed_kserve_input_param_sum(buf, n - 1, "shared_memory_byte_size", 1000, &sum)); /* cut */
+  n = packed((Inference__InferParameter *[2]){&a, NULL}, buf);
+  ck_assert(moed_kserve_input_param_sum(buf, n, "shared_memory_byte_size", 1000, &sum));
+  ck_assert_uint_eq(sum, 100);
+  b.int64_param = -1;
+  n = packed((Inference__InferParameter *[2]){&a, &b}, buf);
+  ck_assert(!moed_kserve_input_param_sum(buf, n, "shared_memory_byte_size", 1000, &sum));
+  b.parameter_choice_case = INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_STRING_PARAM;
+  b.string_param = "200";
+  n = packed((Inference__InferParameter *[2]){&a, &b}, buf);
+  ck_assert(!moed_kserve_input_param_sum(buf, n, "shared_memory_byte_size", 1000, &sum));
+}
+END_TEST
+
 int main(void) {
   Suite *su = suite_create("shm");
   TCase *tc = tcase_create("registry");
@@ -157,6 +215,7 @@ int main(void) {
   tcase_add_test(tc, status_lists_regions);
   tcase_add_test(tc, held_region_outlives_unregister);
   tcase_add_test(tc, truncated_object_fails_the_copy);
+  tcase_add_test(tc, input_sizes_read_off_the_wire);
   suite_add_tcase(su, tc);
   SRunner *sr = srunner_create(su);
   srunner_run_all(sr, CK_NORMAL);

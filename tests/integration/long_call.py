@@ -1,0 +1,94 @@
+"""What the integration tests that keep moed's one worker busy share (not a
+test itself: ctest runs test_*.py; test_stop.py and test_rest_gone.py import
+it): the expert set `bigset`, whose fused_moe call takes seconds on the CPU
+backend, a call sized from a first timed one, the long call that occupies
+the worker while a test acts behind it, and waits on /metrics (for a
+state, not a time)."""
+import os
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+
+from test_fused_moe import mkset
+from test_server import check, code_of, make_req
+
+SC = grpc.StatusCode
+HIDDEN, EXPERTS = 512, 8
+
+
+def call_fn(ch):
+    return ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                          request_serializer=lambda m: m.SerializeToString())
+
+
+def req_of(tokens, seed=1, params=None):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
+    xb = (x.view(np.uint32) >> 16).astype(np.uint16)
+    logits = rng.standard_normal((tokens, EXPERTS)).astype(np.float32)
+    return make_req("bigset", [("hidden_states", "BF16", [tokens, HIDDEN], xb.tobytes()),
+                               ("router_logits", "FP32", [tokens, EXPERTS], logits.tobytes())], params)
+
+
+def timed(fn):
+    t = time.monotonic()
+    code, msg = code_of(fn)
+    return code, msg, time.monotonic() - t
+
+
+def channel(port):
+    return grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 1 << 30),
+                                                               ("grpc.max_receive_message_length", 1 << 30)])
+
+
+def calibrate(f):
+    """Tokens for a call of at least 6 s (linear in tokens), and its time."""
+    code, msg, t = timed(lambda: f(req_of(256), timeout=120))
+    check(code == SC.OK, f"calibration call OK ({code} {msg})")
+    tokens = min(65536, max(256, int(256 * 6.0 / max(t, 1e-3))))
+    for _ in range(3):  # fixed costs make the small call's rate an underestimate: grow until >= 4 s
+        code, msg, full = timed(lambda: f(req_of(tokens), timeout=300))
+        if code != SC.OK or full >= 4.0 or tokens >= 65536:
+            break
+        tokens = min(65536, int(tokens * 6.0 / max(full, 0.1)))
+    check(code == SC.OK and full >= 3.0, f"long call: {tokens} tokens in {full:.2f}s ({code} {msg})")
+    return tokens, full
+
+
+def metric_values(http_port, prefix):
+    """The values of every /metrics sample whose line starts with `prefix`."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as r:
+        return [float(ln.rsplit(" ", 1)[1]) for ln in r.read().decode().splitlines() if ln.startswith(prefix)]
+
+
+def wait_metric(http_port, prefix, want, what, seconds=20):
+    """Waits (a state, not a time: the bound only ends a failing wait) until
+    the sum of the samples under `prefix` is `want`."""
+    got = None
+    for _ in range(int(seconds / 0.02)):
+        got = sum(metric_values(http_port, prefix))
+        if got == want:
+            break
+        time.sleep(0.02)
+    check(got == want, f"{what} ({prefix}: {got}, want {want})")
+
+
+def bigset_repo(tmp):
+    """A model repository in tmp holding `bigset`; its path."""
+    repo = os.path.join(tmp, "repo")
+    mkset(f"{repo}/bigset", "bf16", experts=EXPERTS, hidden=HIDDEN, inter=4096)
+    return repo
+
+
+def long_call(f, tokens, timeout=600):
+    """A gRPC call 4x the calibrated one (>= 16 s where the calibration ran); its future."""
+    return f.future(req_of(4 * tokens), timeout=timeout)
+
+
+def busy_worker(http_port, call, what="the long call runs on the one worker"):
+    """Waits until `call`, a long call just sent (its future, or its REST
+    connection), runs on moed's one worker; returns it."""
+    wait_metric(http_port, "moed_batches_in_flight ", 1, what)
+    return call
