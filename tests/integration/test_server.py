@@ -310,6 +310,20 @@ def test_bad_inputs(ch, pid):
         code, msg = code_of(lambda: infer_pb(ch, r))
         name = list(bad)[-1]
         check(code == grpc.StatusCode.INVALID_ARGUMENT and f"'{name}'" in msg, f"parameters {bad}: INVALID_ARGUMENT naming it ({msg})")
+    # a tensor parameter moed does not take (Triton's classification of an output, a stray one on an input):
+    # refused naming the tensor and the parameter, as the REST port refuses it, never ignored
+    r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], {})
+    o = r.outputs.add()
+    o.name = "scales"
+    o.parameters["classification"].int64_param = 2
+    code, msg = code_of(lambda: infer_pb(ch, r))
+    check(code == grpc.StatusCode.INVALID_ARGUMENT and "outputs[0] 'scales'" in msg and "'classification'" in msg,
+          f"an output's classification: INVALID_ARGUMENT naming it ({code} {msg})")
+    r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], {})
+    r.inputs[0].parameters["binary_data_size"].int64_param = 1024
+    code, msg = code_of(lambda: infer_pb(ch, r))
+    check(code == grpc.StatusCode.INVALID_ARGUMENT and "inputs[0] 'x'" in msg and "'binary_data_size'" in msg,
+          f"an input's unknown parameter: INVALID_ARGUMENT naming it ({code} {msg})")
     # client cancel mid-call
     f = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
                        request_serializer=lambda m: m.SerializeToString()).future(r)
