@@ -783,11 +783,18 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   /* a split down GEMM's segment sums (moe_tc_split) */
   const int split = tc && !bulk ? moe_tc_split(cfg) : 1;
   const size_t o_part = p.take(split > 1 ? (size_t)split * (size_t)n * (size_t)hidden : 0, 4);
-  /* fp8: each GEMM's activations as codes (fp16 values, a row per slot) and their scales */
+  /* fp8: each GEMM's activations as codes (fp16 values; gate_up's a row per
+   * token unless static scales make them per expert, down's a row per slot)
+   * and their scales (a row per slot, and gate_up's per token) */
   const int64_t xg1 = blockwise ? cfg->block_k : hidden, xg2 = blockwise ? cfg->block_k : inter;
+  /* by token from 256 tokens: below, the scale copy's launch cost more than
+   * the k-fold quantization saved (H200: Qwen3-30B-A3B T = 1 41 -> 49 us,
+   * T = 4096 1770 -> 1580); the codes and scales are the same either way */
+  const bool xtok = fp8 && !cfg->has_act_scales && tokens >= 256;
   const size_t xrows = (size_t)n + 128; /* + a tile of padding (TcArgs.xrows) */
-  const size_t o_xq = p.take(fp8 ? (size_t)n * (size_t)hidden : 0, 2),
+  const size_t o_xq = p.take(fp8 ? (size_t)(xtok ? tokens : n) * (size_t)hidden : 0, 2),
                o_xs = p.take(fp8 ? xrows * (size_t)(hidden / xg1) : 0, 4),
+               o_xt = p.take(xtok ? (size_t)tokens * (size_t)(hidden / xg1) : 0, 4),
                o_aq = p.take(fp8 ? (size_t)n * (size_t)inter : 0, 2),
                o_as = p.take(fp8 ? xrows * (size_t)(inter / xg2) : 0, 4);
   if (p.overflow) return moe_fail(err, MOE_EOVERFLOW, "fused_moe: workspace size overflows");
@@ -907,8 +914,10 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
     if (fp8) {
       t1.x = ws + o_xq;
       t1.x_vec = 1;
+      t1.xtok = xtok;
       if ((s = moe_tc_fp8_act(b, act, (int)max_tiles, t1, x, st_sc ? (const float *)dev[MOE_A13_SCALE] : NULL,
-                              cfg->exact_division, (uint16_t *)(ws + o_xq), err)))
+                              cfg->exact_division, (uint16_t *)(ws + o_xq), xtok ? (int)tokens : 0,
+                              (float *)(ws + o_xt), err)))
         return s;
     }
     if ((s = moe_tc_gemm(b, cfg, act, tc_config, (int)max_tiles, t1, err))) return s;
@@ -916,7 +925,7 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
       t2.x = ws + o_aq;
       if ((s = moe_tc_fp8_act(b, act, (int)max_tiles, t2, a_buf,
                               st_sc ? (const float *)dev[MOE_A2_SCALE] : NULL, cfg->exact_division,
-                              (uint16_t *)(ws + o_aq), err)))
+                              (uint16_t *)(ws + o_aq), 0, NULL, err)))
         return s;
     }
     if ((s = moe_tc_gemm(b, cfg, act, tc_config, (int)max_tiles, t2, err))) return s;

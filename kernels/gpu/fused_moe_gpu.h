@@ -14,11 +14,38 @@ extern "C" {
 
 enum { A_BF16, A_F16 };
 
+/* v rounded to the activation dtype (RNE, overflow to inf), as a float.
+ * On NVIDIA sm_80+ one cvt each way: the same bits as the codec's
+ * conversions for every non-NaN v (a NaN stays a NaN; only to16, below,
+ * fixes its bits). The codec's integer sequence made the gate_up epilogue
+ * of the bulk GEMM instruction-bound (a quarter of the kernel at T = 4096). */
 template <int ACT> __device__ __forceinline__ float act_round(float v) {
+#if defined(MOE_GPU_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned short h;
+  float r;
+  if (ACT == A_BF16) {
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return moe_f32_from_bits((uint32_t)h << 16);
+  }
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+  return r;
+#else
   return ACT == A_BF16 ? moe_bf16_to_f32(moe_f32_to_bf16(v)) : moe_f16_to_f32(moe_f32_to_f16(v));
+#endif
 }
 template <int ACT> __device__ __forceinline__ uint16_t to16(float v) {
+#if defined(MOE_GPU_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  /* as act_round; a NaN gets the codec's bits by a select */
+  unsigned short h;
+  if (ACT == A_BF16)
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return moe_f32_isnan(v) ? (ACT == A_BF16 ? (uint16_t)0x7FC0 : (uint16_t)0x7E00) : (uint16_t)h;
+#else
   return ACT == A_BF16 ? moe_f32_to_bf16(v) : moe_f32_to_f16(v);
+#endif
 }
 template <int ACT> __device__ __forceinline__ float from16(uint32_t h) {
   return ACT == A_BF16 ? moe_bf16_to_f32((uint16_t)h) : moe_f16_to_f32((uint16_t)h);
@@ -30,6 +57,28 @@ template <int ACT> __device__ __forceinline__ float from16(uint32_t h) {
 __device__ __forceinline__ float exp_f(float x) { return expf(x); }
 __device__ __forceinline__ float erf_f(float x) { return erff(x); }
 
+/* a / b for b = 1 + exp(x) (>= 1 or inf): docs/numerics.md's correctly
+ * rounded fp32 division. On NVIDIA the sequence of the fast path of CUDA's
+ * IEEE division (a reciprocal estimate refined once, the quotient corrected
+ * once by its exact residual), correctly rounded whenever a, 1 / b and the
+ * quotient are normal (b < 2^126: for silu, g > -87), without that
+ * division's operand check and branch to its slow path: the branch cut the
+ * gate_up epilogue's 32 independent elements per thread into one
+ * latency-bound chain. At the extremes (a subnormal quotient, b >= 2^126)
+ * the result is within a few ulp; b = inf gives the division's signed
+ * zero, a = +-inf the division's +-inf. */
+__device__ __forceinline__ float div_ge1(float a, float b) {
+#if defined(MOE_GPU_CUDA) && defined(__CUDA_ARCH__)
+  float r;
+  asm("rcp.approx.f32 %0, %1;" : "=f"(r) : "f"(b));
+  r = fmaf(fmaf(-b, r, 1.0f), r, r);
+  const float q = a * r, q1 = fmaf(fmaf(-b, q, a), r, q);
+  return b == INFINITY ? copysignf(0.0f, a) : isinf(a) ? q : q1;
+#else
+  return a / b;
+#endif
+}
+
 /* docs/numerics.md: a = act(act(f(g)) * u), or swiglu_oai; g and u act-rounded.
  * The CPU's expressions (kernels/cpu/fused_moe.c activate()). */
 template <int ACT> __device__ __forceinline__ float activate(int fn, float g, float u) {
@@ -38,9 +87,9 @@ template <int ACT> __device__ __forceinline__ float activate(int fn, float g, fl
   if (fn == MOE_ACT_SWIGLU_OAI) {
     g = g > 7.0f ? 7.0f : g;
     u = u > 7.0f ? 7.0f : (u < -7.0f ? -7.0f : u);
-    return act_round<ACT>((u + 1.0f) * g * (1.0f / (1.0f + exp_f(-(1.702f * g)))));
+    return act_round<ACT>((u + 1.0f) * g * div_ge1(1.0f, 1.0f + exp_f(-(1.702f * g))));
   }
-  return act_round<ACT>(act_round<ACT>(g / (1.0f + exp_f(-g))) * u);
+  return act_round<ACT>(act_round<ACT>(div_ge1(g, 1.0f + exp_f(-g))) * u);
 }
 
 /* ---- programmatic dependent launch (NVIDIA sm_90+) ------------------------------
@@ -130,7 +179,8 @@ struct TcArgs {
   const void *bias; /* the GEMM's expert biases [E][N] in the files' row order (NULL: none) */
   int bias_dt;      /* their moe_dtype: F32, F16 or BF16 */
   /* fp8 W8A8: x holds the e4m3 codes' values in fp16 (moe_tc_fp8_act), its
-   * rows in the tile list's order in both phases */
+   * rows in the tile list's order, or by token in phase 1 (xtok) */
+  int xtok;
   int wscale;       /* moe_weight_scale: per_tensor, per_channel or block */
   float *xs;        /* the activations' scales [K / xg][xrows] (written by moe_tc_fp8_act) */
   int xrows;        /* the slots' rows and a tile's worth of padding (the GEMM reads a tile's run) */
@@ -155,14 +205,17 @@ moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_d
  * x 128 rows and sizes the intermediate the same (TcArgs.cap). */
 bool moe_tc_bulk(moe_backend *b, const moe_expert_config *cfg, int config);
 moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_t *xk, moe_error *err);
-/* fp8 W8A8: the GEMM's activations (phase 1: hidden_states, by token;
- * phase 2: a) to e4m3fn codes, one scale per a.xg columns (dynamic: the
- * amax's, docs/numerics.md quant.per_token_group / per_token; static: the
- * expert's entry of `static_scale`), for the rows of every tile, written in
- * the tile list's order as the codes' fp16 values into xq and the scales
- * into a.xs. x: a.x's rows (act dtype). */
+/* fp8 W8A8: the GEMM's activations (phase 1: hidden_states; phase 2: a) to
+ * e4m3fn codes, one scale per a.xg columns (dynamic: the amax's,
+ * docs/numerics.md quant.per_token_group / per_token; static: the expert's
+ * entry of `static_scale`), written as the codes' fp16 values into xq and
+ * the scales into a.xs in the tile list's order. x: a.x's rows (act dtype).
+ * tokens > 0 (phase 1, dynamic scales only: a token's codes are then the
+ * same for each of its slots): xq gets one row per token (read with
+ * TcArgs.xtok), each token's scales go through xs_tok ([K / xg][tokens]). */
 moe_status moe_tc_fp8_act(moe_backend *b, int act, int max_tiles, const TcArgs &a, const void *x,
-                          const float *static_scale, int exact, uint16_t *xq, moe_error *err);
+                          const float *static_scale, int exact, uint16_t *xq, int tokens, float *xs_tok,
+                          moe_error *err);
 /* One GEMM launch (grid over the worst-case tile count). */
 moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, int config, int max_tiles,
                        const TcArgs &a, moe_error *err);

@@ -541,18 +541,26 @@ __device__ __forceinline__ void store_tile(const TcArgs &a, const float (&acc)[N
     b0 = bias_at(a, base + (size_t)file_row(a, mt, lane, 0));
     b1 = bias_at(a, base + (size_t)file_row(a, mt, lane, 1));
   }
+  /* phase 1: this lane's unit for token tok = 8 j + 2 (lane % 4) + q is
+   * element o1[q] + j * step1 of a.out (KMAJOR: row is a multiple of 8, a
+   * bulk tile's first row, so the swizzle depends on q alone), the index
+   * arithmetic out of the per-element loop */
+  const int unit = 8 * mt + (lane >> 2), tok0 = 2 * (lane & 3);
+  size_t o1[2];
+  for (int q = 0; q < 2; q++)
+    o1[q] = KMAJOR ? kmajor(unit, row + tok0 + q, a.cap)
+                   : (size_t)(row + tok0 + q) * (size_t)a.inter + (size_t)unit;
+  const size_t step1 = KMAJOR ? (size_t)8 * KB : (size_t)8 * (size_t)a.inter;
 #pragma unroll
   for (int j = 0; j < NT; j++)
 #pragma unroll
     for (int q = 0; q < 2; q++) {
-      const int tok = j * 8 + 2 * (lane & 3) + q;
+      const int tok = j * 8 + tok0 + q;
       if (tok >= rows) continue;
       if (a.phase == 1) {
-        const int unit = 8 * mt + (lane >> 2);
         const float v =
             activate<ACT>(a.activation, act_round<ACT>(acc[j][q] + b0), act_round<ACT>(acc[j][2 + q] + b1));
-        a.out[KMAJOR ? kmajor(unit, row + tok, a.cap)
-                     : (size_t)(row + tok) * (size_t)a.inter + (size_t)unit] = to16<ACT>(v);
+        a.out[o1[q] + (size_t)j * step1] = to16<ACT>(v);
         continue;
       }
       const int slot = slot_of[tok], h = 16 * mt + (lane >> 2);
@@ -619,7 +627,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
   const int mt = n0 / 16 + warp; /* this warp's 16-row block */
   for (int i = tid; i < BT; i += THREADS) {
     const int slot = load_slot(a, row0, rows, i, slot_of, tw_of);
-    src_row[i] = i >= rows ? -1 : a.phase == 1 && !FP8 ? slot / a.top_k : row0 + i;
+    src_row[i] = i >= rows ? -1 : a.phase == 1 && (!FP8 || a.xtok) ? slot / a.top_k : row0 + i;
   }
   /* token rows past the tile's count are zero in every stage: written once
    * here and never copied (a decode tile is mostly such rows) */
@@ -1492,15 +1500,30 @@ template <int ACT, bool VEC> __device__ __forceinline__ void load4(const uint16_
  * second pass reads the group again (L1). */
 __host__ __device__ constexpr bool fp8_act_whole(int g) { return g >= 512; }
 
+/* tokens per block row of the grid (by token): one, so that a small batch
+ * still spreads over the SMs (64 left Qwen3-30B-A3B's T = 64 on two blocks:
+ * 251 us against 198 by slot) */
+constexpr int FP8_TOKEN_ROWS = 1;
+
+/* tokens > 0: by token (phase 1, dynamic scales): rows of x are tokens, xq
+ * gets a row per token and xs_tok the scales [K / xg][tokens]; else by the
+ * tiles' slots: xq and a.xs in the tile list's order. */
 template <int ACT, bool VEC>
-__global__ void __launch_bounds__(256)
-    fp8_act_kernel(TcArgs a, const void *x, const float *static_scale, int exact, uint16_t *xq) {
-  const int ti = (int)blockIdx.x, lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
+__global__ void __launch_bounds__(256) fp8_act_kernel(TcArgs a, const void *x, const float *static_scale,
+                                                      int exact, uint16_t *xq, int tokens, float *xs_tok) {
+  const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
   __shared__ uint32_t part[8]; /* the warps' amax bits (a block per unit) */
   pdl_wait();
-  if (ti >= *a.ntiles) return;
-  const int4 tile = a.tiles[ti];
-  const int e = tile.x, row0 = tile.y, rows = tile.z, K = a.k, g = a.xg, nb = K / g;
+  int e = 0, row0, rows;
+  if (tokens) {
+    row0 = (int)blockIdx.x * FP8_TOKEN_ROWS;
+    rows = tokens - row0 < FP8_TOKEN_ROWS ? tokens - row0 : FP8_TOKEN_ROWS;
+  } else {
+    if ((int)blockIdx.x >= *a.ntiles) return;
+    const int4 tile = a.tiles[blockIdx.x];
+    e = tile.x, row0 = tile.y, rows = tile.z;
+  }
+  const int K = a.k, g = a.xg, nb = K / g;
   const bool whole = fp8_act_whole(g);
   const int warps = (int)blockDim.x >> 5, lanes = whole ? (int)blockDim.x : 32,
             me = whole ? (int)threadIdx.x : lane;
@@ -1508,7 +1531,7 @@ __global__ void __launch_bounds__(256)
             step = whole ? (int)gridDim.y : (int)gridDim.y * warps;
   for (int u = first; u < rows * nb; u += step) { /* u is one value across a block when whole */
     const int p = row0 + u / nb, blk = u % nb;
-    const size_t src = a.phase == 1 ? (size_t)(a.sorted[p] / a.top_k) : (size_t)p;
+    const size_t src = a.phase == 1 && !tokens ? (size_t)(a.sorted[p] / a.top_k) : (size_t)p;
     const uint16_t *in = (const uint16_t *)x + src * (size_t)K + (size_t)blk * g;
     uint32_t m = 0; /* |v| bits of the finite values: their max is the amax */
     for (int j = 4 * me; j < g; j += 4 * lanes) {
@@ -1542,7 +1565,27 @@ __global__ void __launch_bounds__(256)
         v[q] = exact ? v[q] / s : v[q] * r;
       *(uint2 *)(out + j) = make_uint2(e4m3_values2(v[0], v[1]), e4m3_values2(v[2], v[3]));
     }
-    if (me == 0) a.xs[(size_t)blk * (size_t)a.xrows + (size_t)p] = s;
+    if (me == 0) {
+      if (tokens)
+        xs_tok[(size_t)blk * (size_t)tokens + (size_t)p] = s;
+      else
+        a.xs[(size_t)blk * (size_t)a.xrows + (size_t)p] = s;
+    }
+  }
+  pdl_next();
+}
+
+/* By token, then: each tile slot's scales from its token's (a.xs in the
+ * tile list's order, as the GEMM's joins read them). */
+__global__ void fp8_scale_slots(TcArgs a, const float *xs_tok, int tokens) {
+  pdl_wait();
+  if ((int)blockIdx.x >= *a.ntiles) return;
+  const int4 tile = a.tiles[blockIdx.x];
+  const int row0 = tile.y, rows = tile.z, nb = a.k / a.xg;
+  for (int u = (int)threadIdx.x; u < rows * nb; u += (int)blockDim.x) {
+    const int p = row0 + u % rows, blk = u / rows;
+    a.xs[(size_t)blk * (size_t)a.xrows + (size_t)p] =
+        xs_tok[(size_t)blk * (size_t)tokens + (size_t)(a.sorted[p] / a.top_k)];
   }
   pdl_next();
 }
@@ -1625,21 +1668,28 @@ bool moe_tc_bulk(moe_backend *b, const moe_expert_config *cfg, int config) {
 }
 
 moe_status moe_tc_fp8_act(moe_backend *b, int act, int max_tiles, const TcArgs &a, const void *x,
-                          const float *static_scale, int exact, uint16_t *xq, moe_error *err) {
-  /* a tile's units over several blocks: with one block per tile a decode
+                          const float *static_scale, int exact, uint16_t *xq, int tokens, float *xs_tok,
+                          moe_error *err) {
+  /* a row's units over several blocks: with one block per tile a decode
    * tile's few rows left its warps looping over K / xg groups one after
    * another (Mixtral's a, 112 groups: 23 us of a 207 us call at T = 1), and
    * a per-token row of 14336 columns on one warp */
-  const unsigned per_tile = fp8_act_whole(a.xg) ? 8u : (unsigned)((a.k / a.xg + 7) / 8);
+  const unsigned per_row = fp8_act_whole(a.xg) ? 8u : (unsigned)((a.k / a.xg + 7) / 8);
+  const unsigned blocks =
+      tokens ? (unsigned)((tokens + FP8_TOKEN_ROWS - 1) / FP8_TOKEN_ROWS) : (unsigned)max_tiles;
   /* 8-byte loads where every row is 8-byte aligned (K % 128 == 0) */
   const bool vec = ((uintptr_t)x & 7) == 0;
-  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b),
-                                  act == A_BF16
-                                      ? (vec ? fp8_act_kernel<A_BF16, true> : fp8_act_kernel<A_BF16, false>)
-                                      : (vec ? fp8_act_kernel<A_F16, true> : fp8_act_kernel<A_F16, false>),
-                                  dim3((unsigned)max_tiles, per_tile), dim3(256), 0, moe_gpu_stream(b), a, x,
-                                  static_scale, exact, xq),
-                       "fused_moe fp8 activations", err);
+  moe_status s = moe_gpu_check(
+      pdl_launch(moe_gpu_pdl(b),
+                 act == A_BF16 ? (vec ? fp8_act_kernel<A_BF16, true> : fp8_act_kernel<A_BF16, false>)
+                               : (vec ? fp8_act_kernel<A_F16, true> : fp8_act_kernel<A_F16, false>),
+                 dim3(blocks, per_row), dim3(256), 0, moe_gpu_stream(b), a, x, static_scale, exact, xq,
+                 tokens, xs_tok),
+      "fused_moe fp8 activations", err);
+  if (s || !tokens) return s;
+  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), fp8_scale_slots, dim3((unsigned)max_tiles), dim3(256), 0,
+                                  moe_gpu_stream(b), a, (const float *)xs_tok, tokens),
+                       "fused_moe fp8 activation scales", err);
 }
 
 moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_t *xk, moe_error *err) {
@@ -1720,7 +1770,8 @@ moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_
   return moe_fail(err, MOE_EUNSUPPORTED, "fused_moe: no tensor-core path on this GPU");
 }
 moe_status moe_tc_fp8_act(moe_backend *b, int act, int max_tiles, const TcArgs &a, const void *x,
-                          const float *static_scale, int exact, uint16_t *xq, moe_error *err) {
+                          const float *static_scale, int exact, uint16_t *xq, int tokens, float *xs_tok,
+                          moe_error *err) {
   return moe_fail(err, MOE_EUNSUPPORTED, "fused_moe: no tensor-core path on this GPU");
 }
 extern "C" bool moe_gpu_fused_packs(moe_backend *b, const moe_expert_config *cfg) { return false; }
