@@ -2,6 +2,7 @@
 #   make run   - install what running needs, build moed/moec/moe-mkset (CPU-only unless
 #                RUN_GPU=AUTO|CUDA|HIP), write a demo model repository, start moed
 #   make test  - install deps, build, run every test (then again under ASan+UBSan)
+#   make venv  - only the Python side (.venv: numpy, ml_dtypes, tritonclient, perf_analyzer)
 BUILD ?= build
 ASAN_BUILD ?= build-asan
 HIP_BUILD ?= build-hip
@@ -11,12 +12,17 @@ MOED_FLAGS ?=
 GPU ?= AUTO
 RUN_GPU ?= OFF
 
-.PHONY: all deps build run-build run test test-asan build-hip demo clean
+.PHONY: all deps venv build run-build run test test-asan build-hip demo clean
 
 all: build
 
 deps:
 	bash scripts/deps.sh
+
+# The Python side alone, for the README's examples after make run (which
+# installs no Python): the test venv and perf_analyzer, no HIP toolchain.
+venv:
+	bash scripts/deps.sh --no-hip
 
 build: deps
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DMOE_GPU=$(GPU)

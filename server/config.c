@@ -84,7 +84,8 @@ static const char usage[] =
     "  --log-json                JSON log lines (MOED_LOG_JSON=1)\n"
     "  --port-file PATH          write \"GRPC_PORT HTTP_PORT REST_PORT\" once listening (tests; -1: off)\n"
     "  --help                    this text\n"
-    "Triton's spellings, for deployments written for tritonserver:\n"
+    "Triton's spellings, for deployments written for tritonserver (but Triton's --http-port is its REST\n"
+    "port, moed's --rest-port; its --metrics-port is moed's --http-port):\n"
     "  --grpc-address ADDR       = --address (the gRPC port's; the HTTP port's too unless --http-address)\n"
     "  --http-address ADDR       the HTTP ports' (REST and metrics) bind address\n"
     "  --allow-http true|false   false: no HTTP port (= --http-port -1 --rest-port -1)\n"
@@ -261,6 +262,27 @@ static bool parse_host(const char *v, char *buf, size_t size, const char **out) 
 }
 
 /* Applies one option's value; false with a message when it does not parse. */
+/* Triton's flags that moed spells otherwise: a tritonserver command line
+ * that names one is refused (it could not mean the same), with moed's own
+ * spelling. Triton's --http-port is its REST port; moed's --http-port is
+ * the metrics and health port, as Triton's --metrics-port. */
+static void triton_hint(const char *arg) {
+  static const struct {
+    const char *flag, *hint;
+  } hints[] = {
+      {"--metrics-port", "Triton's --metrics-port is moed's --http-port (metrics and health probes; moed's "
+                         "REST port, Triton's --http-port, is --rest-port)"},
+      {"--allow-metrics", "moed's metrics port is off with --http-port -1"},
+      {"--allow-grpc", "moed always serves gRPC"},
+      {"--model-store", "Triton's --model-store is --model-repository"},
+  };
+  if (!arg) return;
+  const size_t n = strcspn(arg, "=");
+  for (size_t i = 0; i < sizeof hints / sizeof hints[0]; i++)
+    if (strlen(hints[i].flag) == n && !strncmp(arg, hints[i].flag, n))
+      fprintf(stderr, "moed: %s\n", hints[i].hint);
+}
+
 static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   int64_t n = 0;
   bool ok = true;
@@ -332,7 +354,11 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_PORT_FILE: c->port_file = v; break;
   case OPT_CACHE_HOST: c->cache_host = true; break;
   case OPT_BATCH_TOKENS: ok = parse_i64(v, 0, INT32_MAX, &n) && (c->max_batch_tokens = n, true); break;
-  case OPT_QUEUE_DELAY: ok = parse_i64(v, 0, 60000000, &n) && (c->max_queue_delay_us = n, true); break;
+  case OPT_QUEUE_DELAY:
+    /* the batcher's timer is libuv's, in whole milliseconds: the delay kept
+     * (and reported in ModelConfig's dynamic_batching) is the one it waits */
+    ok = parse_i64(v, 0, 60000000, &n) && (c->max_queue_delay_us = (n + 999) / 1000 * 1000, true);
+    break;
   case OPT_INLINE: ok = parse_i64(v, 0, 1 << 30, &n) && (c->inline_bytes = (size_t)n, true); break;
   case OPT_HANDSHAKE: ok = parse_i64(v, 1, 3600, &n) && (c->handshake_timeout_s = (int)n, true); break;
   case OPT_IDLE: ok = parse_i64(v, 1, 86400 * 7, &n) && (c->idle_timeout_s = (int)n, true); break;
@@ -460,8 +486,9 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       fputs(usage, stdout);
       return 1;
     }
-    if (opt == '?') {
-      fputs(usage, stderr);
+    if (opt == '?') { /* getopt_long named the flag; the usage would bury that line */
+      triton_hint(argv[optind - 1]);
+      fputs("moed: moed --help lists every flag\n", stderr);
       return -1;
     }
     /* the flag's own name: argv[optind - 1] is the value for "--flag value" */

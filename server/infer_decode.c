@@ -277,8 +277,9 @@ static grpc_status_code decode_inputs(moed_infer_req *c, moed_server *srv) {
 static bool server_param(moed_infer_req *c, const Inference__ModelInferRequest__ParametersEntry *e,
                          grpc_status_code *code) {
   /* tritonclient's stream option enable_empty_final_response: every moed
-   * model answers each request with exactly one (final) response, so there
-   * is nothing to change; accepted so the op does not reject the name */
+   * model answers each request with exactly one (final) response, which the
+   * encoder marks final (moed_kserve_encode); accepted so the op does not
+   * reject the name */
   if (strcmp(e->key, "triton_enable_empty_final_response") == 0) {
     if (!e->value ||
         e->value->parameter_choice_case != INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_BOOL_PARAM)

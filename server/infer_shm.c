@@ -28,12 +28,16 @@ typedef struct shm_ref {
 } shm_ref;
 
 /* One tensor parameter into ref when it is one of the three (what: the
- * tensor, for messages). */
+ * tensor, for messages); any other is refused, naming it, as the REST
+ * port refuses it: a tensor parameter moed would ignore (Triton's
+ * `classification` of an output) must not pass unnoticed. */
 static grpc_status_code shm_param(moed_infer_req *r, const char *what, const char *key,
                                   const Inference__InferParameter *v, shm_ref *ref) {
   const bool region = strcmp(key, P_REGION) == 0, offset = strcmp(key, P_OFFSET) == 0,
              size = strcmp(key, P_SIZE) == 0;
-  if (!region && !offset && !size) return GRPC_STATUS_OK;
+  if (!region && !offset && !size)
+    return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT,
+                      "%s: parameters['%s'] is not one moed takes (the shared_memory_* ones are)", what, key);
   const int c = v ? (int)v->parameter_choice_case : 0;
   if (region) {
     if (c != INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_STRING_PARAM)

@@ -244,6 +244,22 @@ size_t moed_kserve_raw_at(const uint8_t *p, size_t n) {
 
 /* ---- ModelInferResponse ----------------------------------------------------------------- */
 
+/* tritonclient's stream option enable_empty_final_response (the request
+ * parameter triton_enable_empty_final_response true): its users read each
+ * response's triton_final_response to know a request is done, and wait on
+ * until one says true. moed answers every request with one response, so
+ * that response is the final one and says so, as Triton's does for a model
+ * that is not decoupled. */
+static bool wants_final_flag(const Inference__ModelInferRequest *q) {
+  for (size_t i = 0; i < q->n_parameters; i++) {
+    const Inference__ModelInferRequest__ParametersEntry *e = q->parameters[i];
+    if (e->key && !strcmp(e->key, "triton_enable_empty_final_response") && e->value &&
+        e->value->parameter_choice_case == INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_BOOL_PARAM)
+      return e->value->bool_param;
+  }
+  return false;
+}
+
 grpc_status_code moed_kserve_encode(const Inference__ModelInferRequest *q, const char *model, bool stream,
                                     size_t max_bytes, const moe_named_tensor *outs, const grpc_slice *data,
                                     size_t num_out, grpc_byte_buffer **out, uint64_t *bytes_out, char *err) {
@@ -303,6 +319,18 @@ grpc_status_code moed_kserve_encode(const Inference__ModelInferRequest *q, const
   resp.id = q->id;
   resp.n_outputs = nsel;
   resp.outputs = otp;
+  Inference__ModelInferResponse__ParametersEntry final =
+      INFERENCE__MODEL_INFER_RESPONSE__PARAMETERS_ENTRY__INIT;
+  Inference__ModelInferResponse__ParametersEntry *finalp = &final;
+  Inference__InferParameter final_v = INFERENCE__INFER_PARAMETER__INIT;
+  if (stream && wants_final_flag(q)) {
+    final_v.parameter_choice_case = INFERENCE__INFER_PARAMETER__PARAMETER_CHOICE_BOOL_PARAM;
+    final_v.bool_param = true;
+    final.key = "triton_final_response";
+    final.value = &final_v;
+    resp.n_parameters = 1;
+    resp.parameters = &finalp;
+  }
 
   size_t hdr_len = inference__model_infer_response__get_packed_size(&resp);
   size_t total = hdr_len;

@@ -144,6 +144,13 @@ static void write_port_file(const char *path, int grpc_port, int http_port, int 
   rename(tmp, path); /* readers never see a half-written file */
 }
 
+/* "ADDR:PORT" ("[ADDR]:PORT" for IPv6), or "off" for a port turned off. */
+static const char *endpoint(char buf[80], const char *addr, int port) {
+  if (port < 0) return "off";
+  snprintf(buf, 80, strchr(addr, ':') ? "[%s]:%d" : "%s:%d", addr, port);
+  return buf;
+}
+
 int main(int argc, char **argv) {
   static app a;
   int rc = moed_config_parse(&a.cfg, argc, argv);
@@ -220,8 +227,12 @@ int main(int argc, char **argv) {
   uv_timer_start(&a.tick, on_tick, 1000, 1000);
 
   atomic_store(&s->ready, true);
-  moed_log(MOED_LOG_INFO, "listening", "grpc %s:%d http %d rest %d, backend %s, moed %s", a.cfg.address,
-           grpc_port, http_port, rest_port, moed_devices_backend_name(s->devices), MOED_VERSION);
+  /* every port with its address, so a newcomer sees where REST and metrics listen */
+  const char *http_addr = a.cfg.http_address ? a.cfg.http_address : a.cfg.address;
+  char g[80], r[80], h[80];
+  moed_log(MOED_LOG_INFO, "listening", "grpc %s rest %s http %s, backend %s, moed %s",
+           endpoint(g, a.cfg.address, grpc_port), endpoint(r, http_addr, rest_port),
+           endpoint(h, http_addr, http_port), moed_devices_backend_name(s->devices), MOED_VERSION);
   if (a.cfg.port_file) write_port_file(a.cfg.port_file, grpc_port, http_port, rest_port);
   uv_run(&a.loop, UV_RUN_DEFAULT);
   exit_code = 0;

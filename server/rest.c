@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "grpc_service.pb-c.h"
+#include "json_number.h"
 #include "kserve_wire.h"
 #include "moe/codec.h"
 #include "moed.h"
@@ -245,7 +246,12 @@ static cJSON *pb_json(const ProtobufCMessage *m) {
         }
       }
     } else if (f->type == PROTOBUF_C_TYPE_MESSAGE && !*(ProtobufCMessage *const *)at) {
-      continue; /* an absent sub-message */
+      /* an absent sub-message is left out, except a statistics duration:
+       * Triton's REST statistics carry every one (cache_hit, cache_miss at
+       * zero included), and clients index them without checking */
+      if (f->descriptor != &inference__statistic_duration__descriptor) continue;
+      const Inference__StatisticDuration zero = INFERENCE__STATISTIC_DURATION__INIT;
+      v = pb_json(&zero.base);
     } else {
       v = pb_value(f, at);
     }
@@ -326,7 +332,14 @@ static void fill(json_fill *f, const cJSON *a) {
       fill(f, e);
       continue;
     }
-    if (!cJSON_IsNumber(e) || (f->n < f->numel && !elem_set(f->t, f->p, f->n, e->valuedouble))) {
+    double v;
+    if (cJSON_IsNumber(e))
+      v = e->valuedouble;
+    else if (!moed_json_nonfinite_value(e, &v)) {
+      f->bad = true;
+      return;
+    }
+    if (f->n < f->numel && !elem_set(f->t, f->p, f->n, v)) {
       f->bad = true;
       return;
     }
@@ -535,7 +548,9 @@ static bool build_output(infer_build *b, size_t i, const cJSON *t, rest_call *k)
       np++;
       continue;
     }
-    if (strcmp(e->string, "binary_data") != 0 || !cJSON_IsBool(e))
+    if (!strcmp(e->string, "binary_data") && !cJSON_IsBool(e))
+      return bad(b, "outputs[%zu] '%s': parameters.binary_data: not a boolean", i, name->valuestring);
+    if (strcmp(e->string, "binary_data") != 0)
       return bad(b,
                  "outputs[%zu] '%s': parameters.%s is not supported (binary_data, a boolean, and the "
                  "shared_memory_* ones are)",
@@ -628,13 +643,23 @@ static grpc_byte_buffer *infer_message(const moed_config *cfg, const char *body,
         json_len, (size_t)MAX_JSON_BYTES);
     return NULL;
   }
-  cJSON *j = cJSON_ParseWithLength(body, json_len);
+  bool oom;
+  char *nonfinite = moed_json_nonfinite_in(body, json_len, &oom); /* NaN, Infinity as Python writes them */
+  if (oom) {
+    *code = 500;
+    moed_failf(why, 0, "server out of memory");
+    return NULL;
+  }
+  const char *text = nonfinite ? nonfinite : body;
+  cJSON *j = cJSON_ParseWithLength(text, json_len);
   if (!j) {
     const char *at = cJSON_GetErrorPtr();
-    const size_t off = at && at >= body && at <= body + json_len ? (size_t)(at - body) : 0;
+    const size_t off = at && at >= text && at <= text + json_len ? (size_t)(at - text) : 0;
+    free(nonfinite);
     moed_failf(why, 0, "request: malformed JSON at byte %zu", off);
     return NULL;
   }
+  free(nonfinite); /* cJSON holds copies of what it keeps */
   infer_build *b = calloc(1, sizeof *b);
   grpc_byte_buffer *payload = NULL;
   if (!b) {
@@ -741,7 +766,7 @@ static void answer_infer(rest_call *k, const Inference__ModelInferResponse *m) {
     } else {
       cJSON *data = cJSON_AddArrayToObject(o, "data");
       for (size_t e = 0; data && e < raw->len / kt->size; e++)
-        cJSON_AddItemToArray(data, cJSON_CreateNumber(elem_get(kt, raw->data, e)));
+        cJSON_AddItemToArray(data, moed_json_float(elem_get(kt, raw->data, e)));
     }
     cJSON_AddItemToArray(outs, o);
   }

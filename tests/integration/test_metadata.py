@@ -184,6 +184,14 @@ def main():
 
         ts.serve(tmp, ["--model-repository", repo, "--max-batch-tokens", str(MAX_BATCH), "--max-queue-delay-us",
                        str(DELAY_US), "--max-queue-size", str(QUEUE)], body)
+
+        def rounded(cli, ch):
+            # the batcher waits in whole milliseconds (libuv's timer): the config says what it waits
+            db = cli.get_model_config("quant.mx").config.dynamic_batching
+            check(db.max_queue_delay_microseconds == 3000,
+                  f"--max-queue-delay-us 2001: dynamic_batching says the 3000 us waited ({db.max_queue_delay_microseconds})")
+
+        ts.serve(tmp, ["--max-queue-delay-us", "2001"], rounded)
     ts.exit_with_summary()
 
 

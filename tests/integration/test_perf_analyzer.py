@@ -1,11 +1,13 @@
 """Integration test: Triton's perf_analyzer, unchanged, against a real moed
-over gRPC: concurrency 1..4 on quant.per_tensor (random data, the token
-shape given) and on a moe-mkset expert set (--input-data JSON with valid
-bf16 activations and router logits, two rows per request); each run exits
-0 and prints the server-side breakdown for every concurrency level, whose
-request counts moed's own ModelStatistics must cover. The same runs over
-HTTP (`-i http`) against the KServe REST port, and quant.per_token with
-`--shared-memory system` (perf_analyzer's own regions) over both.
+over gRPC: concurrency 1..8 on quant.per_tensor (random data, the token
+shape given) with --collect-metrics reading moed's /metrics, 1..4 on a
+moe-mkset expert set (--input-data JSON with valid bf16 activations and
+router logits, two rows per request) and on moe.topk with its top_k as a
+--request-parameter; each run exits 0 and prints the server-side breakdown
+for every concurrency level, whose request counts moed's own
+ModelStatistics must cover. Over HTTP (`-i http`) against the KServe REST
+port: quant.per_tensor 1..4 and the expert set 1..8; and quant.per_token
+with `--shared-memory system` (perf_analyzer's own regions) over both.
 
 perf_analyzer comes from scripts/requirements-perf.txt (installed by
 scripts/deps.sh into .venv/perf_analyzer; that file says why this release).
@@ -34,23 +36,23 @@ HIDDEN, EXPERTS = 128, 8
 LEVELS = 4
 
 
-def perf_analyzer(port, model, *args, protocol="grpc"):
+def perf_analyzer(port, model, *args, protocol="grpc", levels=LEVELS):
     env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(PA_DIR, "nvidia", "cuda_runtime", "lib"))
-    cmd = [PA, "-i", protocol, "-u", f"127.0.0.1:{port}", "-m", model, "--concurrency-range", f"1:{LEVELS}",
+    cmd = [PA, "-i", protocol, "-u", f"127.0.0.1:{port}", "-m", model, "--concurrency-range", f"1:{levels}",
            "--measurement-interval", "300", "--max-trials", "20", "--stability-percentage", "50", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
 
-def check_run(r, what, cli, model):
+def check_run(r, what, cli, model, levels=LEVELS):
     out = r.stdout + r.stderr
     check(r.returncode == 0, f"{what}: perf_analyzer exit 0 ({r.returncode}: {out[-600:] if r.returncode else ''})")
-    levels = re.findall(r"Request concurrency: (\d+)", out)
-    check(levels == [str(i) for i in range(1, LEVELS + 1)], f"{what}: concurrency 1..{LEVELS} measured ({levels})")
+    seen = re.findall(r"Request concurrency: (\d+)", out)
+    check(seen == [str(i) for i in range(1, levels + 1)], f"{what}: concurrency 1..{levels} measured ({seen})")
     # the server-side breakdown, from ModelStatistics, once per level
     breakdown = re.findall(r"Successful request count: (\d+)\n\s+Avg request latency: \d+ usec \(overhead \d+ usec "
                            r"\+ queue \d+ usec \+ compute input \d+ usec \+ compute infer \d+ usec \+ compute "
                            r"output \d+ usec\)", out)
-    check(len(breakdown) == LEVELS and all(int(n) > 0 for n in breakdown),
+    check(len(breakdown) == levels and all(int(n) > 0 for n in breakdown),
           f"{what}: server-side breakdown printed for every level ({breakdown})")
     total = cli.get_inference_statistics(model).model_stats[0].inference_stats.success.count
     check(total >= sum(int(n) for n in breakdown), f"{what}: moed counted at least the measured requests ({total})")
@@ -79,14 +81,23 @@ def main():
                         str(HIDDEN), "--intermediate", "64", "--top-k", "2"], check=True, capture_output=True)
         data = os.path.join(tmp, "set.json")
         input_data(data, np.random.default_rng(3))
-        p, port, _ = ts.start(tmp, "--model-repository", repo)
+        p, port, http_port = ts.start(tmp, "--model-repository", repo)
         try:
             cli = tc.InferenceServerClient(f"127.0.0.1:{port}")
-            check_run(perf_analyzer(port, "quant.per_tensor", "--shape", "x:4,64"), "quant.per_tensor", cli,
-                      "quant.per_tensor")
+            # concurrency 1..8 on a quant op over gRPC, reading moed's /metrics too (--collect-metrics)
+            metrics = ("--collect-metrics", "--metrics-url", f"127.0.0.1:{http_port}/metrics")
+            r = perf_analyzer(port, "quant.per_tensor", "--shape", "x:4,64", *metrics, levels=8)
+            check_run(r, "quant.per_tensor, 1..8", cli, "quant.per_tensor", levels=8)
+            check((r.stdout + r.stderr).count("Server Prometheus Metrics:") == 8,
+                  "--collect-metrics: perf_analyzer read moed's /metrics at every level")
             check_run(perf_analyzer(port, "set", "--input-data", data, "-b", "2"), "expert set", cli, "set")
-            for model, args in (("quant.per_tensor", ("--shape", "x:4,64")), ("set", ("--input-data", data, "-b", "2"))):
-                check_run(perf_analyzer(p.rest_port, model, *args, protocol="http"), f"{model} over HTTP", cli, model)
+            # an op's parameter as perf_analyzer sends it (gRPC only in this release): moe.topk's top_k
+            check_run(perf_analyzer(port, "moe.topk", "--shape", "router_logits:4,8", "--shape", "correction_bias:8",
+                                    "--request-parameter", "top_k:2:int"), "moe.topk with top_k", cli, "moe.topk")
+            check_run(perf_analyzer(p.rest_port, "quant.per_tensor", "--shape", "x:4,64", protocol="http"),
+                      "quant.per_tensor over HTTP", cli, "quant.per_tensor")
+            check_run(perf_analyzer(p.rest_port, "set", "--input-data", data, "-b", "2", protocol="http", levels=8),
+                      "expert set over HTTP, 1..8", cli, "set", levels=8)
             # Triton's system shared memory: perf_analyzer makes, registers and uses its own regions
             # (a model without optional inputs: this perf_analyzer refuses those with shared memory)
             shm_args = ("-b", "4", "--shape", "x:64", "--shared-memory", "system", "--output-shared-memory-size",

@@ -188,6 +188,11 @@ def test_infer(h, g):
     gs = g.get_inference_statistics("quant.per_tensor").model_stats[0].inference_stats
     check(hs["success"]["count"] == gs.success.count >= 11 and hs["compute_infer"]["count"] == gs.compute_infer.count,
           f"statistics over REST as over gRPC ({hs['success']['count']} successes)")
+    durations = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit",
+                 "cache_miss")
+    check(all(hs[d] == {"count": hs[d]["count"], "ns": hs[d]["ns"]} for d in durations)
+          and hs["cache_hit"] == {"count": 0, "ns": 0},
+          f"REST statistics carry every duration as Triton's do, cache_hit/miss at zero ({sorted(hs)})")
     every = {m["name"] for m in h.get_inference_statistics()["model_stats"]}
     check({"quant.per_tensor", "bf16set", "fp16set"} <= every, "statistics of every model")
     # concurrent requests on a batched op (quant.mx merges rows): through the batcher, each its own answer
@@ -209,6 +214,40 @@ def test_infer(h, g):
     check(status == "404" and "'nope'" in msg, f"infer on an unknown model: 404 naming it ({status} {msg})")
 
 
+
+def test_nonfinite_json(h, g, port):
+    """NaN, the infinities and -0.0 as JSON tensors, both ways: tritonclient
+    (through Python's json) writes and reads NaN / Infinity / -Infinity, and
+    -0.0 must come back a float (cJSON's "-0" parses as the integer 0)."""
+    x = np.array([[1.0, np.nan, np.inf, -np.inf, -0.0, 3.0, 0.0, -2.0]], np.float32)
+    want = grpc_infer(g, "quant.per_token", {"x": (x, "FP32")}, ["q", "scales"])
+    for bin_out in (False, True):
+        got = http_infer(h, "quant.per_token", {"x": (x, "FP32")}, ["q", "scales"], lambda _: False, bin_out)
+        check(same(got, want), f"non-finite FP32 values sent as JSON (answer binary {bin_out}): as over gRPC")
+    # outputs that are inf, -inf, NaN and -0.0 (mxfp8_e5m2 codes 0x7c, 0xfc, 0x7e, 0x80; scale 2^0)
+    q = np.zeros((1, 32), np.uint8)
+    q[0, :4] = [0x7C, 0xFC, 0x7E, 0x80]
+    arr = {"q": (q, "UINT8"), "scales": (np.full((1, 1), 127, np.uint8), "UINT8")}
+    want = grpc_infer_params(g, "dequant.mx", arr, ["y"], {"format": "mxfp8_e5m2"})["y"]
+    ins = []
+    for name, (a, dt) in arr.items():
+        i = th.InferInput(name, list(a.shape), dt)
+        i.set_data_from_numpy(a, binary_data=False)
+        ins.append(i)
+    got = h.infer("dequant.mx", ins, parameters={"format": "mxfp8_e5m2"},
+                  outputs=[th.InferRequestedOutput("y", binary_data=False)]).as_numpy("y")
+    check(np.isposinf(got[0, 0]) and np.isneginf(got[0, 1]) and np.isnan(got[0, 2]),
+          f"inf, -inf, NaN answered as JSON: read back as such ({got[0, :3]})")
+    check(got[0, 3] == 0 and np.signbit(got[0, 3]) and np.array_equal(np.signbit(got), np.signbit(want)),
+          "-0.0 answered as JSON keeps its sign, as over gRPC")
+    # the tokens only stand for values: in a string or as part of a word they are not rewritten
+    status, body = error_of(port, "POST", "/v2/models/quant.per_token/infer",
+                            b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1,1],"data":[NaNa]}]}')
+    check(status == 400 and "malformed JSON" in body, f"NaNa is no number: 400 malformed ({status} {body})")
+    status, body = error_of(port, "POST", "/v2/models/quant.per_token/infer",
+                            b'{"inputs":[{"name":"x","datatype":"INT32","shape":[1,1],"data":[NaN]}]}')
+    check(status == 400 and "data[0]" in body, f"NaN for an INT32 input: 400 naming data[0] ({status} {body})")
+
 # ---- errors and limits, raw ----------------------------------------------------------------------
 
 
@@ -227,6 +266,10 @@ def test_errors(port):
     check(status == 400 and "data[2]" in msg, f"a string in data: 400 naming data[2] ({status} {msg})")
     status, msg = error_of(port, "POST", path, json.dumps({"input": [x]}).encode())
     check(status == 400 and "inputs" in msg, f"no inputs: 400 naming inputs ({status} {msg})")
+    status, msg = error_of(port, "POST", path, json.dumps(
+        {"inputs": [x], "outputs": [{"name": "q", "parameters": {"binary_data": "yes"}}]}).encode())
+    check(status == 400 and msg.endswith("'q': parameters.binary_data: not a boolean"),
+          f"binary_data not a boolean: 400 saying so ({status} {msg})")
     # binary data that the body does not hold
     head = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [10, 10],
                                    "parameters": {"binary_data_size": 400}}],
@@ -352,6 +395,7 @@ def main():
             test_models(h, g, p.rest_port)
             test_repository(h, g)
             test_infer(h, g)
+            test_nonfinite_json(h, g, p.rest_port)
             test_errors(p.rest_port)
             test_limits(p.rest_port)
             status, _, _ = raw(side, "GET", "/v2/health/ready")

@@ -310,6 +310,20 @@ def test_bad_inputs(ch, pid):
         code, msg = code_of(lambda: infer_pb(ch, r))
         name = list(bad)[-1]
         check(code == grpc.StatusCode.INVALID_ARGUMENT and f"'{name}'" in msg, f"parameters {bad}: INVALID_ARGUMENT naming it ({msg})")
+    # a tensor parameter moed does not take (Triton's classification of an output, a stray one on an input):
+    # refused naming the tensor and the parameter, as the REST port refuses it, never ignored
+    r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], {})
+    o = r.outputs.add()
+    o.name = "scales"
+    o.parameters["classification"].int64_param = 2
+    code, msg = code_of(lambda: infer_pb(ch, r))
+    check(code == grpc.StatusCode.INVALID_ARGUMENT and "outputs[0] 'scales'" in msg and "'classification'" in msg,
+          f"an output's classification: INVALID_ARGUMENT naming it ({code} {msg})")
+    r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], {})
+    r.inputs[0].parameters["binary_data_size"].int64_param = 1024
+    code, msg = code_of(lambda: infer_pb(ch, r))
+    check(code == grpc.StatusCode.INVALID_ARGUMENT and "inputs[0] 'x'" in msg and "'binary_data_size'" in msg,
+          f"an input's unknown parameter: INVALID_ARGUMENT naming it ({code} {msg})")
     # client cancel mid-call
     f = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
                        request_serializer=lambda m: m.SerializeToString()).future(r)
@@ -354,6 +368,19 @@ def test_stream(cli):
     errs = [e for r, e in got if e is not None]
     check(len(ok_ids) == 90 and len(errs) == 10 and ok_ids == {str(k) for k in range(100) if k % 10 != 3},
           f"ModelStreamInfer 100 interleaved: {len(ok_ids)} ok, {len(errs)} errors, ids echoed")
+    # tritonclient's enable_empty_final_response: its users wait for a response marked final; a moed
+    # request's one response is that one (Triton's triton_final_response), and unmarked without the option
+    cli.start_stream(callback=lambda result, error: q.put((result, error)))
+    for final in (True, False):
+        i = tc.InferInput("x", list(x.shape), "FP32")
+        i.set_data_from_numpy(x)
+        cli.async_stream_infer("quant.mx", [i], request_id=f"f{final}", enable_empty_final_response=final)
+        r, e = q.get(timeout=30)
+        params = r.get_response().parameters if e is None else {}
+        flag = params["triton_final_response"].bool_param if "triton_final_response" in params else None
+        check(e is None and flag == (True if final else None) and q.empty(),
+              f"stream, enable_empty_final_response={final}: one response, triton_final_response {flag}")
+    cli.stop_stream()
 
 
 def triton_metrics(text, model):
@@ -484,6 +511,13 @@ def test_cli(tmp):
                        capture_output=True, text=True, timeout=30)
     check(r.returncode != 0 and "--model-repository" in r.stderr and "No such file" in r.stderr,
           f"a missing model repository refuses to start ({r.returncode}: {r.stderr.strip()})")
+    # an unknown flag: named, without the whole usage after it; Triton's --metrics-port points at moed's spelling
+    r = subprocess.run([MOED, "--no-such-flag"], capture_output=True, text=True, timeout=30)
+    check(r.returncode == 2 and "'--no-such-flag'" in r.stderr and len(r.stderr.splitlines()) == 2,
+          f"an unknown flag is named, in two lines ({r.returncode}: {r.stderr.strip()})")
+    r = subprocess.run([MOED, "--metrics-port=8002"], capture_output=True, text=True, timeout=30)
+    check(r.returncode == 2 and "--metrics-port" in r.stderr and "is moed's --http-port" in r.stderr,
+          f"Triton's --metrics-port: refused, pointing at --http-port ({r.returncode}: {r.stderr.strip()})")
     r = subprocess.run([MOED, "--allow-http", "maybe"], capture_output=True, text=True, timeout=30)
     check(r.returncode != 0 and "'maybe' for --allow-http" in r.stderr,
           f"a bad Triton flag value names the flag ({r.returncode}: {r.stderr.strip()})")
@@ -496,6 +530,10 @@ def test_cli(tmp):
         check(live == b"\x08\x01" and http_port == -1, f"Triton's flags accepted: live, HTTP off ({http_port})")
         p.send_signal(signal.SIGTERM)
         check(p.wait(timeout=30) == 0, "Triton's flags: clean exit")
+        # the start line names every port with its address, the HTTP ones off here
+        log = open(os.path.join(tmp, "moed.log")).read()
+        check(f"listening: grpc 127.0.0.1:{port} rest off http off," in log,
+              "the listening line: gRPC's address and port, REST and metrics off")
     finally:
         if p.poll() is None:
             p.kill()
