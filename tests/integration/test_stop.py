@@ -48,12 +48,15 @@ def test_priority(f, tokens, full):
     """Triton's `priority` parameter: requests queued behind a long call (one
     worker) leave the queue by level (1 highest), arrival order within one;
     also a message over 1 MiB (queued before it is decoded)."""
-    blocker = f.future(req_of(tokens // 2), timeout=120)
+    big = 1100  # rows: a 1.1 MiB message
+    # every call's deadline from the calibrated rate (3x the whole queue's rows, at least 120 s):
+    # on a loaded machine under ASan the big request alone has taken over 120 s
+    limit = max(120.0, 3.0 * full / tokens * (tokens // 2 + big + 4))
+    blocker = f.future(req_of(tokens // 2), timeout=limit)
     time.sleep(0.2)
     done, futs = [], []
-    big = 1100  # rows: a 1.1 MiB message
     for name, prio, rows in (("low1", 3, 1), ("low2", 3, 1), ("default", 0, 1), ("big-high", 1, big), ("high", 1, 1)):
-        fut = f.future(req_of(rows, seed=len(futs) + 5, params={"priority": prio}), timeout=120)
+        fut = f.future(req_of(rows, seed=len(futs) + 5, params={"priority": prio}), timeout=limit)
         fut.add_done_callback(lambda _, name=name: done.append(name))
         futs.append(fut)
         time.sleep(0.05)  # separate loop iterations: each request its own batch and job
