@@ -99,7 +99,8 @@ static const char usage[] =
     "                            --load-model sets loaded at start, changes allowed; poll: every set\n"
     "                            loaded, then the directory followed (new, changed, removed sets), RPC\n"
     "                            changes refused\n"
-    "  --repository-poll-secs N  poll: seconds between scans of the repository (default 15)\n"
+    "  --repository-poll-secs N  poll: seconds between scans of the repository (default 15; refused\n"
+    "                            without --model-control-mode poll)\n"
     "  --load-model NAME         with explicit: a set to load at start (repeatable; * = every set)\n";
 
 enum {
@@ -467,7 +468,7 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .http_max_connections = 256,
       .fd_reserve = 64,
       .connection_age_grace_s = 30,
-      .repository_poll_secs = 15,
+      .repository_poll_secs = 0, /* 0: not given; poll mode's default is set after parsing */
       .stream_buffer_bytes = (size_t)64 << 20,
       .response_buffer_bytes = (size_t)2 << 30,
       .tls_client_auth = -1, /* require when a client CA is given */
@@ -521,6 +522,13 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
     fprintf(stderr, "moed: --model-control-mode poll needs --model-repository\n");
     return -1;
   }
+  /* an interval without polling would be a silent no-op: the operator meant
+   * poll mode, or has a stale flag (Triton ignores it; refusing says which) */
+  if (c->repository_poll_secs && c->model_control != MOED_CONTROL_POLL) {
+    fprintf(stderr, "moed: --repository-poll-secs needs --model-control-mode poll\n");
+    return -1;
+  }
+  if (!c->repository_poll_secs) c->repository_poll_secs = 15;
   /* a repository that is not there is a deployment error, not an empty
    * server that reports ready (Triton refuses to start too) */
   if (c->model_repository) {

@@ -76,7 +76,7 @@ static grpc_status_code unpack_message(moed_infer_req *r) {
   }
   moed_kserve_split_raw(p, n, rest, &rest_len, r->raw, &n_raw);
   r->n_raw = n_raw;
-  char field[64];
+  char field[96];
   if (moed_kserve_nul_field(rest, rest_len, field, sizeof field)) {
     free(rest);
     return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "%s: contains a NUL byte", field);

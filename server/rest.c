@@ -10,6 +10,7 @@
  * thread (a worker finishes an inference); they cross to the loop through
  * one queue and a uv_async, as rpc.c's requests do the other way. */
 #include <cjson/cJSON.h>
+#include <ctype.h>
 #include <http_parser.h>
 #include <math.h>
 #include <pthread.h>
@@ -643,6 +644,11 @@ static grpc_byte_buffer *infer_message(const moed_config *cfg, const char *body,
         json_len, (size_t)MAX_JSON_BYTES);
     return NULL;
   }
+  const size_t nul = moed_json_nul_at(body, json_len);
+  if (nul < json_len) {
+    moed_failf(why, 0, "request: a NUL in a JSON string at byte %zu (it would cut the string short)", nul);
+    return NULL;
+  }
   bool oom;
   char *nonfinite = moed_json_nonfinite_in(body, json_len, &oom); /* NaN, Infinity as Python writes them */
   if (oom) {
@@ -911,11 +917,43 @@ static size_t split_path(char *p, char **seg, size_t max) {
   return n;
 }
 
+/* Decodes a path segment's percent-encoding (RFC 3986 2.1) in place, as
+ * tritonclient.http quotes model names in its paths and Triton decodes them;
+ * the name is then checked by the same rule as on gRPC (a decoded '/', quote
+ * or newline is refused there, naming the field). NULL, or why not: a '%'
+ * without two hex digits, or a %00 that would cut the C string short. */
+static const char *pct_decode(char *s) {
+  char *w = s;
+  for (const char *r = s; *r; r++) {
+    if (*r != '%') {
+      *w++ = *r;
+      continue;
+    }
+    if (!isxdigit((unsigned char)r[1]) || !isxdigit((unsigned char)r[2]))
+      return "'%' not followed by two hex digits";
+    const char hex[3] = {r[1], r[2], 0};
+    const long v = strtol(hex, NULL, 16);
+    if (v == 0) return "%00 (NUL)";
+    *w++ = (char)v;
+    r += 2;
+  }
+  *w = 0;
+  return NULL;
+}
+
 /* The optional JSON body of a repository call, as an object (NULL: none).
  * false: answered 400. */
 static bool body_object(moed_http_conn *c, const moed_http_request *rq, cJSON **out) {
   *out = NULL;
   if (!rq->body || !rq->body_len) return true;
+  const size_t nul = moed_json_nul_at(rq->body, rq->body_len);
+  if (nul < rq->body_len) {
+    char why[96];
+    snprintf(why, sizeof why, "request: a NUL in a JSON string at byte %zu (it would cut the string short)",
+             nul);
+    moed_http_respond_error(c, 400, why);
+    return false;
+  }
   *out = cJSON_ParseWithLength(rq->body, rq->body_len);
   if (!cJSON_IsObject(*out)) {
     cJSON_Delete(*out);
@@ -1089,6 +1127,14 @@ static void on_request(moed_http_conn *c, moed_http_request *rq, void *arg) {
   char *seg[8], path[sizeof rq->path];
   snprintf(path, sizeof path, "%s", rq->path); /* split_path cuts rq->path */
   size_t n = split_path(rq->path, seg, 8);
+  for (size_t i = 0; i < n && i < 8; i++) {
+    const char *bad = pct_decode(seg[i]);
+    if (bad) {
+      char why[96];
+      snprintf(why, sizeof why, "path: segment %zu: %s", i + 1, bad);
+      return moed_http_respond_error(c, 400, why);
+    }
+  }
   if (n == 0 || n > 8 || strcmp(seg[0], "v2") != 0) return no_endpoint(c, path);
   bool get = rq->method == HTTP_GET;
   if (n >= 2 && !strcmp(seg[1], "repository")) {
