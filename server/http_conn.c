@@ -79,14 +79,15 @@ struct moed_http_conn {
   int header;    /* the header whose value comes: H_* */
   char hval[32]; /* its value (but Authorization's, kept in rq), cut at 31 bytes */
   size_t hval_len;
-  bool expect_continue; /* Expect: 100-continue (curl sends it before a body over 1 KiB) */
-  bool encoded;         /* Content-Encoding other than identity: 415 */
-  bool busy;            /* a whole request is with the handler or its answer being written */
-  bool keep_alive;      /* of the current request */
-  bool said_close;      /* the current request declared itself the client's last */
-  bool paused;          /* the socket is not read (held bytes at HELD_MAX, or a refusal) */
-  bool eof;             /* the client's FIN (or TLS close_notify) came: nothing more will */
-  bool half_closed;     /* ... after its last request: it still waits for the answers */
+  bool expect_continue;            /* Expect: 100-continue (curl sends it before a body over 1 KiB) */
+  bool encoded;                    /* Content-Encoding other than identity: 415 */
+  char unauthorized[MOED_ERR_LEN]; /* set: a body from a client without a known token: 401 */
+  bool busy;                       /* a whole request is with the handler or its answer being written */
+  bool keep_alive;                 /* of the current request */
+  bool said_close;                 /* the current request declared itself the client's last */
+  bool paused;                     /* the socket is not read (held bytes at HELD_MAX, or a refusal) */
+  bool eof;                        /* the client's FIN (or TLS close_notify) came: nothing more will */
+  bool half_closed;                /* ... after its last request: it still waits for the answers */
   bool closing;
   void (*gone)(void *); /* the deferred handler's: the connection closed first */
   void *gone_arg;
@@ -251,6 +252,7 @@ static int on_message_begin(http_parser *p) {
   c->rq.inference_header_length = -1;
   c->rq.authorization_len = -1;
   c->url_long = c->too_large = c->in_body = c->expect_continue = c->encoded = false;
+  c->unauthorized[0] = 0;
   c->header = H_OTHER;
   c->in_request = true;
   c->hname_len = c->hval_len = 0;
@@ -350,6 +352,18 @@ static int on_headers_complete(http_parser *p) {
     return -1; /* an error: the parse stops here (1 would mean "no body") */
   }
   if (c->encoded) return -1;
+  /* --auth-tokens: a body is read only from a client with a known token
+   * (every endpoint that takes one needs a token of some role; which role is
+   * checked at the route), so that no one without a token can make moed
+   * buffer up to --max-message-bytes on each of its connections */
+  const bool body = (p->flags & F_CHUNKED) || (p->content_length != ULLONG_MAX && p->content_length > 0);
+  char who[128];
+  if (body &&
+      moed_auth_check_value(MOED_M_MODEL_INFER, c->rq.authorization_len < 0 ? NULL : c->rq.authorization,
+                            c->rq.authorization_len < 0 ? 0 : (size_t)c->rq.authorization_len, who,
+                            sizeof who, c->unauthorized) != GRPC_STATUS_OK)
+    return -1;
+  c->unauthorized[0] = 0;
   c->in_body = true;
   if (c->expect_continue && p->content_length > 0) { /* the client waits for this before its body */
     static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
@@ -422,6 +436,7 @@ static void feed(moed_http_conn *c, const char *data, size_t n) {
       return fail_request(c, 413, why);
     }
     if (c->url_long && e == HPE_CB_headers_complete) return fail_request(c, 414, "request URL too long");
+    if (c->unauthorized[0] && e == HPE_CB_headers_complete) return fail_request(c, 401, c->unauthorized);
     if (c->encoded && e == HPE_CB_headers_complete)
       return fail_request(c, 415, "Content-Encoding: moed takes uncompressed bodies only");
     snprintf(why, sizeof why, "malformed HTTP request: %s", http_errno_description(e));

@@ -560,6 +560,28 @@ def test_auth(tmp):
         check(rest("POST", "/v2/repository/models/good/unload", OPS, b"{}")[0] == 200 and
               rest("POST", "/v2/repository/models/good/load", OPS, b"{}")[0] == 200,
               "REST: an admin token unloads and loads")
+        # the token is checked before a body is read or parsed: a client without
+        # one cannot make moed buffer --max-message-bytes per connection, and a
+        # refusal is 401/403 whatever the body (it was 400/413 after the parse)
+        for what, token in (("no token", None), ("an unknown token", "x" * 20)):
+            s = socket.create_connection(("127.0.0.1", p.rest_port), timeout=10)
+            s.sendall(b"POST /v2/models/quant.per_token/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 104857600\r\n" +
+                      (f"Authorization: Bearer {token}\r\n".encode() if token else b"") + b"\r\n")
+            try:
+                head = s.recv(4096)
+            except socket.timeout:
+                head = b"(no answer in 10 s: waiting for the 100 MiB body)"
+            s.close()
+            check(head.startswith(b"HTTP/1.1 401") and b"authorization" in head,
+                  f"REST: a body announced with {what} is refused 401 before it is read ({head[:60]})")
+        for path, token, body, want in (("/v2/models/quant.per_token/infer", None, b"{}", 401),
+                                        ("/v2/models/quant.per_token/infer", "x" * 20, b"[" * 1000, 401),
+                                        ("/v2/repository/models/good/load", READER, b"[not json", 403),
+                                        ("/v2/repository/models/good/unload", READER, b'{"parameters": 5}', 403),
+                                        ("/v2/repository/index", None, b"[not json", 401),
+                                        ("/v2/systemsharedmemory/region/r/register", "x" * 20, b"{}", 401)):
+            code, b = rest("POST", path, token, body)
+            check(code == want and b"authorization" in b, f"REST {path} with a bad body: {want} first ({code} {b[:80]})")
         # the metrics and probe port: the same tokens; /metrics needs an infer token, probes any token
         for path in ("/metrics", "/v2/health/live", "/v2/health/ready"):
             for what, token in (("no token", None), ("an unknown token", "x" * 20)):
