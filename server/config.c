@@ -78,6 +78,9 @@ static const char usage[] =
     "  --upload-budget-bytes N   tensor bytes of all uploads in progress together "
     "(MOED_UPLOAD_BUDGET_BYTES,\n"
     "                            default 64 GiB)\n"
+    "  --http-body-budget-bytes N  request body bytes held by all HTTP connections together; a body that\n"
+    "                            would pass it: 503, connection closed (MOED_HTTP_BODY_BUDGET_BYTES,\n"
+    "                            default 2 GiB)\n"
     "  --shm-max-regions N      system shared-memory regions registered at once (MOED_SHM_MAX_REGIONS,\n"
     "                            default 64; 0 = the extension off)\n"
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
@@ -154,6 +157,7 @@ enum {
   OPT_AUTH_METRICS_EXEMPT,
   OPT_MAX_UPLOADS,
   OPT_UPLOAD_BUDGET,
+  OPT_HTTP_BODY_BUDGET,
   OPT_ALLOW_GPU_METRICS,
   OPT_SHM_MAX_REGIONS,
 };
@@ -201,6 +205,7 @@ static const struct option options[] = {
     {"auth-metrics-exempt", no_argument, NULL, OPT_AUTH_METRICS_EXEMPT},
     {"max-uploads", required_argument, NULL, OPT_MAX_UPLOADS},
     {"upload-budget-bytes", required_argument, NULL, OPT_UPLOAD_BUDGET},
+    {"http-body-budget-bytes", required_argument, NULL, OPT_HTTP_BODY_BUDGET},
     {"shm-max-regions", required_argument, NULL, OPT_SHM_MAX_REGIONS},
     {"help", no_argument, NULL, OPT_HELP},
     /* Triton's spellings (usage) */
@@ -395,6 +400,9 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_UPLOAD_BUDGET:
     ok = parse_i64(v, 1, INT64_MAX, &n) && (c->upload_budget_bytes = (size_t)n, true);
     break;
+  case OPT_HTTP_BODY_BUDGET:
+    ok = parse_i64(v, 1, INT64_MAX, &n) && (c->http_body_budget_bytes = (size_t)n, true);
+    break;
   case OPT_MAX_UPLOAD: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_upload_bytes = (size_t)n, true); break;
   }
   if (!ok && (opt == OPT_ADDRESS || opt == OPT_HTTP_ADDRESS))
@@ -440,6 +448,7 @@ static const struct {
     {"MOED_AUTH_METRICS_EXEMPT", OPT_AUTH_METRICS_EXEMPT},
     {"MOED_MAX_UPLOADS", OPT_MAX_UPLOADS},
     {"MOED_UPLOAD_BUDGET_BYTES", OPT_UPLOAD_BUDGET},
+    {"MOED_HTTP_BODY_BUDGET_BYTES", OPT_HTTP_BODY_BUDGET},
     {"MOED_SHM_MAX_REGIONS", OPT_SHM_MAX_REGIONS},
 };
 
@@ -474,6 +483,7 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .tls_client_auth = -1, /* require when a client CA is given */
       .max_uploads = 4,
       .upload_budget_bytes = (size_t)64 << 30,
+      .http_body_budget_bytes = (size_t)2 << 30,
       .shm_max_regions = 64,
   };
   for (size_t i = 0; i < sizeof env_map / sizeof env_map[0]; i++) {

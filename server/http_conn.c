@@ -82,6 +82,7 @@ struct moed_http_conn {
   bool expect_continue;            /* Expect: 100-continue (curl sends it before a body over 1 KiB) */
   bool encoded;                    /* Content-Encoding other than identity: 415 */
   char unauthorized[MOED_ERR_LEN]; /* set: a body from a client without a known token: 401 */
+  bool over_budget;                /* its body would pass --http-body-budget-bytes: 503 */
   bool busy;                       /* a whole request is with the handler or its answer being written */
   bool keep_alive;                 /* of the current request */
   bool said_close;                 /* the current request declared itself the client's last */
@@ -101,10 +102,33 @@ struct moed_http_conn {
 
 /* ---- connections ---------------------------------------------------------------- */
 
+/* Request body bytes held by every HTTP connection (buffer capacity, kept
+ * until the request is answered: its protobuf copy lives that long too),
+ * against --http-body-budget-bytes: each body is bounded by
+ * --max-message-bytes, this bounds them together (256 connections could
+ * otherwise hold 256 GiB). Atomic: the ports may have loops of their own. */
+static _Atomic size_t body_bytes;
+
+/* Grows c's claim to cap bytes; false (nothing claimed) past the budget. */
+static bool body_claim(moed_http_conn *c, size_t cap) {
+  const size_t more = cap - c->body_cap, budget = c->l->o.cfg->http_body_budget_bytes;
+  size_t held = atomic_load(&body_bytes);
+  do {
+    if (more > budget || held > budget - more) return false;
+  } while (!atomic_compare_exchange_weak(&body_bytes, &held, held + more));
+  return true;
+}
+
+static void body_release(moed_http_conn *c) {
+  atomic_fetch_sub(&body_bytes, c->body_cap);
+  c->body_cap = 0;
+}
+
 static void on_closed(uv_handle_t *hd) {
   moed_http_conn *c = hd->data;
   if (--c->handles) return;
   SSL_free(c->ssl); /* and its BIOs */
+  body_release(c);
   free(c->rq.body);
   free(c->pending);
   free(c);
@@ -251,7 +275,7 @@ static int on_message_begin(http_parser *p) {
   c->rq.body_len = 0;
   c->rq.inference_header_length = -1;
   c->rq.authorization_len = -1;
-  c->url_long = c->too_large = c->in_body = c->expect_continue = c->encoded = false;
+  c->url_long = c->too_large = c->in_body = c->expect_continue = c->encoded = c->over_budget = false;
   c->unauthorized[0] = 0;
   c->header = H_OTHER;
   c->in_request = true;
@@ -382,8 +406,14 @@ static int on_body(http_parser *p, const char *at, size_t len) {
     size_t cap = c->body_cap ? c->body_cap : 4096;
     while (cap < c->rq.body_len + len + 1)
       cap = cap > SIZE_MAX / 2 ? SIZE_MAX : cap * 2;
+    if (cap > c->l->o.max_body + 1) cap = c->rq.body_len + len + 1; /* not past what a body may take */
+    if (!body_claim(c, cap)) {
+      c->over_budget = true;
+      return 1;
+    }
     char *g = realloc(c->rq.body, cap);
     if (!g) {
+      atomic_fetch_sub(&body_bytes, cap - c->body_cap);
       c->too_large = true;
       return 1;
     }
@@ -430,6 +460,13 @@ static void feed(moed_http_conn *c, const char *data, size_t n) {
    * callbacks' own stops (HPE_CB_*) by their reason, the rest malformed */
   if (e != HPE_OK && e != HPE_PAUSED) {
     char why[160];
+    if (c->over_budget) {
+      snprintf(
+          why, sizeof why,
+          "request bodies held by all connections would exceed --http-body-budget-bytes (%zu): retry later",
+          c->l->o.cfg->http_body_budget_bytes);
+      return fail_request(c, 503, why);
+    }
     if (c->too_large) {
       snprintf(why, sizeof why, "request body exceeds the limit of %zu bytes (--max-message-bytes)",
                c->l->o.max_body);
@@ -575,7 +612,8 @@ static void next_request(moed_http_conn *c) {
   c->busy = false;
   free(c->rq.body); /* a large body's buffer is not kept for an idle connection */
   c->rq.body = NULL;
-  c->rq.body_len = c->body_cap = 0;
+  body_release(c);
+  c->rq.body_len = 0;
   c->in_body = false;
   http_parser_pause(&c->parser, 0);
   arm(c, c->l->o.cfg->idle_timeout_s);
