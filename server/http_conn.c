@@ -690,10 +690,47 @@ void moed_http_respond_copy(moed_http_conn *c, int code, const char *ctype, cons
   moed_http_respond(c, code, ctype, NULL, &b, 1, free, copy);
 }
 
+/* The length of the well-formed UTF-8 sequence at p (RFC 3629: no
+ * overlong forms, surrogates or code points past U+10FFFF), 0 if none. */
+static size_t utf8_seq(const unsigned char *p) {
+  const unsigned char b = p[0];
+  if (b < 0x80) return 1;
+  const size_t n = b >= 0xC2 && b <= 0xDF ? 2 : b >= 0xE0 && b <= 0xEF ? 3 : b >= 0xF0 && b <= 0xF4 ? 4 : 0;
+  if (!n) return 0;
+  /* the second byte's range depends on the lead (the excluded forms) */
+  const unsigned char lo = b == 0xE0   ? 0xA0
+                           : b == 0xF0 ? 0x90
+                                       : 0x80,
+                      hi = b == 0xED   ? 0x9F
+                           : b == 0xF4 ? 0x8F
+                                       : 0xBF;
+  if (p[1] < lo || p[1] > hi) return 0;
+  for (size_t i = 2; i < n; i++)
+    if (p[i] < 0x80 || p[i] > 0xBF) return 0;
+  return n;
+}
+
 void moed_http_respond_error(moed_http_conn *c, int code, const char *msg) {
+  /* a message may quote what the client sent (a path, an input's name): its
+   * bytes that are not UTF-8 become '?', so that the answer is JSON a strict
+   * client decodes (cJSON copies them as they are) */
+  const size_t len = strlen(msg);
+  char *clean = malloc(len + 1);
+  if (!clean) return close_conn(c);
+  for (size_t i = 0; i < len;) {
+    const size_t n = utf8_seq((const unsigned char *)msg + i);
+    if (n) {
+      memcpy(clean + i, msg + i, n);
+      i += n;
+    } else {
+      clean[i++] = '?';
+    }
+  }
+  clean[len] = 0;
   /* cJSON writes the message as a JSON string (quotes, control characters) */
   cJSON *o = cJSON_CreateObject();
-  char *s = o && cJSON_AddStringToObject(o, "error", msg) ? cJSON_PrintUnformatted(o) : NULL;
+  char *s = o && cJSON_AddStringToObject(o, "error", clean) ? cJSON_PrintUnformatted(o) : NULL;
+  free(clean);
   cJSON_Delete(o);
   if (!s) return close_conn(c);
   uv_buf_t b = uv_buf_init(s, (unsigned)strlen(s));
