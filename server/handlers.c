@@ -159,7 +159,8 @@ static moed_model *model_or_reply(moed_server *s, moed_request *req, const char 
     return NULL;
   }
   if (version_ok(version)) {
-    reply_error(req, GRPC_STATUS_NOT_FOUND, "version: model '%s' has no version '%s'", m->name, version);
+    reply_error(req, GRPC_STATUS_NOT_FOUND, "version: model '%s' has no version '%s'", m->name,
+                moed_version_shown(version));
     moed_model_release(m);
     return NULL;
   }

@@ -421,7 +421,7 @@ moed_infer_req *moed_infer_decode(moed_server *srv, moed_request *req) {
   }
   if (r->msg->model_version && *r->msg->model_version && strcmp(r->msg->model_version, "1") != 0) {
     r->code = fail(r, GRPC_STATUS_NOT_FOUND, "model_version: model '%s' has no version '%s'", r->model->name,
-                   r->msg->model_version);
+                   moed_version_shown(r->msg->model_version));
     return r;
   }
   if ((r->code = decode_inputs(r, srv))) return r;

@@ -323,6 +323,10 @@ int moed_repository_create(const char *dir, moed_repository **out);
 bool moed_model_name_ok(const char *name);
 /* the rule moed_model_name_ok checks, for error messages (which never echo a rejected name) */
 #define MOED_MODEL_NAME_RULE "letters, digits, '.', '_', '-'; 1 to 127 characters, not starting with '.'"
+/* A model version as a message may quote it: v when it is a number (1 to 19
+ * digits, as Triton's versions are), else a placeholder, so that a version
+ * string cannot carry a quote or a newline into a client's log. */
+const char *moed_version_shown(const char *v);
 void moed_repository_destroy(moed_repository *r);
 /* Loads every subdirectory of the repository directory. */
 void moed_repository_load_all(moed_repository *r);

@@ -168,8 +168,8 @@ static void call(moed_rest *r, moed_http_conn *c, const moed_http_request *rq, m
   if (!k) return moed_http_respond_error(c, 500, "server out of memory");
   if (method == MOED_M_MODEL_READY) {
     const Inference__ModelReadyRequest *q = (const Inference__ModelReadyRequest *)m;
-    snprintf(k->model, sizeof k->model, "'%.120s'%s%.16s", q->name, *q->version ? " version " : "",
-             q->version);
+    snprintf(k->model, sizeof k->model, "'%.120s'%s%s", q->name, *q->version ? " version " : "",
+             *q->version ? moed_version_shown(q->version) : "");
   }
   submit(r, c, rq, method, moed_rpc_pack(m), k);
 }

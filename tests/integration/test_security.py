@@ -232,6 +232,23 @@ def test_nul_everywhere(tmp):
             st, b = http_call(rest, "POST" if "repository" in path else "GET", path, body=b"{}" if "repository" in path else None)
             check(st == 400 and want in b and b'"b' not in b, f"REST {path}: 400 naming what is wrong ({st} {b[:120]})")
         check(ts.tc.InferenceServerClient(f"127.0.0.1:{port}").is_model_ready("good"), "good still loaded")
+        # a version is quoted only when it is a number: no quote or newline into the client's log
+        bad_v = '1"\nmoed_fake 1'
+        code, m = code_of(lambda: raw_unary(ch, S + "ModelMetadata")(
+            pb.ModelMetadataRequest(name="good", version=bad_v).SerializeToString(), timeout=30))
+        check(code == SC.NOT_FOUND and "has no version '(not a version number)'" in m,
+              f"ModelMetadata with a version that is not a number: NOT_FOUND, not echoed ({code.name}: {m})")
+        code, m = code_of(lambda: raw_unary(ch, S + "ModelMetadata")(
+            pb.ModelMetadataRequest(name="good", version="7").SerializeToString(), timeout=30))
+        check(code == SC.NOT_FOUND and "has no version '7'" in m, f"a numeric version is named ({m})")
+        r = make_req("quant.per_token", [("x", "FP32", [4, 64], X)], {"out_dtype": "int8"})
+        r.model_version = bad_v
+        code, m = code_of(lambda: infer_pb(ch, r))
+        check(code == SC.NOT_FOUND and m.endswith("has no version '(not a version number)'"),
+              f"ModelInfer with a version that is not a number: not echoed ({code.name}: {m})")
+        st, b = http_call(rest, "GET", "/v2/models/good/versions/1%22%0Ax/ready")
+        check(st == 400 and b"(not a version number)" in b and b"\\n" not in b,
+              f"REST ready with a version that is not a number: not echoed ({st} {b})")
     finally:
         ts.stop(p)
 
