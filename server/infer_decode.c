@@ -360,6 +360,11 @@ static grpc_status_code decode_params(moed_infer_req *c) {
   size_t np = 0;
   for (size_t k = 0; k < r->n_parameters; k++) {
     const Inference__ModelInferRequest__ParametersEntry *e = r->parameters[k];
+    /* a key twice (a JSON object's, or map entries on the wire): which value
+     * counts would be a guess, and the op would call the second one unknown */
+    for (size_t j = 0; j < k && e->key; j++)
+      if (r->parameters[j]->key && !strcmp(r->parameters[j]->key, e->key))
+        return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters['%s']: given twice", e->key);
     grpc_status_code code = GRPC_STATUS_OK;
     if (e->key && server_param(c, e, &code)) {
       if (code) return code;

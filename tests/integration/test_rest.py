@@ -276,6 +276,11 @@ def test_errors(port):
         msg = f"not UTF-8 JSON: {e!r} {body!r}"
     check(status == 400 and msg.startswith("inputs[0] '??': datatype"),
           f"an input name that is not UTF-8: 400 in UTF-8 JSON ({status} {msg})")
+    # a parameter twice in the JSON object: refused as such, not as unknown to the op
+    status, msg = error_of(port, "POST", "/v2/models/quant.per_token/infer",
+                           b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}],'
+                           b' "parameters": {"out_dtype": "int8", "out_dtype": "fp8_e4m3fn"}}')
+    check(status == 400 and msg == "parameters['out_dtype']: given twice", f"a parameter twice: 400 ({status} {msg})")
     status, msg = error_of(port, "GET", "/v2/models/%E2%82%AC/ready")  # a valid character, decoded: kept
     check(status == 400 and msg.startswith("name: not a valid model name"), f"a euro sign as a name: 400 ({msg})")
     status, msg = error_of(port, "POST", path, b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [2,')
