@@ -136,7 +136,8 @@ void moed_kserve_string(const uint8_t *p, size_t n, bool prefix, moed_kserve_str
   out[0] = 0;
   while (moed_wire_next(&it, &f)) { /* the first such field; other fields skipped */
     if (f.number != (uint32_t)field || f.type != MOED_WIRE_LEN) continue;
-    if (f.len < size && (!prefix || f.at + f.len < n)) {
+    /* one holding a NUL is left out: cut there it would name something else */
+    if (f.len < size && (!prefix || f.at + f.len < n) && !memchr(p + f.at, 0, f.len)) {
       memcpy(out, p + f.at, f.len);
       out[f.len] = 0;
     }

@@ -71,7 +71,8 @@ typedef enum moed_kserve_string_field {
 } moed_kserve_string_field;
 /* The first such field of the message p[0..n) (prefix: its first bytes
  * only, as moed_wire_begin) into out[0..size) ("" when there is none, it
- * does not fit, it may be cut, or the bytes before it are malformed). */
+ * does not fit, it may be cut, it holds a NUL, or the bytes before it are
+ * malformed). */
 void moed_kserve_string(const uint8_t *p, size_t n, bool prefix, moed_kserve_string_field field, char *out,
                         size_t size);
 /* The integer value of request parameter `key` in the message p[0..n)

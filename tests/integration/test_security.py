@@ -183,6 +183,18 @@ def test_nul_everywhere(tmp):
             code, m = code_of(lambda: infer_pb(ch, r))
             check(code == SC.INVALID_ARGUMENT and m == f"{field}: contains a NUL byte",
                   f"ModelInfer: a NUL in {field} refused naming it ({code.name}: {m})")
+        # on a stream the refusal carries the request's id, read from the bytes
+        # protobuf-c did not decode (none when the id itself holds the NUL)
+        reqs = []
+        for rid, params in (("a", {"out_dtype\0x": "int8"}), ("b", {"out_dtype": "int8"}), ("c\0d", {"out_dtype": "int8"})):
+            reqs.append(make_req("quant.per_token", [("x", "FP32", [4, 64], X)], params))
+            reqs[-1].id = rid
+        stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                  request_serializer=lambda m: m.SerializeToString(),
+                                  response_deserializer=pb.ModelStreamInferResponse.FromString)
+        got = sorted((a.infer_response.id, a.error_message) for a in stream(iter(reqs), timeout=30))
+        check(got == [("", "id: contains a NUL byte"), ("a", "parameters[0].key: contains a NUL byte"), ("b", "")],
+              f"stream: NUL refusals carry the request id where it has none itself ({got})")
         up = ch.stream_unary("/moe.v1.ExpertStore/Upload", request_serializer=lambda b: b,
                              response_deserializer=lambda b: b)
         code, m = code_of(lambda: up(iter(upload_msgs(("good\0x", "{}", True))), timeout=30))
