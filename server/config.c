@@ -26,6 +26,8 @@ static const char usage[] =
     "  --max-tensor-bytes N      per input tensor (default 1 GiB)\n"
     "  --max-tokens N            rows per request (default 1048576)\n"
     "  --max-inflight N          admitted requests, beyond: UNAVAILABLE (MOED_MAX_INFLIGHT, default 1024)\n"
+    "  --max-open-calls N        gRPC calls open at once (streams included), beyond: RESOURCE_EXHAUSTED\n"
+    "                            at once (MOED_MAX_OPEN_CALLS, default 4096)\n"
     "  --max-queue-size N        queued jobs per device queue (default 1024)\n"
     "  --request-slots N         armed accepts per method (default 16)\n"
     "  --drain-timeout SECONDS   SIGTERM: wait for in-flight work (MOED_DRAIN_TIMEOUT, default 30)\n"
@@ -117,6 +119,7 @@ enum {
   OPT_MAX_TENSOR,
   OPT_MAX_TOKENS,
   OPT_MAX_INFLIGHT,
+  OPT_MAX_OPEN_CALLS,
   OPT_MAX_QUEUE,
   OPT_SLOTS,
   OPT_DRAIN,
@@ -174,6 +177,7 @@ static const struct option options[] = {
     {"max-tensor-bytes", required_argument, NULL, OPT_MAX_TENSOR},
     {"max-tokens", required_argument, NULL, OPT_MAX_TOKENS},
     {"max-inflight", required_argument, NULL, OPT_MAX_INFLIGHT},
+    {"max-open-calls", required_argument, NULL, OPT_MAX_OPEN_CALLS},
     {"max-queue-size", required_argument, NULL, OPT_MAX_QUEUE},
     {"request-slots", required_argument, NULL, OPT_SLOTS},
     {"drain-timeout", required_argument, NULL, OPT_DRAIN},
@@ -345,6 +349,7 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_MAX_TENSOR: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_tensor_bytes = (size_t)n, true); break;
   case OPT_MAX_TOKENS: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_tokens = n, true); break;
   case OPT_MAX_INFLIGHT: ok = parse_i64(v, 1, 1 << 24, &n) && (c->max_inflight = (int)n, true); break;
+  case OPT_MAX_OPEN_CALLS: ok = parse_i64(v, 1, 1 << 24, &n) && (c->max_open_calls = (int)n, true); break;
   case OPT_MAX_QUEUE: ok = parse_i64(v, 1, 1 << 24, &n) && (c->max_queue_size = (int)n, true); break;
   case OPT_SLOTS: ok = parse_i64(v, 1, 4096, &n) && (c->request_slots = (int)n, true); break;
   case OPT_DRAIN: {
@@ -426,6 +431,7 @@ static const struct {
     {"MOED_THREADS_PER_WORKER", OPT_TPW},
     {"MOED_MAX_MESSAGE_BYTES", OPT_MAX_MSG},
     {"MOED_MAX_INFLIGHT", OPT_MAX_INFLIGHT},
+    {"MOED_MAX_OPEN_CALLS", OPT_MAX_OPEN_CALLS},
     {"MOED_DRAIN_TIMEOUT", OPT_DRAIN},
     {"MOED_LOG_LEVEL", OPT_LOG_LEVEL},
     {"MOED_LOG_JSON", OPT_LOG_JSON},
@@ -464,6 +470,7 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .max_tensor_bytes = (size_t)1 << 30,
       .max_tokens = 1 << 20,
       .max_inflight = 1024,
+      .max_open_calls = 4096,
       .request_slots = 16,
       .max_queue_size = 1024,
       .drain_timeout_s = 30,

@@ -44,6 +44,7 @@ typedef struct moed_config {
   size_t max_tensor_bytes;      /* per input tensor */
   int64_t max_tokens;           /* rows of the first input per request */
   int max_inflight;             /* admitted requests; beyond: UNAVAILABLE */
+  int max_open_calls;           /* gRPC calls open at once (streams included); beyond: RESOURCE_EXHAUSTED */
   int request_slots;            /* armed accept slots per method */
   int max_queue_size;           /* queued jobs per device queue */
   double drain_timeout_s;       /* SIGTERM: wait for in-flight work */
