@@ -1,6 +1,7 @@
 """Writes the seed corpus of the fuzz targets into fuzz/corpus/ (run once;
 the files are kept in the repository): small valid inputs of every kind
-each target decodes, so the fuzzers start from the formats' structure.
+each target decodes, so the fuzzers start from the formats' structure, and
+two refused at the NUL checks.
 
   .venv/bin/python fuzz/make_corpus.py"""
 import json
@@ -121,6 +122,19 @@ def main():
     r.parameters["out_dtype"].string_param = "int8"
     r.outputs.add().name = "q"
     write("infer_request", "typed_contents", r.SerializeToString())
+    # refused ones, near the checks a mutation would otherwise rarely reach:
+    # a NUL inside a parameter key (protobuf-c would cut it to out_dtype) and
+    # a JSON string holding \u0000 (cJSON would cut it)
+    r = pb.ModelInferRequest(model_name="quant.per_token")
+    t = r.inputs.add()
+    t.name, t.datatype = "x", "FP32"
+    t.shape.extend([1, 4])
+    r.raw_input_contents.append(bytes(16))
+    r.parameters["out_dtype\0x"].string_param = "int8"
+    write("infer_request", "refused_nul_key", r.SerializeToString())
+    body = {"parameters": {"out_dtype": "int8"},
+            "inputs": [{"name": "x\u0000y", "datatype": "FP32", "shape": [1, 4], "data": [0.0] * 4}]}
+    write("rest_infer", "refused_nul_name", bytes([1, 0, 0, 0, 0, 0]) + json.dumps(body).encode())
     http_conn_seeds()
     upload_seeds(rng)
     return 0

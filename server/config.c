@@ -26,6 +26,8 @@ static const char usage[] =
     "  --max-tensor-bytes N      per input tensor (default 1 GiB)\n"
     "  --max-tokens N            rows per request (default 1048576)\n"
     "  --max-inflight N          admitted requests, beyond: UNAVAILABLE (MOED_MAX_INFLIGHT, default 1024)\n"
+    "  --max-open-calls N        gRPC calls open at once (streams included), beyond: RESOURCE_EXHAUSTED\n"
+    "                            at once (MOED_MAX_OPEN_CALLS, default 4096)\n"
     "  --max-queue-size N        queued jobs per device queue (default 1024)\n"
     "  --request-slots N         armed accepts per method (default 16)\n"
     "  --drain-timeout SECONDS   SIGTERM: wait for in-flight work (MOED_DRAIN_TIMEOUT, default 30)\n"
@@ -78,6 +80,9 @@ static const char usage[] =
     "  --upload-budget-bytes N   tensor bytes of all uploads in progress together "
     "(MOED_UPLOAD_BUDGET_BYTES,\n"
     "                            default 64 GiB)\n"
+    "  --http-body-budget-bytes N  request body bytes held by all HTTP connections together; a body that\n"
+    "                            would pass it: 503, connection closed (MOED_HTTP_BODY_BUDGET_BYTES,\n"
+    "                            default 2 GiB)\n"
     "  --shm-max-regions N      system shared-memory regions registered at once (MOED_SHM_MAX_REGIONS,\n"
     "                            default 64; 0 = the extension off)\n"
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
@@ -99,7 +104,8 @@ static const char usage[] =
     "                            --load-model sets loaded at start, changes allowed; poll: every set\n"
     "                            loaded, then the directory followed (new, changed, removed sets), RPC\n"
     "                            changes refused\n"
-    "  --repository-poll-secs N  poll: seconds between scans of the repository (default 15)\n"
+    "  --repository-poll-secs N  poll: seconds between scans of the repository (default 15; refused\n"
+    "                            without --model-control-mode poll)\n"
     "  --load-model NAME         with explicit: a set to load at start (repeatable; * = every set)\n";
 
 enum {
@@ -113,6 +119,7 @@ enum {
   OPT_MAX_TENSOR,
   OPT_MAX_TOKENS,
   OPT_MAX_INFLIGHT,
+  OPT_MAX_OPEN_CALLS,
   OPT_MAX_QUEUE,
   OPT_SLOTS,
   OPT_DRAIN,
@@ -153,6 +160,7 @@ enum {
   OPT_AUTH_METRICS_EXEMPT,
   OPT_MAX_UPLOADS,
   OPT_UPLOAD_BUDGET,
+  OPT_HTTP_BODY_BUDGET,
   OPT_ALLOW_GPU_METRICS,
   OPT_SHM_MAX_REGIONS,
 };
@@ -169,6 +177,7 @@ static const struct option options[] = {
     {"max-tensor-bytes", required_argument, NULL, OPT_MAX_TENSOR},
     {"max-tokens", required_argument, NULL, OPT_MAX_TOKENS},
     {"max-inflight", required_argument, NULL, OPT_MAX_INFLIGHT},
+    {"max-open-calls", required_argument, NULL, OPT_MAX_OPEN_CALLS},
     {"max-queue-size", required_argument, NULL, OPT_MAX_QUEUE},
     {"request-slots", required_argument, NULL, OPT_SLOTS},
     {"drain-timeout", required_argument, NULL, OPT_DRAIN},
@@ -200,6 +209,7 @@ static const struct option options[] = {
     {"auth-metrics-exempt", no_argument, NULL, OPT_AUTH_METRICS_EXEMPT},
     {"max-uploads", required_argument, NULL, OPT_MAX_UPLOADS},
     {"upload-budget-bytes", required_argument, NULL, OPT_UPLOAD_BUDGET},
+    {"http-body-budget-bytes", required_argument, NULL, OPT_HTTP_BODY_BUDGET},
     {"shm-max-regions", required_argument, NULL, OPT_SHM_MAX_REGIONS},
     {"help", no_argument, NULL, OPT_HELP},
     /* Triton's spellings (usage) */
@@ -339,6 +349,7 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_MAX_TENSOR: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_tensor_bytes = (size_t)n, true); break;
   case OPT_MAX_TOKENS: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_tokens = n, true); break;
   case OPT_MAX_INFLIGHT: ok = parse_i64(v, 1, 1 << 24, &n) && (c->max_inflight = (int)n, true); break;
+  case OPT_MAX_OPEN_CALLS: ok = parse_i64(v, 1, 1 << 24, &n) && (c->max_open_calls = (int)n, true); break;
   case OPT_MAX_QUEUE: ok = parse_i64(v, 1, 1 << 24, &n) && (c->max_queue_size = (int)n, true); break;
   case OPT_SLOTS: ok = parse_i64(v, 1, 4096, &n) && (c->request_slots = (int)n, true); break;
   case OPT_DRAIN: {
@@ -394,6 +405,9 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_UPLOAD_BUDGET:
     ok = parse_i64(v, 1, INT64_MAX, &n) && (c->upload_budget_bytes = (size_t)n, true);
     break;
+  case OPT_HTTP_BODY_BUDGET:
+    ok = parse_i64(v, 1, INT64_MAX, &n) && (c->http_body_budget_bytes = (size_t)n, true);
+    break;
   case OPT_MAX_UPLOAD: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_upload_bytes = (size_t)n, true); break;
   }
   if (!ok && (opt == OPT_ADDRESS || opt == OPT_HTTP_ADDRESS))
@@ -417,6 +431,7 @@ static const struct {
     {"MOED_THREADS_PER_WORKER", OPT_TPW},
     {"MOED_MAX_MESSAGE_BYTES", OPT_MAX_MSG},
     {"MOED_MAX_INFLIGHT", OPT_MAX_INFLIGHT},
+    {"MOED_MAX_OPEN_CALLS", OPT_MAX_OPEN_CALLS},
     {"MOED_DRAIN_TIMEOUT", OPT_DRAIN},
     {"MOED_LOG_LEVEL", OPT_LOG_LEVEL},
     {"MOED_LOG_JSON", OPT_LOG_JSON},
@@ -439,6 +454,7 @@ static const struct {
     {"MOED_AUTH_METRICS_EXEMPT", OPT_AUTH_METRICS_EXEMPT},
     {"MOED_MAX_UPLOADS", OPT_MAX_UPLOADS},
     {"MOED_UPLOAD_BUDGET_BYTES", OPT_UPLOAD_BUDGET},
+    {"MOED_HTTP_BODY_BUDGET_BYTES", OPT_HTTP_BODY_BUDGET},
     {"MOED_SHM_MAX_REGIONS", OPT_SHM_MAX_REGIONS},
 };
 
@@ -454,6 +470,7 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .max_tensor_bytes = (size_t)1 << 30,
       .max_tokens = 1 << 20,
       .max_inflight = 1024,
+      .max_open_calls = 4096,
       .request_slots = 16,
       .max_queue_size = 1024,
       .drain_timeout_s = 30,
@@ -467,12 +484,13 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .http_max_connections = 256,
       .fd_reserve = 64,
       .connection_age_grace_s = 30,
-      .repository_poll_secs = 15,
+      .repository_poll_secs = 0, /* 0: not given; poll mode's default is set after parsing */
       .stream_buffer_bytes = (size_t)64 << 20,
       .response_buffer_bytes = (size_t)2 << 30,
       .tls_client_auth = -1, /* require when a client CA is given */
       .max_uploads = 4,
       .upload_budget_bytes = (size_t)64 << 30,
+      .http_body_budget_bytes = (size_t)2 << 30,
       .shm_max_regions = 64,
   };
   for (size_t i = 0; i < sizeof env_map / sizeof env_map[0]; i++) {
@@ -521,6 +539,13 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
     fprintf(stderr, "moed: --model-control-mode poll needs --model-repository\n");
     return -1;
   }
+  /* an interval without polling would be a silent no-op: the operator meant
+   * poll mode, or has a stale flag (Triton ignores it; refusing says which) */
+  if (c->repository_poll_secs && c->model_control != MOED_CONTROL_POLL) {
+    fprintf(stderr, "moed: --repository-poll-secs needs --model-control-mode poll\n");
+    return -1;
+  }
+  if (!c->repository_poll_secs) c->repository_poll_secs = 15;
   /* a repository that is not there is a deployment error, not an empty
    * server that reports ready (Triton refuses to start too) */
   if (c->model_repository) {

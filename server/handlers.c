@@ -9,6 +9,7 @@
 #include "expert_store.pb-c.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "grpc_service.pb-c.h"
+#include "kserve_wire.h"
 #include "moed.h"
 
 /* ---- message helpers ------------------------------------------------------------- */
@@ -36,6 +37,12 @@ static void reply_error(moed_request *req, grpc_status_code code, const char *fm
  * bytes are not one (every handler starts here). */
 static void *unpack(moed_request *req, const ProtobufCMessageDescriptor *d) {
   grpc_slice sl = moed_rpc_flatten(req->payload);
+  char field[96];
+  if (moed_wire_nul_string(d, GRPC_SLICE_START_PTR(sl), GRPC_SLICE_LENGTH(sl), field, sizeof field)) {
+    grpc_slice_unref(sl);
+    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "%s: contains a NUL byte", field);
+    return NULL;
+  }
   ProtobufCMessage *m = protobuf_c_message_unpack(d, NULL, GRPC_SLICE_LENGTH(sl), GRPC_SLICE_START_PTR(sl));
   grpc_slice_unref(sl);
   if (!m) reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "request: not a valid %s message", d->short_name);
@@ -152,7 +159,8 @@ static moed_model *model_or_reply(moed_server *s, moed_request *req, const char 
     return NULL;
   }
   if (version_ok(version)) {
-    reply_error(req, GRPC_STATUS_NOT_FOUND, "version: model '%s' has no version '%s'", m->name, version);
+    reply_error(req, GRPC_STATUS_NOT_FOUND, "version: model '%s' has no version '%s'", m->name,
+                moed_version_shown(version));
     moed_model_release(m);
     return NULL;
   }
@@ -162,6 +170,11 @@ static moed_model *model_or_reply(moed_server *s, moed_request *req, const char 
 static void model_ready(moed_server *s, moed_request *req) {
   Inference__ModelReadyRequest *in = unpack(req, &inference__model_ready_request__descriptor);
   if (!in) return;
+  if (!moed_model_name_ok(in->name)) { /* as model_or_reply: refused, never echoed (REST would echo it) */
+    reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "name: not a valid model name (%s)", MOED_MODEL_NAME_RULE);
+    protobuf_c_message_free_unpacked(&in->base, NULL);
+    return;
+  }
   moed_model *m = moed_repository_acquire(s->repo, in->name);
   Inference__ModelReadyResponse r = INFERENCE__MODEL_READY_RESPONSE__INIT;
   r.ready = m && !version_ok(in->version) && atomic_load(&s->ready);
@@ -594,6 +607,26 @@ static void job_free(request_job *j) {
   free(j);
 }
 
+/* The key of the first parameter of a load or unload request that moed does
+ * not take (NULL: none), as the REST port refuses them: unload_dependents
+ * (a bool) means nothing without ensembles and is allowed on unload; a
+ * load's config and file overrides are not taken (moed derives every
+ * configuration), and one ignored silently would look applied. */
+static const char *repo_param_unsupported(const ProtobufCMessage *m, bool load) {
+  const Inference__RepositoryModelLoadRequest *l = (const void *)m;
+  const Inference__RepositoryModelUnloadRequest *u = (const void *)m;
+  const size_t n = load ? l->n_parameters : u->n_parameters;
+  for (size_t i = 0; i < n; i++) {
+    const char *key = load ? l->parameters[i]->key : u->parameters[i]->key;
+    const Inference__ModelRepositoryParameter *v = load ? l->parameters[i]->value : u->parameters[i]->value;
+    if (!load && !strcmp(key, "unload_dependents") && v &&
+        v->parameter_choice_case == INFERENCE__MODEL_REPOSITORY_PARAMETER__PARAMETER_CHOICE_BOOL_PARAM)
+      continue;
+    return key;
+  }
+  return NULL;
+}
+
 static void repo_change_run(moed_job *job, moe_backend *b) {
   (void)b;
   request_job *j = (request_job *)job;
@@ -606,8 +639,14 @@ static void repo_change_run(moed_job *job, moe_backend *b) {
   if (!m) goto done;
   const char *name = load ? ((Inference__RepositoryModelLoadRequest *)m)->model_name
                           : ((Inference__RepositoryModelUnloadRequest *)m)->model_name;
-  st = load ? moed_repository_load(j->srv->repo, name, &err)
-            : moed_repository_unload(j->srv->repo, name, &err);
+  const char *param = repo_param_unsupported(m, load);
+  if (param) {
+    st = moe_fail(&err, MOE_EINVAL, "parameters.%.64s: not supported by moed's %s", param,
+                  load ? "load" : "unload");
+  } else {
+    st = load ? moed_repository_load(j->srv->repo, name, &err)
+              : moed_repository_unload(j->srv->repo, name, &err);
+  }
   /* every change (and every refused one) says who asked; a name that is
    * not valid is not written into the log */
   moed_log(MOED_LOG_INFO, load ? "repository_load" : "repository_unload", "%s: %s, by %s",

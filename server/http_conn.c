@@ -79,14 +79,16 @@ struct moed_http_conn {
   int header;    /* the header whose value comes: H_* */
   char hval[32]; /* its value (but Authorization's, kept in rq), cut at 31 bytes */
   size_t hval_len;
-  bool expect_continue; /* Expect: 100-continue (curl sends it before a body over 1 KiB) */
-  bool encoded;         /* Content-Encoding other than identity: 415 */
-  bool busy;            /* a whole request is with the handler or its answer being written */
-  bool keep_alive;      /* of the current request */
-  bool said_close;      /* the current request declared itself the client's last */
-  bool paused;          /* the socket is not read (held bytes at HELD_MAX, or a refusal) */
-  bool eof;             /* the client's FIN (or TLS close_notify) came: nothing more will */
-  bool half_closed;     /* ... after its last request: it still waits for the answers */
+  bool expect_continue;            /* Expect: 100-continue (curl sends it before a body over 1 KiB) */
+  bool encoded;                    /* Content-Encoding other than identity: 415 */
+  char unauthorized[MOED_ERR_LEN]; /* set: a body from a client without a known token: 401 */
+  bool over_budget;                /* its body would pass --http-body-budget-bytes: 503 */
+  bool busy;                       /* a whole request is with the handler or its answer being written */
+  bool keep_alive;                 /* of the current request */
+  bool said_close;                 /* the current request declared itself the client's last */
+  bool paused;                     /* the socket is not read (held bytes at HELD_MAX, or a refusal) */
+  bool eof;                        /* the client's FIN (or TLS close_notify) came: nothing more will */
+  bool half_closed;                /* ... after its last request: it still waits for the answers */
   bool closing;
   void (*gone)(void *); /* the deferred handler's: the connection closed first */
   void *gone_arg;
@@ -100,10 +102,33 @@ struct moed_http_conn {
 
 /* ---- connections ---------------------------------------------------------------- */
 
+/* Request body bytes held by every HTTP connection (buffer capacity, kept
+ * until the request is answered: its protobuf copy lives that long too),
+ * against --http-body-budget-bytes: each body is bounded by
+ * --max-message-bytes, this bounds them together (256 connections could
+ * otherwise hold 256 GiB). Atomic: the ports may have loops of their own. */
+static _Atomic size_t body_bytes;
+
+/* Grows c's claim to cap bytes; false (nothing claimed) past the budget. */
+static bool body_claim(moed_http_conn *c, size_t cap) {
+  const size_t more = cap - c->body_cap, budget = c->l->o.cfg->http_body_budget_bytes;
+  size_t held = atomic_load(&body_bytes);
+  do {
+    if (more > budget || held > budget - more) return false;
+  } while (!atomic_compare_exchange_weak(&body_bytes, &held, held + more));
+  return true;
+}
+
+static void body_release(moed_http_conn *c) {
+  atomic_fetch_sub(&body_bytes, c->body_cap);
+  c->body_cap = 0;
+}
+
 static void on_closed(uv_handle_t *hd) {
   moed_http_conn *c = hd->data;
   if (--c->handles) return;
   SSL_free(c->ssl); /* and its BIOs */
+  body_release(c);
   free(c->rq.body);
   free(c->pending);
   free(c);
@@ -250,7 +275,8 @@ static int on_message_begin(http_parser *p) {
   c->rq.body_len = 0;
   c->rq.inference_header_length = -1;
   c->rq.authorization_len = -1;
-  c->url_long = c->too_large = c->in_body = c->expect_continue = c->encoded = false;
+  c->url_long = c->too_large = c->in_body = c->expect_continue = c->encoded = c->over_budget = false;
+  c->unauthorized[0] = 0;
   c->header = H_OTHER;
   c->in_request = true;
   c->hname_len = c->hval_len = 0;
@@ -350,6 +376,18 @@ static int on_headers_complete(http_parser *p) {
     return -1; /* an error: the parse stops here (1 would mean "no body") */
   }
   if (c->encoded) return -1;
+  /* --auth-tokens: a body is read only from a client with a known token
+   * (every endpoint that takes one needs a token of some role; which role is
+   * checked at the route), so that no one without a token can make moed
+   * buffer up to --max-message-bytes on each of its connections */
+  const bool body = (p->flags & F_CHUNKED) || (p->content_length != ULLONG_MAX && p->content_length > 0);
+  char who[128];
+  if (body &&
+      moed_auth_check_value(MOED_M_MODEL_INFER, c->rq.authorization_len < 0 ? NULL : c->rq.authorization,
+                            c->rq.authorization_len < 0 ? 0 : (size_t)c->rq.authorization_len, who,
+                            sizeof who, c->unauthorized) != GRPC_STATUS_OK)
+    return -1;
+  c->unauthorized[0] = 0;
   c->in_body = true;
   if (c->expect_continue && p->content_length > 0) { /* the client waits for this before its body */
     static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
@@ -368,8 +406,14 @@ static int on_body(http_parser *p, const char *at, size_t len) {
     size_t cap = c->body_cap ? c->body_cap : 4096;
     while (cap < c->rq.body_len + len + 1)
       cap = cap > SIZE_MAX / 2 ? SIZE_MAX : cap * 2;
+    if (cap > c->l->o.max_body + 1) cap = c->rq.body_len + len + 1; /* not past what a body may take */
+    if (!body_claim(c, cap)) {
+      c->over_budget = true;
+      return 1;
+    }
     char *g = realloc(c->rq.body, cap);
     if (!g) {
+      atomic_fetch_sub(&body_bytes, cap - c->body_cap);
       c->too_large = true;
       return 1;
     }
@@ -416,12 +460,20 @@ static void feed(moed_http_conn *c, const char *data, size_t n) {
    * callbacks' own stops (HPE_CB_*) by their reason, the rest malformed */
   if (e != HPE_OK && e != HPE_PAUSED) {
     char why[160];
+    if (c->over_budget) {
+      snprintf(
+          why, sizeof why,
+          "request bodies held by all connections would exceed --http-body-budget-bytes (%zu): retry later",
+          c->l->o.cfg->http_body_budget_bytes);
+      return fail_request(c, 503, why);
+    }
     if (c->too_large) {
       snprintf(why, sizeof why, "request body exceeds the limit of %zu bytes (--max-message-bytes)",
                c->l->o.max_body);
       return fail_request(c, 413, why);
     }
     if (c->url_long && e == HPE_CB_headers_complete) return fail_request(c, 414, "request URL too long");
+    if (c->unauthorized[0] && e == HPE_CB_headers_complete) return fail_request(c, 401, c->unauthorized);
     if (c->encoded && e == HPE_CB_headers_complete)
       return fail_request(c, 415, "Content-Encoding: moed takes uncompressed bodies only");
     snprintf(why, sizeof why, "malformed HTTP request: %s", http_errno_description(e));
@@ -560,7 +612,8 @@ static void next_request(moed_http_conn *c) {
   c->busy = false;
   free(c->rq.body); /* a large body's buffer is not kept for an idle connection */
   c->rq.body = NULL;
-  c->rq.body_len = c->body_cap = 0;
+  body_release(c);
+  c->rq.body_len = 0;
   c->in_body = false;
   http_parser_pause(&c->parser, 0);
   arm(c, c->l->o.cfg->idle_timeout_s);
@@ -637,10 +690,47 @@ void moed_http_respond_copy(moed_http_conn *c, int code, const char *ctype, cons
   moed_http_respond(c, code, ctype, NULL, &b, 1, free, copy);
 }
 
+/* The length of the well-formed UTF-8 sequence at p (RFC 3629: no
+ * overlong forms, surrogates or code points past U+10FFFF), 0 if none. */
+static size_t utf8_seq(const unsigned char *p) {
+  const unsigned char b = p[0];
+  if (b < 0x80) return 1;
+  const size_t n = b >= 0xC2 && b <= 0xDF ? 2 : b >= 0xE0 && b <= 0xEF ? 3 : b >= 0xF0 && b <= 0xF4 ? 4 : 0;
+  if (!n) return 0;
+  /* the second byte's range depends on the lead (the excluded forms) */
+  const unsigned char lo = b == 0xE0   ? 0xA0
+                           : b == 0xF0 ? 0x90
+                                       : 0x80,
+                      hi = b == 0xED   ? 0x9F
+                           : b == 0xF4 ? 0x8F
+                                       : 0xBF;
+  if (p[1] < lo || p[1] > hi) return 0;
+  for (size_t i = 2; i < n; i++)
+    if (p[i] < 0x80 || p[i] > 0xBF) return 0;
+  return n;
+}
+
 void moed_http_respond_error(moed_http_conn *c, int code, const char *msg) {
+  /* a message may quote what the client sent (a path, an input's name): its
+   * bytes that are not UTF-8 become '?', so that the answer is JSON a strict
+   * client decodes (cJSON copies them as they are) */
+  const size_t len = strlen(msg);
+  char *clean = malloc(len + 1);
+  if (!clean) return close_conn(c);
+  for (size_t i = 0; i < len;) {
+    const size_t n = utf8_seq((const unsigned char *)msg + i);
+    if (n) {
+      memcpy(clean + i, msg + i, n);
+      i += n;
+    } else {
+      clean[i++] = '?';
+    }
+  }
+  clean[len] = 0;
   /* cJSON writes the message as a JSON string (quotes, control characters) */
   cJSON *o = cJSON_CreateObject();
-  char *s = o && cJSON_AddStringToObject(o, "error", msg) ? cJSON_PrintUnformatted(o) : NULL;
+  char *s = o && cJSON_AddStringToObject(o, "error", clean) ? cJSON_PrintUnformatted(o) : NULL;
+  free(clean);
   cJSON_Delete(o);
   if (!s) return close_conn(c);
   uv_buf_t b = uv_buf_init(s, (unsigned)strlen(s));

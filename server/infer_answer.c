@@ -99,7 +99,14 @@ void moed_infer_finish(moed_server *srv, moed_infer_req *r, grpc_status_code cod
                       now - r->req->received_ns, code == GRPC_STATUS_OK ? moed_infer_batch_size(srv, r) : 0,
                       r->bytes_in, bytes_out);
   }
-  respond(r->req, r->msg ? r->msg->id : NULL, code, msg, resp);
+  /* a message refused before protobuf-c read it (malformed, or a NUL in a
+   * string): its id from the bytes, so that a stream client can still match
+   * the refusal to its request */
+  char id[256] = "";
+  if (!r->msg)
+    moed_kserve_string(GRPC_SLICE_START_PTR(r->flat), GRPC_SLICE_LENGTH(r->flat), false, MOED_KSERVE_ID, id,
+                       sizeof id);
+  respond(r->req, r->msg ? r->msg->id : id, code, msg, resp);
   moed_infer_req_free(r);
   atomic_fetch_sub(&srv->inflight, 1);
 }

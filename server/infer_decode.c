@@ -76,7 +76,7 @@ static grpc_status_code unpack_message(moed_infer_req *r) {
   }
   moed_kserve_split_raw(p, n, rest, &rest_len, r->raw, &n_raw);
   r->n_raw = n_raw;
-  char field[64];
+  char field[96];
   if (moed_kserve_nul_field(rest, rest_len, field, sizeof field)) {
     free(rest);
     return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "%s: contains a NUL byte", field);
@@ -98,10 +98,20 @@ static grpc_status_code check_names(moed_infer_req *r) {
     if (!moed_model_name_ok(m->inputs[i]->name))
       return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu].name: not a valid name (%s)", i,
                   MOED_MODEL_NAME_RULE);
-  for (size_t i = 0; i < m->n_outputs; i++)
+  if (m->n_outputs > MOED_MAX_TENSORS) /* refused before the op runs, not at its answer */
+    return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "outputs: %zu requested, at most %d", m->n_outputs,
+                MOED_MAX_TENSORS);
+  for (size_t i = 0; i < m->n_outputs; i++) {
     if (!moed_model_name_ok(m->outputs[i]->name))
       return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "outputs[%zu].name: not a valid name (%s)", i,
                   MOED_MODEL_NAME_RULE);
+    /* as an input given twice: the answer would carry the tensor twice (and
+     * two shared-memory placements of one output could not both be meant) */
+    for (size_t j = 0; j < i; j++)
+      if (!strcmp(m->outputs[j]->name, m->outputs[i]->name))
+        return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "outputs[%zu] '%s': requested twice (outputs[%zu])", i,
+                    m->outputs[i]->name, j);
+  }
   return GRPC_STATUS_OK;
 }
 
@@ -205,6 +215,13 @@ static grpc_status_code typed_contents(moed_infer_req *c, size_t i,
   return GRPC_STATUS_OK;
 }
 
+/* Elements in a tensor's typed contents, of every type (0: none or NULL). */
+static size_t contents_count(const Inference__InferTensorContents *tc) {
+  return tc ? tc->n_bool_contents + tc->n_int_contents + tc->n_int64_contents + tc->n_uint_contents +
+                  tc->n_uint64_contents + tc->n_fp32_contents + tc->n_fp64_contents + tc->n_bytes_contents
+            : 0;
+}
+
 static grpc_status_code decode_inputs(moed_infer_req *c, moed_server *srv) {
   const moed_config *cfg = srv->cfg;
   const Inference__ModelInferRequest *r = c->msg;
@@ -233,6 +250,11 @@ static grpc_status_code decode_inputs(moed_infer_req *c, moed_server *srv) {
     if (code) return code;
     bool in_shm = false;
     if ((code = moed_infer_shm_input(c, srv, i, &c->in[i].tensor, &in_shm))) return code;
+    /* one source of data per input: Triton refuses contents beside raw
+     * contents too (which one was used would be moed's guess) */
+    if ((in_shm || c->n_raw) && contents_count(t->contents))
+      return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "inputs[%zu] '%s': contents given as well as %s", i,
+                  t->name, in_shm ? "a shared memory region" : "raw_input_contents");
     if (in_shm) {
       /* read from its region (infer_shm.c) */
     } else if (c->n_raw) {
@@ -338,6 +360,11 @@ static grpc_status_code decode_params(moed_infer_req *c) {
   size_t np = 0;
   for (size_t k = 0; k < r->n_parameters; k++) {
     const Inference__ModelInferRequest__ParametersEntry *e = r->parameters[k];
+    /* a key twice (a JSON object's, or map entries on the wire): which value
+     * counts would be a guess, and the op would call the second one unknown */
+    for (size_t j = 0; j < k && e->key; j++)
+      if (r->parameters[j]->key && !strcmp(r->parameters[j]->key, e->key))
+        return fail(c, GRPC_STATUS_INVALID_ARGUMENT, "parameters['%s']: given twice", e->key);
     grpc_status_code code = GRPC_STATUS_OK;
     if (e->key && server_param(c, e, &code)) {
       if (code) return code;
@@ -399,7 +426,7 @@ moed_infer_req *moed_infer_decode(moed_server *srv, moed_request *req) {
   }
   if (r->msg->model_version && *r->msg->model_version && strcmp(r->msg->model_version, "1") != 0) {
     r->code = fail(r, GRPC_STATUS_NOT_FOUND, "model_version: model '%s' has no version '%s'", r->model->name,
-                   r->msg->model_version);
+                   moed_version_shown(r->msg->model_version));
     return r;
   }
   if ((r->code = decode_inputs(r, srv))) return r;

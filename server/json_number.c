@@ -90,3 +90,26 @@ cJSON *moed_json_float(double v) {
   if (v == 0 && signbit(v)) return cJSON_CreateRaw("-0.0");
   return cJSON_CreateNumber(v);
 }
+
+size_t moed_json_nul_at(const char *text, size_t len) {
+  bool in_string = false;
+  size_t depth = 0;
+  for (size_t i = 0; i < len; i++) {
+    const char ch = text[i];
+    if (in_string) {
+      if (!ch || (ch == '\\' && i + 5 < len && text[i + 1] == 'u' && !memcmp(text + i + 2, "0000", 4)))
+        return i;
+      if (ch == '\\')
+        i++; /* the escaped character: an escaped quote does not end the string */
+      else if (ch == '"')
+        in_string = false;
+    } else if (ch == '"') {
+      in_string = true;
+    } else if (ch == '{' || ch == '[') {
+      depth++;
+    } else if ((ch == '}' || ch == ']') && depth && !--depth) {
+      return len; /* the value ends here: what follows is cJSON's to refuse or ignore */
+    }
+  }
+  return len;
+}

@@ -16,6 +16,14 @@
  * (*oom set); else a malloc'ed copy the caller frees. */
 char *moed_json_nonfinite_in(const char *text, size_t len, bool *oom);
 
+/* Where a string of the JSON value at the start of text[0, len) holds a
+ * NUL: a \u0000 escape, or a NUL byte (not JSON, but cJSON takes it).
+ * cJSON keeps strings NUL-terminated, so such a string would be cut there
+ * ("x\u0000y" read as input "x"): the REST port refuses it. Its byte
+ * offset, or len when there is none (bytes after the value are not
+ * looked at). */
+size_t moed_json_nul_at(const char *text, size_t len);
+
 /* A data element that moed_json_nonfinite_in wrote for NaN: true and *v NaN. */
 bool moed_json_nonfinite_value(const cJSON *e, double *v);
 

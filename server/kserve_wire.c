@@ -136,7 +136,8 @@ void moed_kserve_string(const uint8_t *p, size_t n, bool prefix, moed_kserve_str
   out[0] = 0;
   while (moed_wire_next(&it, &f)) { /* the first such field; other fields skipped */
     if (f.number != (uint32_t)field || f.type != MOED_WIRE_LEN) continue;
-    if (f.len < size && (!prefix || f.at + f.len < n)) {
+    /* one holding a NUL is left out: cut there it would name something else */
+    if (f.len < size && (!prefix || f.at + f.len < n) && !memchr(p + f.at, 0, f.len)) {
       memcpy(out, p + f.at, f.len);
       out[f.len] = 0;
     }
@@ -204,34 +205,42 @@ bool moed_kserve_input_param_sum(const uint8_t *p, size_t n, const char *key, ui
   return !it.bad;
 }
 
-/* Whether a length-delimited field's value holds a NUL byte. */
-static bool has_nul(const uint8_t *p, const moed_wire_field *f) {
-  return f->type == MOED_WIRE_LEN && memchr(p + f->at, 0, f->len) != NULL;
-}
-
-bool moed_kserve_nul_field(const uint8_t *p, size_t n, char *field, size_t size) {
-  static const char *const top[] = {[1] = "model_name", [2] = "model_version", [3] = "id"};
-  size_t k_in = 0, k_out = 0;
+/* The walk of moed_wire_nul_string below: p[0..n) as a message of d, its
+ * path so far in field[0..used); depth bounds the recursion (the KServe
+ * messages nest 4 deep: request, tensor, parameter map entry, parameter). */
+static bool nul_walk(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t n, char *field,
+                     size_t size, size_t used, int depth) {
+  size_t seen[64] = {0}; /* per field of d: repeated values seen so far (their index) */
   moed_wire_iter it = moed_wire_begin(p, n, false);
   moed_wire_field f;
   while (moed_wire_next(&it, &f)) {
-    if (f.number >= 1 && f.number <= 3 && has_nul(p, &f)) {
-      snprintf(field, size, "%s", top[f.number]);
-      return true;
-    }
-    /* inputs (5): name (1) and datatype (2); outputs (6): name (1) */
-    if ((f.number != 5 && f.number != 6) || f.type != MOED_WIRE_LEN) continue;
-    size_t k = f.number == 5 ? k_in++ : k_out++;
-    moed_wire_iter sub = moed_wire_begin(p + f.at, f.len, false);
-    moed_wire_field g;
-    while (moed_wire_next(&sub, &g))
-      if ((g.number == 1 || (g.number == 2 && f.number == 5)) && has_nul(p + f.at, &g)) {
-        snprintf(field, size, "%s[%zu].%s", f.number == 5 ? "inputs" : "outputs", k,
-                 g.number == 1 ? "name" : "datatype");
-        return true;
-      }
+    const ProtobufCFieldDescriptor *fd = protobuf_c_message_descriptor_get_field(d, f.number);
+    if (!fd || f.type != MOED_WIRE_LEN) continue;
+    const size_t i = (size_t)(fd - d->fields);
+    const size_t k = i < 64 ? seen[i]++ : 0;
+    const bool str = fd->type == PROTOBUF_C_TYPE_STRING,
+               sub = fd->type == PROTOBUF_C_TYPE_MESSAGE && depth < 8;
+    if (!(str && memchr(p + f.at, 0, f.len)) && !sub) continue;
+    int w = fd->label == PROTOBUF_C_LABEL_REPEATED
+                ? snprintf(field + used, size - used, "%s%s[%zu]", used ? "." : "", fd->name, k)
+                : snprintf(field + used, size - used, "%s%s", used ? "." : "", fd->name);
+    const size_t at = w < 0 || (size_t)w >= size - used ? size - 1 : used + (size_t)w;
+    if (str) return true;
+    if (nul_walk(fd->descriptor, p + f.at, f.len, field, size, at, depth + 1)) return true;
+    field[used] = 0;
   }
   return false;
+}
+
+bool moed_wire_nul_string(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t n, char *field,
+                          size_t size) {
+  if (!size) return false;
+  field[0] = 0;
+  return nul_walk(d, p, n, field, size, 0, 0);
+}
+
+bool moed_kserve_nul_field(const uint8_t *p, size_t n, char *field, size_t size) {
+  return moed_wire_nul_string(&inference__model_infer_request__descriptor, p, n, field, size);
 }
 
 size_t moed_kserve_raw_at(const uint8_t *p, size_t n) {

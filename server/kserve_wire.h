@@ -48,6 +48,14 @@ moed_wire_iter moed_wire_begin(const uint8_t *p, size_t n, bool prefix);
 /* The next field into *f; false at the end, or at malformed bytes (bad set). */
 bool moed_wire_next(moed_wire_iter *it, moed_wire_field *f);
 
+/* Whether any string field of the message p[0..n) of type d, nested
+ * messages included, holds a NUL byte (protobuf-c cuts a string at it, so
+ * "good\0x" would name set "good"): every request moed unpacks is checked,
+ * and refused naming the field, whose path (parameters[0].key) goes to
+ * field[0..size). Malformed bytes stop the walk (the unpack refuses them). */
+bool moed_wire_nul_string(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t n, char *field,
+                          size_t size);
+
 /* ---- ModelInferRequest ------------------------------------------------------------------ */
 
 /* Splits a ModelInferRequest: raw_input_contents are recorded in place
@@ -63,7 +71,8 @@ typedef enum moed_kserve_string_field {
 } moed_kserve_string_field;
 /* The first such field of the message p[0..n) (prefix: its first bytes
  * only, as moed_wire_begin) into out[0..size) ("" when there is none, it
- * does not fit, it may be cut, or the bytes before it are malformed). */
+ * does not fit, it may be cut, it holds a NUL, or the bytes before it are
+ * malformed). */
 void moed_kserve_string(const uint8_t *p, size_t n, bool prefix, moed_kserve_string_field field, char *out,
                         size_t size);
 /* The integer value of request parameter `key` in the message p[0..n)
@@ -75,10 +84,11 @@ int64_t moed_kserve_int_param(const uint8_t *p, size_t n, bool prefix, const cha
  * integer parameter `key`, without unpacking it; once over cap, cap + 1.
  * false: a value that is not an integer >= 0, or malformed bytes. */
 bool moed_kserve_input_param_sum(const uint8_t *p, size_t n, const char *key, uint64_t cap, uint64_t *sum);
-/* Whether a string field of the ModelInferRequest p[0..n) that names
- * something (model_name, model_version, id, inputs[i].name and .datatype,
- * outputs[i].name) holds a NUL byte: protobuf-c would cut the string there,
- * and "a\0b" would then name model "a". The field's path goes to field. */
+/* Whether a string field of the ModelInferRequest p[0..n) (model_name,
+ * model_version, id, a tensor's name or datatype, a parameter's key or
+ * string value, at any depth) holds a NUL byte: protobuf-c would cut the
+ * string there, and "a\0b" would then name model "a". The field's path
+ * (inputs[0].parameters[1].key) goes to field. */
 bool moed_kserve_nul_field(const uint8_t *p, size_t n, char *field, size_t size);
 /* Where the data of the first raw_input_contents starts in a message whose
  * first bytes are p[0..n); 0: not within them. */

@@ -147,6 +147,13 @@ bool moed_model_name_ok(const char *name) {
   return true;
 }
 
+const char *moed_version_shown(const char *v) {
+  size_t n = 0;
+  while (v && v[n] >= '0' && v[n] <= '9')
+    n++;
+  return v && n && n < 20 && !v[n] ? v : "(not a version number)";
+}
+
 moe_status moed_repository_load(moed_repository *r, const char *name, moe_error *err) {
   if (!moed_model_name_ok(name))
     return moe_fail(err, MOE_EINVAL, "model_name: not a valid model name (%s)", MOED_MODEL_NAME_RULE);

@@ -10,6 +10,7 @@
  * thread (a worker finishes an inference); they cross to the loop through
  * one queue and a uv_async, as rpc.c's requests do the other way. */
 #include <cjson/cJSON.h>
+#include <ctype.h>
 #include <http_parser.h>
 #include <math.h>
 #include <pthread.h>
@@ -105,29 +106,39 @@ static void call_gone(void *arg) {
   moed_handle_cancel(k->rest->srv); /* its queued work is answered and leaves the device queue */
 }
 
+/* --auth-tokens: whether rq's Authorization header allows `method` (the
+ * gRPC port's tokens and roles); false: refused, logged and answered. The
+ * peer goes to peer[0..320) where a log line names it (a refusal, a
+ * repository change), as rpc.c does: "rest:ADDR:PORT token 'NAME'". Checked
+ * before a body is parsed, so that a refusal is 401/403 whatever the body. */
+static bool allowed(moed_http_conn *c, const moed_http_request *rq, moed_method method, char *peer) {
+  char who[128], why[MOED_ERR_LEN];
+  grpc_status_code auth = moed_auth_check_value(method, rq->authorization_len < 0 ? NULL : rq->authorization,
+                                                rq->authorization_len < 0 ? 0 : (size_t)rq->authorization_len,
+                                                who, sizeof who, why);
+  peer[0] = 0;
+  if (auth != GRPC_STATUS_OK || moed_method_changes(method)) {
+    memcpy(peer, "rest:", 5);
+    moed_http_peer(c, peer + 5, 320 - 5);
+    if (who[0]) snprintf(peer + strlen(peer), 320 - strlen(peer), " token '%s'", who);
+  }
+  if (auth == GRPC_STATUS_OK) return true;
+  moed_log(moed_method_changes(method) ? MOED_LOG_WARN : MOED_LOG_DEBUG, "auth_refused",
+           "REST %s from %s: %s", moed_method_name(method), peer, why);
+  moed_http_respond_error(c, moed_http_status_from_grpc(auth), why);
+  return false;
+}
+
 /* Hands the protobuf request `payload` (taken) to the handler of `method`;
  * the answer reaches c through answer(). k: allocated by the caller (its
  * output choices set), taken. */
 static void submit(moed_rest *r, moed_http_conn *c, const moed_http_request *rq, moed_method method,
                    grpc_byte_buffer *payload, rest_call *k) {
-  /* --auth-tokens: the gRPC port's tokens and roles, from the Authorization header */
-  char who[128], why[MOED_ERR_LEN], peer[320] = "";
-  grpc_status_code auth = moed_auth_check_value(method, rq->authorization_len < 0 ? NULL : rq->authorization,
-                                                rq->authorization_len < 0 ? 0 : (size_t)rq->authorization_len,
-                                                who, sizeof who, why);
-  /* the peer only where a log line names it (a refusal, a repository
-   * change), as rpc.c does: "rest:ADDR:PORT token 'NAME'" */
-  if (auth != GRPC_STATUS_OK || moed_method_changes(method)) {
-    memcpy(peer, "rest:", 5);
-    moed_http_peer(c, peer + 5, sizeof peer - 5);
-    if (who[0]) snprintf(peer + strlen(peer), sizeof peer - strlen(peer), " token '%s'", who);
-  }
-  if (auth != GRPC_STATUS_OK) {
-    moed_log(moed_method_changes(method) ? MOED_LOG_WARN : MOED_LOG_DEBUG, "auth_refused",
-             "REST %s from %s: %s", moed_method_name(method), peer, why);
+  char peer[320];
+  if (!allowed(c, rq, method, peer)) {
     if (payload) grpc_byte_buffer_destroy(payload);
     free(k);
-    return moed_http_respond_error(c, moed_http_status_from_grpc(auth), why);
+    return;
   }
   moed_request *req = calloc(1, sizeof *req);
   k->rest = r;
@@ -157,8 +168,8 @@ static void call(moed_rest *r, moed_http_conn *c, const moed_http_request *rq, m
   if (!k) return moed_http_respond_error(c, 500, "server out of memory");
   if (method == MOED_M_MODEL_READY) {
     const Inference__ModelReadyRequest *q = (const Inference__ModelReadyRequest *)m;
-    snprintf(k->model, sizeof k->model, "'%.120s'%s%.16s", q->name, *q->version ? " version " : "",
-             q->version);
+    snprintf(k->model, sizeof k->model, "'%.120s'%s%s", q->name, *q->version ? " version " : "",
+             *q->version ? moed_version_shown(q->version) : "");
   }
   submit(r, c, rq, method, moed_rpc_pack(m), k);
 }
@@ -643,6 +654,11 @@ static grpc_byte_buffer *infer_message(const moed_config *cfg, const char *body,
         json_len, (size_t)MAX_JSON_BYTES);
     return NULL;
   }
+  const size_t nul = moed_json_nul_at(body, json_len);
+  if (nul < json_len) {
+    moed_failf(why, 0, "request: a NUL in a JSON string at byte %zu (it would cut the string short)", nul);
+    return NULL;
+  }
   bool oom;
   char *nonfinite = moed_json_nonfinite_in(body, json_len, &oom); /* NaN, Infinity as Python writes them */
   if (oom) {
@@ -690,6 +706,8 @@ grpc_byte_buffer *moed_rest_infer_message(const moed_config *cfg, const char *bo
 
 static void infer(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const char *model,
                   const char *version) {
+  char peer[320];
+  if (!allowed(c, rq, MOED_M_MODEL_INFER, peer)) return;
   rest_call *k = calloc(1, sizeof *k);
   if (!k) return moed_http_respond_error(c, 500, "server out of memory");
   char why[MOED_ERR_LEN];
@@ -911,11 +929,43 @@ static size_t split_path(char *p, char **seg, size_t max) {
   return n;
 }
 
+/* Decodes a path segment's percent-encoding (RFC 3986 2.1) in place, as
+ * tritonclient.http quotes model names in its paths and Triton decodes them;
+ * the name is then checked by the same rule as on gRPC (a decoded '/', quote
+ * or newline is refused there, naming the field). NULL, or why not: a '%'
+ * without two hex digits, or a %00 that would cut the C string short. */
+static const char *pct_decode(char *s) {
+  char *w = s;
+  for (const char *r = s; *r; r++) {
+    if (*r != '%') {
+      *w++ = *r;
+      continue;
+    }
+    if (!isxdigit((unsigned char)r[1]) || !isxdigit((unsigned char)r[2]))
+      return "'%' not followed by two hex digits";
+    const char hex[3] = {r[1], r[2], 0};
+    const long v = strtol(hex, NULL, 16);
+    if (v == 0) return "%00 (NUL)";
+    *w++ = (char)v;
+    r += 2;
+  }
+  *w = 0;
+  return NULL;
+}
+
 /* The optional JSON body of a repository call, as an object (NULL: none).
  * false: answered 400. */
 static bool body_object(moed_http_conn *c, const moed_http_request *rq, cJSON **out) {
   *out = NULL;
   if (!rq->body || !rq->body_len) return true;
+  const size_t nul = moed_json_nul_at(rq->body, rq->body_len);
+  if (nul < rq->body_len) {
+    char why[96];
+    snprintf(why, sizeof why, "request: a NUL in a JSON string at byte %zu (it would cut the string short)",
+             nul);
+    moed_http_respond_error(c, 400, why);
+    return false;
+  }
   *out = cJSON_ParseWithLength(rq->body, rq->body_len);
   if (!cJSON_IsObject(*out)) {
     cJSON_Delete(*out);
@@ -927,10 +977,21 @@ static bool body_object(moed_http_conn *c, const moed_http_request *rq, cJSON **
 
 static void repository(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const char *path, char **seg,
                        size_t n) {
+  const bool index = n == 3 && !strcmp(seg[2], "index"),
+             change = n == 5 && !strcmp(seg[2], "models") &&
+                      (!strcmp(seg[4], "load") || !strcmp(seg[4], "unload"));
+  char peer[320];
+  if (!index && !change) return no_endpoint(c, path);
+  if (!allowed(c, rq,
+               index                     ? MOED_M_REPOSITORY_INDEX
+               : !strcmp(seg[4], "load") ? MOED_M_REPOSITORY_LOAD
+                                         : MOED_M_REPOSITORY_UNLOAD,
+               peer))
+    return;
   cJSON *j;
   if (!body_object(c, rq, &j)) return;
   const cJSON *params = cJSON_GetObjectItemCaseSensitive(j, "parameters");
-  if (n == 3 && !strcmp(seg[2], "index")) {
+  if (index) {
     const cJSON *ready = cJSON_GetObjectItemCaseSensitive(j, "ready");
     Inference__RepositoryIndexRequest m = INFERENCE__REPOSITORY_INDEX_REQUEST__INIT;
     if (ready && !cJSON_IsBool(ready)) {
@@ -939,7 +1000,7 @@ static void repository(moed_rest *r, moed_http_conn *c, moed_http_request *rq, c
       m.ready = cJSON_IsTrue(ready);
       call(r, c, rq, MOED_M_REPOSITORY_INDEX, &m.base);
     }
-  } else if (n == 5 && !strcmp(seg[2], "models") && (!strcmp(seg[4], "load") || !strcmp(seg[4], "unload"))) {
+  } else {
     bool load = !strcmp(seg[4], "load");
     const cJSON *e = params ? params->child : NULL;
     /* unload_dependents means nothing here (no ensembles); config and files
@@ -961,8 +1022,6 @@ static void repository(moed_rest *r, moed_http_conn *c, moed_http_request *rq, c
       m.model_name = seg[3];
       call(r, c, rq, MOED_M_REPOSITORY_UNLOAD, &m.base);
     }
-  } else {
-    no_endpoint(c, path);
   }
   cJSON_Delete(j);
 }
@@ -1067,6 +1126,8 @@ static void shared_memory(moed_rest *r, moed_http_conn *c, moed_http_request *rq
     m.name = (char *)name;
     return call(r, c, rq, MOED_M_CUDA_SHM_REGISTER, &m.base);
   }
+  char peer[320];
+  if (!allowed(c, rq, MOED_M_SHM_REGISTER, peer)) return;
   cJSON *j;
   if (!body_object(c, rq, &j)) return;
   Inference__SystemSharedMemoryRegisterRequest m = INFERENCE__SYSTEM_SHARED_MEMORY_REGISTER_REQUEST__INIT;
@@ -1089,6 +1150,14 @@ static void on_request(moed_http_conn *c, moed_http_request *rq, void *arg) {
   char *seg[8], path[sizeof rq->path];
   snprintf(path, sizeof path, "%s", rq->path); /* split_path cuts rq->path */
   size_t n = split_path(rq->path, seg, 8);
+  for (size_t i = 0; i < n && i < 8; i++) {
+    const char *bad = pct_decode(seg[i]);
+    if (bad) {
+      char why[96];
+      snprintf(why, sizeof why, "path: segment %zu: %s", i + 1, bad);
+      return moed_http_respond_error(c, 400, why);
+    }
+  }
   if (n == 0 || n > 8 || strcmp(seg[0], "v2") != 0) return no_endpoint(c, path);
   bool get = rq->method == HTTP_GET;
   if (n >= 2 && !strcmp(seg[1], "repository")) {

@@ -172,6 +172,7 @@ struct moed_rpc_server {
    * nothing is never kept waiting. */
   _Atomic size_t buffered;
   size_t stream_bytes, total_bytes;
+  int max_open_calls; /* --max-open-calls: a call past it is refused at accept */
 };
 
 uint64_t moed_now_ns(void) {
@@ -601,9 +602,22 @@ static void on_accept(moed_rpc_server *s, accept_slot *slot, bool ok) {
   grpc_metadata_array_destroy(&slot->md);
   arm_slot(s, slot); /* the slot is free again before we work on the call */
   if (auth != GRPC_STATUS_OK || methods[method].changes) describe_peer(call, token, peer, sizeof peer);
+  /* every open call holds gRPC core's call state (~12 KiB), and a stream
+   * (a health Watch, an idle ModelStreamInfer) holds it for as long as its
+   * client likes: their number is bounded, or 20,000 Watch streams cost
+   * 230 MiB and any number could be opened */
+  const int open = atomic_load(&s->live_calls);
+  /* the probes' unary checks pass: answered at once, they hold nothing, and
+   * a full server must not look dead to the kubelet */
+  const bool probe =
+      method == MOED_M_HEALTH_CHECK || method == MOED_M_SERVER_LIVE || method == MOED_M_SERVER_READY;
+  if (auth == GRPC_STATUS_OK && !probe && open >= s->max_open_calls)
+    auth = moed_failf(why, GRPC_STATUS_RESOURCE_EXHAUSTED,
+                      "calls: %d open, at most --max-open-calls %d; retry later", open, s->max_open_calls);
   moed_rpc *r = auth == GRPC_STATUS_OK ? rpc_new(s, call, method, deadline) : NULL;
-  if (!r) {                     /* refused before any of its messages is read, or out of memory */
-    if (auth != GRPC_STATUS_OK) /* refused repository changes always in the log; the rest at debug */
+  if (!r) { /* refused before any of its messages is read, or out of memory */
+    /* refused repository changes always in the log; the rest at debug */
+    if (auth == GRPC_STATUS_UNAUTHENTICATED || auth == GRPC_STATUS_PERMISSION_DENIED)
       moed_log(methods[method].changes ? MOED_LOG_WARN : MOED_LOG_DEBUG, "auth_refused", "%s from %s: %s",
                methods[method].path, peer, why);
     grpc_call_cancel_with_status(call, auth != GRPC_STATUS_OK ? auth : GRPC_STATUS_RESOURCE_EXHAUSTED,
@@ -733,6 +747,7 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
   s->shutdown_tag = (rpc_tag){TAG_SHUTDOWN, s};
   s->generic.tag = (rpc_tag){TAG_GENERIC, s};
 
+  s->max_open_calls = cfg->max_open_calls;
   s->stream_bytes = cfg->stream_buffer_bytes;
   s->total_bytes = cfg->response_buffer_bytes;
   int max_msg = cfg->max_message_bytes > (size_t)INT32_MAX ? INT32_MAX : (int)cfg->max_message_bytes;

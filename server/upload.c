@@ -26,6 +26,7 @@
 #include <xxhash.h>
 
 #include "expert_store.pb-c.h"
+#include "kserve_wire.h"
 #include "moe/safetensors.h"
 #include "moed.h"
 
@@ -357,6 +358,11 @@ static void upload_message(moed_upload *u, const uint8_t *data, size_t len, bool
       upload_fail(u, GRPC_STATUS_CANCELLED, "upload cancelled");
     else
       commit(u);
+    return;
+  }
+  char field[96];
+  if (moed_wire_nul_string(&moe__v1__upload_request__descriptor, data, len, field, sizeof field)) {
+    upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "%s: contains a NUL byte", field);
     return;
   }
   Moe__V1__UploadRequest *m = moe__v1__upload_request__unpack(NULL, len, data);

@@ -14,12 +14,17 @@
   accepts again): connections into --fd-reserve are closed at accept, the
   probes say alive but not ready while the storm lasts, and a new client
   is served once the handshake timeout closed the storm's.
+- HTTP bodies: --http-body-budget-bytes bounds what all connections hold
+  together (a body that would pass it is 503 and closed).
+- gRPC calls: --max-open-calls bounds the calls (streams included) open
+  at once; the probes' unary checks pass at the cap.
 
 env: MOED, MOEC, MOE_LIB."""
 import os
 import resource
 import socket
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -255,5 +260,110 @@ def test_no_reserve(tmp):
         ts.stop(p)
 
 
+def test_body_budget(tmp):
+    """--http-body-budget-bytes bounds the request bodies all HTTP connections
+    hold together: bodies that stall half-sent cannot add up to connections x
+    --max-message-bytes (RSS grew 1.1 GB for four 200 MiB bodies); the one
+    that would pass it is answered 503 naming the flag and closed, and once
+    the holders are answered the budget is free again."""
+    MIB = 1 << 20
+    p, _, _ = ts.start(tmp, "--http-body-budget-bytes", str(64 * MIB), "--handshake-timeout", "30")
+    head = (f"POST /v2/models/quant.per_token/infer HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Length: {40 * MIB}\r\n\r\n").encode()
+
+    def holder(n_mib):
+        s = socket.create_connection(("127.0.0.1", p.rest_port), timeout=30)
+        s.sendall(head)
+        for _ in range(n_mib):
+            s.sendall(b" " * MIB)
+        return s
+
+    def answer(s):
+        try:
+            return s.recv(4096)
+        except OSError as e:
+            return repr(e).encode()
+    try:
+        a = holder(30)  # 30 of its 40 MiB: held (the buffer holds 32 MiB)
+        time.sleep(0.5)
+        b = socket.create_connection(("127.0.0.1", p.rest_port), timeout=30)
+        b.sendall(head)
+        try:
+            for _ in range(40):
+                b.sendall(b" " * MIB)
+        except OSError:
+            pass  # closed by moed once its answer was out
+        got = answer(b)
+        check(got.startswith(b"HTTP/1.1 503") and b"--http-body-budget-bytes" in got,
+              f"a second body past the budget: 503 naming the flag ({got[:100]})")
+        b.close()
+        a.sendall(b" " * (10 * MIB))  # the rest of a's body: answered, its bytes released
+        got = answer(a)
+        check(got.startswith(b"HTTP/1.1 413"), f"the holder's request is read whole and answered (its JSON is over 16 MiB) ({got[:60]})")
+        a.close()
+        time.sleep(0.5)
+        c = holder(40)
+        got = answer(c)
+        check(got.startswith(b"HTTP/1.1 413"), f"after it, a body of the same size is read again ({got[:60]})")
+        c.close()
+    finally:
+        ts.stop(p)
+
+
+def test_open_calls(tmp):
+    """--max-open-calls bounds the gRPC calls open at once: streams a client
+    keeps open (health Watch, an idle ModelStreamInfer) cost gRPC core's call
+    state each (20,000 Watch streams grew RSS by 230 MiB, with no bound); past
+    the cap a call is RESOURCE_EXHAUSTED naming the flag, the probes' unary
+    checks still pass, and a closed stream frees its place."""
+    p, port, _ = ts.start(tmp, "--max-open-calls", "8")
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    watch = ch.unary_stream("/grpc.health.v1.Health/Watch", request_serializer=lambda b: b,
+                            response_deserializer=lambda b: b)
+    stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer", request_serializer=lambda b: b,
+                              response_deserializer=lambda b: b)
+    meta = ch.unary_unary("/inference.GRPCInferenceService/ServerMetadata", request_serializer=lambda b: b,
+                          response_deserializer=lambda b: b)
+    try:
+        held = []
+        for _ in range(6):
+            it = watch(b"", timeout=60)
+            next(it)
+            held.append(it)
+        stop = threading.Event()
+
+        def nothing():  # a stream that sends nothing until the test ends
+            stop.wait(60)
+            return
+            yield
+        idle = [stream(nothing(), timeout=60) for _ in range(2)]
+        time.sleep(0.5)
+        try:
+            next(watch(b"", timeout=10))
+            got = "served"
+        except grpc.RpcError as e:
+            got = f"{e.code().name}: {e.details()}"
+        check(got.startswith("RESOURCE_EXHAUSTED: calls: 8 open, at most --max-open-calls 8"),
+              f"a ninth call: RESOURCE_EXHAUSTED naming the flag ({got})")
+        ready = ch.unary_unary("/inference.GRPCInferenceService/ServerReady", request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+        check(ready(b"", timeout=10) == b"\x08\x01", "the probes' ServerReady still answers at the cap")
+        for it in held[:2] + idle:
+            it.cancel()
+        time.sleep(1.5)  # cancelled watches leave at the next health sweep (every second)
+        try:
+            meta(b"", timeout=10)
+            got = "OK"
+        except grpc.RpcError as e:
+            got = f"{e.code().name}: {e.details()}"
+        check(got == "OK", f"closed streams free their places ({got})")
+        for it in held[2:]:
+            it.cancel()
+        stop.set()
+    finally:
+        ts.stop(p)
+
+
 if __name__ == "__main__":
-    ts.run_tests(test_timeouts_and_cap, test_rest_counts, test_connection_age, test_fd_reserve, test_no_reserve)
+    ts.run_tests(test_timeouts_and_cap, test_rest_counts, test_connection_age, test_fd_reserve, test_no_reserve,
+                 test_body_budget, test_open_calls)

@@ -370,7 +370,11 @@ def test_control_modes(tmp, repo):
                         (["--load-model", "bf16set"], "needs --model-control-mode explicit"),
                         (["--model-control-mode", "sometimes"], "'sometimes' for --model-control-mode"),
                         (["--model-control-mode", "poll", "--repository-poll-secs", "0"],
-                         "'0' for --repository-poll-secs")):
+                         "'0' for --repository-poll-secs"),
+                        # an interval without poll mode would poll nothing, silently
+                        (["--repository-poll-secs", "5"], "--repository-poll-secs needs --model-control-mode poll"),
+                        (["--model-control-mode", "explicit", "--repository-poll-secs", "5"],
+                         "--repository-poll-secs needs --model-control-mode poll")):
         r = subprocess.run([ts.MOED, "--model-repository", repo, "--grpc-port", "0", "--http-port", "-1", *extra],
                            capture_output=True, text=True, timeout=60)
         check(r.returncode != 0 and want in r.stderr, f"{extra}: refuses to start ({r.returncode}: {r.stderr.strip()})")

@@ -254,6 +254,35 @@ def test_nonfinite_json(h, g, port):
 def test_errors(port):
     path = "/v2/models/quant.per_tensor/infer"
     x = {"name": "x", "datatype": "FP32", "shape": [2, 2], "data": [1, 2, 3, 4]}
+    # a message that quotes bytes of the request that are not UTF-8 (a path,
+    # an input's name) is still UTF-8 JSON: those bytes become '?'
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(b"GET /v2/x\xff\xc3y HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    s.close()
+    body = data.partition(b"\r\n\r\n")[2]
+    try:
+        msg = json.loads(body.decode("utf-8"))["error"]
+    except (UnicodeDecodeError, ValueError, KeyError) as e:
+        msg = f"not UTF-8 JSON: {e!r} {body!r}"
+    check(data.startswith(b"HTTP/1.1 404") and msg == "no such endpoint: /v2/x??y",
+          f"a path with bytes that are not UTF-8: 404 in UTF-8 JSON ({msg})")
+    status, _, body = raw(port, "POST", path, b'{"inputs": [{"name": "\xe2\x82", "datatype": 5}]}')
+    try:
+        msg = json.loads(body.decode("utf-8"))["error"]
+    except (UnicodeDecodeError, ValueError, KeyError) as e:
+        msg = f"not UTF-8 JSON: {e!r} {body!r}"
+    check(status == 400 and msg.startswith("inputs[0] '??': datatype"),
+          f"an input name that is not UTF-8: 400 in UTF-8 JSON ({status} {msg})")
+    # a parameter twice in the JSON object: refused as such, not as unknown to the op
+    status, msg = error_of(port, "POST", "/v2/models/quant.per_token/infer",
+                           b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}],'
+                           b' "parameters": {"out_dtype": "int8", "out_dtype": "fp8_e4m3fn"}}')
+    check(status == 400 and msg == "parameters['out_dtype']: given twice", f"a parameter twice: 400 ({status} {msg})")
+    status, msg = error_of(port, "GET", "/v2/models/%E2%82%AC/ready")  # a valid character, decoded: kept
+    check(status == 400 and msg.startswith("name: not a valid model name"), f"a euro sign as a name: 400 ({msg})")
     status, msg = error_of(port, "POST", path, b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [2,')
     check(status == 400 and "malformed JSON" in msg, f"malformed JSON: 400 ({status} {msg})")
     status, msg = error_of(port, "POST", path, json.dumps({"inputs": [dict(x, datatype="INT32")]}).encode())

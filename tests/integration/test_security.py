@@ -36,6 +36,7 @@
   sends both and its upload is served.
 
 env: MOED, MOE_MKSET."""
+import json
 import os
 import re
 import shutil
@@ -143,6 +144,123 @@ def test_paths(tmp):
         code, msg = code_of(lambda: up(iter(msgs), timeout=30))
         check(code == SC.INVALID_ARGUMENT and "upload" in msg and tmp not in msg and ".upload-" not in msg,
               f"a failed upload names no server path ({code.name}: {msg})")
+    finally:
+        ts.stop(p)
+
+
+def test_nul_everywhere(tmp):
+    """A NUL inside any string of any request is refused naming the field,
+    on every gRPC method, an upload and the REST port (protobuf-c and cJSON
+    keep C strings: 'good\\0x' would name set 'good', 'out_dtype\\0x' the
+    parameter out_dtype); ModelReady refuses a name outside the rule like
+    the other calls; a load or unload parameter moed does not take is refused
+    on gRPC as on REST; REST paths are percent-decoded (tritonclient.http
+    quotes model names), and a decoded name is checked as on gRPC."""
+    repo = os.path.join(tmp, "nulrepo")
+    mkset(os.path.join(repo, "good"), "bf16")
+    p, port, _ = ts.start(tmp, "--model-repository", repo)
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        S = "/inference.GRPCInferenceService/"
+        for method, msg, field in (
+                ("ModelMetadata", pb.ModelMetadataRequest(name="quant.per_token\0x"), "name"),
+                ("ModelReady", pb.ModelReadyRequest(name="quant.per_token\0x"), "name"),
+                ("ModelConfig", pb.ModelConfigRequest(name="good\0x"), "name"),
+                ("ModelStatistics", pb.ModelStatisticsRequest(name="good\0x"), "name"),
+                ("RepositoryModelLoad", pb.RepositoryModelLoadRequest(model_name="good\0x"), "model_name"),
+                ("RepositoryModelUnload", pb.RepositoryModelUnloadRequest(model_name="good\0x"), "model_name"),
+                ("SystemSharedMemoryRegister",
+                 pb.SystemSharedMemoryRegisterRequest(name="r", key="/k\0x", byte_size=8), "key"),
+                ("SystemSharedMemoryUnregister", pb.SystemSharedMemoryUnregisterRequest(name="r\0x"), "name")):
+            code, m = code_of(lambda: raw_unary(ch, S + method)(msg.SerializeToString(), timeout=30))
+            check(code == SC.INVALID_ARGUMENT and m == f"{field}: contains a NUL byte",
+                  f"{method}: a NUL in {field} refused naming it ({code.name}: {m})")
+        check(ts.tc.InferenceServerClient(f"127.0.0.1:{port}").is_model_ready("good"),
+              "the unload of 'good\\0x' left 'good' loaded")
+        for params, field in (({"out_dtype\0x": "int8"}, "parameters[0].key"),
+                              ({"out_dtype": "int8\0x"}, "parameters[0].value.string_param")):
+            r = make_req("quant.per_token", [("x", "FP32", [4, 64], X)], params)
+            code, m = code_of(lambda: infer_pb(ch, r))
+            check(code == SC.INVALID_ARGUMENT and m == f"{field}: contains a NUL byte",
+                  f"ModelInfer: a NUL in {field} refused naming it ({code.name}: {m})")
+        # on a stream the refusal carries the request's id, read from the bytes
+        # protobuf-c did not decode (none when the id itself holds the NUL)
+        reqs = []
+        for rid, params in (("a", {"out_dtype\0x": "int8"}), ("b", {"out_dtype": "int8"}), ("c\0d", {"out_dtype": "int8"})):
+            reqs.append(make_req("quant.per_token", [("x", "FP32", [4, 64], X)], params))
+            reqs[-1].id = rid
+        stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                  request_serializer=lambda m: m.SerializeToString(),
+                                  response_deserializer=pb.ModelStreamInferResponse.FromString)
+        got = sorted((a.infer_response.id, a.error_message) for a in stream(iter(reqs), timeout=30))
+        check(got == [("", "id: contains a NUL byte"), ("a", "parameters[0].key: contains a NUL byte"), ("b", "")],
+              f"stream: NUL refusals carry the request id where it has none itself ({got})")
+        up = ch.stream_unary("/moe.v1.ExpertStore/Upload", request_serializer=lambda b: b,
+                             response_deserializer=lambda b: b)
+        code, m = code_of(lambda: up(iter(upload_msgs(("good\0x", "{}", True))), timeout=30))
+        check(code == SC.INVALID_ARGUMENT and m == "header.name: contains a NUL byte",
+              f"Upload: a NUL in the set's name refused naming it ({code.name}: {m})")
+        code, m = code_of(lambda: raw_unary(ch, S + "ModelReady")(
+            pb.ModelReadyRequest(name='a"\nb').SerializeToString(), timeout=30))
+        check(code == SC.INVALID_ARGUMENT and m.startswith("name: not a valid model name"),
+              f"ModelReady: a name outside the rule is INVALID_ARGUMENT, not ready=false ({code.name}: {m})")
+        for method, msg in (("RepositoryModelLoad", pb.RepositoryModelLoadRequest(model_name="good")),
+                            ("RepositoryModelUnload", pb.RepositoryModelUnloadRequest(model_name="good"))):
+            msg.parameters["bogus"].bool_param = True
+            code, m = code_of(lambda: raw_unary(ch, S + method)(msg.SerializeToString(), timeout=30))
+            check(code == SC.INVALID_ARGUMENT and m.startswith("parameters.bogus: not supported"),
+                  f"{method}: an unknown parameter refused naming it ({code.name}: {m})")
+        u = pb.RepositoryModelUnloadRequest(model_name="good")
+        u.parameters["unload_dependents"].bool_param = False
+        check(code_of(lambda: raw_unary(ch, S + "RepositoryModelUnload")(u.SerializeToString()))[0] == SC.OK,
+              "RepositoryModelUnload takes unload_dependents (tritonclient sends it)")
+        check(code_of(lambda: raw_unary(ch, S + "RepositoryModelLoad")(
+            pb.RepositoryModelLoadRequest(model_name="good").SerializeToString()))[0] == SC.OK, "good reloaded")
+
+        rest = p.rest_port
+        body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [4, 64], "data": [0.0] * 256}],
+                           "parameters": {"out_dtype": "int8"}})
+        check(http_call(rest, "POST", "/v2/models/quant.per_token/infer", body=body.encode())[0] == 200,
+              "REST: the plain request is served")
+        for what, bad in (("id", body.replace('{"inputs"', '{"id": "a\\u0000b", "inputs"')),
+                          ("an input name", body.replace('"x"', '"x\\u0000y"')),
+                          ("a parameter key", body.replace('"out_dtype"', '"out_dtype\\u0000x"')),
+                          ("a parameter value", body.replace('"int8"', '"int8\\u0000x"'))):
+            st, b = http_call(rest, "POST", "/v2/models/quant.per_token/infer", body=bad.encode())
+            check(st == 400 and b"a NUL in a JSON string" in b, f"REST infer: a NUL in {what} refused ({st} {b[:120]})")
+        st, b = http_call(rest, "POST", "/v2/systemsharedmemory/region/r/register",
+                          body=b'{"key": "/k\\u0000x", "byte_size": 8}')
+        check(st == 400 and b"a NUL in a JSON string" in b, f"REST shm register: a NUL in the key refused ({st} {b})")
+        # percent-encoded paths: decoded, then checked as on gRPC
+        for path, want in (("/v2/models/quant%2Eper_token/ready", 200), ("/v2/models/quant.per%5Ftoken", 200),
+                           ("/v2/repository/models/go%6Fd/load", 200)):
+            st, b = http_call(rest, "POST" if "repository" in path else "GET", path, body=b"{}" if "repository" in path else None)
+            check(st == want, f"REST {path}: decoded and served ({st} {b[:100]})")
+        for path, want in (("/v2/models/a%22b%0Ac/ready", b"name: not a valid model name"),
+                           ("/v2/models/..%2Fgood/ready", b"name: not a valid model name"),
+                           ("/v2/models/good%00x/ready", b"path: segment 3: %00 (NUL)"),
+                           ("/v2/models/good%2/ready", b"path: segment 3: '%' not followed by two hex digits"),
+                           ("/v2/repository/models/good%00x/unload", b"path: segment 4: %00 (NUL)")):
+            st, b = http_call(rest, "POST" if "repository" in path else "GET", path, body=b"{}" if "repository" in path else None)
+            check(st == 400 and want in b and b'"b' not in b, f"REST {path}: 400 naming what is wrong ({st} {b[:120]})")
+        check(ts.tc.InferenceServerClient(f"127.0.0.1:{port}").is_model_ready("good"), "good still loaded")
+        # a version is quoted only when it is a number: no quote or newline into the client's log
+        bad_v = '1"\nmoed_fake 1'
+        code, m = code_of(lambda: raw_unary(ch, S + "ModelMetadata")(
+            pb.ModelMetadataRequest(name="good", version=bad_v).SerializeToString(), timeout=30))
+        check(code == SC.NOT_FOUND and "has no version '(not a version number)'" in m,
+              f"ModelMetadata with a version that is not a number: NOT_FOUND, not echoed ({code.name}: {m})")
+        code, m = code_of(lambda: raw_unary(ch, S + "ModelMetadata")(
+            pb.ModelMetadataRequest(name="good", version="7").SerializeToString(), timeout=30))
+        check(code == SC.NOT_FOUND and "has no version '7'" in m, f"a numeric version is named ({m})")
+        r = make_req("quant.per_token", [("x", "FP32", [4, 64], X)], {"out_dtype": "int8"})
+        r.model_version = bad_v
+        code, m = code_of(lambda: infer_pb(ch, r))
+        check(code == SC.NOT_FOUND and m.endswith("has no version '(not a version number)'"),
+              f"ModelInfer with a version that is not a number: not echoed ({code.name}: {m})")
+        st, b = http_call(rest, "GET", "/v2/models/good/versions/1%22%0Ax/ready")
+        check(st == 400 and b"(not a version number)" in b and b"\\n" not in b,
+              f"REST ready with a version that is not a number: not echoed ({st} {b})")
     finally:
         ts.stop(p)
 
@@ -471,6 +589,28 @@ def test_auth(tmp):
         check(rest("POST", "/v2/repository/models/good/unload", OPS, b"{}")[0] == 200 and
               rest("POST", "/v2/repository/models/good/load", OPS, b"{}")[0] == 200,
               "REST: an admin token unloads and loads")
+        # the token is checked before a body is read or parsed: a client without
+        # one cannot make moed buffer --max-message-bytes per connection, and a
+        # refusal is 401/403 whatever the body (it was 400/413 after the parse)
+        for what, token in (("no token", None), ("an unknown token", "x" * 20)):
+            s = socket.create_connection(("127.0.0.1", p.rest_port), timeout=10)
+            s.sendall(b"POST /v2/models/quant.per_token/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 104857600\r\n" +
+                      (f"Authorization: Bearer {token}\r\n".encode() if token else b"") + b"\r\n")
+            try:
+                head = s.recv(4096)
+            except socket.timeout:
+                head = b"(no answer in 10 s: waiting for the 100 MiB body)"
+            s.close()
+            check(head.startswith(b"HTTP/1.1 401") and b"authorization" in head,
+                  f"REST: a body announced with {what} is refused 401 before it is read ({head[:60]})")
+        for path, token, body, want in (("/v2/models/quant.per_token/infer", None, b"{}", 401),
+                                        ("/v2/models/quant.per_token/infer", "x" * 20, b"[" * 1000, 401),
+                                        ("/v2/repository/models/good/load", READER, b"[not json", 403),
+                                        ("/v2/repository/models/good/unload", READER, b'{"parameters": 5}', 403),
+                                        ("/v2/repository/index", None, b"[not json", 401),
+                                        ("/v2/systemsharedmemory/region/r/register", "x" * 20, b"{}", 401)):
+            code, b = rest("POST", path, token, body)
+            check(code == want and b"authorization" in b, f"REST {path} with a bad body: {want} first ({code} {b[:80]})")
         # the metrics and probe port: the same tokens; /metrics needs an infer token, probes any token
         for path in ("/metrics", "/v2/health/live", "/v2/health/ready"):
             for what, token in (("no token", None), ("an unknown token", "x" * 20)):
@@ -702,4 +842,4 @@ def test_upload_integrity(tmp):
 
 
 if __name__ == "__main__":
-    ts.run_tests(test_names, test_paths, test_addresses, test_tls, test_auth, test_upload_limits, test_upload_integrity)
+    ts.run_tests(test_names, test_nul_everywhere, test_paths, test_addresses, test_tls, test_auth, test_upload_limits, test_upload_integrity)

@@ -324,6 +324,25 @@ def test_bad_inputs(ch, pid):
     code, msg = code_of(lambda: infer_pb(ch, r))
     check(code == grpc.StatusCode.INVALID_ARGUMENT and "inputs[0] 'x'" in msg and "'binary_data_size'" in msg,
           f"an input's unknown parameter: INVALID_ARGUMENT naming it ({code} {msg})")
+    # one source of data per input (which one was used would be a guess), each output once,
+    # at most 24 outputs, all refused before the op runs
+    r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], {})
+    r.inputs[0].contents.fp32_contents.extend([1.0] * 256)
+    code, msg = code_of(lambda: infer_pb(ch, r))
+    check(code == grpc.StatusCode.INVALID_ARGUMENT and msg == "inputs[0] 'x': contents given as well as raw_input_contents",
+          f"contents beside raw_input_contents: INVALID_ARGUMENT ({code} {msg})")
+    r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], {})
+    r.outputs.add().name = "q"
+    r.outputs.add().name = "q"
+    code, msg = code_of(lambda: infer_pb(ch, r))
+    check(code == grpc.StatusCode.INVALID_ARGUMENT and msg == "outputs[1] 'q': requested twice (outputs[0])",
+          f"an output requested twice: INVALID_ARGUMENT ({code} {msg})")
+    r = make_req("quant.per_token", [("x", "FP32", [4, 64], small.tobytes())], {})
+    for _ in range(20000):
+        r.outputs.add().name = "q"
+    code, msg = code_of(lambda: infer_pb(ch, r))
+    check(code == grpc.StatusCode.INVALID_ARGUMENT and msg == "outputs: 20000 requested, at most 24",
+          f"20000 outputs: INVALID_ARGUMENT before the op runs ({code} {msg})")
     # client cancel mid-call
     f = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
                        request_serializer=lambda m: m.SerializeToString()).future(r)

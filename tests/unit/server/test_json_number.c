@@ -81,12 +81,40 @@ START_TEST(answers_keep_sign_and_nonfinite) {
 }
 END_TEST
 
+/* cJSON would cut "x\u0000y" to "x": every NUL a string would hold is
+ * found, at its offset; an escaped backslash before "u0000" is not one, and
+ * bytes after the value (a REST request's binary data) are not looked at */
+START_TEST(nul_in_strings_found) {
+  /* each text with its length (a raw NUL inside) and where the NUL is (-1: none) */
+#define CASE(t, at)                                                                                          \
+  { t, sizeof t - 1, at }
+  static const struct {
+    const char *text;
+    size_t len;
+    long at;
+  } cases[] = {
+      CASE("{\"id\":\"a\\u0000b\"}", 8),   /* the escape */
+      CASE("{\"a\\u0000\":1}", 3),         /* in a key */
+      CASE("{\"id\":\"a\0b\"}", 8),        /* a raw NUL byte in a string */
+      CASE("{\"id\":\"a\\\\u0000\"}", -1), /* \\ then u0000: no NUL */
+      CASE("{\"id\":\"\\\"\\u0000\"}", 9), /* after an escaped quote, still in the string */
+      CASE("{\"a\":[1]}\0\"\\u0000", -1),  /* after the value: not looked at */
+      CASE("{\"a\":\"\\u000\"}", -1),      /* cut short: not a NUL */
+  };
+#undef CASE
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+    ck_assert_uint_eq(moed_json_nul_at(cases[i].text, cases[i].len),
+                      cases[i].at < 0 ? cases[i].len : (size_t)cases[i].at);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("json_number");
   TCase *tc = tcase_create("core");
   tcase_add_test(tc, tokens_parse_to_nonfinite);
   tcase_add_test(tc, strings_and_words_untouched);
   tcase_add_test(tc, answers_keep_sign_and_nonfinite);
+  tcase_add_test(tc, nul_in_strings_found);
   suite_add_tcase(s, tc);
   SRunner *sr = srunner_create(s);
   srunner_run_all(sr, CK_NORMAL);
