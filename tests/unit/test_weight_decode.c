@@ -23,6 +23,7 @@
 #include "cpu/weight_format.h"
 #include "moe/codec.h"
 #include "moe/expert_set.h"
+#include "ops/op.h"
 
 #define LANES MOE_WEIGHT_LANES
 
@@ -100,40 +101,56 @@ static void check_matrix(const moe_weight_matrix *m, const char *what) {
                     what, (long long)r, (long long)j, (double)vec[i], moe_f32_bits(vec[i]), (double)ref[i],
                     moe_f32_bits(ref[i]));
     }
-  /* token rows of order one, zero past cols as the pipeline pads them */
+  /* token rows of order one, zero past cols as the pipeline pads them;
+   * variant 0 not of the activation dtype (the dot never fuses), 1 to 3 of
+   * it (the pipeline's rows: the dot fuses where it proves the products
+   * exact), 2 and 3 scaled by 2^60 and 2^-60 toward fp32's overflow and
+   * underflow (fp16 rows become infinite at 2^60: not fused) */
   float *x = calloc((size_t)MOE_WEIGHT_DOT_TOKENS * (size_t)kp, sizeof(float));
   ck_assert_ptr_nonnull(x);
   const float *xr[MOE_WEIGHT_DOT_TOKENS];
-  for (int t = 0; t < MOE_WEIGHT_DOT_TOKENS; t++) {
-    for (int64_t j = 0; j < cols; j++)
-      x[(size_t)t * (size_t)kp + (size_t)j] = (float)((int32_t)(rng_u32() % 2001u) - 1000) / 997.0f;
-    xr[t] = x + (size_t)t * (size_t)kp;
-  }
   float out[MOE_WEIGHT_DOT_TOKENS * MOE_WEIGHT_DOT_ROWS];
-  for (int64_t r0 = 0; r0 + MOE_WEIGHT_DOT_ROWS <= rows; r0 += MOE_WEIGHT_DOT_ROWS) {
-    int64_t rr[MOE_WEIGHT_DOT_ROWS];
-    for (int r = 0; r < MOE_WEIGHT_DOT_ROWS; r++)
-      rr[r] = r0 + r;
-    for (int mr = 1; mr <= MOE_WEIGHT_DOT_TOKENS; mr++) {
-      m->fmt->dot(m, 0, rr, mr, xr, kp, out);
-      for (int t = 0; t < mr; t++)
-        for (int r = 0; r < MOE_WEIGHT_DOT_ROWS; r++) {
-          float a[LANES] = {0}, b[8], c[4];
-          for (int l = 0; l < LANES; l++) { /* lane l: columns l, l + 16, ... in order; product, then sum */
-            for (int64_t j = l; j < kp; j += LANES) {
-              const float p = xr[t][j] * ref[(size_t)(r0 + r) * (size_t)kp + (size_t)j];
-              a[l] = a[l] + p;
+  for (int variant = 0; variant < 4; variant++) {
+    const float mul = variant == 2 ? 0x1p60f : variant == 3 ? 0x1p-60f : 1.0f;
+    moe_x_range range[MOE_WEIGHT_DOT_TOKENS];
+    for (int t = 0; t < MOE_WEIGHT_DOT_TOKENS; t++) {
+      for (int64_t j = 0; j < cols; j++) {
+        const float v = (float)((int32_t)(rng_u32() % 2001u) - 1000) / 997.0f * mul;
+        x[(size_t)t * (size_t)kp + (size_t)j] = variant ? moe_round_to(v, m->act) : v;
+      }
+      xr[t] = x + (size_t)t * (size_t)kp;
+      range[t] = moe_weight_x_range(xr[t], kp, m->act);
+      ck_assert_msg(range[t].exact == (variant == 1 || variant == 3 || (variant == 2 && m->act == MOE_BF16)),
+                    "%s: token row %d of variant %d: exact %d", what, t, variant, range[t].exact);
+    }
+    for (int64_t r0 = 0; r0 + MOE_WEIGHT_DOT_ROWS <= rows; r0 += MOE_WEIGHT_DOT_ROWS) {
+      int64_t rr[MOE_WEIGHT_DOT_ROWS];
+      for (int r = 0; r < MOE_WEIGHT_DOT_ROWS; r++)
+        rr[r] = r0 + r;
+      for (int mr = 1; mr <= MOE_WEIGHT_DOT_TOKENS; mr++) {
+        moe_x_range joined = range[0];
+        for (int t = 1; t < mr; t++)
+          joined = moe_x_range_join(joined, range[t]);
+        m->fmt->dot(m, 0, rr, mr, xr, joined, kp, out);
+        for (int t = 0; t < mr; t++)
+          for (int r = 0; r < MOE_WEIGHT_DOT_ROWS; r++) {
+            float a[LANES] = {0}, b[8], c[4];
+            for (int l = 0; l < LANES; l++) { /* lane l: columns l, l + 16, ... in order; product, then sum */
+              for (int64_t j = l; j < kp; j += LANES) {
+                const float p = xr[t][j] * ref[(size_t)(r0 + r) * (size_t)kp + (size_t)j];
+                a[l] = a[l] + p;
+              }
             }
+            for (int l = 0; l < 8; l++)
+              b[l] = a[l] + a[l + 8];
+            for (int l = 0; l < 4; l++)
+              c[l] = b[l] + b[l + 4];
+            const float want = (c[0] + c[2]) + (c[1] + c[3]), got = out[t * MOE_WEIGHT_DOT_ROWS + r];
+            ck_assert_msg(same_bits(got, want) || (isnan(got) && isnan(want)),
+                          "%s: x variant %d: dot of token %d with row %lld, %d rows a call: %a, reference %a",
+                          what, variant, t, (long long)(r0 + r), mr, (double)got, (double)want);
           }
-          for (int l = 0; l < 8; l++)
-            b[l] = a[l] + a[l + 8];
-          for (int l = 0; l < 4; l++)
-            c[l] = b[l] + b[l + 4];
-          const float want = (c[0] + c[2]) + (c[1] + c[3]), got = out[t * MOE_WEIGHT_DOT_ROWS + r];
-          ck_assert_msg(same_bits(got, want) || (isnan(got) && isnan(want)),
-                        "%s: dot of token %d with row %lld, %d rows a call: %a, reference %a", what, t,
-                        (long long)(r0 + r), mr, (double)got, (double)want);
-        }
+      }
     }
   }
   free(x);
