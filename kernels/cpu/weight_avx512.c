@@ -239,6 +239,40 @@ V512_INLINE void dot_group(const moe_weight_matrix *m, enum decoder dec, moe_dty
   }
 }
 
+/* int4: the tables of groups [g, g + n) of one row (n <= LANES) into
+ * lut[i][r], their scales read and checked in one vector (the scalar loads,
+ * exponent tests and finiteness tests of row_group were most of a group's
+ * setup); the bits of *fuse of groups whose products are not proven exact
+ * (fuse_window) cleared. The same table values as row_group. */
+V512_INLINE void int4_luts(const moe_weight_matrix *m, moe_dtype act, fuse_window fw, int64_t e,
+                           const row_dec *d, int r, int64_t g, int n, __m512 lut[][DOT_ROWS],
+                           __mmask16 *fuse) {
+  const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+  const size_t si = d->s0 + (size_t)g;
+  __m512 sv;
+  if (m->scale_dtype == MOE_F32) {
+    sv = _mm512_maskz_loadu_ps(valid, (const float *)m->scales + si);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(valid, (const uint16_t *)m->scales + si);
+    sv = m->scale_dtype == MOE_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                    : _mm512_cvtph_ps(h); /* exact, as moe_f16_to_f32 (NaN: a NaN) */
+  }
+  const __m512i b = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(sv), 23), _mm512_set1_epi32(0xFF));
+  *fuse &= _mm512_cmpge_epi32_mask(b, _mm512_set1_epi32(fw.lo)) &
+           _mm512_cmple_epi32_mask(b, _mm512_set1_epi32(fw.hi));
+  const unsigned nonfinite = _mm512_cmpeq_epi32_mask(b, _mm512_set1_epi32(0xFF));
+  float sa[LANES];
+  _mm512_storeu_ps(sa, sv);
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 c8 = _mm512_sub_ps(codes, _mm512_set1_ps(8.0f));
+  for (int i = 0; i < n; i++) {
+    const __m512 cz =
+        m->zeros ? _mm512_sub_ps(codes, _mm512_set1_ps(moe_weight_zero_point(m, 4, e, d->n, g + i))) : c8;
+    const __m512 p = _mm512_mul_ps(cz, _mm512_set1_ps(sa[i]));
+    lut[i][r] = (nonfinite >> i) & 1u ? round_act(p, act, true) : round_act(p, act, false);
+  }
+}
+
 /* dot (weight_format.h) for mr token rows, mr a constant after inlining:
  * the mr x 4 accumulators stay in registers, summed across lanes at the
  * end. Group by group (the tables loaded before its chunks), the row's
@@ -258,7 +292,28 @@ V512_INLINE void dot_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtyp
       acc[t][r] = _mm512_setzero_ps();
   }
   const int64_t full = m->cols / LANES * LANES;
-  for (int64_t g0 = 0, g = 0; g0 < full; g++) {
+  if (dec == DEC_INT4) { /* the tables of up to LANES groups of the rows, then their chunks */
+    const int64_t ngroups = (full + m->group - 1) / m->group;
+    for (int64_t gb = 0; gb < ngroups; gb += LANES) {
+      const int gn = ngroups - gb < LANES ? (int)(ngroups - gb) : LANES;
+      __m512 lut[LANES][DOT_ROWS];
+      __mmask16 fuse = 0xFFFF;
+#pragma GCC unroll 4
+      for (int r = 0; r < DOT_ROWS; r++)
+        int4_luts(m, act, fw, e, &d[r], r, gb, gn, lut, &fuse);
+      for (int i = 0; i < gn; i++) {
+        const int64_t g0 = (gb + i) * m->group, g1 = g0 + m->group < full ? g0 + m->group : full;
+#pragma GCC unroll 4
+        for (int r = 0; r < DOT_ROWS; r++)
+          d[r].lut = lut[i][r];
+        if ((fuse >> i) & 1u)
+          dot_group(m, dec, act, d, acc, mr, true, x, g0, g1);
+        else
+          dot_group(m, dec, act, d, acc, mr, false, x, g0, g1);
+      }
+    }
+  }
+  for (int64_t g0 = dec == DEC_INT4 ? full : 0, g = 0; g0 < full; g++) {
 #pragma GCC unroll 4
     for (int r = 0; r < DOT_ROWS; r++)
       row_group(m, dec, act, fw, e, &d[r], g);

@@ -164,7 +164,7 @@ static void check_set(const moe_expert_set *set, const char *name) {
     for (int w = 0; w < 2; w++) {
       moe_weight_matrix m;
       moe_weight_matrix_init(set, w ? MOE_W2 : MOE_W13, acts[a], &m);
-      char what[96];
+      char what[160];
       snprintf(what, sizeof what, "%s %s, %s activations", name, w ? "w2" : "w13",
                acts[a] == MOE_F16 ? "fp16" : "bf16");
       check_matrix(&m, what);
@@ -183,14 +183,14 @@ static bool have_vector_kernels(void) {
  * (zero point n % 16 for int4) meets every scale; codes permuted along the
  * row so that every group holds each int4 code once (int8: all 256 codes
  * over the row). W2 [H, 16] with random codes, scales and zero points. */
-static void check_wna16(int bits, int64_t tail) {
+static void check_wna16(int bits, int64_t tail, moe_dtype sdt, bool zeros) {
   const int64_t I = 16, rows = 2 * I, g = 16, H = N_SCALES * g + tail, G = (H + g - 1) / g;
   moe_expert_config cfg;
   moe_expert_config_defaults(&cfg);
   cfg.scheme = MOE_SCHEME_WNA16;
   cfg.bits = bits;
   cfg.group_size = tail ? -1 : g; /* one group when the row has a partial last chunk */
-  cfg.has_zero_points = true;
+  cfg.has_zero_points = zeros;
   cfg.hidden_size = H;
   cfg.intermediate_size = I;
   const int64_t groups13 = tail ? 1 : G, groups2 = tail ? 1 : I / g;
@@ -218,17 +218,29 @@ static void check_wna16(int bits, int64_t tail) {
     s2[i] = scales[rng_u32() % (uint32_t)N_SCALES];
   for (size_t i = 0; i < zr2 * (size_t)groups2; i++)
     z2[i] = (uint8_t)rng_u32();
+  /* bf16 / fp16 scales: the same list rounded (the vector members read them in their own way) */
+  const size_t ssz = sdt == MOE_F32 ? 4 : 2;
+  uint16_t *h13 = malloc((size_t)(rows * groups13) * 2), *h2 = malloc((size_t)(H * groups2) * 2);
+  for (size_t i = 0; i < (size_t)(rows * groups13); i++)
+    h13[i] = sdt == MOE_F16 ? moe_f32_to_f16(s13[i]) : moe_f32_to_bf16(s13[i]);
+  for (size_t i = 0; i < (size_t)(H * groups2); i++)
+    h2[i] = sdt == MOE_F16 ? moe_f32_to_f16(s2[i]) : moe_f32_to_bf16(s2[i]);
+  void *sp13 = sdt == MOE_F32 ? (void *)s13 : (void *)h13, *sp2 = sdt == MOE_F32 ? (void *)s2 : (void *)h2;
   moe_named_tensor t[6] = {
       {"w13_qweight", {MOE_UINT8, 3, {1, rows, H / (int64_t)per}, q13, (size_t)(rows * H) / per}},
-      {"w13_scales", {MOE_F32, 3, {1, rows, groups13}, s13, (size_t)(rows * groups13) * 4}},
-      {"w13_qzeros", {MOE_UINT8, 3, {1, (int64_t)zr13, groups13}, z13, zr13 * (size_t)groups13}},
+      {"w13_scales", {sdt, 3, {1, rows, groups13}, sp13, (size_t)(rows * groups13) * ssz}},
       {"w2_qweight", {MOE_UINT8, 3, {1, H, I / (int64_t)per}, q2, (size_t)(H * I) / per}},
-      {"w2_scales", {MOE_F32, 3, {1, H, groups2}, s2, (size_t)(H * groups2) * 4}},
+      {"w2_scales", {sdt, 3, {1, H, groups2}, sp2, (size_t)(H * groups2) * ssz}},
+      {"w13_qzeros", {MOE_UINT8, 3, {1, (int64_t)zr13, groups13}, z13, zr13 * (size_t)groups13}},
       {"w2_qzeros", {MOE_UINT8, 3, {1, (int64_t)zr2, groups2}, z2, zr2 * (size_t)groups2}},
   };
-  moe_expert_set *set = make_set(&cfg, t, 6);
-  char name[64];
-  snprintf(name, sizeof name, "int%d%s", bits, tail ? " one group, partial last chunk" : " g16");
+  moe_expert_set *set = make_set(&cfg, t, zeros ? 6 : 4);
+  char name[96];
+  snprintf(name, sizeof name, "int%d%s, %s scales%s", bits, tail ? " one group, partial last chunk" : " g16",
+           sdt == MOE_F32   ? "fp32"
+           : sdt == MOE_F16 ? "fp16"
+                            : "bf16",
+           zeros ? "" : ", no zero points");
   check_set(set, name);
   moe_expert_set_destroy(set);
   free(q13);
@@ -237,19 +249,24 @@ static void check_wna16(int bits, int64_t tail) {
   free(s2);
   free(z13);
   free(z2);
+  free(h13);
+  free(h2);
 }
 
 START_TEST(int4_every_code_zero_point_and_scale) {
   if (!have_vector_kernels()) return;
-  check_wna16(4, 0);
-  check_wna16(4, 8); /* K = 16 * 32 + 8: the masked last chunk */
+  check_wna16(4, 0, MOE_F32, true);
+  check_wna16(4, 8, MOE_F32, true); /* K = 16 * 32 + 8: the masked last chunk */
+  check_wna16(4, 0, MOE_BF16, true);
+  check_wna16(4, 0, MOE_F16, false);
+  check_wna16(4, 0, MOE_BF16, false);
 }
 END_TEST
 
 START_TEST(int8_every_code_and_scale) {
   if (!have_vector_kernels()) return;
-  check_wna16(8, 0);
-  check_wna16(8, 6);
+  check_wna16(8, 0, MOE_F32, true);
+  check_wna16(8, 6, MOE_F32, true);
 }
 END_TEST
 
