@@ -8,6 +8,8 @@
  * bf16 weights widen by a shift, fp16 by vcvtph2ps. Lane l of a chunk at
  * column j holds column j + l, as in the pipeline's dot kernels
  * (kernels/cpu/fused_moe.c), so the sums keep their order and their bits.
+ * The int4 / int8 / mxfp4 dot fuses a product and its sum into one FMA in
+ * groups where the product is proven exact (fuse_window): the same bits.
  *
  * Intrinsics rather than the clones of MOE_CPU_HOT: GCC 12 turns the byte
  * shuffles of its generic vectors into scalar code (and once crashed on
