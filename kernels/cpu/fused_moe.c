@@ -330,7 +330,7 @@ static void gate_up_item(const fused_ctx *f, const work_item *it, float *strip, 
     /* the dot kernels take MR token rows or one; the formats' dot any count up to MR */
     const int mr = end - p >= MR ? MR : src.direct ? (int)(end - p) : 1;
     const float *x[MR];
-    src.xr = (moe_x_range){true, 1000, -1000}; /* no rows yet */
+    src.xr = MOE_X_RANGE_EMPTY; /* joined with each row's below */
     for (int m = 0; m < mr; m++) {
       const int64_t tl = f->order[p + m] / f->top_k;
       x[m] = f->xf + (size_t)tl * ld;
@@ -411,7 +411,7 @@ static void down_item(const fused_ctx *f, const work_item *it, float *strip, flo
     /* the dot kernels take MR token rows or one; the formats' dot any count up to MR */
     const int mr = end - p >= MR ? MR : src.direct ? (int)(end - p) : 1;
     const float *x[MR];
-    src.xr = (moe_x_range){true, 1000, -1000}; /* no rows yet */
+    src.xr = MOE_X_RANGE_EMPTY; /* joined with each row's below */
     for (int m = 0; m < mr; m++) {
       x[m] = f->a + (size_t)(p + m) * ld;
       sc.sx[m] = f->as + (size_t)(p + m) * (size_t)l->blocks;

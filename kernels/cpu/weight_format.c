@@ -18,7 +18,7 @@ MOE_CPU_INLINE uint16_t load_u16(const uint8_t *p) {
 /* ---- token rows: what the formats' dot may fuse -------------------------------- */
 
 moe_x_range moe_weight_x_range(const float *x, int64_t n, moe_dtype act) {
-  moe_x_range r = {true, 1000, -1000}; /* no nonzero value yet: lo > hi */
+  moe_x_range r = MOE_X_RANGE_EMPTY; /* widened by each nonzero value */
   for (int64_t j = 0; j < n; j++) {
     const uint32_t u = moe_f32_bits(x[j]), a = u & 0x7FFFFFFFu;
     if (a == 0) continue;

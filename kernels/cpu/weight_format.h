@@ -95,6 +95,9 @@ typedef struct moe_x_range {
   int lo, hi;
 } moe_x_range;
 
+/* The range of no rows (every value 0): lo > hi, exact. */
+#define MOE_X_RANGE_EMPTY ((moe_x_range){true, 1000, -1000})
+
 /* The range of x[0..n) for activations of dtype act (F16 or BF16). */
 moe_x_range moe_weight_x_range(const float *x, int64_t n, moe_dtype act);
 /* The range of token rows a and b together. */
