@@ -112,6 +112,11 @@ V512_INLINE fuse_window fuse_window_of(enum decoder dec, moe_dtype act, moe_x_ra
   return (fuse_window){lo, hi};
 }
 
+/* The group of column j (bf16 / fp16 weights have none: group 0). */
+V512_INLINE int64_t group_of(const moe_weight_matrix *m, int64_t j) {
+  return m->group > 0 ? j / m->group : 0;
+}
+
 /* Loads group g (the dot counts them: no division per group and row). */
 V512_INLINE void row_group(const moe_weight_matrix *m, enum decoder dec, moe_dtype act, fuse_window fw,
                            int64_t e, row_dec *d, int64_t g) {
@@ -334,7 +339,7 @@ V512_INLINE void dot_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtyp
     __m512 w[DOT_ROWS];
 #pragma GCC unroll 4
     for (int r = 0; r < DOT_ROWS; r++) {
-      row_group(m, dec, act, fw, e, &d[r], full / m->group);
+      row_group(m, dec, act, fw, e, &d[r], group_of(m, full));
       w[r] = _mm512_maskz_mov_ps(keep, permuted ? chunk_permuted(&d[r], full, valid)
                                                 : row_chunk(dec, act, &d[r], full, valid));
     }
@@ -380,7 +385,7 @@ V512_INLINE void dequant_rows(const moe_weight_matrix *m, enum decoder dec, moe_
     float *out = dst + (size_t)r * ld - k0;
     for (int64_t j = k0; j < k0 + ncols; j += LANES) {
       const int64_t valid = k0 + ncols - j < LANES ? k0 + ncols - j : LANES;
-      if (j >= d.next) row_group(m, dec, act, (fuse_window){1, 0}, e, &d, j / m->group);
+      if (j >= d.next) row_group(m, dec, act, (fuse_window){1, 0}, e, &d, group_of(m, j));
       const __m512 w = row_chunk(dec, act, &d, j, valid);
       _mm512_mask_storeu_ps(out + j, valid >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << valid) - 1u), w);
     }
