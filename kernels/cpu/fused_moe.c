@@ -158,6 +158,7 @@ typedef struct strip_src {
   const moe_weight_matrix *w;
   int64_t e;
   int64_t rows[STRIP];
+  moe_x_range xr; /* direct: the range of the token rows of the call (weight_format.h) */
 } strip_src;
 
 /* tile[m * STRIP + n] = x[m] . strip[n] for every strip row n; with
@@ -170,7 +171,7 @@ static void strip_gemm(int mr, const float *const *x, const strip_src *src, cons
     const float *w = src->strip + (size_t)n0 * ld;
     if (!sc) {
       if (src->direct) {
-        src->w->fmt->dot(src->w, src->e, src->rows + n0, mr, x, l->stride, out);
+        src->w->fmt->dot(src->w, src->e, src->rows + n0, mr, x, src->xr, l->stride, out);
       } else {
         (mr == MR ? dot_rows4 : dot_rows1)(x, w, ld, l->stride, out);
       }
@@ -229,6 +230,8 @@ typedef struct fused_ctx {
                          between phases 1 and 2) */
   float *as;          /* fp8: [tokens * k, ka.blocks] the scales of a */
   float *y;           /* [tokens * k, hidden]: act(routed expert output), rows by slot */
+  moe_x_range *xr;    /* direct13: [tokens] the range of each row of xf */
+  moe_x_range *ar;    /* direct2: [tokens * k] the range of each row of a */
   work_item *items1, *items2;
   int64_t n_items1, n_items2;
   moe_weight_dequant_fn *dequant13, *dequant2; /* the strips' dequantization */
@@ -327,9 +330,11 @@ static void gate_up_item(const fused_ctx *f, const work_item *it, float *strip, 
     /* the dot kernels take MR token rows or one; the formats' dot any count up to MR */
     const int mr = end - p >= MR ? MR : src.direct ? (int)(end - p) : 1;
     const float *x[MR];
+    src.xr = MOE_X_RANGE_EMPTY; /* joined with each row's below */
     for (int m = 0; m < mr; m++) {
       const int64_t tl = f->order[p + m] / f->top_k;
       x[m] = f->xf + (size_t)tl * ld;
+      if (src.direct) src.xr = moe_x_range_join(src.xr, f->xr[tl]);
       if (!w->scaled) continue;
       if (w->act_scales) { /* static: the expert's scale (one block: per_tensor) */
         float *q = xq + (size_t)m * ld;
@@ -406,9 +411,11 @@ static void down_item(const fused_ctx *f, const work_item *it, float *strip, flo
     /* the dot kernels take MR token rows or one; the formats' dot any count up to MR */
     const int mr = end - p >= MR ? MR : src.direct ? (int)(end - p) : 1;
     const float *x[MR];
+    src.xr = MOE_X_RANGE_EMPTY; /* joined with each row's below */
     for (int m = 0; m < mr; m++) {
       x[m] = f->a + (size_t)(p + m) * ld;
       sc.sx[m] = f->as + (size_t)(p + m) * (size_t)l->blocks;
+      if (src.direct) src.xr = moe_x_range_join(src.xr, f->ar[p + m]);
     }
     strip_gemm(mr, x, &src, l, w->scaled ? &sc : NULL, tile);
     for (int m = 0; m < mr; m++) {
@@ -442,6 +449,7 @@ static void convert_token(const fused_ctx *f, int64_t tl) {
     if (f->w13.scaled && !f->w13.act_scales)
       f->xs[tl * l->blocks + b] = moe_cpu_fp8_quant_group(blk, (size_t)l->len, 0.0f, f->w13.exact_division);
   }
+  if (f->direct13) f->xr[tl] = moe_weight_x_range(row, l->stride, f->act);
 }
 
 /* out = act(sum over k of y_k) in fp32, k in the order given; experts held
@@ -578,6 +586,8 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
   const size_t o_cursor = ws_take(&p, ne, sizeof(int64_t));
   const size_t o_a = ws_take(&p, chunk_slots * (size_t)f.ka.stride, sizeof(float));
   const size_t o_y = ws_take(&p, chunk_slots * (size_t)f.hidden, sizeof(float));
+  const size_t o_xr = ws_take(&p, (size_t)chunk, sizeof(moe_x_range));
+  const size_t o_ar = ws_take(&p, chunk_slots, sizeof(moe_x_range));
   const size_t o_items1 = ws_take(&p, ne * (size_t)((f.inter + HALF - 1) / HALF), sizeof(work_item));
   const size_t o_items2 = ws_take(&p, ne * (size_t)((f.hidden + STRIP - 1) / STRIP), sizeof(work_item));
   const size_t o_threads = ws_take(&p, (size_t)threads, per_thread);
@@ -594,6 +604,8 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
   f.cursor = ws_at(ws, o_cursor);
   f.a = ws_at(ws, o_a);
   f.y = ws_at(ws, o_y);
+  f.xr = ws_at(ws, o_xr);
+  f.ar = ws_at(ws, o_ar);
   f.items1 = ws_at(ws, o_items1);
   f.items2 = ws_at(ws, o_items2);
   unsigned char *thread_ws = ws + o_threads;
@@ -631,6 +643,11 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
 #pragma omp for schedule(static)
         for (int64_t q = 0; q < f.start[f.local_experts]; q++)
           quantize_a(&f, q);
+      }
+      if (f.direct2) { /* rows of a are complete only now */
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < f.start[f.local_experts]; q++)
+          f.ar[q] = moe_weight_x_range(f.a + (size_t)q * (size_t)f.ka.stride, f.inter, f.act);
       }
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < f.n_items2; i++)

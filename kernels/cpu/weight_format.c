@@ -15,6 +15,22 @@ MOE_CPU_INLINE uint16_t load_u16(const uint8_t *p) {
   return v;
 }
 
+/* ---- token rows: what the formats' dot may fuse -------------------------------- */
+
+moe_x_range moe_weight_x_range(const float *x, int64_t n, moe_dtype act) {
+  moe_x_range r = MOE_X_RANGE_EMPTY; /* widened by each nonzero value */
+  for (int64_t j = 0; j < n; j++) {
+    const uint32_t u = moe_f32_bits(x[j]), a = u & 0x7FFFFFFFu;
+    if (a == 0) continue;
+    if (a >= 0x7F800000u || moe_f32_bits(moe_round_to(x[j], act)) != u) return (moe_x_range){false, 0, 0};
+    const int be = (int)(a >> 23); /* fp32 subnormals: [2^-149, 2^-126) */
+    const int lo = be ? be - 127 : -149, hi = be ? be - 126 : -126;
+    r.lo = lo < r.lo ? lo : r.lo;
+    r.hi = hi > r.hi ? hi : r.hi;
+  }
+  return r;
+}
+
 /* ---- bf16 / fp16: the weights are already in the activation dtype ---------- */
 
 /* Widening only; `fp16` is a constant after inlining (the bf16 loop

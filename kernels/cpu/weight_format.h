@@ -82,6 +82,29 @@ static inline float moe_weight_bias(const moe_weight_matrix *m, int64_t e, int64
 /* Token rows per call of a format's dot, at most (the pipeline's MR). */
 #define MOE_WEIGHT_DOT_TOKENS 4
 
+/* What a format's dot may know of its token rows to use one fused
+ * multiply-add where the contract asks for a rounded product then a sum:
+ * when x and w are both values of the activation dtype (8 or 11
+ * significant bits), x * w has at most 22 significant bits and is exact in
+ * fp32 unless it leaves the normal range; then fma(x, w, acc) rounds once,
+ * exactly as acc + round(x * w), and the bits do not move. `exact`: every
+ * value is finite and of the activation dtype; then each nonzero |x| lies
+ * in [2^lo, 2^hi) (lo > hi when every value is 0). */
+typedef struct moe_x_range {
+  bool exact;
+  int lo, hi;
+} moe_x_range;
+
+/* The range of no rows (every value 0): lo > hi, exact. */
+#define MOE_X_RANGE_EMPTY ((moe_x_range){true, 1000, -1000})
+
+/* The range of x[0..n) for activations of dtype act (F16 or BF16). */
+moe_x_range moe_weight_x_range(const float *x, int64_t n, moe_dtype act);
+/* The range of token rows a and b together. */
+static inline moe_x_range moe_x_range_join(moe_x_range a, moe_x_range b) {
+  return (moe_x_range){a.exact && b.exact, a.lo < b.lo ? a.lo : b.lo, a.hi > b.hi ? a.hi : b.hi};
+}
+
 typedef void moe_weight_dequant_fn(const moe_weight_matrix *m, int64_t e, int64_t n0, int64_t nrows,
                                    int64_t k0, int64_t ncols, float *dst, size_t ld);
 
@@ -104,9 +127,11 @@ struct moe_weight_format {
    * each product rounded, then added; the 16 lanes are then added pairwise
    * (l with l + 8, then + 4, then (0 + 2) + (1 + 3)). So the same bits as
    * a dequantized strip through the pipeline's dot kernels; columns past
-   * cols count as +0 weights. */
+   * cols count as +0 weights. `xr`: the range of the mr token rows together
+   * (moe_x_range): where it and a group's scale prove every product exact,
+   * the group's multiply-adds are fused, with the same bits. */
   void (*dot)(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr, const float *const *x,
-              int64_t kp, float *out);
+              moe_x_range xr, int64_t kp, float *out);
 };
 
 /* Whether every 16-column chunk of m's rows lies in one scale group (the
@@ -138,15 +163,15 @@ extern const float moe_e2m1_value[16];
 
 /* The AVX-512 members of the formats (kernels/cpu/weight_avx512.c). */
 void moe_dot_bf16_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
-                         const float *const *x, int64_t kp, float *out);
+                         const float *const *x, moe_x_range xr, int64_t kp, float *out);
 void moe_dot_fp16_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
-                         const float *const *x, int64_t kp, float *out);
+                         const float *const *x, moe_x_range xr, int64_t kp, float *out);
 void moe_dot_int4_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
-                         const float *const *x, int64_t kp, float *out);
+                         const float *const *x, moe_x_range xr, int64_t kp, float *out);
 void moe_dot_int8_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
-                         const float *const *x, int64_t kp, float *out);
+                         const float *const *x, moe_x_range xr, int64_t kp, float *out);
 void moe_dot_mxfp4_avx512(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr,
-                          const float *const *x, int64_t kp, float *out);
+                          const float *const *x, moe_x_range xr, int64_t kp, float *out);
 moe_weight_dequant_fn moe_dequant_bf16_avx512, moe_dequant_fp16_avx512, moe_dequant_int4_avx512,
     moe_dequant_int8_avx512, moe_dequant_mxfp4_avx512;
 

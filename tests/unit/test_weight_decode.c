@@ -23,6 +23,7 @@
 #include "cpu/weight_format.h"
 #include "moe/codec.h"
 #include "moe/expert_set.h"
+#include "ops/op.h"
 
 #define LANES MOE_WEIGHT_LANES
 
@@ -100,40 +101,56 @@ static void check_matrix(const moe_weight_matrix *m, const char *what) {
                     what, (long long)r, (long long)j, (double)vec[i], moe_f32_bits(vec[i]), (double)ref[i],
                     moe_f32_bits(ref[i]));
     }
-  /* token rows of order one, zero past cols as the pipeline pads them */
+  /* token rows of order one, zero past cols as the pipeline pads them;
+   * variant 0 not of the activation dtype (the dot never fuses), 1 to 3 of
+   * it (the pipeline's rows: the dot fuses where it proves the products
+   * exact), 2 and 3 scaled by 2^60 and 2^-60 toward fp32's overflow and
+   * underflow (fp16 rows become infinite at 2^60: not fused) */
   float *x = calloc((size_t)MOE_WEIGHT_DOT_TOKENS * (size_t)kp, sizeof(float));
   ck_assert_ptr_nonnull(x);
   const float *xr[MOE_WEIGHT_DOT_TOKENS];
-  for (int t = 0; t < MOE_WEIGHT_DOT_TOKENS; t++) {
-    for (int64_t j = 0; j < cols; j++)
-      x[(size_t)t * (size_t)kp + (size_t)j] = (float)((int32_t)(rng_u32() % 2001u) - 1000) / 997.0f;
-    xr[t] = x + (size_t)t * (size_t)kp;
-  }
   float out[MOE_WEIGHT_DOT_TOKENS * MOE_WEIGHT_DOT_ROWS];
-  for (int64_t r0 = 0; r0 + MOE_WEIGHT_DOT_ROWS <= rows; r0 += MOE_WEIGHT_DOT_ROWS) {
-    int64_t rr[MOE_WEIGHT_DOT_ROWS];
-    for (int r = 0; r < MOE_WEIGHT_DOT_ROWS; r++)
-      rr[r] = r0 + r;
-    for (int mr = 1; mr <= MOE_WEIGHT_DOT_TOKENS; mr++) {
-      m->fmt->dot(m, 0, rr, mr, xr, kp, out);
-      for (int t = 0; t < mr; t++)
-        for (int r = 0; r < MOE_WEIGHT_DOT_ROWS; r++) {
-          float a[LANES] = {0}, b[8], c[4];
-          for (int l = 0; l < LANES; l++) { /* lane l: columns l, l + 16, ... in order; product, then sum */
-            for (int64_t j = l; j < kp; j += LANES) {
-              const float p = xr[t][j] * ref[(size_t)(r0 + r) * (size_t)kp + (size_t)j];
-              a[l] = a[l] + p;
+  for (int variant = 0; variant < 4; variant++) {
+    const float mul = variant == 2 ? 0x1p60f : variant == 3 ? 0x1p-60f : 1.0f;
+    moe_x_range range[MOE_WEIGHT_DOT_TOKENS];
+    for (int t = 0; t < MOE_WEIGHT_DOT_TOKENS; t++) {
+      for (int64_t j = 0; j < cols; j++) {
+        const float v = (float)((int32_t)(rng_u32() % 2001u) - 1000) / 997.0f * mul;
+        x[(size_t)t * (size_t)kp + (size_t)j] = variant ? moe_round_to(v, m->act) : v;
+      }
+      xr[t] = x + (size_t)t * (size_t)kp;
+      range[t] = moe_weight_x_range(xr[t], kp, m->act);
+      ck_assert_msg(range[t].exact == (variant == 1 || variant == 3 || (variant == 2 && m->act == MOE_BF16)),
+                    "%s: token row %d of variant %d: exact %d", what, t, variant, range[t].exact);
+    }
+    for (int64_t r0 = 0; r0 + MOE_WEIGHT_DOT_ROWS <= rows; r0 += MOE_WEIGHT_DOT_ROWS) {
+      int64_t rr[MOE_WEIGHT_DOT_ROWS];
+      for (int r = 0; r < MOE_WEIGHT_DOT_ROWS; r++)
+        rr[r] = r0 + r;
+      for (int mr = 1; mr <= MOE_WEIGHT_DOT_TOKENS; mr++) {
+        moe_x_range joined = range[0];
+        for (int t = 1; t < mr; t++)
+          joined = moe_x_range_join(joined, range[t]);
+        m->fmt->dot(m, 0, rr, mr, xr, joined, kp, out);
+        for (int t = 0; t < mr; t++)
+          for (int r = 0; r < MOE_WEIGHT_DOT_ROWS; r++) {
+            float a[LANES] = {0}, b[8], c[4];
+            for (int l = 0; l < LANES; l++) { /* lane l: columns l, l + 16, ... in order; product, then sum */
+              for (int64_t j = l; j < kp; j += LANES) {
+                const float p = xr[t][j] * ref[(size_t)(r0 + r) * (size_t)kp + (size_t)j];
+                a[l] = a[l] + p;
+              }
             }
+            for (int l = 0; l < 8; l++)
+              b[l] = a[l] + a[l + 8];
+            for (int l = 0; l < 4; l++)
+              c[l] = b[l] + b[l + 4];
+            const float want = (c[0] + c[2]) + (c[1] + c[3]), got = out[t * MOE_WEIGHT_DOT_ROWS + r];
+            ck_assert_msg(same_bits(got, want) || (isnan(got) && isnan(want)),
+                          "%s: x variant %d: dot of token %d with row %lld, %d rows a call: %a, reference %a",
+                          what, variant, t, (long long)(r0 + r), mr, (double)got, (double)want);
           }
-          for (int l = 0; l < 8; l++)
-            b[l] = a[l] + a[l + 8];
-          for (int l = 0; l < 4; l++)
-            c[l] = b[l] + b[l + 4];
-          const float want = (c[0] + c[2]) + (c[1] + c[3]), got = out[t * MOE_WEIGHT_DOT_ROWS + r];
-          ck_assert_msg(same_bits(got, want) || (isnan(got) && isnan(want)),
-                        "%s: dot of token %d with row %lld, %d rows a call: %a, reference %a", what, t,
-                        (long long)(r0 + r), mr, (double)got, (double)want);
-        }
+      }
     }
   }
   free(x);
@@ -147,7 +164,7 @@ static void check_set(const moe_expert_set *set, const char *name) {
     for (int w = 0; w < 2; w++) {
       moe_weight_matrix m;
       moe_weight_matrix_init(set, w ? MOE_W2 : MOE_W13, acts[a], &m);
-      char what[96];
+      char what[160];
       snprintf(what, sizeof what, "%s %s, %s activations", name, w ? "w2" : "w13",
                acts[a] == MOE_F16 ? "fp16" : "bf16");
       check_matrix(&m, what);
@@ -166,14 +183,14 @@ static bool have_vector_kernels(void) {
  * (zero point n % 16 for int4) meets every scale; codes permuted along the
  * row so that every group holds each int4 code once (int8: all 256 codes
  * over the row). W2 [H, 16] with random codes, scales and zero points. */
-static void check_wna16(int bits, int64_t tail) {
+static void check_wna16(int bits, int64_t tail, moe_dtype sdt, bool zeros) {
   const int64_t I = 16, rows = 2 * I, g = 16, H = N_SCALES * g + tail, G = (H + g - 1) / g;
   moe_expert_config cfg;
   moe_expert_config_defaults(&cfg);
   cfg.scheme = MOE_SCHEME_WNA16;
   cfg.bits = bits;
   cfg.group_size = tail ? -1 : g; /* one group when the row has a partial last chunk */
-  cfg.has_zero_points = true;
+  cfg.has_zero_points = zeros;
   cfg.hidden_size = H;
   cfg.intermediate_size = I;
   const int64_t groups13 = tail ? 1 : G, groups2 = tail ? 1 : I / g;
@@ -201,17 +218,29 @@ static void check_wna16(int bits, int64_t tail) {
     s2[i] = scales[rng_u32() % (uint32_t)N_SCALES];
   for (size_t i = 0; i < zr2 * (size_t)groups2; i++)
     z2[i] = (uint8_t)rng_u32();
+  /* bf16 / fp16 scales: the same list rounded (the vector members read them in their own way) */
+  const size_t ssz = sdt == MOE_F32 ? 4 : 2;
+  uint16_t *h13 = malloc((size_t)(rows * groups13) * 2), *h2 = malloc((size_t)(H * groups2) * 2);
+  for (size_t i = 0; i < (size_t)(rows * groups13); i++)
+    h13[i] = sdt == MOE_F16 ? moe_f32_to_f16(s13[i]) : moe_f32_to_bf16(s13[i]);
+  for (size_t i = 0; i < (size_t)(H * groups2); i++)
+    h2[i] = sdt == MOE_F16 ? moe_f32_to_f16(s2[i]) : moe_f32_to_bf16(s2[i]);
+  void *sp13 = sdt == MOE_F32 ? (void *)s13 : (void *)h13, *sp2 = sdt == MOE_F32 ? (void *)s2 : (void *)h2;
   moe_named_tensor t[6] = {
       {"w13_qweight", {MOE_UINT8, 3, {1, rows, H / (int64_t)per}, q13, (size_t)(rows * H) / per}},
-      {"w13_scales", {MOE_F32, 3, {1, rows, groups13}, s13, (size_t)(rows * groups13) * 4}},
-      {"w13_qzeros", {MOE_UINT8, 3, {1, (int64_t)zr13, groups13}, z13, zr13 * (size_t)groups13}},
+      {"w13_scales", {sdt, 3, {1, rows, groups13}, sp13, (size_t)(rows * groups13) * ssz}},
       {"w2_qweight", {MOE_UINT8, 3, {1, H, I / (int64_t)per}, q2, (size_t)(H * I) / per}},
-      {"w2_scales", {MOE_F32, 3, {1, H, groups2}, s2, (size_t)(H * groups2) * 4}},
+      {"w2_scales", {sdt, 3, {1, H, groups2}, sp2, (size_t)(H * groups2) * ssz}},
+      {"w13_qzeros", {MOE_UINT8, 3, {1, (int64_t)zr13, groups13}, z13, zr13 * (size_t)groups13}},
       {"w2_qzeros", {MOE_UINT8, 3, {1, (int64_t)zr2, groups2}, z2, zr2 * (size_t)groups2}},
   };
-  moe_expert_set *set = make_set(&cfg, t, 6);
-  char name[64];
-  snprintf(name, sizeof name, "int%d%s", bits, tail ? " one group, partial last chunk" : " g16");
+  moe_expert_set *set = make_set(&cfg, t, zeros ? 6 : 4);
+  char name[96];
+  snprintf(name, sizeof name, "int%d%s, %s scales%s", bits, tail ? " one group, partial last chunk" : " g16",
+           sdt == MOE_F32   ? "fp32"
+           : sdt == MOE_F16 ? "fp16"
+                            : "bf16",
+           zeros ? "" : ", no zero points");
   check_set(set, name);
   moe_expert_set_destroy(set);
   free(q13);
@@ -220,19 +249,24 @@ static void check_wna16(int bits, int64_t tail) {
   free(s2);
   free(z13);
   free(z2);
+  free(h13);
+  free(h2);
 }
 
 START_TEST(int4_every_code_zero_point_and_scale) {
   if (!have_vector_kernels()) return;
-  check_wna16(4, 0);
-  check_wna16(4, 8); /* K = 16 * 32 + 8: the masked last chunk */
+  check_wna16(4, 0, MOE_F32, true);
+  check_wna16(4, 8, MOE_F32, true); /* K = 16 * 32 + 8: the masked last chunk */
+  check_wna16(4, 0, MOE_BF16, true);
+  check_wna16(4, 0, MOE_F16, false);
+  check_wna16(4, 0, MOE_BF16, false);
 }
 END_TEST
 
 START_TEST(int8_every_code_and_scale) {
   if (!have_vector_kernels()) return;
-  check_wna16(8, 0);
-  check_wna16(8, 6);
+  check_wna16(8, 0, MOE_F32, true);
+  check_wna16(8, 6, MOE_F32, true);
 }
 END_TEST
 
