@@ -11,8 +11,9 @@ import urllib.request
 import grpc
 import numpy as np
 
+from moed_process import check
 from test_fused_moe import mkset
-from test_server import check, code_of, make_req
+from test_server import code_of, make_req
 
 SC = grpc.StatusCode
 HIDDEN, EXPERTS = 512, 8

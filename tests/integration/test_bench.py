@@ -23,8 +23,7 @@ import xml.etree.ElementTree as ET
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-import test_server as ts  # noqa: E402  (start, check)
-from test_server import check  # noqa: E402
+from moed_process import check, exit_with_summary, moed, print_log_tail  # noqa: E402
 
 MOEC, MKSET = os.environ["MOEC"], os.environ["MOE_MKSET"]
 
@@ -280,8 +279,7 @@ def main():
         os.makedirs(repo)
         subprocess.run([MKSET, "--out", f"{repo}/set", "--scheme", "bf16", "--experts", "8", "--hidden", "128",
                         "--intermediate", "64", "--top-k", "2"], check=True, capture_output=True)
-        p, port, _ = ts.start(tmp, "--model-repository", repo)
-        try:
+        with moed(tmp, "--model-repository", repo) as (_, port, _):
             test_quant(port, tmp)
             test_fused_moe(port)
             test_stream(port)
@@ -289,12 +287,8 @@ def main():
             test_tokens(port, tmp)
             test_errors(port)
             test_help()
-            ts.stop(p)
-        finally:
-            if p.poll() is None:
-                p.kill()
-        ts.print_log_tail(tmp)
-    ts.exit_with_summary()
+        print_log_tail(tmp)
+    exit_with_summary()
 
 
 if __name__ == "__main__":

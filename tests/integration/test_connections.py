@@ -32,8 +32,7 @@ import urllib.request
 import grpc
 
 sys.path.insert(0, os.path.dirname(__file__))
-import test_server as ts  # noqa: E402
-from test_server import check  # noqa: E402
+from moed_process import check, moed, run_tests  # noqa: E402
 
 TIMEOUT_S = 1
 
@@ -83,8 +82,7 @@ def grpc_ok(port):
 
 
 def test_timeouts_and_cap(tmp):
-    p, g, h = ts.start(tmp, "--handshake-timeout", str(TIMEOUT_S), "--http-max-connections", "3")
-    try:
+    with moed(tmp, "--handshake-timeout", str(TIMEOUT_S), "--http-max-connections", "3") as (_, g, h):
         check(http_get(h, "/v2/health/live")[0] == 200, "live: 200 while gRPC answers")
         check(http_get(h, "/v2/health/ready")[0] == 200, "ready: 200 while gRPC answers")
         t0 = time.monotonic()
@@ -116,18 +114,15 @@ def test_timeouts_and_cap(tmp):
         time.sleep(0.2)
         check(metric(h, 'moed_http_connections_closed_total{port="http",reason="refused"}') == 1, "refusal counted")
         check(http_get(h, "/v2/health/live")[0] == 200, "live again once the slots are free")
-    finally:
-        ts.stop(p)
 
 
 def test_rest_counts(tmp):
     """The REST port's connections, counted apart from the metrics port's."""
-    p, g, h = ts.start(tmp, "--idle-timeout", str(TIMEOUT_S), "--http-max-connections", "2")
-    r = p.rest_port
+    with moed(tmp, "--idle-timeout", str(TIMEOUT_S), "--http-max-connections", "2") as (p, g, h):
+        r = p.rest_port
 
-    def rest(suffix):
-        return metric(h, f'moed_http_connections{suffix}{{port="rest"}}')
-    try:
+        def rest(suffix):
+            return metric(h, f'moed_http_connections{suffix}{{port="rest"}}')
         check(rest("") == 0 and rest("_accepted_total") == 0, "REST: nothing open or accepted at start")
         held = [socket.create_connection(("127.0.0.1", r)) for _ in range(2)]
         for s in held:  # a keep-alive request each: then idle
@@ -147,23 +142,18 @@ def test_rest_counts(tmp):
                   for k in ("refused", "idle", "timeout")}
         check(counts == {"refused": 1, "idle": 2, "timeout": 0}, f"REST: closes counted by reason ({counts})")
         check(rest("") == 0 and rest("_accepted_total") == 2, f"REST: 0 open, 2 accepted ({rest(''), rest('_accepted_total')})")
-    finally:
-        ts.stop(p)
 
 
 def test_connection_age(tmp):
     """--max-connection-age: a connection that keeps itself from idling out
     is still asked to go (GOAWAY) and closed after the grace."""
-    p, g, _ = ts.start(tmp, "--idle-timeout", "120", "--max-connection-age", "1", "--max-connection-age-grace", "1")
-    try:
+    with moed(tmp, "--idle-timeout", "120", "--max-connection-age", "1", "--max-connection-age-grace", "1") as (_, g, _):
         s = socket.create_connection(("127.0.0.1", g))
         s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0\0\0\4\0\0\0\0\0")  # preface, empty SETTINGS
         w = closed_within(s, 10)
         check(w is not None and 0.5 < w < 10, f"a connection past its age closed after the grace ({w})")
         s.close()
         check(grpc_ok(g), "new connections still served")
-    finally:
-        ts.stop(p)
 
 
 def fd_count(pid):
@@ -182,8 +172,7 @@ def test_fd_reserve(tmp):
         resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
 
     hs = 4
-    p, g, h = ts.start(tmp, "--handshake-timeout", str(hs), "--fd-reserve", "16", preexec_fn=low_fds)
-    try:
+    with moed(tmp, "--handshake-timeout", str(hs), "--fd-reserve", "16", preexec_fn=low_fds) as (p, g, h):
         base = fd_count(p.pid)
         storm = []
         for _ in range(160):  # more than the descriptors moed has
@@ -224,8 +213,6 @@ def test_fd_reserve(tmp):
         check(n is not None and n >= 40, f"refusals counted ({n})")
         for s in storm:
             s.close()
-    finally:
-        ts.stop(p)
 
 
 def test_no_reserve(tmp):
@@ -235,8 +222,7 @@ def test_no_reserve(tmp):
     def low_fds():
         resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
 
-    p, g, h = ts.start(tmp, "--handshake-timeout", "2", "--fd-reserve", "0", preexec_fn=low_fds)
-    try:
+    with moed(tmp, "--handshake-timeout", "2", "--fd-reserve", "0", preexec_fn=low_fds) as (_, g, h):
         storm = []
         for _ in range(160):
             try:
@@ -256,8 +242,6 @@ def test_no_reserve(tmp):
         check(ok, "a new gRPC client is served after accept failed with EMFILE")
         n = metric(h, 'moed_connections_refused_total{reason="exhausted"}')
         check(n is not None and n >= 40, f"refusals without a descriptor counted ({n})")
-    finally:
-        ts.stop(p)
 
 
 def test_body_budget(tmp):
@@ -267,23 +251,22 @@ def test_body_budget(tmp):
     that would pass it is answered 503 naming the flag and closed, and once
     the holders are answered the budget is free again."""
     MIB = 1 << 20
-    p, _, _ = ts.start(tmp, "--http-body-budget-bytes", str(64 * MIB), "--handshake-timeout", "30")
-    head = (f"POST /v2/models/quant.per_token/infer HTTP/1.1\r\nHost: x\r\n"
-            f"Content-Length: {40 * MIB}\r\n\r\n").encode()
+    with moed(tmp, "--http-body-budget-bytes", str(64 * MIB), "--handshake-timeout", "30") as (p, _, _):
+        head = (f"POST /v2/models/quant.per_token/infer HTTP/1.1\r\nHost: x\r\n"
+                f"Content-Length: {40 * MIB}\r\n\r\n").encode()
 
-    def holder(n_mib):
-        s = socket.create_connection(("127.0.0.1", p.rest_port), timeout=30)
-        s.sendall(head)
-        for _ in range(n_mib):
-            s.sendall(b" " * MIB)
-        return s
+        def holder(n_mib):
+            s = socket.create_connection(("127.0.0.1", p.rest_port), timeout=30)
+            s.sendall(head)
+            for _ in range(n_mib):
+                s.sendall(b" " * MIB)
+            return s
 
-    def answer(s):
-        try:
-            return s.recv(4096)
-        except OSError as e:
-            return repr(e).encode()
-    try:
+        def answer(s):
+            try:
+                return s.recv(4096)
+            except OSError as e:
+                return repr(e).encode()
         a = holder(30)  # 30 of its 40 MiB: held (the buffer holds 32 MiB)
         time.sleep(0.5)
         b = socket.create_connection(("127.0.0.1", p.rest_port), timeout=30)
@@ -306,8 +289,6 @@ def test_body_budget(tmp):
         got = answer(c)
         check(got.startswith(b"HTTP/1.1 413"), f"after it, a body of the same size is read again ({got[:60]})")
         c.close()
-    finally:
-        ts.stop(p)
 
 
 def test_open_calls(tmp):
@@ -316,15 +297,14 @@ def test_open_calls(tmp):
     state each (20,000 Watch streams grew RSS by 230 MiB, with no bound); past
     the cap a call is RESOURCE_EXHAUSTED naming the flag, the probes' unary
     checks still pass, and a closed stream frees its place."""
-    p, port, _ = ts.start(tmp, "--max-open-calls", "8")
-    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
-    watch = ch.unary_stream("/grpc.health.v1.Health/Watch", request_serializer=lambda b: b,
-                            response_deserializer=lambda b: b)
-    stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer", request_serializer=lambda b: b,
+    with moed(tmp, "--max-open-calls", "8") as (_, port, _):
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        watch = ch.unary_stream("/grpc.health.v1.Health/Watch", request_serializer=lambda b: b,
+                                response_deserializer=lambda b: b)
+        stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer", request_serializer=lambda b: b,
+                                  response_deserializer=lambda b: b)
+        meta = ch.unary_unary("/inference.GRPCInferenceService/ServerMetadata", request_serializer=lambda b: b,
                               response_deserializer=lambda b: b)
-    meta = ch.unary_unary("/inference.GRPCInferenceService/ServerMetadata", request_serializer=lambda b: b,
-                          response_deserializer=lambda b: b)
-    try:
         held = []
         for _ in range(6):
             it = watch(b"", timeout=60)
@@ -360,10 +340,8 @@ def test_open_calls(tmp):
         for it in held[2:]:
             it.cancel()
         stop.set()
-    finally:
-        ts.stop(p)
 
 
 if __name__ == "__main__":
-    ts.run_tests(test_timeouts_and_cap, test_rest_counts, test_connection_age, test_fd_reserve, test_no_reserve,
+    run_tests(test_timeouts_and_cap, test_rest_counts, test_connection_age, test_fd_reserve, test_no_reserve,
                  test_body_budget, test_open_calls)

@@ -20,8 +20,9 @@ import numpy as np
 import tritonclient.grpc as tc
 
 sys.path.insert(0, os.path.dirname(__file__))
-import test_server as ts  # noqa: E402  (start, make_req, infer_pb, code_of, check)
-from test_server import check, code_of, infer_pb, make_req  # noqa: E402
+from moed_process import MOED, check, exit_with_summary, moed, print_log_tail  # noqa: E402
+import test_server as ts  # noqa: E402
+from test_server import code_of, infer_pb, make_req  # noqa: E402
 
 moelib = ts.moelib
 MOEC, MKSET = os.environ["MOEC"], os.environ["MOE_MKSET"]
@@ -375,10 +376,10 @@ def test_control_modes(tmp, repo):
                         (["--repository-poll-secs", "5"], "--repository-poll-secs needs --model-control-mode poll"),
                         (["--model-control-mode", "explicit", "--repository-poll-secs", "5"],
                          "--repository-poll-secs needs --model-control-mode poll")):
-        r = subprocess.run([ts.MOED, "--model-repository", repo, "--grpc-port", "0", "--http-port", "-1", *extra],
+        r = subprocess.run([MOED, "--model-repository", repo, "--grpc-port", "0", "--http-port", "-1", *extra],
                            capture_output=True, text=True, timeout=60)
         check(r.returncode != 0 and want in r.stderr, f"{extra}: refuses to start ({r.returncode}: {r.stderr.strip()})")
-    r = subprocess.run([ts.MOED, "--model-control-mode", "poll", "--grpc-port", "0", "--http-port", "-1"],
+    r = subprocess.run([MOED, "--model-control-mode", "poll", "--grpc-port", "0", "--http-port", "-1"],
                        capture_output=True, text=True, timeout=60)
     check(r.returncode != 0 and "poll needs --model-repository" in r.stderr,
           f"poll without a repository refuses to start ({r.stderr.strip()})")
@@ -394,10 +395,9 @@ def main():
         mkset(f"{tmp}/small", "bf16", hidden=64)
         shutil.copytree(f"{repo}/bf16set", f"{repo}/broken")
         shutil.copy(f"{tmp}/small/weights.safetensors", f"{repo}/broken/weights.safetensors")
-        p, port, http_port = ts.start(tmp, "--model-repository", repo, "--max-queue-delay-us", "20000",
-                                      "--cache-host", "--max-upload-bytes", str(4 << 20))
-        ts.TARGET = f"127.0.0.1:{port}"
-        try:
+        with moed(tmp, "--model-repository", repo, "--max-queue-delay-us", "20000",
+                  "--cache-host", "--max-upload-bytes", str(4 << 20)) as (_, port, http_port):
+            ts.TARGET = f"127.0.0.1:{port}"
             cli = tc.InferenceServerClient(ts.TARGET)
             ch = grpc.insecure_channel(ts.TARGET, options=[("grpc.max_send_message_length", 1 << 30),
                                                            ("grpc.max_receive_message_length", 1 << 30)])
@@ -409,13 +409,9 @@ def main():
             test_file_changed(cli, ch, repo)
             test_upload(cli, ch, repo, tmp)
             check(ts.raw_unary(ch, "/inference.GRPCInferenceService/ServerLive")(b"") == b"\x08\x01", "server still up")
-            ts.stop(p)
-        finally:
-            if p.poll() is None:
-                p.kill()
         test_control_modes(tmp, repo)
-        ts.print_log_tail(tmp)
-    ts.exit_with_summary()
+        print_log_tail(tmp)
+    exit_with_summary()
 
 
 if __name__ == "__main__":

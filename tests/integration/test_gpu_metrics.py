@@ -31,26 +31,22 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(__file__))
-import test_server as ts  # noqa: E402
-from test_server import check  # noqa: E402
+from moed_process import MOED, StartFailed, check, exit_with_summary, moed, print_log_tail  # noqa: E402
 from test_perf_analyzer import PA, perf_analyzer  # noqa: E402
 
-FAKE = os.path.join(os.path.dirname(ts.MOED), "libmoed_fake_nvml.so")
-PRINT = os.path.join(os.path.dirname(ts.MOED), "test_gpu_metrics")
+FAKE = os.path.join(os.path.dirname(MOED), "libmoed_fake_nvml.so")
+PRINT = os.path.join(os.path.dirname(MOED), "test_gpu_metrics")
 
 
 def scrape(tmp, *flags):
     """/metrics of a CPU moed started with flags; (text, moed's log, whether the fake library was mapped)."""
     log = os.path.join(tmp, "moed.log")
     open(log, "w").close()
-    p, _, http_port = ts.start(tmp, "--device", "cpu", "--log-level", "debug", *flags)
-    try:
+    with moed(tmp, "--device", "cpu", "--log-level", "debug", *flags) as (p, _, http_port):
         r = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10)
         text = r.read().decode()
         check(r.status == 200, f"{flags}: /metrics 200 ({r.status})")
         mapped = FAKE in open(f"/proc/{p.pid}/maps").read()
-    finally:
-        ts.stop(p)
     return text, open(log).read(), mapped
 
 
@@ -90,12 +86,11 @@ def collect_metrics(tmp):
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    p, port, _ = ts.start(tmp, "--device", "cpu")
     try:
-        r = perf_analyzer(port, "quant.per_token", "--shape", "x:4,64", "--collect-metrics", "--metrics-url",
-                          f"127.0.0.1:{srv.server_address[1]}/metrics", "--metrics-interval", "100")
+        with moed(tmp, "--device", "cpu") as (_, port, _):
+            r = perf_analyzer(port, "quant.per_token", "--shape", "x:4,64", "--collect-metrics", "--metrics-url",
+                              f"127.0.0.1:{srv.server_address[1]}/metrics", "--metrics-interval", "100")
     finally:
-        ts.stop(p)
         srv.shutdown()
     out = r.stdout + r.stderr
     u0, u1 = "GPU-11111111-2222-3333-4444-000000000000", "GPU-55555555-6666-7777-8888-000000000001"
@@ -153,17 +148,14 @@ def real_nvml(tmp):
     log = os.path.join(tmp, "moed.log")
     open(log, "w").close()
     try:
-        p, _, http_port = ts.start(tmp, "--device", "gpu")
-    except SystemExit:
+        with moed(tmp, "--device", "gpu") as (_, _, http_port):
+            url = f"http://127.0.0.1:{http_port}/metrics"
+            first = samples(urllib.request.urlopen(url, timeout=10).read().decode())
+            time.sleep(1)
+            second = samples(urllib.request.urlopen(url, timeout=10).read().decode())
+    except StartFailed:
         print("skip real NVML: moed --device gpu did not start (a CPU build?):", open(log).read()[-500:])
         return
-    try:
-        url = f"http://127.0.0.1:{http_port}/metrics"
-        first = samples(urllib.request.urlopen(url, timeout=10).read().decode())
-        time.sleep(1)
-        second = samples(urllib.request.urlopen(url, timeout=10).read().decode())
-    finally:
-        ts.stop(p)
     workers = len(first.get("moed_device_memory_bytes", {}))
     uuids = set(first.get("nv_gpu_memory_total_bytes", {}))
     check(workers > 0 and len(uuids) == workers and uuids <= set(devices),
@@ -182,11 +174,8 @@ def real_nvml(tmp):
     text = open(log).read()
     check(len(re.findall(r"info  gpu_metrics: worker \d+ \(gpu\d+: .*\): NVML GPU-", text)) == workers,
           "the log names each worker's NVML UUID")
-    p, _, http_port = ts.start(tmp, "--device", "gpu", "--allow-gpu-metrics", "false")
-    try:
+    with moed(tmp, "--device", "gpu", "--allow-gpu-metrics", "false") as (_, _, http_port):
         text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
-    finally:
-        ts.stop(p)
     check("nv_gpu_" not in text and "nv_energy" not in text, "real NVML, --allow-gpu-metrics false: none")
 
 
@@ -197,13 +186,13 @@ def main():
         no_gpu_metrics(tmp, (), "no GPU workers")
         no_gpu_metrics(tmp, ("--allow-gpu-metrics=false",), "--allow-gpu-metrics false")
         no_gpu_metrics(tmp, ("--allow-gpu-metrics", "0"), "--allow-gpu-metrics false")
-        r = subprocess.run([ts.MOED, "--allow-gpu-metrics", "maybe"], capture_output=True, text=True, timeout=30)
+        r = subprocess.run([MOED, "--allow-gpu-metrics", "maybe"], capture_output=True, text=True, timeout=30)
         check(r.returncode != 0 and "'maybe' for --allow-gpu-metrics" in r.stderr,
               f"a bad --allow-gpu-metrics value names the flag ({r.returncode}: {r.stderr.strip()})")
         collect_metrics(tmp)
         real_nvml(tmp)
-        ts.print_log_tail(tmp)
-    ts.exit_with_summary()
+        print_log_tail(tmp)
+    exit_with_summary()
 
 
 if __name__ == "__main__":

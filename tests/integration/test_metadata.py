@@ -18,8 +18,9 @@ import numpy as np
 import tritonclient.grpc as tc
 
 sys.path.insert(0, os.path.dirname(__file__))
+from moed_process import check, exit_with_summary  # noqa: E402
 import test_server as ts  # noqa: E402
-from test_server import bf16, check, code_of, infer_pb, make_req  # noqa: E402
+from test_server import bf16, code_of, infer_pb, make_req  # noqa: E402
 
 MKSET = os.environ["MOE_MKSET"]
 HIDDEN, EXPERTS = 128, 8
@@ -192,7 +193,7 @@ def main():
                   f"--max-queue-delay-us 2001: dynamic_batching says the 3000 us waited ({db.max_queue_delay_microseconds})")
 
         ts.serve(tmp, ["--max-queue-delay-us", "2001"], rounded)
-    ts.exit_with_summary()
+    exit_with_summary()
 
 
 if __name__ == "__main__":

@@ -24,8 +24,7 @@ import urllib.request
 import tritonclient.grpc as tc
 
 sys.path.insert(0, os.path.dirname(__file__))
-import test_server as ts  # noqa: E402  (start, stop, check)
-from test_server import check  # noqa: E402
+from moed_process import check, exit_with_summary, moed, print_log_tail  # noqa: E402
 
 MOEC, MKSET = os.environ["MOEC"], os.environ["MOE_MKSET"]
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
@@ -99,9 +98,8 @@ def idle_gauges(http_port, what):
 
 
 def test_histograms(tmp, repo):
-    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--max-batch-tokens", "64",
-                                  "--max-queue-delay-us", "2000")
-    try:
+    with moed(tmp, "--model-repository", repo, "--max-batch-tokens", "64",
+              "--max-queue-delay-us", "2000") as (_, port, http_port):
         idle_gauges(http_port, "idle at start")
         text, s = scrape(http_port)
         check("# TYPE moed_device_memory_bytes gauge" in text and
@@ -115,18 +113,13 @@ def test_histograms(tmp, repo):
         check(r.returncode == 0, f"90 requests of 3 rows to quant.per_token ({r.stderr.strip()})")
         batch_histogram(port, http_port, "quant.per_token", 90, 3)
         idle_gauges(http_port, "idle after the load")
-        ts.stop(p)
-    finally:
-        if p.poll() is None:
-            p.kill()
 
 
 def test_batcher_gauge(tmp, repo):
     """Requests wait up to 50 ms in an open batch: scrapes during the load
     see some held, never more than are in flight."""
-    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--max-batch-tokens", "4096",
-                                  "--max-queue-delay-us", "50000")
-    try:
+    with moed(tmp, "--model-repository", repo, "--max-batch-tokens", "4096",
+              "--max-queue-delay-us", "50000") as (_, port, http_port):
         seen, in_flight = [], []
         done = threading.Event()
 
@@ -146,10 +139,6 @@ def test_batcher_gauge(tmp, repo):
               f"under load: requests held in open batches seen, at most the 8 in flight (max {max(seen)})")
         check(all(0 <= v <= 2 for v in in_flight), f"batches in flight at most the 2 workers ({max(in_flight)})")
         idle_gauges(http_port, "idle after the batched load")
-        ts.stop(p)
-    finally:
-        if p.poll() is None:
-            p.kill()
 
 
 def main():
@@ -160,8 +149,8 @@ def main():
                         "--intermediate", "64", "--top-k", "2"], check=True, capture_output=True)
         test_histograms(tmp, repo)
         test_batcher_gauge(tmp, repo)
-        ts.print_log_tail(tmp)
-    ts.exit_with_summary()
+        print_log_tail(tmp)
+    exit_with_summary()
 
 
 if __name__ == "__main__":

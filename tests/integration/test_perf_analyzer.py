@@ -25,8 +25,8 @@ import numpy as np
 import tritonclient.grpc as tc
 
 sys.path.insert(0, os.path.dirname(__file__))
-import test_server as ts  # noqa: E402
-from test_server import bf16, check  # noqa: E402
+from moed_process import check, exit_with_summary, moed, print_log_tail  # noqa: E402
+from test_server import bf16  # noqa: E402
 
 MKSET = os.environ["MOE_MKSET"]
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -74,15 +74,14 @@ def input_data(path, rng, entries=8):
 def main():
     if not os.access(PA, os.X_OK):
         check(False, f"perf_analyzer at {PA} (run scripts/deps.sh)")
-        ts.exit_with_summary()
+        exit_with_summary()
     with tempfile.TemporaryDirectory() as tmp:
         repo = os.path.join(tmp, "repo")
         subprocess.run([MKSET, "--out", f"{repo}/set", "--scheme", "bf16", "--experts", str(EXPERTS), "--hidden",
                         str(HIDDEN), "--intermediate", "64", "--top-k", "2"], check=True, capture_output=True)
         data = os.path.join(tmp, "set.json")
         input_data(data, np.random.default_rng(3))
-        p, port, http_port = ts.start(tmp, "--model-repository", repo)
-        try:
+        with moed(tmp, "--model-repository", repo) as (p, port, http_port):
             cli = tc.InferenceServerClient(f"127.0.0.1:{port}")
             # concurrency 1..8 on a quant op over gRPC, reading moed's /metrics too (--collect-metrics)
             metrics = ("--collect-metrics", "--metrics-url", f"127.0.0.1:{http_port}/metrics")
@@ -110,12 +109,8 @@ def main():
             s = cli.get_inference_statistics("set").model_stats[0]
             check(s.inference_count == 2 * s.inference_stats.success.count,
                   f"expert set: inference_count counts 2 rows per request ({s.inference_count})")
-            ts.stop(p)
-        finally:
-            if p.poll() is None:
-                p.kill()
-        ts.print_log_tail(tmp)
-    ts.exit_with_summary()
+        print_log_tail(tmp)
+    exit_with_summary()
 
 
 if __name__ == "__main__":

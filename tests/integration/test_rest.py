@@ -25,8 +25,7 @@ import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, os.path.dirname(__file__))
-import test_server as ts  # noqa: E402
-from test_server import check  # noqa: E402
+from moed_process import check, exit_with_summary, moed, print_log_tail  # noqa: E402
 
 MKSET = os.environ["MOE_MKSET"]
 HIDDEN, EXPERTS = 128, 8
@@ -386,8 +385,7 @@ def test_limits(port):
 def test_drain(tmp):
     """SIGTERM with a REST request in flight (held by the batcher's 1 s delay):
     it is answered, new inference is refused 503, readiness is false, exit 0."""
-    p, _, _ = ts.start(tmp, "--max-queue-delay-us", "1000000")
-    try:
+    with moed(tmp, "--max-queue-delay-us", "1000000", exit_check=None) as (p, _, _):
         h = th.InferenceServerClient(f"127.0.0.1:{p.rest_port}")
         a = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
         ii = th.InferInput("x", [4, 64], "FP32")
@@ -404,9 +402,6 @@ def test_drain(tmp):
               f"draining: not ready, new inference 503 ({ready}, {status} {msg})")
         check(r.as_numpy("q").shape == (4, 32), "draining: the request in flight is answered")
         check(p.wait(timeout=30) == 0, "draining: exit 0")
-    finally:
-        if p.poll() is None:
-            p.kill()
 
 
 def main():
@@ -414,9 +409,8 @@ def main():
         repo = os.path.join(tmp, "repo")
         mkset(f"{repo}/bf16set", "bf16")
         mkset(f"{repo}/fp16set", "fp16")
-        p, gport, side = ts.start(tmp, "--model-repository", repo, "--max-message-bytes", str(16 << 20),
-                                  "--handshake-timeout", "1")
-        try:
+        with moed(tmp, "--model-repository", repo, "--max-message-bytes", str(16 << 20),
+                  "--handshake-timeout", "1") as (p, gport, side):
             URL[0] = f"127.0.0.1:{p.rest_port}"
             h = th.InferenceServerClient(URL[0])
             g = tc.InferenceServerClient(f"127.0.0.1:{gport}")
@@ -429,11 +423,9 @@ def main():
             test_limits(p.rest_port)
             status, _, _ = raw(side, "GET", "/v2/health/ready")
             check(status == 200, "the side port's probes still answer")
-        finally:
-            ts.stop(p)
         test_drain(tmp)
-        ts.print_log_tail(tmp)
-    ts.exit_with_summary()
+        print_log_tail(tmp)
+    exit_with_summary()
 
 
 if __name__ == "__main__":

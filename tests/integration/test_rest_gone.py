@@ -33,10 +33,10 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
+from moed_process import check, exit_with_summary, moed, print_log_tail  # noqa: E402
 import test_server as ts  # noqa: E402
 from long_call import (EXPERTS, HIDDEN, bigset_repo, busy_worker, calibrate, call_fn, channel,  # noqa: E402
                        long_call, metric_values, req_of, timed, wait_metric)
-from test_server import check  # noqa: E402
 
 SC = grpc.StatusCode
 QUEUE = "moed_device_queue_jobs{"
@@ -139,10 +139,9 @@ def rest_stats(rest_port):
 def test_queued_and_running(tmp, repo):
     """Queued REST requests whose clients leave free the queue; the running one stops."""
     n = 3
-    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--workers", "1", "--max-queue-size", str(n),
-                                  "--max-batch-tokens", "0")  # no batching: one job per request
-    rest = p.rest_port
-    try:
+    with moed(tmp, "--model-repository", repo, "--workers", "1", "--max-queue-size", str(n),
+              "--max-batch-tokens", "0") as (p, port, http_port):  # no batching: one job per request
+        rest = p.rest_port
         f = call_fn(channel(port))
         tokens, full = calibrate(f)
         blocker = busy_worker(http_port, long_call(f, tokens))
@@ -212,10 +211,6 @@ def test_queued_and_running(tmp, repo):
         st = rest_stats(rest)
         check(int(st["inference_stats"]["fail"]["count"]) == fail0 + n + 2 + 1 + 1,
               f"ModelStatistics counts the same failures ({st['inference_stats']['fail']})")
-        ts.stop(p)
-    finally:
-        if p.poll() is None:
-            p.kill()
     return tokens, full
 
 
@@ -223,10 +218,9 @@ def test_merged_batch(tmp, repo, tokens):
     """Issue 11: a merged batch queued behind the long call loses the rows of
     REST clients that left before it runs; the live rows' bytes are those of
     each request alone."""
-    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--workers", "1", "--max-batch-tokens", "64",
-                                  "--max-queue-delay-us", "300000")
-    rest = p.rest_port
-    try:
+    with moed(tmp, "--model-repository", repo, "--workers", "1", "--max-batch-tokens", "64",
+              "--max-queue-delay-us", "300000") as (p, port, http_port):
+        rest = p.rest_port
         f = call_fn(channel(port))
         blocker = busy_worker(http_port, long_call(f, tokens))
         # four requests in one open batch (300 ms), then one job queued behind the long call
@@ -249,10 +243,6 @@ def test_merged_batch(tmp, repo, tokens):
               f"the batch ran with the live rows only (5 of 10): batch_stats sizes {sizes}")
         wait_metric(http_port, "moed_inflight_requests ", 0, "nothing left in flight")
         wait_metric(http_port, QUEUE, 0, "nothing left queued")
-        ts.stop(p)
-    finally:
-        if p.poll() is None:
-            p.kill()
 
 
 def test_tls(tmp, repo, tokens, full):
@@ -264,12 +254,11 @@ def test_tls(tmp, repo, tokens, full):
     d = os.path.join(tmp, "certs")
     os.makedirs(d, exist_ok=True)
     pem = make_certs(d)
-    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--workers", "1", "--max-batch-tokens", "0",
-                                  "--tls-cert", pem("server-ca1.pem"), "--tls-key", pem("server-ca1.key"),
-                                  "--http-port-plaintext")
-    rest = p.rest_port
-    tls = ssl.create_default_context(cafile=pem("ca1.pem"))
-    try:
+    with moed(tmp, "--model-repository", repo, "--workers", "1", "--max-batch-tokens", "0",
+              "--tls-cert", pem("server-ca1.pem"), "--tls-key", pem("server-ca1.key"),
+              "--http-port-plaintext") as (p, port, http_port):
+        rest = p.rest_port
+        tls = ssl.create_default_context(cafile=pem("ca1.pem"))
         blocker = busy_worker(http_port, Client(rest, rest_request(rest, 4 * tokens, seed=1), tls=tls),
                               "TLS: the long REST call runs on the one worker")
         gone = [Client(rest, rest_request(rest, 1, seed=2 + k), tls=tls) for k in range(2)]
@@ -291,10 +280,6 @@ def test_tls(tmp, repo, tokens, full):
         wait_metric(http_port, ABANDONED, 3, "TLS: the long call counted as abandoned")
         wait_metric(http_port, "moed_inflight_requests ", 0, "TLS: nothing left in flight")
         wait_metric(http_port, REST_OPEN, 0, "TLS: no REST connection left open")
-        ts.stop(p)
-    finally:
-        if p.poll() is None:
-            p.kill()
 
 
 def alone_tls(port, pem, tokens, seed):
@@ -310,8 +295,8 @@ def main():
         tokens, full = test_queued_and_running(tmp, repo)
         test_merged_batch(tmp, repo, tokens)
         test_tls(tmp, repo, tokens, full)
-        ts.print_log_tail(tmp)
-    ts.exit_with_summary()
+        print_log_tail(tmp)
+    exit_with_summary()
 
 
 if __name__ == "__main__":

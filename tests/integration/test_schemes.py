@@ -16,9 +16,10 @@ import numpy as np
 import tritonclient.grpc as tc
 
 sys.path.insert(0, os.path.dirname(__file__))
+from moed_process import check, exit_with_summary, moed, print_log_tail  # noqa: E402
 import test_fused_moe as tf  # noqa: E402  (mkset, read_safetensors, req_of, oracle)
 import test_server as ts  # noqa: E402
-from test_server import check, code_of, infer_pb  # noqa: E402
+from test_server import code_of, infer_pb  # noqa: E402
 
 moelib = ts.moelib
 SC = grpc.StatusCode
@@ -109,20 +110,15 @@ def main():
                  extra=["--weight-scale", "block", "--block-n", "64", "--block-k", "64", "--seed", "7"])
         tf.mkset(f"{repo}/mxset", "mxfp4", experts=E, hidden=H, inter=I, top_k=K,
                  extra=["--bias", "--activation", "swiglu_oai", "--seed", "8"])
-        p, port, _ = ts.start(tmp, "--model-repository", repo, "--max-queue-delay-us", "20000")
-        ts.TARGET = f"127.0.0.1:{port}"
-        try:
+        with moed(tmp, "--model-repository", repo, "--max-queue-delay-us", "20000") as (_, port, _):
+            ts.TARGET = f"127.0.0.1:{port}"
             cli = tc.InferenceServerClient(ts.TARGET)
             ch = grpc.insecure_channel(ts.TARGET, options=[("grpc.max_send_message_length", 1 << 30),
                                                            ("grpc.max_receive_message_length", 1 << 30)])
             test_sets(cli, ch, repo)
             test_inline(ch, repo)
-            ts.stop(p)
-        finally:
-            if p.poll() is None:
-                p.kill()
-        ts.print_log_tail(tmp)
-    ts.exit_with_summary()
+        print_log_tail(tmp)
+    exit_with_summary()
 
 
 if __name__ == "__main__":

@@ -56,11 +56,12 @@ import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2 as pb
 
 sys.path.insert(0, os.path.dirname(__file__))
+from moed_process import MOED, check, moed, run_tests  # noqa: E402
 import test_server as ts  # noqa: E402
-from test_server import check, code_of, make_req, infer_pb, raw_unary  # noqa: E402
+from test_server import code_of, make_req, infer_pb, raw_unary  # noqa: E402
 from test_fused_moe import mkset, upload_msgs  # noqa: E402
 
-MOED, MOEC = os.environ["MOED"], os.environ["MOEC"]
+MOEC = os.environ["MOEC"]
 SC = grpc.StatusCode
 X = np.zeros((4, 64), np.float32).tobytes()
 
@@ -73,8 +74,7 @@ def quant_req(model="quant.per_token", in_name="x", out_name=None):
 
 
 def test_names(tmp):
-    p, port, _ = ts.start(tmp)
-    try:
+    with moed(tmp) as (_, port, _):
         ch = grpc.insecure_channel(f"127.0.0.1:{port}")
         check(code_of(lambda: infer_pb(ch, quant_req()))[0] == SC.OK, "a valid request is served")
         check(code_of(lambda: infer_pb(ch, quant_req(out_name="q")))[0] == SC.OK, "a valid output name is served")
@@ -106,8 +106,6 @@ def test_names(tmp):
         answers = list(stream(iter(q), timeout=30))
         check(len(answers) == 1 and answers[0].error_message.startswith("model_name"),
               f"stream: a bad name answered with an error naming model_name ({answers})")
-    finally:
-        ts.stop(p)
 
 
 def test_paths(tmp):
@@ -124,8 +122,7 @@ def test_paths(tmp):
     mkset(os.path.join(repo, "cut"), "bf16")
     wf = [f for f in os.listdir(os.path.join(repo, "cut")) if f.endswith(".safetensors")][0]
     os.truncate(os.path.join(repo, "cut", wf), 100)
-    p, port, _ = ts.start(tmp, "--model-repository", repo)
-    try:
+    with moed(tmp, "--model-repository", repo) as (_, port, _):
         ch = grpc.insecure_channel(f"127.0.0.1:{port}")
         load = raw_unary(ch, "/inference.GRPCInferenceService/RepositoryModelLoad")
         for name, want_in_msg in (("linked", "linked/config.json"), ("cut", f"cut/{wf}")):
@@ -144,8 +141,6 @@ def test_paths(tmp):
         code, msg = code_of(lambda: up(iter(msgs), timeout=30))
         check(code == SC.INVALID_ARGUMENT and "upload" in msg and tmp not in msg and ".upload-" not in msg,
               f"a failed upload names no server path ({code.name}: {msg})")
-    finally:
-        ts.stop(p)
 
 
 def test_nul_everywhere(tmp):
@@ -158,8 +153,7 @@ def test_nul_everywhere(tmp):
     quotes model names), and a decoded name is checked as on gRPC."""
     repo = os.path.join(tmp, "nulrepo")
     mkset(os.path.join(repo, "good"), "bf16")
-    p, port, _ = ts.start(tmp, "--model-repository", repo)
-    try:
+    with moed(tmp, "--model-repository", repo) as (p, port, _):
         ch = grpc.insecure_channel(f"127.0.0.1:{port}")
         S = "/inference.GRPCInferenceService/"
         for method, msg, field in (
@@ -261,8 +255,6 @@ def test_nul_everywhere(tmp):
         st, b = http_call(rest, "GET", "/v2/models/good/versions/1%22%0Ax/ready")
         check(st == 400 and b"(not a version number)" in b and b"\\n" not in b,
               f"REST ready with a version that is not a number: not echoed ({st} {b})")
-    finally:
-        ts.stop(p)
 
 
 def free_port():
@@ -273,14 +265,11 @@ def free_port():
 
 def test_addresses(tmp):
     for addr in ("::1", "[::1]"):
-        p, port, http_port = ts.start(tmp, "--address", addr)
-        try:
+        with moed(tmp, "--address", addr) as (_, port, http_port):
             live = raw_unary(grpc.insecure_channel(f"[::1]:{port}"), "/inference.GRPCInferenceService/ServerLive")
             check(live(b"", timeout=10) == b"\x08\x01", f"--address {addr}: gRPC served on [::1]")
             with urllib.request.urlopen(f"http://[::1]:{http_port}/v2/health/ready", timeout=10) as r:
                 check(r.status == 200, f"--address {addr}: HTTP ready on [::1] (the probe reaches gRPC on ::1)")
-        finally:
-            ts.stop(p)
     for bad in ("not-an-address", "[::1", "1.2.3.4.5", "[]"):
         r = subprocess.run([MOED, "--address", bad, "--grpc-port", "0", "--http-port", "-1"],
                            capture_output=True, text=True, timeout=30)
@@ -395,8 +384,7 @@ def test_tls(tmp):
 
     # server authentication only
     log_at = os.path.getsize(log)
-    p, port, http_port = ts.start(tmp, "--tls-cert", cert, "--tls-key", key)
-    try:
+    with moed(tmp, "--tls-cert", cert, "--tls-key", key) as (p, port, http_port):
         for probe in ("live", "ready"):
             check(https_get(http_port, f"/v2/health/{probe}", "ca1.pem", pem=pem) == 200,
                   f"TLS: /v2/health/{probe} 200 over TLS (the probe reaches the TLS listener)")
@@ -444,16 +432,13 @@ def test_tls(tmp):
         with open(log, errors="replace") as f:
             text = f.read()[log_at:]
         check("tls_reload_failed" in text, "reload: the broken file is logged")
-    finally:
-        ts.stop(p)
 
     # client certificates: required (the default with --tls-client-ca), then optional
     shutil.copy(pem("server-ca1.pem"), cert)
     shutil.copy(pem("server-ca1.key"), key)
     for mode, anonymous in (("require", SC.UNAVAILABLE), ("optional", SC.OK)):
         extra = ["--tls-client-auth", mode] if mode == "optional" else []
-        p, port, _ = ts.start(tmp, "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pem("ca1.pem"), *extra)
-        try:
+        with moed(tmp, "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pem("ca1.pem"), *extra) as (p, port, _):
             check(tls_live(port, "ca1.pem", "client-ca1", pem) == SC.OK, f"mTLS {mode}: a client certificate from ca1 is served")
             check(tls_live(port, "ca1.pem", pem=pem) == anonymous,
                   f"mTLS {mode}: a client without a certificate -> {anonymous.name}")
@@ -483,21 +468,16 @@ def test_tls(tmp):
                                     pem("client-ca1.pem"), "--tls-key", pem("client-ca1.key"), "health"],
                                    capture_output=True, text=True, timeout=60)
                 check(r.returncode == 0, f"moec --tls-cert/--tls-key under mTLS ({r.returncode}: {r.stderr.strip()[-200:]})")
-        finally:
-            ts.stop(p)
 
     # --http-port-plaintext: the metrics port stays plain (kubelet's probes under mTLS), REST does not
-    p, port, http_port = ts.start(tmp, "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pem("ca1.pem"),
-                                  "--http-port-plaintext")
-    try:
+    with moed(tmp, "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pem("ca1.pem"),
+              "--http-port-plaintext") as (p, port, http_port):
         check(plain_get(http_port, "/v2/health/ready") == 200, "--http-port-plaintext: the probes answer in plaintext")
         check(plain_get(p.rest_port, "/v2/health/ready") != 200, "--http-port-plaintext: the REST port is still TLS")
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as resp:
             text = resp.read().decode()
         m = re.search(r'^moed_http_connections_closed_total\{port="rest",reason="tls"\} (\d+)$', text, re.M)
         check(m is not None and int(m.group(1)) == 1, f"the plaintext client's failed handshake counted ({m and m.group(0)})")
-    finally:
-        ts.stop(p)
 
     # bad TLS command lines stop moed naming the problem
     for args, want in ((["--tls-cert", cert], "--tls-key"),
@@ -546,8 +526,7 @@ def test_auth(tmp):
     write_tokens(tokens, [("reader", "infer", READER), ("ops", "admin", OPS)])
     log = os.path.join(tmp, "moed.log")
     log_at = os.path.getsize(log)
-    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--auth-tokens", tokens)
-    try:
+    with moed(tmp, "--model-repository", repo, "--auth-tokens", tokens) as (p, port, http_port):
         ch = grpc.insecure_channel(f"127.0.0.1:{port}")
         live = raw_unary(ch, "/inference.GRPCInferenceService/ServerLive")
         infer = raw_unary(ch, "/inference.GRPCInferenceService/ModelInfer")
@@ -661,12 +640,9 @@ def test_auth(tmp):
                         r"rest:127.0.0.1:\d+ token 'reader'", text), "a refused REST change is logged with who tried")
         check("auth_reload_failed" in text, "the broken token file is logged")
         check(READER not in text and OPS not in text, "no token appears in the log")
-    finally:
-        ts.stop(p)
     # health exempt
     write_tokens(tokens, [("reader", "infer", READER)])
-    p, port, http_port = ts.start(tmp, "--auth-tokens", tokens, "--auth-health-exempt")
-    try:
+    with moed(tmp, "--auth-tokens", tokens, "--auth-health-exempt") as (_, port, http_port):
         ch = grpc.insecure_channel(f"127.0.0.1:{port}")
         check(code_of(lambda: raw_unary(ch, "/inference.GRPCInferenceService/ServerLive")(b"", timeout=10))[0] == SC.OK,
               "--auth-health-exempt: ServerLive without a token")
@@ -679,16 +655,11 @@ def test_auth(tmp):
                   f"--auth-health-exempt: HTTP port /v2/health/{probe} without a token: 200")
         code, body = http_get(http_port, "/metrics")
         check(code == 401 and b"authorization" in body, f"--auth-health-exempt: /metrics still needs a token ({code})")
-    finally:
-        ts.stop(p)
     # metrics exempt (through the env): Prometheus without a token, the probes still need one
-    p, port, http_port = ts.start(tmp, "--auth-tokens", tokens, env={"MOED_AUTH_METRICS_EXEMPT": "1"})
-    try:
+    with moed(tmp, "--auth-tokens", tokens, env={"MOED_AUTH_METRICS_EXEMPT": "1"}) as (_, port, http_port):
         code, body = http_get(http_port, "/metrics")
         check(code == 200 and b"moed_ready 1" in body, f"MOED_AUTH_METRICS_EXEMPT=1: /metrics without a token ({code})")
         check(http_get(http_port, "/v2/health/ready")[0] == 401, "MOED_AUTH_METRICS_EXEMPT=1: probes still need a token")
-    finally:
-        ts.stop(p)
     # a bad token file stops the start, naming the line, never the token
     for content, want in (("a infer short\n", "tokens:1: TOKEN"), ("a reader 0123456789abcdefgh\n", "tokens:1: ROLE"),
                           ("a/b infer 0123456789abcdefgh\n", "tokens:1: NAME"), ("# nothing\n", "no tokens")):
@@ -717,8 +688,7 @@ def test_upload_limits(tmp):
     for flags, what, want in ((["--max-uploads", "1"], "a second upload past --max-uploads 1", "--max-uploads"),
                               (["--upload-budget-bytes", str(n + n // 2)], "a second upload past the byte budget",
                                "--upload-budget-bytes")):
-        p, port, _ = ts.start(tmp, *flags)
-        try:
+        with moed(tmp, *flags) as (_, port, _):
             ch = grpc.insecure_channel(f"127.0.0.1:{port}")
             release = threading.Event()
             first = held_upload(ch, "first", release)
@@ -733,8 +703,6 @@ def test_upload_limits(tmp):
             # once it ended, another one is admitted (its set check fails: it is incomplete)
             code, msg = code_of(lambda: up(iter(msgs), timeout=30))
             check(code == SC.INVALID_ARGUMENT, f"after it: the next upload is admitted ({code.name}: {msg})")
-        finally:
-            ts.stop(p)
 
 
 def varint(n):
@@ -775,8 +743,7 @@ def test_upload_integrity(tmp):
     src = os.path.join(tmp, "up-src")
     mkset(src, "bf16")
     cfg = open(os.path.join(src, "config.json")).read()
-    p, port, _ = ts.start(tmp, "--model-repository", repo)
-    try:
+    with moed(tmp, "--model-repository", repo) as (_, port, _):
         ch = grpc.insecure_channel(f"127.0.0.1:{port}")
         up = ch.stream_unary("/moe.v1.ExpertStore/Upload", request_serializer=lambda b: b, response_deserializer=lambda b: b)
         ready = raw_unary(ch, "/inference.GRPCInferenceService/ModelReady")
@@ -837,9 +804,7 @@ def test_upload_integrity(tmp):
         r = subprocess.run([MOEC, "-a", f"127.0.0.1:{port}", "upload", src, "--name", "checked"],
                            capture_output=True, text=True, timeout=120)
         check(r.returncode == 0 and is_ready("checked"), f"moec upload with offsets and XXH3 served ({r.returncode}: {r.stderr.strip()[-200:]})")
-    finally:
-        ts.stop(p)
 
 
 if __name__ == "__main__":
-    ts.run_tests(test_names, test_nul_everywhere, test_paths, test_addresses, test_tls, test_auth, test_upload_limits, test_upload_integrity)
+    run_tests(test_names, test_nul_everywhere, test_paths, test_addresses, test_tls, test_auth, test_upload_limits, test_upload_integrity)

@@ -21,80 +21,18 @@ from tritonclient.grpc import service_pb2 as pb
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "oracle"))
 import moelib  # noqa: E402
+from moed_process import MOED, check, exit_with_summary, moed, print_log_tail  # noqa: E402
 
-MOED, MOEC = os.environ["MOED"], os.environ["MOEC"]
-failures = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        failures.append(what)
-
-
-def start(tmp, *extra, preexec_fn=None, env=None):
-    """moed on free loopback ports with the flags `extra` (env: variables added to ours)."""
-    port_file = os.path.join(tmp, "ports")
-    if os.path.exists(port_file):
-        os.unlink(port_file)
-    log = open(os.path.join(tmp, "moed.log"), "ab")
-    p = subprocess.Popen([MOED, "--address", "127.0.0.1", "--grpc-port", "0", "--http-port", "0",
-                          "--rest-port", "0", "--port-file", port_file, "--workers", "2", *extra],
-                         stdout=log, stderr=log, preexec_fn=preexec_fn, env={**os.environ, **(env or {})})
-    for _ in range(200):
-        if os.path.exists(port_file):
-            g, h, r = open(port_file).read().split()
-            p.rest_port = int(r)  # the KServe REST port (test_rest.py)
-            return p, int(g), int(h)
-        if p.poll() is not None:
-            raise SystemExit("moed exited early: see " + log.name)
-        time.sleep(0.05)
-    raise SystemExit("moed did not start")
+MOEC = os.environ["MOEC"]
 
 
 def serve(tmp, extra, body):
     """Starts moed with the flags `extra`, calls body(cli, ch), then checks a
-    clean exit on SIGTERM (killed if it hangs); prints the log's tail on failures."""
-    p, port, _ = start(tmp, *extra)
-    target = f"127.0.0.1:{port}"
-    try:
+    clean exit on SIGTERM; prints the log's tail on failures."""
+    with moed(tmp, *extra) as (_, port, _):
+        target = f"127.0.0.1:{port}"
         body(tc.InferenceServerClient(target), grpc.insecure_channel(target))
-        p.send_signal(signal.SIGTERM)
-        check(p.wait(timeout=30) == 0, "clean exit")
-    finally:
-        if p.poll() is None:
-            p.kill()
     print_log_tail(tmp)
-
-
-def print_log_tail(tmp):
-    """After failures: the end of moed's log in tmp (what the server said about them)."""
-    if failures:
-        print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
-
-
-def stop(p):
-    """SIGTERM, then a clean exit checked (killed if it hangs)."""
-    p.send_signal(signal.SIGTERM)
-    try:
-        check(p.wait(timeout=30) == 0, "clean exit")
-    finally:
-        if p.poll() is None:
-            p.kill()
-
-
-def run_tests(*tests):
-    """Runs each test(tmp) in one temporary directory, prints the log's tail on failures, exits."""
-    with tempfile.TemporaryDirectory() as tmp:
-        for t in tests:
-            t(tmp)
-        print_log_tail(tmp)
-    exit_with_summary()
-
-
-def exit_with_summary():
-    print(f"{len(failures)} failures")
-    sys.exit(1 if failures else 0)
 
 
 def raw_unary(ch, method):
@@ -456,53 +394,53 @@ def test_moec(tmp, port):
 
 
 def test_drain(tmp):
-    p, port, http_port = start(tmp, "--drain-timeout", "20")
-    ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 1 << 30),
-                                                             ("grpc.max_receive_message_length", 1 << 30)])
-    watch = ch.unary_stream("/grpc.health.v1.Health/Watch", request_serializer=lambda b: b,
-                            response_deserializer=lambda b: b)(b"\n\x04moed")
-    statuses = []
+    with moed(tmp, "--drain-timeout", "20", exit_check=None) as (p, port, http_port):
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 1 << 30),
+                                                                 ("grpc.max_receive_message_length", 1 << 30)])
+        watch = ch.unary_stream("/grpc.health.v1.Health/Watch", request_serializer=lambda b: b,
+                                response_deserializer=lambda b: b)(b"\n\x04moed")
+        statuses = []
 
-    def consume():
-        try:
-            for m in watch:
-                statuses.append(m)
-        except grpc.RpcError:
-            pass
-    t = threading.Thread(target=consume, daemon=True)
-    t.start()
-    big = np.ones((4096, 4096), np.float32)
-    req = make_req("quant.per_token", [("x", "FP32", list(big.shape), big.tobytes())], {"out_dtype": "int8"})
-    f = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=lambda m: m.SerializeToString())
-    futs = [f.future(req, timeout=60) for _ in range(6)]
-    # SIGTERM once all six are admitted (running or answered): a 64 MiB
-    # message still in transit when the drain starts is refused UNAVAILABLE
-    # (retryable, no work done) -- under ASan six take longer than any sleep
-    for _ in range(600):
-        text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics").read().decode()
-        got = sum(float(m) for m in re.findall(
-            r'^(?:moed_inflight_requests|moed_requests_total\{model="quant.per_token",outcome="\w+"\}) (\S+)$',
-            text, re.M))
-        if got >= 6:
-            break
+        def consume():
+            try:
+                for m in watch:
+                    statuses.append(m)
+            except grpc.RpcError:
+                pass
+        t = threading.Thread(target=consume, daemon=True)
+        t.start()
+        big = np.ones((4096, 4096), np.float32)
+        req = make_req("quant.per_token", [("x", "FP32", list(big.shape), big.tobytes())], {"out_dtype": "int8"})
+        f = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=lambda m: m.SerializeToString())
+        futs = [f.future(req, timeout=60) for _ in range(6)]
+        # SIGTERM once all six are admitted (running or answered): a 64 MiB
+        # message still in transit when the drain starts is refused UNAVAILABLE
+        # (retryable, no work done) -- under ASan six take longer than any sleep
+        for _ in range(600):
+            text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics").read().decode()
+            got = sum(float(m) for m in re.findall(
+                r'^(?:moed_inflight_requests|moed_requests_total\{model="quant.per_token",outcome="\w+"\}) (\S+)$',
+                text, re.M))
+            if got >= 6:
+                break
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
         time.sleep(0.05)
-    p.send_signal(signal.SIGTERM)
-    time.sleep(0.05)
-    code, _ = code_of(lambda: f(make_req("quant.per_token", [("x", "FP32", [1, 32], bytes(128))], {"out_dtype": "int8"}), timeout=5))
-    check(code == grpc.StatusCode.UNAVAILABLE, f"new call during drain UNAVAILABLE ({code})")
-    done = [code_of(fu.result)[0] for fu in futs]
-    check(all(c == grpc.StatusCode.OK for c in done), f"in-flight requests completed through drain: {done}")
-    rc = p.wait(timeout=30)
-    check(rc == 0, f"exit code 0 after SIGTERM ({rc})")
-    t.join(timeout=5)
-    check(statuses[:1] == [bytes([8, 1])] and bytes([8, 2]) in statuses, f"health Watch SERVING -> NOT_SERVING {statuses}")
+        code, _ = code_of(lambda: f(make_req("quant.per_token", [("x", "FP32", [1, 32], bytes(128))], {"out_dtype": "int8"}), timeout=5))
+        check(code == grpc.StatusCode.UNAVAILABLE, f"new call during drain UNAVAILABLE ({code})")
+        done = [code_of(fu.result)[0] for fu in futs]
+        check(all(c == grpc.StatusCode.OK for c in done), f"in-flight requests completed through drain: {done}")
+        rc = p.wait(timeout=30)
+        check(rc == 0, f"exit code 0 after SIGTERM ({rc})")
+        t.join(timeout=5)
+        check(statuses[:1] == [bytes([8, 1])] and bytes([8, 2]) in statuses, f"health Watch SERVING -> NOT_SERVING {statuses}")
 
 
 def test_limits(tmp):
     """A message over --max-message-bytes and a tensor over --max-tensor-bytes:
     RESOURCE_EXHAUSTED / INVALID_ARGUMENT, and the server keeps serving."""
-    p, port, _ = start(tmp, "--max-message-bytes", str(1 << 20), "--max-tensor-bytes", str(256 << 10))
-    try:
+    with moed(tmp, "--max-message-bytes", str(1 << 20), "--max-tensor-bytes", str(256 << 10),
+              exit_check="clean exit after the limit checks") as (_, port, _):
         ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 1 << 30),
                                                                  ("grpc.max_receive_message_length", 1 << 30)])
         big = np.ones((1, 512 * 1024), np.float32)  # 2 MiB: over the 1 MiB message limit
@@ -515,9 +453,6 @@ def test_limits(tmp):
         ok = np.ones((2, 64), np.float32)
         code, _ = code_of(lambda: infer_pb(ch, make_req("quant.per_token", [("x", "FP32", [2, 64], ok.tobytes())])))
         check(code == grpc.StatusCode.OK, f"server still serves after the limits ({code})")
-    finally:
-        p.send_signal(signal.SIGTERM)
-        check(p.wait(timeout=30) == 0, "clean exit after the limit checks")
 
 
 def test_cli(tmp):
@@ -541,21 +476,16 @@ def test_cli(tmp):
     check(r.returncode != 0 and "'maybe' for --allow-http" in r.stderr,
           f"a bad Triton flag value names the flag ({r.returncode}: {r.stderr.strip()})")
     # Triton's spellings: a tritonserver command line starts moed
-    p, port, http_port = start(tmp, "--grpc-address", "127.0.0.1", "--allow-http", "false", "--exit-timeout-secs", "5",
-                               "--log-verbose", "1", "--strict-model-config", "false")
-    try:
+    with moed(tmp, "--grpc-address", "127.0.0.1", "--allow-http", "false", "--exit-timeout-secs", "5",
+              "--log-verbose", "1", "--strict-model-config", "false",
+              exit_check="Triton's flags: clean exit") as (_, port, http_port):
         ch = grpc.insecure_channel(f"127.0.0.1:{port}")
         live = raw_unary(ch, "/inference.GRPCInferenceService/ServerLive")(b"")
         check(live == b"\x08\x01" and http_port == -1, f"Triton's flags accepted: live, HTTP off ({http_port})")
-        p.send_signal(signal.SIGTERM)
-        check(p.wait(timeout=30) == 0, "Triton's flags: clean exit")
-        # the start line names every port with its address, the HTTP ones off here
-        log = open(os.path.join(tmp, "moed.log")).read()
-        check(f"listening: grpc 127.0.0.1:{port} rest off http off," in log,
-              "the listening line: gRPC's address and port, REST and metrics off")
-    finally:
-        if p.poll() is None:
-            p.kill()
+    # the start line names every port with its address, the HTTP ones off here
+    log = open(os.path.join(tmp, "moed.log")).read()
+    check(f"listening: grpc 127.0.0.1:{port} rest off http off," in log,
+          "the listening line: gRPC's address and port, REST and metrics off")
     with open(os.path.join(tmp, "a-file"), "w") as f:
         f.write("x")
     r = subprocess.run([MOED, "--model-repository", os.path.join(tmp, "a-file"), "--grpc-port", "0",
@@ -567,9 +497,8 @@ def test_cli(tmp):
 def main():
     global TARGET
     with tempfile.TemporaryDirectory() as tmp:
-        p, port, http_port = start(tmp)
-        TARGET = f"127.0.0.1:{port}"
-        try:
+        with moed(tmp) as (p, port, http_port):
+            TARGET = f"127.0.0.1:{port}"
             cli = tc.InferenceServerClient(TARGET)
             ch = grpc.insecure_channel(TARGET, options=[("grpc.max_send_message_length", 1 << 30),
                                                         ("grpc.max_receive_message_length", 1 << 30)])
@@ -579,18 +508,11 @@ def main():
             test_moec(tmp, port)
             test_bad_inputs(ch, p.pid)
             test_metrics(cli, http_port)
-            p.send_signal(signal.SIGTERM)
-            check(p.wait(timeout=30) == 0, "clean exit")
-        finally:
-            if p.poll() is None:
-                p.kill()
         test_drain(tmp)
         test_limits(tmp)
         test_cli(tmp)
-        if failures:
-            print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
-    print(f"{len(failures)} failures")
-    sys.exit(1 if failures else 0)
+        print_log_tail(tmp)
+    exit_with_summary()
 
 
 if __name__ == "__main__":

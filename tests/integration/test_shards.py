@@ -15,44 +15,23 @@ once more, so the sum is within one rounding per shard (checked against that
 bound).
 
 env: MOED, MOE_MKSET."""
+import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import ml_dtypes
 import numpy as np
 import tritonclient.grpc as tc
 
-MOED, MKSET = os.environ["MOED"], os.environ["MOE_MKSET"]
+sys.path.insert(0, os.path.dirname(__file__))
+from moed_process import check, exit_with_summary, moed, print_log_tail  # noqa: E402
+
+MKSET = os.environ["MOE_MKSET"]
 SPLIT = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "tools", "split-expert-set.py")
-failures = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        failures.append(what)
-
-
-def start(tmp, repo):
-    os.makedirs(tmp, exist_ok=True)
-    port_file = os.path.join(tmp, "ports")
-    log = open(os.path.join(tmp, "moed.log"), "ab")
-    p = subprocess.Popen([MOED, "--address", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", "--rest-port", "-1", "--port-file",
-                          port_file, "--device", "cpu", "--workers", "1", "--model-repository", repo],
-                         stdout=log, stderr=log)
-    for _ in range(400):
-        if os.path.exists(port_file):
-            return p, int(open(port_file).read().split()[0])
-        if p.poll() is not None:
-            raise SystemExit("moed exited early: see " + log.name)
-        time.sleep(0.05)
-    raise SystemExit("moed did not start")
 
 
 def mkset(path, scheme, top_k, extra=()):
@@ -90,6 +69,39 @@ def bits(a):
     return a.view(np.uint16)
 
 
+def test_sums(sets, rng, whole, s0, s1):
+    """Each set through both shards and the whole (clients of the three moeds), the shards' sum checked."""
+    T = 96
+    for name, (scheme, act, top_k, _) in sets.items():
+        x = rng.standard_normal((T, 128)).astype(np.float32).astype(ACT[act][1])
+        logits = rng.standard_normal((T, 8)).astype(np.float32)
+        ref = infer(whole, name, x, act, logits=logits)
+        parts = [infer(c, name, x, act, logits=logits) for c in (s0, s1)]
+        got = shard_sum(parts, act)
+        # each shard computes only its experts' slots: neither half alone is the whole
+        check(not np.array_equal(bits(parts[0]), bits(ref)) and not np.array_equal(bits(parts[1]), bits(ref)),
+              f"{name}: each shard's output is partial")
+        if top_k == 2:
+            check(np.array_equal(bits(got), bits(ref)),
+                  f"{name}: shard-0 + shard-1 (router_logits) bit-equal to the whole set")
+            # the orchestrator may route itself: the same with topk_ids / topk_weights
+            ids = np.argsort(-logits, axis=1, kind="stable")[:, :top_k].astype(np.int32)
+            w = rng.uniform(0.1, 1.0, (T, top_k)).astype(np.float32)
+            ref2 = infer(whole, name, x, act, ids=ids, weights=w)
+            got2 = shard_sum([infer(c, name, x, act, ids=ids, weights=w) for c in (s0, s1)], act)
+            check(np.array_equal(bits(got2), bits(ref2)),
+                  f"{name}: shard-0 + shard-1 (topk_ids) bit-equal to the whole set")
+        else:
+            # one extra rounding per shard of its partial sum: |err| <= ulp/2 of each partial
+            eps = 2.0 ** -8 if act == "bf16" else 2.0 ** -11
+            p32 = [p.astype(np.float32) for p in parts]
+            bound = eps * (np.abs(p32[0]) + np.abs(p32[1]) + np.abs(ref.astype(np.float32))) + 1e-30
+            err = np.abs(got.astype(np.float32) - ref.astype(np.float32))
+            check(bool(np.all(err <= bound)),
+                  f"{name}: shard sum within one rounding per shard of the whole set "
+                  f"(max err {float(err.max()):.3g}, {int(np.count_nonzero(err))} of {err.size} differ)")
+
+
 def main():
     rng = np.random.default_rng(12)
     sets = {  # name: (scheme, act, top_k, mkset extras)
@@ -109,58 +121,18 @@ def main():
                 cfg = json.load(open(os.path.join(split, f"shard-{i}", name, "config.json")))
                 check((cfg["num_experts"], cfg["expert_offset"], cfg["global_num_experts"]) == (4, 4 * i, 8),
                       f"shard {i} of {name}: experts 4 from {4 * i} of 8")
-        procs = []
+        runs = (("full", full), ("s0", os.path.join(split, "shard-0")), ("s1", os.path.join(split, "shard-1")))
         try:
-            for label, repo in (("full", full), ("s0", os.path.join(split, "shard-0")),
-                                ("s1", os.path.join(split, "shard-1"))):
-                procs.append(start(os.path.join(tmp, "run-" + label), repo))
-            whole, s0, s1 = (tc.InferenceServerClient(f"127.0.0.1:{port}") for _, port in procs)
-            T = 96
-            for name, (scheme, act, top_k, _) in sets.items():
-                x = rng.standard_normal((T, 128)).astype(np.float32).astype(ACT[act][1])
-                logits = rng.standard_normal((T, 8)).astype(np.float32)
-                ref = infer(whole, name, x, act, logits=logits)
-                parts = [infer(c, name, x, act, logits=logits) for c in (s0, s1)]
-                got = shard_sum(parts, act)
-                # each shard computes only its experts' slots: neither half alone is the whole
-                check(not np.array_equal(bits(parts[0]), bits(ref)) and not np.array_equal(bits(parts[1]), bits(ref)),
-                      f"{name}: each shard's output is partial")
-                if top_k == 2:
-                    check(np.array_equal(bits(got), bits(ref)),
-                          f"{name}: shard-0 + shard-1 (router_logits) bit-equal to the whole set")
-                    # the orchestrator may route itself: the same with topk_ids / topk_weights
-                    ids = np.argsort(-logits, axis=1, kind="stable")[:, :top_k].astype(np.int32)
-                    w = rng.uniform(0.1, 1.0, (T, top_k)).astype(np.float32)
-                    ref2 = infer(whole, name, x, act, ids=ids, weights=w)
-                    got2 = shard_sum([infer(c, name, x, act, ids=ids, weights=w) for c in (s0, s1)], act)
-                    check(np.array_equal(bits(got2), bits(ref2)),
-                          f"{name}: shard-0 + shard-1 (topk_ids) bit-equal to the whole set")
-                else:
-                    # one extra rounding per shard of its partial sum: |err| <= ulp/2 of each partial
-                    eps = 2.0 ** -8 if act == "bf16" else 2.0 ** -11
-                    p32 = [p.astype(np.float32) for p in parts]
-                    bound = eps * (np.abs(p32[0]) + np.abs(p32[1]) + np.abs(ref.astype(np.float32))) + 1e-30
-                    err = np.abs(got.astype(np.float32) - ref.astype(np.float32))
-                    check(bool(np.all(err <= bound)),
-                          f"{name}: shard sum within one rounding per shard of the whole set "
-                          f"(max err {float(err.max()):.3g}, {int(np.count_nonzero(err))} of {err.size} differ)")
+            with contextlib.ExitStack() as servers:
+                ports = [servers.enter_context(moed(os.path.join(tmp, "run-" + label), "--rest-port", "-1", "--device",
+                                                    "cpu", "--workers", "1", "--model-repository", repo))[1]
+                         for label, repo in runs]
+                test_sums(sets, rng, *(tc.InferenceServerClient(f"127.0.0.1:{port}") for port in ports))
         finally:
-            for p, _ in procs:
-                p.send_signal(signal.SIGTERM)
-            for p, _ in procs:
-                try:
-                    check(p.wait(timeout=30) == 0, "clean exit")
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    check(False, "clean exit")
-            if failures:
-                for label in ("full", "s0", "s1"):
-                    log = os.path.join(tmp, "run-" + label, "moed.log")
-                    if os.path.exists(log):
-                        print(f"--- {label}:", open(log).read()[-2000:])
+            for label, _ in runs:
+                print_log_tail(os.path.join(tmp, "run-" + label))
         shutil.rmtree(split, ignore_errors=True)
-    print(f"{len(failures)} failures")
-    sys.exit(1 if failures else 0)
+    exit_with_summary()
 
 
 if __name__ == "__main__":

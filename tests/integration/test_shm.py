@@ -22,8 +22,9 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.grpc import service_pb2 as pb
 
 sys.path.insert(0, os.path.dirname(__file__))
+from moed_process import check, exit_with_summary, moed, print_log_tail  # noqa: E402
 import test_server as ts  # noqa: E402
-from test_server import KSERVE, check, code_of, infer_pb, make_req  # noqa: E402
+from test_server import KSERVE, code_of, infer_pb, make_req  # noqa: E402
 
 KEY = f"/moed_test_shm_{os.getpid()}"
 C = grpc.StatusCode
@@ -378,8 +379,7 @@ def test_in_use(tmp):
     region for a large input (copied on the worker) and one for the output;
     both regions are unregistered meanwhile: the requests still succeed
     through the old mappings, a new one naming the region gets NOT_FOUND."""
-    p, port, _ = ts.start(tmp, "--max-queue-delay-us", "1500000")
-    try:
+    with moed(tmp, "--max-queue-delay-us", "1500000") as (_, port, _):
         cli = tc.InferenceServerClient(f"127.0.0.1:{port}")
         x = np.random.default_rng(3).standard_normal((256, 128)).astype(np.float32)  # 128 KiB
         ref = cli.infer("quant.per_token", [_raw("x", x)], parameters={"out_dtype": "int8"}).get_response()
@@ -417,8 +417,6 @@ def test_in_use(tmp):
         finally:
             shm.destroy_shared_memory_region(hin)
             shm.destroy_shared_memory_region(hout)
-    finally:
-        ts.stop(p)
 
 
 def test_auth(tmp):
@@ -426,38 +424,34 @@ def test_auth(tmp):
     tokens = os.path.join(tmp, "tokens")
     with open(tokens, "w") as f:
         f.write("client infer 0123456789abcdef0123456789abcdef\n")
-    p, port, _ = ts.start(tmp, "--auth-tokens", tokens)
-    h = region("auth", 4096, "_auth")
-    try:
-        cli = tc.InferenceServerClient(f"127.0.0.1:{port}")
-        hdr = {"authorization": "Bearer 0123456789abcdef0123456789abcdef"}
-        expect(lambda: cli.register_system_shared_memory("a", KEY + "_auth", 4096), C.UNAUTHENTICATED,
-               ["authorization"], "auth: register without a token")
-        cli.register_system_shared_memory("a", KEY + "_auth", 4096, headers=hdr)
-        x = np.ones((2, 64), np.float32)
-        shm.set_shared_memory_region(h, [x])
-        i = tc.InferInput("x", [2, 64], "FP32")
-        i.set_shared_memory("a", x.nbytes)
-        res = cli.infer("quant.per_token", [i], parameters={"out_dtype": "int8"}, headers=hdr)
-        check(res.as_numpy("q").shape == (2, 64), "auth: an infer token registers and infers from a region")
-        expect(lambda: cli.get_system_shared_memory_status(), C.UNAUTHENTICATED, ["authorization"],
-               "auth: status without a token")
-        cli.unregister_system_shared_memory(headers=hdr)
-        check(len(cli.get_system_shared_memory_status(headers=hdr).regions) == 0, "auth: an infer token unregisters")
-    finally:
-        shm.destroy_shared_memory_region(h)
-        ts.stop(p)
+    with moed(tmp, "--auth-tokens", tokens) as (_, port, _):
+        h = region("auth", 4096, "_auth")
+        try:
+            cli = tc.InferenceServerClient(f"127.0.0.1:{port}")
+            hdr = {"authorization": "Bearer 0123456789abcdef0123456789abcdef"}
+            expect(lambda: cli.register_system_shared_memory("a", KEY + "_auth", 4096), C.UNAUTHENTICATED,
+                   ["authorization"], "auth: register without a token")
+            cli.register_system_shared_memory("a", KEY + "_auth", 4096, headers=hdr)
+            x = np.ones((2, 64), np.float32)
+            shm.set_shared_memory_region(h, [x])
+            i = tc.InferInput("x", [2, 64], "FP32")
+            i.set_shared_memory("a", x.nbytes)
+            res = cli.infer("quant.per_token", [i], parameters={"out_dtype": "int8"}, headers=hdr)
+            check(res.as_numpy("q").shape == (2, 64), "auth: an infer token registers and infers from a region")
+            expect(lambda: cli.get_system_shared_memory_status(), C.UNAUTHENTICATED, ["authorization"],
+                   "auth: status without a token")
+            cli.unregister_system_shared_memory(headers=hdr)
+            check(len(cli.get_system_shared_memory_status(headers=hdr).regions) == 0, "auth: an infer token unregisters")
+        finally:
+            shm.destroy_shared_memory_region(h)
 
 
 def test_off(tmp):
-    p, port, _ = ts.start(tmp, "--shm-max-regions", "0")
-    try:
+    with moed(tmp, "--shm-max-regions", "0") as (_, port, _):
         cli = tc.InferenceServerClient(f"127.0.0.1:{port}")
         check("system_shared_memory" not in cli.get_server_metadata().extensions, "off: extension not listed")
         expect(lambda: cli.register_system_shared_memory("a", KEY + "_x", 64), C.FAILED_PRECONDITION,
                ["--shm-max-regions 0"], "off: register refused naming the flag")
-    finally:
-        ts.stop(p)
 
 
 def main():
@@ -466,10 +460,9 @@ def main():
         subprocess.run([os.environ["MOE_MKSET"], "--out", f"{repo}/set", "--scheme", "bf16", "--experts", "8",
                         "--hidden", "128", "--intermediate", "64", "--top-k", "2"], check=True, capture_output=True)
         # a 20 ms batch window, for the expert set's three requests to meet in
-        p, port, _ = ts.start(tmp, "--shm-max-regions", "3", "--model-repository", repo, "--max-queue-delay-us",
-                              "20000")
-        target = f"127.0.0.1:{port}"
-        try:
+        with moed(tmp, "--shm-max-regions", "3", "--model-repository", repo, "--max-queue-delay-us",
+                  "20000") as (p, port, _):
+            target = f"127.0.0.1:{port}"
             cli = tc.InferenceServerClient(target)
             ch = grpc.insecure_channel(target)
             check("system_shared_memory" in cli.get_server_metadata().extensions,
@@ -478,14 +471,11 @@ def main():
             test_expert_set(cli, ch)
             test_limit(cli)
             test_rest(p.rest_port, ch)
-        finally:
-            ts.stop(p)
         test_in_use(tmp)
         test_auth(tmp)
         test_off(tmp)
-        if ts.failures:
-            print(open(os.path.join(tmp, "moed.log")).read()[-3000:])
-    ts.exit_with_summary()
+        print_log_tail(tmp)
+    exit_with_summary()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server import check, exit_with_summary  # noqa: E402
+from moed_process import check, exit_with_summary  # noqa: E402
 
 SOAK = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "soak.py")
 

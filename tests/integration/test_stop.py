@@ -34,11 +34,12 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
+from moed_process import check, exit_with_summary, moed, print_log_tail  # noqa: E402
 import test_server as ts  # noqa: E402
 from long_call import (EXPERTS, HIDDEN, bigset_repo, busy_worker, calibrate, call_fn, channel,  # noqa: E402
                        long_call, metric_values, req_of, timed, wait_metric)
 from test_fused_moe import mkset, read_safetensors, upload_msgs  # noqa: E402
-from test_server import check, code_of  # noqa: E402
+from test_server import code_of  # noqa: E402
 
 SC = grpc.StatusCode
 DRAIN_S = 1.0
@@ -117,8 +118,7 @@ def test_queued_expiry(f, tokens, http_port, rest_port):
 
 
 def test_deadline_and_cancel(tmp, repo):
-    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--workers", "1")
-    try:
+    with moed(tmp, "--model-repository", repo, "--workers", "1", exit_timeout=60) as (p, port, http_port):
         ch = channel(port)
         f = call_fn(ch)
         tokens, full = calibrate(f)
@@ -142,11 +142,6 @@ def test_deadline_and_cancel(tmp, repo):
         fut.cancel()
         code, msg, t = timed(lambda: f(small, timeout=60))
         check(code == SC.OK and t < full / 3, f"after a cancel, next call answered in {t:.2f}s (< {full / 3:.2f}s)")
-        p.send_signal(signal.SIGTERM)
-        check(p.wait(timeout=60) == 0, "clean exit")
-    finally:
-        if p.poll() is None:
-            p.kill()
     return tokens, full
 
 
@@ -175,10 +170,9 @@ def test_abandoned_queue(tmp, repo, tokens):
     call is accepted, not refused UNAVAILABLE as when the dead jobs held the
     queue's places; a live call beyond N live jobs is still refused."""
     n = 4
-    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--workers", "1", "--max-queue-size", str(n),
-                                  "--max-batch-tokens", "0")  # no batching: one job per request
     queue_jobs, failed = "moed_device_queue_jobs{", 'moed_requests_total{model="bigset",outcome="failure"}'
-    try:
+    with moed(tmp, "--model-repository", repo, "--workers", "1", "--max-queue-size", str(n),
+              "--max-batch-tokens", "0", exit_timeout=60) as (_, port, http_port):  # no batching: one job per request
         ch = channel(port)
         f = call_fn(ch)
         blocker = busy_worker(http_port, long_call(f, tokens, timeout=300))
@@ -219,11 +213,6 @@ def test_abandoned_queue(tmp, repo, tokens):
         # each decoded request answered once: cancelled 3 (the large one fails undecoded, uncounted),
         # refused 1, expired n, and the long call
         wait_metric(http_port, failed, fail0 + 3 + 1 + n + 1, "failures counted once each")
-        p.send_signal(signal.SIGTERM)
-        check(p.wait(timeout=60) == 0, "clean exit")
-    finally:
-        if p.poll() is None:
-            p.kill()
 
 
 def test_abandoned_batch(tmp, repo):
@@ -231,10 +220,9 @@ def test_abandoned_batch(tmp, repo):
     which count against --max-queue-size too: cancelled ones and ones past
     their `timeout` leave it at once, and a live call is batched, not refused
     `batch queue full`."""
-    p, port, http_port = ts.start(tmp, "--model-repository", repo, "--max-queue-size", "2",
-                                  "--max-queue-delay-us", "60000000", "--max-batch-tokens", "4")
     held = "moed_batcher_requests "
-    try:
+    with moed(tmp, "--model-repository", repo, "--max-queue-size", "2", "--max-queue-delay-us", "60000000",
+              "--max-batch-tokens", "4", exit_timeout=60) as (_, port, http_port):
         f = call_fn(channel(port))
         futs = [f.future(req_of(1, seed=50 + k), timeout=300) for k in range(2)]
         wait_metric(http_port, held, 2, "two requests held in an open batch")
@@ -256,11 +244,6 @@ def test_abandoned_batch(tmp, repo):
         code, msg = code_of(lambda: f(req_of(4, seed=70), timeout=120))  # 4 rows fill a batch: it runs at once
         check(code == SC.OK, f"a live call is batched and answered ({code} {msg})")
         wait_metric(http_port, "moed_inflight_requests ", 0, "nothing left in flight")
-        p.send_signal(signal.SIGTERM)
-        check(p.wait(timeout=60) == 0, "clean exit")
-    finally:
-        if p.poll() is None:
-            p.kill()
 
 
 def stream_refusal(ch):
@@ -279,8 +262,8 @@ def stream_refusal(ch):
 
 
 def test_drain_stops_work(tmp, repo, tokens, full):
-    p, port, _ = ts.start(tmp, "--model-repository", repo, "--workers", "1", "--drain-timeout", str(DRAIN_S))
-    try:
+    with moed(tmp, "--model-repository", repo, "--workers", "1", "--drain-timeout", str(DRAIN_S),
+              exit_check=None) as (p, port, _):
         ch = channel(port)
         f = call_fn(ch)
         fut = f.future(req_of(tokens), timeout=300)
@@ -297,9 +280,6 @@ def test_drain_stops_work(tmp, repo, tokens, full):
               f"exit {exit_s:.2f}s after SIGTERM (drain timeout {DRAIN_S}s; the op alone needs {full:.1f}s)")
         code, msg = code_of(fut.result)
         check(code == SC.UNAVAILABLE, f"the stopped call: UNAVAILABLE ({code} {msg})")
-    finally:
-        if p.poll() is None:
-            p.kill()
 
 
 def slow_upload(ch, msgs, seconds):
@@ -326,8 +306,7 @@ def test_drain_uploads(tmp, repo):
 
     # finishes within the drain timeout: stored, and the exit follows it, not the timeout
     drain = 8.0
-    p, port, _ = ts.start(tmp, "--model-repository", repo, "--drain-timeout", str(drain))
-    try:
+    with moed(tmp, "--model-repository", repo, "--drain-timeout", str(drain), exit_check=None) as (p, port, _):
         ch = channel(port)
         fut = slow_upload(ch, msgs("up1"), 3.0)
         time.sleep(0.5)
@@ -344,12 +323,8 @@ def test_drain_uploads(tmp, repo):
         exit_s = time.monotonic() - t0
         check(rc == 0 and done_s > 1.5 and exit_s < done_s + 1.5 and exit_s < drain,
               f"exit 0 {exit_s:.2f}s after SIGTERM: after the upload ({done_s:.2f}s), before the timeout ({drain}s)")
-    finally:
-        if p.poll() is None:
-            p.kill()
     # outlasts the drain timeout: cut off, the exit bounded by the timeout
-    p, port, _ = ts.start(tmp, "--model-repository", repo, "--drain-timeout", str(DRAIN_S))
-    try:
+    with moed(tmp, "--model-repository", repo, "--drain-timeout", str(DRAIN_S), exit_check=None) as (p, port, _):
         ch = channel(port)
         fut = slow_upload(ch, msgs("up3"), 20.0)
         time.sleep(0.5)
@@ -361,9 +336,6 @@ def test_drain_uploads(tmp, repo):
         check(code != SC.OK and not os.path.exists(f"{repo}/up3"), f"an upload past the drain timeout is cut off ({code})")
         check(rc == 0 and exit_s < DRAIN_S + 3.0,  # + the 1 s grace of open streams
               f"exit 0 {exit_s:.2f}s after SIGTERM (drain timeout {DRAIN_S}s)")
-    finally:
-        if p.poll() is None:
-            p.kill()
 
 
 def test_exit_watchdog(tmp):
@@ -375,9 +347,8 @@ def test_exit_watchdog(tmp):
     repo = os.path.join(tmp, "hung-repo")
     os.makedirs(f"{repo}/stuck")
     os.mkfifo(f"{repo}/stuck/config.json")
-    p, port, _ = ts.start(tmp, "--model-repository", repo, "--model-control-mode", "explicit",
-                          "--drain-timeout", str(DRAIN_S))
-    try:
+    with moed(tmp, "--model-repository", repo, "--model-control-mode", "explicit", "--drain-timeout", str(DRAIN_S),
+              exit_check=None) as (p, port, _):
         load = channel(port).unary_unary("/inference.GRPCInferenceService/RepositoryModelLoad",
                                          request_serializer=lambda m: m.SerializeToString())
         fut = load.future(ts.pb.RepositoryModelLoadRequest(model_name="stuck"), timeout=60)
@@ -393,9 +364,6 @@ def test_exit_watchdog(tmp):
         check(rc == 1 and DRAIN_S + 3.5 < exit_s < DRAIN_S + 6.0,
               f"exit 1 {exit_s:.2f}s after SIGTERM (the drain timeout {DRAIN_S}s + 4 s)")
         check("exit_forced" in open(os.path.join(tmp, "moed.log")).read(), "exit_forced logged")
-    finally:
-        if p.poll() is None:
-            p.kill()
 
 
 def main():
@@ -407,8 +375,8 @@ def main():
         test_drain_stops_work(tmp, repo, tokens, full)
         test_drain_uploads(tmp, repo)
         test_exit_watchdog(tmp)
-        ts.print_log_tail(tmp)
-    ts.exit_with_summary()
+        print_log_tail(tmp)
+    exit_with_summary()
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 sys.path.insert(0, os.path.dirname(__file__))
+from moed_process import check, moed, run_tests  # noqa: E402
 import test_server as ts  # noqa: E402
-from test_server import check, make_req  # noqa: E402
+from test_server import make_req  # noqa: E402
 
 N, ROWS, COLS = 400, 256, 1024  # responses of 1 MiB: more than a client transport absorbs
 METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
@@ -64,8 +65,7 @@ def metric(port, name):
 
 
 def test_paused(tmp):
-    p, g, h = ts.start(tmp, "--stream-buffer-bytes", str(16 << 20))
-    try:
+    with moed(tmp, "--stream-buffer-bytes", str(16 << 20)) as (p, g, h):
         ch, fn = open_stream(g)
         before = rss_mib(p.pid)
         sent = [0]
@@ -91,17 +91,14 @@ def test_paused(tmp):
               f"then every response arrives ({len(got)}, {len(errors)} errors, sizes {sizes})")
         check(metric(h, "moed_stream_buffered_bytes") == 0, "... and nothing stays counted as buffered")
         ch.close()
-    finally:
-        ts.stop(p)
 
 
 def test_ended(tmp):
     # 4 MiB answers, merged four to a batch (row-independent op, 4096 rows per batch, a long queue
     # delay): the batch's answers are queued one after the other while the first is being written,
     # so the second finds the stream over its budget and the total past it
-    p, g, _ = ts.start(tmp, "--stream-buffer-bytes", str(64 << 10), "--response-buffer-bytes", str(2 << 20),
-                       "--max-batch-tokens", "4096", "--max-queue-delay-us", "500000")
-    try:
+    with moed(tmp, "--stream-buffer-bytes", str(64 << 10), "--response-buffer-bytes", str(2 << 20),
+              "--max-batch-tokens", "4096", "--max-queue-delay-us", "500000") as (_, g, _):
         ch, fn = open_stream(g)
         sent = [0]
         call = fn(requests(sent, rows=1024))
@@ -117,9 +114,7 @@ def test_ended(tmp):
         req = next(requests([0], rows=8))
         resp = ts.infer_pb(grpc.insecure_channel(f"127.0.0.1:{g}"), req)
         check(len(resp.raw_output_contents[0]) == 8 * COLS * 4, "the server goes on serving")
-    finally:
-        ts.stop(p)
 
 
 if __name__ == "__main__":
-    ts.run_tests(test_paused, test_ended)
+    run_tests(test_paused, test_ended)
