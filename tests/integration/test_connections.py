@@ -147,7 +147,8 @@ def test_rest_counts(tmp):
 def test_connection_age(tmp):
     """--max-connection-age: a connection that keeps itself from idling out
     is still asked to go (GOAWAY) and closed after the grace."""
-    with moed(tmp, "--idle-timeout", "120", "--max-connection-age", "1", "--max-connection-age-grace", "1") as (_, g, _):
+    with moed(tmp, "--idle-timeout", "120", "--max-connection-age", "1",
+              "--max-connection-age-grace", "1") as (_, g, _):
         s = socket.create_connection(("127.0.0.1", g))
         s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0\0\0\4\0\0\0\0\0")  # preface, empty SETTINGS
         w = closed_within(s, 10)

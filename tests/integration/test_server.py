@@ -411,7 +411,8 @@ def test_drain(tmp):
         t.start()
         big = np.ones((4096, 4096), np.float32)
         req = make_req("quant.per_token", [("x", "FP32", list(big.shape), big.tobytes())], {"out_dtype": "int8"})
-        f = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=lambda m: m.SerializeToString())
+        f = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                           request_serializer=lambda m: m.SerializeToString())
         futs = [f.future(req, timeout=60) for _ in range(6)]
         # SIGTERM once all six are admitted (running or answered): a 64 MiB
         # message still in transit when the drain starts is refused UNAVAILABLE
@@ -426,14 +427,16 @@ def test_drain(tmp):
             time.sleep(0.05)
         p.send_signal(signal.SIGTERM)
         time.sleep(0.05)
-        code, _ = code_of(lambda: f(make_req("quant.per_token", [("x", "FP32", [1, 32], bytes(128))], {"out_dtype": "int8"}), timeout=5))
+        small = make_req("quant.per_token", [("x", "FP32", [1, 32], bytes(128))], {"out_dtype": "int8"})
+        code, _ = code_of(lambda: f(small, timeout=5))
         check(code == grpc.StatusCode.UNAVAILABLE, f"new call during drain UNAVAILABLE ({code})")
         done = [code_of(fu.result)[0] for fu in futs]
         check(all(c == grpc.StatusCode.OK for c in done), f"in-flight requests completed through drain: {done}")
         rc = p.wait(timeout=30)
         check(rc == 0, f"exit code 0 after SIGTERM ({rc})")
         t.join(timeout=5)
-        check(statuses[:1] == [bytes([8, 1])] and bytes([8, 2]) in statuses, f"health Watch SERVING -> NOT_SERVING {statuses}")
+        check(statuses[:1] == [bytes([8, 1])] and bytes([8, 2]) in statuses,
+              f"health Watch SERVING -> NOT_SERVING {statuses}")
 
 
 def test_limits(tmp):

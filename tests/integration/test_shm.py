@@ -441,7 +441,8 @@ def test_auth(tmp):
             expect(lambda: cli.get_system_shared_memory_status(), C.UNAUTHENTICATED, ["authorization"],
                    "auth: status without a token")
             cli.unregister_system_shared_memory(headers=hdr)
-            check(len(cli.get_system_shared_memory_status(headers=hdr).regions) == 0, "auth: an infer token unregisters")
+            check(len(cli.get_system_shared_memory_status(headers=hdr).regions) == 0,
+                  "auth: an infer token unregisters")
         finally:
             shm.destroy_shared_memory_region(h)
 
