@@ -88,7 +88,8 @@ def moed(tmp, *flags, preexec_fn=None, env=None, exit_check="clean exit", exit_t
             end(p, 0)
             raise StartFailed(f"moed {' '.join(flags)}: {why}; its log ends:\n{log_tail(tmp, log_start)}")
         time.sleep(0.05)
-    grpc_port, http_port, p.rest_port = (int(v) for v in open(port_file).read().split())
+    with open(port_file) as f:
+        grpc_port, http_port, p.rest_port = (int(v) for v in f.read().split())
     try:
         yield p, grpc_port, http_port
     finally:
