@@ -17,7 +17,13 @@
  *   moe-bench-gpu [--runs N] [--max-mib 1024]
  *   moe-bench-gpu --fused [--runs N] [--matmul-tflops X] [--fp8-matmul-tflops X] [--max-tokens T] [--only
  * NAME|bf16|int4|mxfp4|fp8[,...]]
- *                 [--tokens T1,T2,...] [--tune FILE]
+ *                 [--tokens T1,T2,...] [--tune FILE] [--host-time]
+ *
+ * --only floor: a layer small enough (E 8, k 2, H 256, I 128) that a
+ * call's time is its fixed cost (launches, align and sum, the pipelines'
+ * fill); run only when named. --host-time: per cell, on stderr, the host's
+ * time to issue one call (no waiting) and the time per call of 8 calls
+ * back to back (the device's rate when the host keeps ahead).
  *
  * --tune FILE: also times every tile configuration of the tensor-core path
  * per cell (a table on stderr) and writes the rows where one beats the
@@ -30,6 +36,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "gpu.h"
 #include "moe/codec.h"
@@ -46,6 +53,7 @@
   } while (0)
 
 static int runs = 50;
+static bool host_time; /* --host-time */
 
 static int cmp_float(const void *a, const void *b) {
   float x = *(const float *)a, y = *(const float *)b;
@@ -291,6 +299,19 @@ static double time_cell(moe_backend *b, rot_arg *ra, int *used, double limit) {
   }
   if (ms0 * runs > 3000.0f) runs = ms0 > 150.0f ? 20 : (int)(3000.0f / ms0) < 20 ? 20 : (int)(3000.0f / ms0);
   const double ms = time_median(moe_gpu_stream(b), run_rot, ra);
+  if (host_time) { /* the host's issue time per call, and the device's rate for back-to-back calls */
+    struct timespec t0, t1;
+    CHECK(hipDeviceSynchronize());
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int i = 0; i < 50; i++)
+      run_rot(ra);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    CHECK(hipDeviceSynchronize());
+    const double host =
+        ((double)(t1.tv_sec - t0.tv_sec) * 1e6 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e3) / 50;
+    fprintf(stderr, "host issue %.1f us/call, one call %.1f us, back to back %.1f us/call\n", host, ms * 1e3,
+            time_median_rep(moe_gpu_stream(b), run_rot, ra, 8) * 1e3);
+  }
   *used = runs;
   runs = saved;
   return ms;
@@ -390,12 +411,18 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, doubl
                   " * where a configuration beat the untuned choice by 3%% or more. */\n"
                   "static const Tuned tuned[] = {\n");
   }
+  /* opt_in: run only when --only names it. "floor": weights small enough
+   * that the call's time is its fixed cost (launches, the align and sum
+   * steps, the pipeline's fill and drain), what a decode call pays on top
+   * of its weight bytes */
   static const struct {
     const char *name;
     int64_t e, k, h, i;
-  } models[] = {{"qwen3-30b-a3b", 128, 8, 2048, 768},
-                {"mixtral-8x7b", 8, 2, 4096, 14336},
-                {"deepseek-v3", 256, 8, 7168, 2048}};
+    bool opt_in;
+  } models[] = {{"qwen3-30b-a3b", 128, 8, 2048, 768, false},
+                {"mixtral-8x7b", 8, 2, 4096, 14336, false},
+                {"deepseek-v3", 256, 8, 7168, 2048, false},
+                {"floor", 8, 2, 256, 128, true}};
   static const int64_t tokens[] = {1, 4, 16, 64, 256, 1024, 4096};
   printf("\n| layer | scheme | T | time (us) | routed weight GB | GB/s | %% of copy BW | TFLOP/s | %% of "
          "matmul |\n"
@@ -407,6 +434,7 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, doubl
                                                                                   "mxfp4", "fp8 block 128"};
       const int int4 = sch == 1, mx = sch == 2, fp8 = sch == 3;
       if (!selected(only, models[mi].name, sch_name[sch])) continue;
+      if (models[mi].opt_in && (!only || !strstr(only, models[mi].name))) continue;
       const int64_t E = models[mi].e, K = models[mi].k, H = models[mi].h, I = models[mi].i;
       /* weights on the device, inline inputs of model fused_moe */
       moe_named_tensor w[4];
@@ -563,6 +591,8 @@ int main(int argc, char **argv) {
       only_tokens = argv[++i];
     else if (!strcmp(argv[i], "--tune") && i + 1 < argc)
       tune_path = argv[++i];
+    else if (!strcmp(argv[i], "--host-time"))
+      host_time = true;
   }
   setvbuf(stdout, NULL, _IOLBF, 0); /* lines reach a pipe as they are printed */
   const char *why;

@@ -19,15 +19,23 @@ enum { A_BF16, A_F16 };
  * conversions for every non-NaN v (a NaN stays a NaN; only to16, below,
  * fixes its bits). The codec's integer sequence made the gate_up epilogue
  * of the bulk GEMM instruction-bound (a quarter of the kernel at T = 4096). */
-template <int ACT> __device__ __forceinline__ float act_round(float v) {
 #if defined(MOE_GPU_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define MOE_GPU_CVT16 1
+/* the hardware's conversion: v's bits in the activation dtype */
+template <int ACT> __device__ __forceinline__ unsigned short cvt16(float v) {
   unsigned short h;
-  float r;
-  if (ACT == A_BF16) {
+  if (ACT == A_BF16)
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    return moe_f32_from_bits((uint32_t)h << 16);
-  }
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+}
+#endif
+template <int ACT> __device__ __forceinline__ float act_round(float v) {
+#if defined(MOE_GPU_CVT16)
+  const unsigned short h = cvt16<ACT>(v);
+  if (ACT == A_BF16) return moe_f32_from_bits((uint32_t)h << 16);
+  float r;
   asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
   return r;
 #else
@@ -35,13 +43,9 @@ template <int ACT> __device__ __forceinline__ float act_round(float v) {
 #endif
 }
 template <int ACT> __device__ __forceinline__ uint16_t to16(float v) {
-#if defined(MOE_GPU_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(MOE_GPU_CVT16)
   /* as act_round; a NaN gets the codec's bits by a select */
-  unsigned short h;
-  if (ACT == A_BF16)
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-  else
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  const unsigned short h = cvt16<ACT>(v);
   return moe_f32_isnan(v) ? (ACT == A_BF16 ? (uint16_t)0x7FC0 : (uint16_t)0x7E00) : (uint16_t)h;
 #else
   return ACT == A_BF16 ? moe_f32_to_bf16(v) : moe_f32_to_f16(v);

@@ -199,6 +199,12 @@ __device__ __forceinline__ void cp_async16(void *dst, const void *src, bool ok) 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(ok ? 16 : 0));
 }
+/* the same, issued only when ok (a predicate, not a branch) */
+__device__ __forceinline__ void cp_async16_if(void *dst, const void *src, bool ok) {
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.cg.shared.global [%0], [%1], 16; }\n" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"((int)ok));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
@@ -541,29 +547,37 @@ __device__ __forceinline__ void store_tile(const TcArgs &a, const float (&acc)[N
     b0 = bias_at(a, base + (size_t)file_row(a, mt, lane, 0));
     b1 = bias_at(a, base + (size_t)file_row(a, mt, lane, 1));
   }
-  /* phase 1: this lane's unit for token tok = 8 j + 2 (lane % 4) + q is
-   * element o1[q] + j * step1 of a.out (KMAJOR: row is a multiple of 8, a
-   * bulk tile's first row, so the swizzle depends on q alone), the index
-   * arithmetic out of the per-element loop */
-  const int unit = 8 * mt + (lane >> 2), tok0 = 2 * (lane & 3);
-  size_t o1[2];
-  for (int q = 0; q < 2; q++)
-    o1[q] = KMAJOR ? kmajor(unit, row + tok0 + q, a.cap)
-                   : (size_t)(row + tok0 + q) * (size_t)a.inter + (size_t)unit;
-  const size_t step1 = KMAJOR ? (size_t)8 * KB : (size_t)8 * (size_t)a.inter;
+  const int tok0 = 2 * (lane & 3);
+  if (a.phase == 1) {
+    /* this lane's unit for token tok = 8 j + 2 (lane % 4) + q is element
+     * o1[q] + j * step1 of a.out (KMAJOR: row is a multiple of 8, a bulk
+     * tile's first row, so the swizzle depends on q alone), the index
+     * arithmetic out of the per-element loop */
+    const int unit = 8 * mt + (lane >> 2);
+    size_t o1[2];
+    for (int q = 0; q < 2; q++)
+      o1[q] = KMAJOR ? kmajor(unit, row + tok0 + q, a.cap)
+                     : (size_t)(row + tok0 + q) * (size_t)a.inter + (size_t)unit;
+    const size_t step1 = KMAJOR ? (size_t)8 * KB : (size_t)8 * (size_t)a.inter;
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+      for (int q = 0; q < 2; q++)
+        if (j * 8 + tok0 + q < rows) {
+          const float v =
+              activate<ACT>(a.activation, act_round<ACT>(acc[j][q] + b0), act_round<ACT>(acc[j][2 + q] + b1));
+          a.out[o1[q] + (size_t)j * step1] = to16<ACT>(v);
+        }
+    return;
+  }
+  const int h = 16 * mt + (lane >> 2);
 #pragma unroll
   for (int j = 0; j < NT; j++)
 #pragma unroll
     for (int q = 0; q < 2; q++) {
       const int tok = j * 8 + tok0 + q;
       if (tok >= rows) continue;
-      if (a.phase == 1) {
-        const float v =
-            activate<ACT>(a.activation, act_round<ACT>(acc[j][q] + b0), act_round<ACT>(acc[j][2 + q] + b1));
-        a.out[o1[q] + (size_t)j * step1] = to16<ACT>(v);
-        continue;
-      }
-      const int slot = slot_of[tok], h = 16 * mt + (lane >> 2);
+      const int slot = slot_of[tok];
       if (seg >= 0) {
         float *p = a.part + ((size_t)seg * (size_t)a.slots + (size_t)slot) * (size_t)a.hidden + (size_t)h;
         p[0] = acc[j][q];
@@ -649,7 +663,6 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
   /* a KB block's A: 16-bit weights are whole 128-byte rows (N of them per
    * KB columns), the others one packed block per 16 rows */
   const size_t a_step = W == TW_16 ? (size_t)N * 128 : CH;
-  const int G = a.group;
 
   /* Per-thread copy assignments, fixed for the tile: piece tid + q THREADS
    * of a KB block's A and B; the sources move on by a KB block per copy. */
@@ -685,24 +698,31 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
     b_dst[q] = r * 128 + ((c ^ (r & 7)) << 4);
   }
   /* wna16: this thread's 16-byte piece of a group's scales (and zero
-   * points) for the strip's rows */
-  const bool s_ok = WNA16 && tid < BN / 4 && n0 + 4 * tid < N;
-  const bool z_ok = WNA16 && a.zero && tid < BN / 16 && n0 + 16 * tid < N;
+   * points) for the strip's rows. Decode tiles with groups of whole KB
+   * blocks (WSPLIT): at most KS <= 4 groups start in a stage, warp w copies
+   * the w-th (lanes 0-15 the scales, 16-19 the zero points), so that no
+   * warp loops over the stage's groups; else threads 0.. copy every group. */
+  const int G = a.group;
+  const bool wsplit = C::WG == 1 && KS > 1 && G >= KB;
+  const int sp = wsplit ? lane : tid, zp = wsplit ? lane - 16 : tid;
+  const bool s_ok = WNA16 && sp < BN / 4 && n0 + 4 * sp < N;
+  const bool z_ok = WNA16 && a.zero && zp >= 0 && zp < BN / 16 && n0 + 16 * zp < N;
   /* segments start at a group's first column (moe_tc_split) */
   const size_t g0 = (size_t)e * a.groups + (size_t)(kbs * KB / G);
-  const float *s_src = s_ok ? a.scale + g0 * (size_t)N + n0 + 4 * tid : NULL;
-  const uint8_t *z_src = z_ok ? a.zero + g0 * (size_t)N + n0 + 16 * tid : NULL;
+  const float *s_src = s_ok ? a.scale + g0 * (size_t)N + n0 + 4 * sp : NULL;
+  const uint8_t *z_src = z_ok ? a.zero + g0 * (size_t)N + n0 + 16 * zp : NULL;
   int iss_gcol = 0; /* first column of the next group whose scales are copied (in the segment) */
 
   /* stage st (KB blocks st KS.., the last stage may hold fewer) into sb */
-  auto issue_as = [&](int st, uint8_t *sb, auto vec) {
+  auto issue_as = [&](int st, uint8_t *sb, auto vec, auto full) {
     /* 0/1: x's rows (un)aligned, one branch per stage; 2: checked per piece */
     constexpr int XV = decltype(vec)::value;
+    constexpr bool FULL = decltype(full)::value; /* every KB block of the stage is in the segment */
     const bool x_vec = XV == 2 ? a.x_vec != 0 : XV == 1;
 #pragma unroll
     for (int u = 0; u < KS; u++) {
       const int kb = st * KS + u; /* in the segment */
-      if (KS > 1 && kb >= nkb_seg) break;
+      if (KS > 1 && !FULL && kb >= nkb_seg) break;
 #pragma unroll
       for (int q = 0; q < AP; q++) {
         const int i = tid + q * THREADS;
@@ -711,13 +731,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
       }
 #pragma unroll
       for (int q = 0; q < BP; q++) {
-        if (!b_ok[q]) continue;
         uint8_t *dst = sb + u * S::B1 + b_dst[q];
-        const uint16_t *src = b_src[q];
-        b_src[q] += KB;
+        const uint16_t *src = b_src[q] + u * KB; /* the source moves on once per stage (below) */
         if (x_vec) {
-          cp_async16(dst, src, true);
-        } else { /* unaligned rows: 16-bit loads, ordered by the barrier before use */
+          cp_async16_if(dst, src, b_ok[q]);
+        } else if (b_ok[q]) { /* unaligned rows: 16-bit loads, ordered by the barrier before use */
           uint16_t v[8];
 #pragma unroll
           for (int e8 = 0; e8 < 8; e8++)
@@ -731,7 +749,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
         }
       }
     }
-    /* the sources move on by the stage (after a last, shorter stage they are not used) */
+#pragma unroll
+    for (int q = 0; q < BP; q++)
+      b_src[q] += KS * KB;
+      /* the sources move on by the stage (after a last, shorter stage they are not used) */
 #pragma unroll
     for (int q = 0; q < AP; q++)
       if (a_ok[q]) a_src[q] += KS * a_step;
@@ -741,14 +762,26 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
       const int col_end = (st + 1) * S::COLS < seg_cols ? (st + 1) * S::COLS : seg_cols;
       float *ss = (float *)(sb + S::B + S::A);
       uint8_t *sz = (uint8_t *)(ss + S::SGS * BN);
-      for (int j = 0; iss_gcol < col_end; j++, iss_gcol += G) {
-        if (s_ok) {
-          cp_async16(ss + j * BN + 4 * tid, s_src, true);
-          s_src += N;
+      if (wsplit) {
+        if (iss_gcol + warp * G < col_end) {
+          if (s_ok) cp_async16(ss + warp * BN + 4 * sp, s_src + (size_t)warp * N, true);
+          if (z_ok) cp_async16(sz + warp * BN + 16 * zp, z_src + (size_t)warp * N, true);
         }
-        if (z_ok) {
-          cp_async16(sz + j * BN + 16 * tid, z_src, true);
-          z_src += N;
+        int ng = 0;
+        for (; iss_gcol < col_end; iss_gcol += G)
+          ng++;
+        if (s_ok) s_src += (size_t)ng * N;
+        if (z_ok) z_src += (size_t)ng * N;
+      } else {
+        for (int j = 0; iss_gcol < col_end; j++, iss_gcol += G) {
+          if (s_ok) {
+            cp_async16(ss + j * BN + 4 * sp, s_src, true);
+            s_src += N;
+          }
+          if (z_ok) {
+            cp_async16(sz + j * BN + 16 * zp, z_src, true);
+            z_src += N;
+          }
         }
       }
     }
@@ -756,12 +789,19 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
   /* the decode tiles branch once per stage; the large tile checks per piece
    * (two copies of its copy code cost it registers: spills) */
   auto issue = [&](int st, uint8_t *sb) {
+    /* a full stage (every one but perhaps the last) copies without a check per KB block */
+    auto by_fill = [&](auto vec) {
+      if ((st + 1) * KS <= nkb_seg)
+        issue_as(st, sb, vec, std::true_type{});
+      else
+        issue_as(st, sb, vec, std::false_type{});
+    };
     if constexpr (KS == 1)
-      issue_as(st, sb, std::integral_constant<int, 2>{});
+      issue_as(st, sb, std::integral_constant<int, 2>{}, std::true_type{});
     else if (a.x_vec)
-      issue_as(st, sb, std::integral_constant<int, 1>{});
+      by_fill(std::integral_constant<int, 1>{});
     else
-      issue_as(st, sb, std::integral_constant<int, 0>{});
+      by_fill(std::integral_constant<int, 0>{});
   };
 
   struct Acc {
@@ -769,7 +809,17 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
     float t[FP8 ? NT : 1][4]; /* fp8 block scales: the scaled K blocks' sum (v: the current block's) */
   };
   const uint32_t zdef = W == TW_INT4 ? 8 : 128;
-  Deq dq;           /* the group's scales and zero points: reloaded where a group starts */
+  Deq dq; /* the group's scales and zero points: reloaded where a group starts */
+  /* 128 + z (bf16) and 1024 + z (fp16) by their bits (z < 2^7 resp. 2^10),
+   * and 2^23 + z: set once here for sets without zero points (the
+   * midpoint), by reload where a group starts otherwise */
+  auto set_zero = [&](int h, uint32_t z) {
+    const uint32_t zb = (ACT == A_BF16 ? 0x4300u : 0x6400u) + z;
+    dq.zb16[h] = zb | zb << 16;
+    dq.zb32[h] = __uint_as_float(0x4B000000u + z);
+  };
+  set_zero(0, zdef);
+  set_zero(1, zdef);
   int cmp_gcol = 0; /* first column of the next group compute reloads (in the segment) */
   const int raw_off = S::B + warp * CH + lane * 16;
   const int sc_off = S::B + S::A + (warp * 16 + (lane >> 2)) * 4;
@@ -852,6 +902,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
                      uint32_t(&afB)[KB / 16][4], auto mode, auto par) {
     [[maybe_unused]] constexpr int MODE = decltype(mode)::value; /* fp8 has one route */
     int j = 0;                                                   /* the stage's group slot */
+#if defined(MOE_TC_WGMMA)
+    /* the stage's descriptor once (stages start on 1024-byte boundaries): a
+     * KB block and 16 columns further are constant adds */
+    const uint64_t dstage = desc0 + ((uint32_t)(sb - smem) >> 4);
+#endif
 #pragma unroll
     for (int u = 0; u < KS; u++) {
       const int kb = st * KS + u;    /* in the segment */
@@ -875,15 +930,11 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
           const float sc = *(const float *)(sb + sc_off + j * BN * 4 + h * 32);
-          const uint32_t z = a.zero ? sb[zp_off + j * BN + h * 8] : zdef;
           dq.s[h] = sc;
           /* exact when scale16 (mxfp4: when dq.fast) */
           const float s16 = W == TW_FP4 ? sc * (ACT == A_BF16 ? 0x1p126f : 0x1p14f) : sc;
           dq.s16[h] = pack2<ACT>(s16, s16);
-          /* 128 + z (bf16) and 1024 + z (fp16) by their bits: z < 2^7 resp. 2^10 */
-          const uint32_t zb = (ACT == A_BF16 ? 0x4300u : 0x6400u) + z;
-          dq.zb16[h] = zb | zb << 16;
-          dq.zb32[h] = __uint_as_float(0x4B000000u + z);
+          if (a.zero) set_zero(h, sb[zp_off + j * BN + h * 8]);
         }
         if (W == TW_FP4) { /* a warp's choice: one path per 16 columns, no divergence */
           bool ok = true;
@@ -964,8 +1015,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
           keep_alive(af[ks]);
       wgmma_fence();
       const uint32_t none[4] = {0, 0, 0, 0}; /* SS: no A registers */
-      const uint64_t db = desc0 + ((uint32_t)(sb - smem + u * S::B1) >> 4),
-                     da = desc0 + ((uint32_t)(sb - smem + S::B + u * S::A1 + (warp >> 2) * 8192) >> 4);
+      const uint64_t db = dstage + (uint32_t)(u * S::B1 >> 4),
+                     da = dstage + ((uint32_t)(S::B + u * S::A1 + (warp >> 2) * 8192) >> 4);
 #pragma unroll
       for (int ks = 0; ks < KB / 16; ks++) {
         if constexpr (A_SMEM) /* this warpgroup's 64 rows of the stage */
