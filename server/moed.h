@@ -126,7 +126,7 @@ grpc_status_code moed_failf(char *buf, grpc_status_code code, const char *fmt, .
  * the model repository only; the log keeps the full ones). */
 void moed_msg_relative(char *msg, size_t cap, const char *dir, const char *label);
 
-/* ---- rpc.c: gRPC core <-> libuv bridge ------------------------------------- */
+/* ---- rpc.c, rpc_call.c, rpc_buffer.c: gRPC core <-> libuv bridge ---------- */
 
 typedef enum moed_method {
   MOED_M_SERVER_LIVE = 0,
@@ -457,7 +457,7 @@ int moed_devices_load(moed_devices *d, int queued[MOED_PRIORITY_LEVELS]);
  * thread. */
 const char *moed_devices_memory(const moed_devices *d, int i, moe_backend_memory *out);
 
-/* ---- handlers.c: the protocol ---------------------------------------------- */
+/* ---- handlers*.c: the protocol --------------------------------------------- */
 
 typedef struct moed_batcher moed_batcher;
 typedef struct moed_weight_cache moed_weight_cache;
@@ -646,7 +646,7 @@ void moed_fd_budget_side_listener(int fd);
 /* Connections closed at accept: into the reserve; with no descriptor left. */
 void moed_fd_budget_refused(uint64_t *reserve, uint64_t *exhausted);
 
-/* ---- http_conn.c: HTTP/1.1 connections (the side port's and the REST port's) */
+/* ---- http_conn.c (http_conn.h inside): HTTP/1.1 connections (both ports) -- */
 
 typedef struct moed_http_listener moed_http_listener;
 typedef struct moed_http_conn moed_http_conn;
@@ -777,7 +777,7 @@ moed_gpu_metrics *moed_gpu_metrics_create(bool allow, int n_workers, const char 
 char *moed_gpu_metrics_render(moed_gpu_metrics *g, size_t *len);
 void moed_gpu_metrics_destroy(moed_gpu_metrics *g);
 
-/* ---- rest.c: the KServe v2 REST API ------------------------------------------- */
+/* ---- rest*.c: the KServe v2 REST API ------------------------------------------ */
 
 typedef struct moed_rest moed_rest;
 int moed_rest_start(moed_server *s, const char *address, int port, moed_rest **out, int *bound_port);
