@@ -264,7 +264,6 @@ void moed_handle_request(moed_request *req, void *arg) {
   default: moed_rpc_finish(req->rpc, GRPC_STATUS_UNIMPLEMENTED, "unknown method", NULL); break;
   }
   if (!keep) {
-    if (req->payload) grpc_byte_buffer_destroy(req->payload);
-    free(req);
+    moed_request_free(req);
   }
 }

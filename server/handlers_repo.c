@@ -50,8 +50,7 @@ typedef struct request_job {
 } request_job;
 
 static void job_free(request_job *j) {
-  if (j->req->payload) grpc_byte_buffer_destroy(j->req->payload);
-  free(j->req);
+  moed_request_free(j->req);
   free(j);
 }
 

@@ -52,6 +52,7 @@ void moed_http_conn_close(moed_http_conn *c) {
   *c->prev = c->next;
   if (c->next) c->next->prev = c->prev;
   c->l->n.open--;
+  c->l->probation -= c->probation;
   if (c->ssl && SSL_is_init_finished(c->ssl)) { /* close_notify, best effort: the socket closes next */
     SSL_shutdown(c->ssl);
     moed_http_tls_flush(c, NULL);
@@ -62,7 +63,9 @@ void moed_http_conn_close(moed_http_conn *c) {
 
 static void on_deadline(uv_timer_t *t) {
   moed_http_conn *c = t->data;
-  if (c->in_request) /* an idle keep-alive connection's end is no timeout */
+  if (c->probation) /* past the cap, and no whole request in time */
+    c->l->n.refused++;
+  else if (c->in_request) /* an idle keep-alive connection's end is no timeout */
     c->l->n.timeouts++;
   else
     c->l->n.idle_closed++;
@@ -219,6 +222,30 @@ moed_http_conn *moed_http_conn_new(moed_http_listener *l) {
   return c;
 }
 
+/* Past --http-max-connections, a new connection is kept PROBATION_MS for
+ * one whole request (then closed after its answer): idle connections that
+ * fill the cap (a flood, or a leaking client) would otherwise lock out
+ * every new client until their deadlines, the kubelet's probes and
+ * Prometheus's scrapes included, and those send their request at once. At
+ * most as many as the cap are on probation; a new one past that replaces
+ * the oldest whose request is not whole, so that a flood of connections
+ * that send nothing must outrun a probe's first round trip to keep it out.
+ * false: none could be replaced (every one's request is in work). */
+static bool probation_start(moed_http_listener *l, moed_http_conn *c) {
+  if (l->probation >= l->o.cfg->http_max_connections) {
+    moed_http_conn *oldest = NULL;
+    for (moed_http_conn *o = l->conns; o; o = o->next) /* newest first */
+      if (o->probation && !o->busy && o != c) oldest = o;
+    if (!oldest) return false;
+    l->n.refused++;
+    moed_http_conn_close(oldest);
+  }
+  c->probation = true;
+  l->probation++;
+  uv_timer_start(&c->timer, on_deadline, PROBATION_MS, 0);
+  return true;
+}
+
 static void on_connection(uv_stream_t *server, int status) {
   moed_http_listener *l = server->data;
   if (status < 0) return;
@@ -228,12 +255,12 @@ static void on_connection(uv_stream_t *server, int status) {
   c->handles++;
   c->tcp.data = c;
   if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0) return moed_http_conn_close(c);
-  if (l->n.open > l->o.cfg->http_max_connections) { /* accepted only to leave the backlog */
-    l->n.refused++;
+  if (l->n.open - l->probation > l->o.cfg->http_max_connections && !probation_start(l, c)) {
+    l->n.refused++; /* accepted only to leave the backlog */
     return moed_http_conn_close(c);
   }
-  l->n.accepted++;
-  uv_tcp_nodelay(&c->tcp, 1); /* an answer is one write: nothing to gain from Nagle */
+  if (!c->probation) l->n.accepted++; /* on probation: once its request is whole (http_parse.c) */
+  uv_tcp_nodelay(&c->tcp, 1);         /* an answer is one write: nothing to gain from Nagle */
   if (l->o.tls && !moed_http_tls_attach(c)) return moed_http_conn_close(c);
   if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) != 0) moed_http_conn_close(c);
 }

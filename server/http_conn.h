@@ -19,13 +19,18 @@
  * reading pauses until the answer is written and a close is not seen. */
 #define HELD_MAX (64 * 1024)
 
+/* How long a connection past --http-max-connections has for its request
+ * (http_conn.c's probation_start): a probe or a scrape sends it at once. */
+#define PROBATION_MS 250
+
 struct moed_http_listener {
   uv_tcp_t tcp;
   uv_loop_t *loop;
   moed_http_options o;
   moed_http_handler fn;
   void *arg;
-  moed_http_conn *conns;                              /* open connections (loop thread) */
+  moed_http_conn *conns;                              /* open connections, newest first (loop thread) */
+  int probation;                                      /* of those, past the cap (probation_start) */
   moed_http_listener *next_listener, **prev_listener; /* every listener, for /metrics (loop thread) */
   moed_http_stats n;
   bool memory; /* no socket (moed_http_memory_listener) */
@@ -60,6 +65,7 @@ struct moed_http_conn {
   bool eof;                        /* the client's FIN (or TLS close_notify) came: nothing more will */
   bool half_closed;                /* ... after its last request: it still waits for the answers */
   bool closing;
+  bool probation;       /* accepted past the cap: one request within PROBATION_MS, then closed */
   void (*gone)(void *); /* the deferred handler's: the connection closed first */
   void *gone_arg;
   char *pending; /* bytes read past the current request (pipelined), held for after its answer */

@@ -27,16 +27,11 @@ static _Atomic size_t body_bytes;
 
 /* Grows c's claim to cap bytes; false (nothing claimed) past the budget. */
 static bool body_claim(moed_http_conn *c, size_t cap) {
-  const size_t more = cap - c->body_cap, budget = c->l->o.cfg->http_body_budget_bytes;
-  size_t held = atomic_load(&body_bytes);
-  do {
-    if (more > budget || held > budget - more) return false;
-  } while (!atomic_compare_exchange_weak(&body_bytes, &held, held + more));
-  return true;
+  return moed_budget_claim(&body_bytes, cap - c->body_cap, c->l->o.cfg->http_body_budget_bytes);
 }
 
 void moed_http_body_release(moed_http_conn *c) {
-  atomic_fetch_sub(&body_bytes, c->body_cap);
+  moed_budget_release(&body_bytes, c->body_cap);
   c->body_cap = 0;
 }
 
@@ -54,7 +49,7 @@ static int on_message_begin(http_parser *p) {
   c->in_request = true;
   c->hname_len = c->hval_len = 0;
   c->in_value = false;
-  moed_http_conn_arm(c, c->l->o.cfg->handshake_timeout_s);
+  if (!c->probation) moed_http_conn_arm(c, c->l->o.cfg->handshake_timeout_s); /* on probation: its own */
   return 0;
 }
 
@@ -186,7 +181,7 @@ static int on_body(http_parser *p, const char *at, size_t len) {
     }
     char *g = realloc(c->rq.body, cap);
     if (!g) {
-      atomic_fetch_sub(&body_bytes, cap - c->body_cap);
+      moed_budget_release(&body_bytes, cap - c->body_cap);
       c->too_large = true;
       return 1;
     }
@@ -203,8 +198,9 @@ static int on_message_complete(http_parser *p) {
   c->busy = true;
   c->in_request = false;
   c->said_close = !http_should_keep_alive(p);
-  c->keep_alive = c->l->o.keep_alive && !c->said_close;
-  http_parser_pause(p, 1); /* one request at a time: the rest waits in c->pending */
+  c->keep_alive = c->l->o.keep_alive && !c->said_close && !c->probation;
+  if (c->probation) c->l->n.accepted++; /* served past the cap */
+  http_parser_pause(p, 1);              /* one request at a time: the rest waits in c->pending */
   return 0;
 }
 
@@ -252,9 +248,8 @@ void moed_http_feed(moed_http_conn *c, const char *data, size_t n) {
     return fail_request(c, 400, why);
   }
   if (!c->busy) {
-    if (c->in_body)
-      moed_http_conn_arm(
-          c, c->l->o.cfg->handshake_timeout_s); /* the body is coming: the next read has as long */
+    if (c->in_body && !c->probation) /* the body is coming: the next read has as long */
+      moed_http_conn_arm(c, c->l->o.cfg->handshake_timeout_s);
     return;
   }
   uv_timer_stop(&c->timer);

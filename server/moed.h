@@ -76,6 +76,7 @@ typedef struct moed_config {
   int max_uploads;               /* uploads in progress at once; beyond: RESOURCE_EXHAUSTED */
   size_t upload_budget_bytes;    /* tensor bytes of all uploads in progress together */
   size_t http_body_budget_bytes; /* request body bytes held by all HTTP connections together */
+  size_t grpc_body_budget_bytes; /* gRPC request message bytes held by all calls together */
   int shm_max_regions;           /* system shared-memory regions registered at once; 0: extension off */
 } moed_config;
 
@@ -108,6 +109,14 @@ void moed_hostmem_free(void *p);
 grpc_slice moed_hostmem_slice(void *p, size_t len);
 /* Frees the pool (exit). */
 void moed_hostmem_trim(void);
+
+/* ---- budget.c: bytes held by all clients together, against a limit ---------- */
+
+/* Claims n more bytes of *held against budget: false (nothing claimed)
+ * when all together would pass it. Any thread. */
+bool moed_budget_claim(_Atomic size_t *held, size_t n, size_t budget);
+/* Gives back n bytes claimed. */
+void moed_budget_release(_Atomic size_t *held, size_t n);
 
 /* ---- status_map.c ---------------------------------------------------------- */
 
@@ -165,7 +174,12 @@ typedef struct moed_request {
   moed_method method;
   grpc_byte_buffer *payload;
   uint64_t received_ns; /* monotonic */
+  size_t held;          /* its message's bytes claimed from --grpc-body-budget-bytes (rpc.c) */
 } moed_request;
+
+/* Frees req, its payload, and its claim on --grpc-body-budget-bytes: the
+ * end of every request, answered or refused. */
+void moed_request_free(moed_request *req);
 
 typedef struct moed_rpc_server moed_rpc_server;
 typedef void (*moed_request_fn)(moed_request *req, void *arg);
@@ -187,6 +201,8 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
 int moed_rpc_active(moed_rpc_server *s);
 /* Stream responses queued for clients and not yet written (any thread). */
 size_t moed_rpc_buffered_bytes(moed_rpc_server *s);
+/* Request message bytes held by calls until answered (any thread). */
+size_t moed_rpc_request_bytes(void);
 /* Shutdown in steps driven by the loop (which keeps serving hand-offs
  * meanwhile): stop accepting; cancel what is left; quiet = the server's
  * shutdown finished and every call is freed; then destroy (joins the CQ

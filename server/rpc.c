@@ -58,18 +58,49 @@ uint64_t moed_now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+/* ---- request bytes held ----------------------------------------------------------- */
+
+/* Request message bytes held by every call, from their arrival until each
+ * request is answered and freed (moed_request_free), against
+ * --grpc-body-budget-bytes: gRPC core bounds each message
+ * (--max-message-bytes) and moed the calls (--max-open-calls), this bounds
+ * the bytes together (1024 requests in flight could otherwise hold 1 TiB).
+ * Not gRPC core's resource quota (grpc_resource_quota_resize): it lets
+ * allocations overcommit and, under pressure, cancels calls it picks
+ * rather than refusing the one that does not fit with a status naming the
+ * limit. */
+static _Atomic size_t request_bytes;
+
+grpc_status_code moed_rpc_claim(moed_rpc_server *s, size_t n, char *why) {
+  if (moed_budget_claim(&request_bytes, n, s->body_budget)) return GRPC_STATUS_OK;
+  return moed_failf(why, GRPC_STATUS_RESOURCE_EXHAUSTED,
+                    "request: %zu bytes, with the %zu held by requests in work, would pass "
+                    "--grpc-body-budget-bytes %zu; retry later",
+                    n, atomic_load(&request_bytes), s->body_budget);
+}
+
+size_t moed_rpc_request_bytes(void) { return atomic_load(&request_bytes); }
+
+void moed_request_free(moed_request *req) {
+  if (req->payload) grpc_byte_buffer_destroy(req->payload);
+  moed_budget_release(&request_bytes, req->held);
+  free(req);
+}
+
 /* ---- hand-off to the loop --------------------------------------------------------- */
 
-void moed_rpc_handoff(moed_rpc_server *s, moed_rpc *r, grpc_byte_buffer *payload) {
+void moed_rpc_handoff(moed_rpc_server *s, moed_rpc *r, grpc_byte_buffer *payload, size_t held) {
   moed_request *req = calloc(1, sizeof *req);
   if (!req) { /* cannot even queue it: answer here */
     if (payload) grpc_byte_buffer_destroy(payload);
+    moed_budget_release(&request_bytes, held);
     moed_rpc_finish(r, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory", NULL);
     return;
   }
   req->rpc = r;
   req->method = r->method;
   req->payload = payload;
+  req->held = held;
   req->received_ns = moed_now_ns();
   /* true: try_inline took req (answered or queued it) */
   /* cppcheck-suppress memleak */
@@ -178,7 +209,11 @@ static void on_accept(moed_rpc_server *s, accept_slot *slot, bool ok) {
   if (auth == GRPC_STATUS_OK && !probe && open >= s->max_open_calls)
     auth = moed_failf(why, GRPC_STATUS_RESOURCE_EXHAUSTED,
                       "calls: %d open, at most --max-open-calls %d; retry later", open, s->max_open_calls);
+  /* its message, read whole already, is held from here until it is answered */
+  const size_t held = payload && !probe ? grpc_byte_buffer_length(payload) : 0;
+  if (auth == GRPC_STATUS_OK) auth = moed_rpc_claim(s, held, why);
   moed_rpc *r = auth == GRPC_STATUS_OK ? moed_rpc_new(s, call, method, deadline) : NULL;
+  if (!r && auth == GRPC_STATUS_OK) moed_budget_release(&request_bytes, held);
   if (!r) { /* refused before any of its messages is read, or out of memory */
     /* refused repository changes always in the log; the rest at debug */
     if (auth == GRPC_STATUS_UNAUTHENTICATED || auth == GRPC_STATUS_PERMISSION_DENIED)
@@ -196,7 +231,7 @@ static void on_accept(moed_rpc_server *s, accept_slot *slot, bool ok) {
     moed_rpc_release(r); /* the receive batch holds it from here */
     return;
   }
-  moed_rpc_handoff(s, r, payload); /* the creation reference travels with it */
+  moed_rpc_handoff(s, r, payload, held); /* the creation reference travels with it */
 }
 
 static void on_generic(moed_rpc_server *s, bool ok) {
@@ -265,6 +300,7 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
   s->generic.tag = (rpc_tag){TAG_GENERIC, s};
 
   s->max_open_calls = cfg->max_open_calls;
+  s->body_budget = cfg->grpc_body_budget_bytes;
   s->stream_bytes = cfg->stream_buffer_bytes;
   s->total_bytes = cfg->response_buffer_bytes;
   int max_msg = cfg->max_message_bytes > (size_t)INT32_MAX ? INT32_MAX : (int)cfg->max_message_bytes;

@@ -187,6 +187,25 @@ void moed_rpc_finish(moed_rpc *r, grpc_status_code code, const char *msg, grpc_b
   moed_rpc_release(r);
 }
 
+/* Ends stream r with RESOURCE_EXHAUSTED and why, unless it is ending
+ * already: what it still sends is dropped, and a final batch started by a
+ * write in flight (before the cancel takes) carries this status, not OK;
+ * then the loop's sweep answers the stream's queued work. */
+static void end_exhausted(moed_rpc *r, const char *why) {
+  pthread_mutex_lock(&r->mu);
+  const bool first = !r->finishing;
+  if (first) {
+    r->finishing = true;
+    r->fin_code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+    grpc_slice_unref(r->fin_details);
+    r->fin_details = grpc_slice_from_copied_string(why);
+  }
+  pthread_mutex_unlock(&r->mu);
+  if (!first) return;
+  grpc_call_cancel_with_status(r->call, GRPC_STATUS_RESOURCE_EXHAUSTED, why, NULL);
+  moed_rpc_mark_cancelled(r);
+}
+
 void moed_rpc_stream_write(moed_rpc *r, grpc_byte_buffer *message) {
   out_msg *m = malloc(sizeof *m);
   const size_t n = grpc_byte_buffer_length(message);
@@ -197,19 +216,10 @@ void moed_rpc_stream_write(moed_rpc *r, grpc_byte_buffer *message) {
   static const char why[] = "responses buffered for stream clients past --response-buffer-bytes, this "
                             "stream's past --stream-buffer-bytes: its client does not read them";
   if (!m || r->finishing || over) {
-    if (over) { /* what the stream still sends is dropped; a final batch started by the write in
-                   flight (before the cancel below takes) carries this status, not OK */
-      r->finishing = true;
-      r->fin_code = GRPC_STATUS_RESOURCE_EXHAUSTED;
-      r->fin_details = grpc_slice_from_static_string(why);
-    }
     pthread_mutex_unlock(&r->mu);
     free(m);
     grpc_byte_buffer_destroy(message);
-    if (over) {
-      grpc_call_cancel_with_status(r->call, GRPC_STATUS_RESOURCE_EXHAUSTED, why, NULL);
-      moed_rpc_mark_cancelled(r); /* after: the loop's sweep answers the stream's queued work */
-    }
+    if (over) end_exhausted(r, why);
     return;
   }
   m->next = NULL;
@@ -283,12 +293,22 @@ void moed_rpc_on_recv(moed_rpc *r, bool ok) {
     bb = NULL;
   }
   if (!ok) moed_rpc_mark_cancelled(r);
+  /* a message past --grpc-body-budget-bytes ends the stream, as its client's leaving would */
+  size_t held = 0;
+  char why[MOED_ERR_LEN];
+  if (bb && moed_rpc_claim(r->srv, grpc_byte_buffer_length(bb), why) != GRPC_STATUS_OK) {
+    grpc_byte_buffer_destroy(bb);
+    bb = NULL;
+    end_exhausted(r, why);
+  } else if (bb) {
+    held = grpc_byte_buffer_length(bb);
+  }
   pthread_mutex_lock(&r->mu);
   r->pending++;
   if (!bb) r->read_done = true;
   pthread_mutex_unlock(&r->mu);
   moed_rpc_ref(r); /* for the hand-off */
-  moed_rpc_handoff(r->srv, r, bb);
+  moed_rpc_handoff(r->srv, r, bb, held);
   if (bb && !moed_rpc_methods[r->method].paced) {
     pthread_mutex_lock(&r->mu);
     const bool go = stream_room_locked(r);

@@ -134,10 +134,16 @@ struct moed_rpc_server {
   _Atomic size_t buffered;
   size_t stream_bytes, total_bytes;
   int max_open_calls; /* --max-open-calls: a call past it is refused at accept */
+  size_t body_budget; /* --grpc-body-budget-bytes: request bytes held by all calls */
 };
 /* rpc.c: a request (or a stream's message: payload NULL at its end) to the
- * loop, or answered inline; r's reference travels with it. */
-void moed_rpc_handoff(moed_rpc_server *s, moed_rpc *r, grpc_byte_buffer *payload);
+ * loop, or answered inline; r's reference and the `held` bytes claimed for
+ * it (moed_rpc_claim) travel with it. */
+void moed_rpc_handoff(moed_rpc_server *s, moed_rpc *r, grpc_byte_buffer *payload, size_t held);
+/* Claims n bytes of a request message from --grpc-body-budget-bytes (held
+ * until its moed_request is freed): OK, or RESOURCE_EXHAUSTED with
+ * why[MOED_ERR_LEN] naming the budget. */
+grpc_status_code moed_rpc_claim(moed_rpc_server *s, size_t n, char *why);
 
 /* rpc_call.c */
 
