@@ -35,6 +35,7 @@ static grpc_byte_buffer *pack_stream_error(const char *id, const char *msg) {
  * the response or an error message, and the stream goes on. */
 static void respond(moed_request *req, const char *id, grpc_status_code code, const char *msg,
                     grpc_byte_buffer *resp) {
+  moed_request_answered(req);
   if (req->method != MOED_M_MODEL_STREAM_INFER) {
     moed_rpc_finish(req->rpc, code, code ? msg : NULL, resp);
     return;

@@ -180,6 +180,10 @@ typedef struct moed_request {
 /* Frees req, its payload, and its claim on --grpc-body-budget-bytes: the
  * end of every request, answered or refused. */
 void moed_request_free(moed_request *req);
+/* Gives back req's claim before its answer is sent, where the request is
+ * freed only after it (inference, upload chunks): a client that has its
+ * answer may send the next request at once. */
+void moed_request_answered(moed_request *req);
 
 typedef struct moed_rpc_server moed_rpc_server;
 typedef void (*moed_request_fn)(moed_request *req, void *arg);

@@ -81,9 +81,14 @@ grpc_status_code moed_rpc_claim(moed_rpc_server *s, size_t n, char *why) {
 
 size_t moed_rpc_request_bytes(void) { return atomic_load(&request_bytes); }
 
+void moed_request_answered(moed_request *req) {
+  moed_budget_release(&request_bytes, req->held);
+  req->held = 0;
+}
+
 void moed_request_free(moed_request *req) {
   if (req->payload) grpc_byte_buffer_destroy(req->payload);
-  moed_budget_release(&request_bytes, req->held);
+  moed_request_answered(req);
   free(req);
 }
 
