@@ -83,6 +83,9 @@ static const char usage[] =
     "  --http-body-budget-bytes N  request body bytes held by all HTTP connections together; a body that\n"
     "                            would pass it: 503, connection closed (MOED_HTTP_BODY_BUDGET_BYTES,\n"
     "                            default 2 GiB)\n"
+    "  --grpc-body-budget-bytes N  gRPC request message bytes held by all calls together until each\n"
+    "                            request is answered; a message that would pass it: RESOURCE_EXHAUSTED\n"
+    "                            (MOED_GRPC_BODY_BUDGET_BYTES, default 2 GiB)\n"
     "  --shm-max-regions N      system shared-memory regions registered at once (MOED_SHM_MAX_REGIONS,\n"
     "                            default 64; 0 = the extension off)\n"
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
@@ -161,6 +164,7 @@ enum {
   OPT_MAX_UPLOADS,
   OPT_UPLOAD_BUDGET,
   OPT_HTTP_BODY_BUDGET,
+  OPT_GRPC_BODY_BUDGET,
   OPT_ALLOW_GPU_METRICS,
   OPT_SHM_MAX_REGIONS,
 };
@@ -210,6 +214,7 @@ static const struct option options[] = {
     {"max-uploads", required_argument, NULL, OPT_MAX_UPLOADS},
     {"upload-budget-bytes", required_argument, NULL, OPT_UPLOAD_BUDGET},
     {"http-body-budget-bytes", required_argument, NULL, OPT_HTTP_BODY_BUDGET},
+    {"grpc-body-budget-bytes", required_argument, NULL, OPT_GRPC_BODY_BUDGET},
     {"shm-max-regions", required_argument, NULL, OPT_SHM_MAX_REGIONS},
     {"help", no_argument, NULL, OPT_HELP},
     /* Triton's spellings (usage) */
@@ -408,6 +413,9 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_HTTP_BODY_BUDGET:
     ok = parse_i64(v, 1, INT64_MAX, &n) && (c->http_body_budget_bytes = (size_t)n, true);
     break;
+  case OPT_GRPC_BODY_BUDGET:
+    ok = parse_i64(v, 1, INT64_MAX, &n) && (c->grpc_body_budget_bytes = (size_t)n, true);
+    break;
   case OPT_MAX_UPLOAD: ok = parse_i64(v, 1, INT64_MAX, &n) && (c->max_upload_bytes = (size_t)n, true); break;
   }
   if (!ok && (opt == OPT_ADDRESS || opt == OPT_HTTP_ADDRESS))
@@ -455,6 +463,7 @@ static const struct {
     {"MOED_MAX_UPLOADS", OPT_MAX_UPLOADS},
     {"MOED_UPLOAD_BUDGET_BYTES", OPT_UPLOAD_BUDGET},
     {"MOED_HTTP_BODY_BUDGET_BYTES", OPT_HTTP_BODY_BUDGET},
+    {"MOED_GRPC_BODY_BUDGET_BYTES", OPT_GRPC_BODY_BUDGET},
     {"MOED_SHM_MAX_REGIONS", OPT_SHM_MAX_REGIONS},
 };
 
@@ -491,6 +500,7 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .max_uploads = 4,
       .upload_budget_bytes = (size_t)64 << 30,
       .http_body_budget_bytes = (size_t)2 << 30,
+      .grpc_body_budget_bytes = (size_t)2 << 30,
       .shm_max_regions = 64,
   };
   for (size_t i = 0; i < sizeof env_map / sizeof env_map[0]; i++) {

@@ -252,6 +252,11 @@ static void render_metrics(moed_http *h, wbuf *b) {
             "# TYPE moed_stream_buffered_bytes gauge\nmoed_stream_buffered_bytes %zu\n",
             moed_rpc_buffered_bytes(s->rpc));
   wb_printf(b,
+            "# HELP moed_grpc_request_bytes gRPC request message bytes held until each request is answered "
+            "(bounded by --grpc-body-budget-bytes).\n"
+            "# TYPE moed_grpc_request_bytes gauge\nmoed_grpc_request_bytes %zu\n",
+            moed_rpc_request_bytes());
+  wb_printf(b,
             "# HELP moed_rejected_total Requests refused (limits, drain).\n"
             "# TYPE moed_rejected_total counter\nmoed_rejected_total %llu\n",
             (unsigned long long)atomic_load(&s->rejected));

@@ -18,8 +18,7 @@ void moed_infer_req_free(moed_infer_req *r) {
   if (r->msg) inference__model_infer_request__free_unpacked(r->msg, NULL);
   grpc_slice_unref(r->flat);
   moed_model_release(r->model);
-  if (r->req->payload) grpc_byte_buffer_destroy(r->req->payload);
-  free(r->req);
+  moed_request_free(r->req);
   free(r);
 }
 
@@ -36,6 +35,7 @@ static grpc_byte_buffer *pack_stream_error(const char *id, const char *msg) {
  * the response or an error message, and the stream goes on. */
 static void respond(moed_request *req, const char *id, grpc_status_code code, const char *msg,
                     grpc_byte_buffer *resp) {
+  moed_request_answered(req);
   if (req->method != MOED_M_MODEL_STREAM_INFER) {
     moed_rpc_finish(req->rpc, code, code ? msg : NULL, resp);
     return;
@@ -76,8 +76,7 @@ void moed_request_refuse(moed_request *req, grpc_status_code code, const char *w
   reject_message(msg, req, code, why);
   peek_id(req, id, sizeof id);
   respond(req, id, code, msg, NULL);
-  if (req->payload) grpc_byte_buffer_destroy(req->payload);
-  free(req);
+  moed_request_free(req);
 }
 
 void moed_request_reject(moed_server *srv, moed_request *req, grpc_status_code code, const char *why) {

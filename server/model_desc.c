@@ -2,7 +2,7 @@
  * input and output with its datatypes and shape, and Triton's
  * max_batch_size, from the op table (moe_op_io_desc,
  * kernels/include/moe/ops.h), the model's expert set and the server's
- * flags. ModelMetadata and ModelConfig (handlers.c) render it as protobuf;
+ * flags. ModelMetadata and ModelConfig (handlers_model.c) render it as protobuf;
  * a REST front end renders the same description as JSON. */
 #include <stdio.h>
 #include <stdlib.h>

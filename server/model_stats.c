@@ -1,6 +1,6 @@
 /* model_stats: every update of a model's statistics (moed_model_stats:
  * counts, times, batch sizes, latency histograms), in one place. The
- * inference path records here; handlers.c (ModelStatistics) and http.c
+ * inference path records here; handlers_model.c (ModelStatistics) and http.c
  * (/metrics) only read them. */
 #include <stdlib.h>
 #include <time.h>

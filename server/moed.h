@@ -76,6 +76,7 @@ typedef struct moed_config {
   int max_uploads;               /* uploads in progress at once; beyond: RESOURCE_EXHAUSTED */
   size_t upload_budget_bytes;    /* tensor bytes of all uploads in progress together */
   size_t http_body_budget_bytes; /* request body bytes held by all HTTP connections together */
+  size_t grpc_body_budget_bytes; /* gRPC request message bytes held by all calls together */
   int shm_max_regions;           /* system shared-memory regions registered at once; 0: extension off */
 } moed_config;
 
@@ -109,6 +110,14 @@ grpc_slice moed_hostmem_slice(void *p, size_t len);
 /* Frees the pool (exit). */
 void moed_hostmem_trim(void);
 
+/* ---- budget.c: bytes held by all clients together, against a limit ---------- */
+
+/* Claims n more bytes of *held against budget: false (nothing claimed)
+ * when all together would pass it. Any thread. */
+bool moed_budget_claim(_Atomic size_t *held, size_t n, size_t budget);
+/* Gives back n bytes claimed. */
+void moed_budget_release(_Atomic size_t *held, size_t n);
+
 /* ---- status_map.c ---------------------------------------------------------- */
 
 grpc_status_code moed_status_from_moe(moe_status s);
@@ -126,7 +135,7 @@ grpc_status_code moed_failf(char *buf, grpc_status_code code, const char *fmt, .
  * the model repository only; the log keeps the full ones). */
 void moed_msg_relative(char *msg, size_t cap, const char *dir, const char *label);
 
-/* ---- rpc.c: gRPC core <-> libuv bridge ------------------------------------- */
+/* ---- rpc.c, rpc_call.c, rpc_buffer.c: gRPC core <-> libuv bridge ---------- */
 
 typedef enum moed_method {
   MOED_M_SERVER_LIVE = 0,
@@ -165,7 +174,16 @@ typedef struct moed_request {
   moed_method method;
   grpc_byte_buffer *payload;
   uint64_t received_ns; /* monotonic */
+  size_t held;          /* its message's bytes claimed from --grpc-body-budget-bytes (rpc.c) */
 } moed_request;
+
+/* Frees req, its payload, and its claim on --grpc-body-budget-bytes: the
+ * end of every request, answered or refused. */
+void moed_request_free(moed_request *req);
+/* Gives back req's claim before its answer is sent, where the request is
+ * freed only after it (inference, upload chunks): a client that has its
+ * answer may send the next request at once. */
+void moed_request_answered(moed_request *req);
 
 typedef struct moed_rpc_server moed_rpc_server;
 typedef void (*moed_request_fn)(moed_request *req, void *arg);
@@ -187,6 +205,8 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
 int moed_rpc_active(moed_rpc_server *s);
 /* Stream responses queued for clients and not yet written (any thread). */
 size_t moed_rpc_buffered_bytes(moed_rpc_server *s);
+/* Request message bytes held by calls until answered (any thread). */
+size_t moed_rpc_request_bytes(void);
 /* Shutdown in steps driven by the loop (which keeps serving hand-offs
  * meanwhile): stop accepting; cancel what is left; quiet = the server's
  * shutdown finished and every call is freed; then destroy (joins the CQ
@@ -457,7 +477,7 @@ int moed_devices_load(moed_devices *d, int queued[MOED_PRIORITY_LEVELS]);
  * thread. */
 const char *moed_devices_memory(const moed_devices *d, int i, moe_backend_memory *out);
 
-/* ---- handlers.c: the protocol ---------------------------------------------- */
+/* ---- handlers*.c: the protocol --------------------------------------------- */
 
 typedef struct moed_batcher moed_batcher;
 typedef struct moed_weight_cache moed_weight_cache;
@@ -646,7 +666,7 @@ void moed_fd_budget_side_listener(int fd);
 /* Connections closed at accept: into the reserve; with no descriptor left. */
 void moed_fd_budget_refused(uint64_t *reserve, uint64_t *exhausted);
 
-/* ---- http_conn.c: HTTP/1.1 connections (the side port's and the REST port's) */
+/* ---- http_conn.c (http_conn.h inside): HTTP/1.1 connections (both ports) -- */
 
 typedef struct moed_http_listener moed_http_listener;
 typedef struct moed_http_conn moed_http_conn;
@@ -777,7 +797,7 @@ moed_gpu_metrics *moed_gpu_metrics_create(bool allow, int n_workers, const char 
 char *moed_gpu_metrics_render(moed_gpu_metrics *g, size_t *len);
 void moed_gpu_metrics_destroy(moed_gpu_metrics *g);
 
-/* ---- rest.c: the KServe v2 REST API ------------------------------------------- */
+/* ---- rest*.c: the KServe v2 REST API ------------------------------------------ */
 
 typedef struct moed_rest moed_rest;
 int moed_rest_start(moed_server *s, const char *address, int port, moed_rest **out, int *bound_port);

@@ -1,7 +1,7 @@
 /* tls: the ports' credentials. Without --tls-cert every port is
  * plaintext; with it, the gRPC port speaks TLS through gRPC core's SSL
  * server credentials and the HTTP ports through an OpenSSL context built
- * here from the same files (http_conn.c runs the records), both optionally
+ * here from the same files (http_transport.c runs the records), both optionally
  * verifying client certificates against --tls-client-ca
  * (--tls-client-auth optional|require).
  *

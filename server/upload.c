@@ -429,22 +429,21 @@ static void upload_free(moed_server *s, moed_upload *u) {
 
 static void upload_after(uv_work_t *w, int status) {
   moed_upload *u = w->data;
-  moed_request *req = u->cur;
+  moed_rpc *rpc = u->cur->rpc;
+  moed_request_free(u->cur); /* its chunk is written: before the next is asked for */
   u->cur = NULL;
   if (status != 0 && !u->done) upload_fail(u, GRPC_STATUS_INTERNAL, "upload work failed");
-  if (req->payload) grpc_byte_buffer_destroy(req->payload);
   if (u->done) {
     if (u->code) /* before the finish, which may free the call */
       moed_log(MOED_LOG_INFO, "upload_failed", "%s: %s, by %s", u->name[0] ? u->name : "?", u->msg,
                upload_peer(u));
-    moed_rpc_finish(req->rpc, u->code, u->code ? u->msg : NULL, u->response); /* the hand-off's reference */
+    moed_rpc_finish(rpc, u->code, u->code ? u->msg : NULL, u->response); /* the hand-off's reference */
     u->response = NULL;
     upload_free(u->srv, u);
   } else {
-    moed_rpc_read_next(req->rpc);
-    moed_rpc_stream_done(req->rpc);
+    moed_rpc_read_next(rpc);
+    moed_rpc_stream_done(rpc);
   }
-  free(req);
 }
 
 void moed_upload_handle(moed_server *s, moed_request *req) {
@@ -455,8 +454,7 @@ void moed_upload_handle(moed_server *s, moed_request *req) {
     if (atomic_load(&s->draining) || !req->payload) {
       moed_rpc_finish(req->rpc, req->payload ? GRPC_STATUS_UNAVAILABLE : GRPC_STATUS_INVALID_ARGUMENT,
                       req->payload ? "server is shutting down" : "header: missing (no message sent)", NULL);
-      if (req->payload) grpc_byte_buffer_destroy(req->payload);
-      free(req);
+      moed_request_free(req);
       return;
     }
     if (moed_upload_count(s) >= s->cfg->max_uploads) { /* each holds a thread-pool slot, files and bytes */
@@ -465,14 +463,12 @@ void moed_upload_handle(moed_server *s, moed_request *req) {
                moed_upload_count(s), s->cfg->max_uploads);
       moed_log(MOED_LOG_INFO, "upload_failed", "%s, by %s", why, moed_rpc_peer(req->rpc));
       moed_rpc_finish(req->rpc, GRPC_STATUS_RESOURCE_EXHAUSTED, why, NULL);
-      grpc_byte_buffer_destroy(req->payload);
-      free(req);
+      moed_request_free(req);
       return;
     }
     if (!(u = upload_new(s, req->rpc))) {
       moed_rpc_finish(req->rpc, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory", NULL);
-      grpc_byte_buffer_destroy(req->payload);
-      free(req);
+      moed_request_free(req);
       return;
     }
   }
