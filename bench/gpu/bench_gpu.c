@@ -351,7 +351,13 @@ static void tune_cell(moe_backend *b, rot_arg *ra, const char *layer, int64_t E,
   }
   unsetenv("MOE_GPU_FUSED_TILE");
   const int64_t n = T * K, avg = n / (E < n ? E : n);
-  const int pick = best >= 0 && t[best] < TUNE_MARGIN * untuned ? best : -1;
+  /* a row only where another configuration than the untuned one wins (the
+   * untuned one forced measures the untuned time again, give or take the noise) */
+  const int pick =
+      best >= 0 && best != moe_tc_untuned(int4 ? MOE_SCHEME_WNA16 : MOE_SCHEME_BF16, int4 ? 4 : 0, avg) &&
+              t[best] < TUNE_MARGIN * untuned
+          ? best
+          : -1;
   fprintf(stderr, "| %s | %s | %lld | %lld | %.1f |", layer, int4 ? "wna16 int4 g128" : "bf16", (long long)T,
           (long long)avg, untuned * 1e3);
   for (int c = 0; c < TC_CONFIGS; c++)

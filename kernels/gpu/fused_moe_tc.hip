@@ -1676,6 +1676,15 @@ int moe_tc_choose(moe_backend *b, const moe_expert_config *cfg, int64_t avg) {
           !strcmp(t->device, name))
         return t->config;
   }
+  return moe_tc_untuned(cfg->scheme, (int)cfg->bits, avg);
+}
+
+extern "C" int moe_tc_untuned(moe_scheme scheme, int bits, int64_t avg) {
+  moe_expert_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.scheme = scheme;
+  cfg.bits = bits;
+  const int w = tc_wkind(&cfg);
   /* the largest average slot count each configuration takes, per weight
    * kind (0: never); measured on the H200 (bench/RESULTS.md, tile choice).
    * The 128 x 64 tile pays for 16-bit weights only: with int4/int8 its
@@ -1815,6 +1824,7 @@ moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, in
 
 int moe_tc_rows(int config) { return 8; }
 int moe_tc_choose(moe_backend *b, const moe_expert_config *cfg, int64_t avg) { return TC_SMALL; }
+extern "C" int moe_tc_untuned(moe_scheme scheme, int bits, int64_t avg) { return TC_SMALL; }
 int moe_tc_split(const moe_expert_config *cfg) { return 1; }
 bool moe_tc_bulk(moe_backend *b, const moe_expert_config *cfg, int config) { return false; }
 moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_t *xk, moe_error *err) {

@@ -71,6 +71,9 @@ moe_status moe_gpu_inline_packed(moe_backend *b, const moe_expert_set *set,
  * (moe-bench-gpu --tune) times each. */
 enum { TC_SMALL, TC_MEDIUM, TC_WIDE, TC_LARGE, TC_CONFIGS };
 extern const char *const moe_tc_config_names[TC_CONFIGS]; /* small, medium, wide, large */
+/* The configuration an untuned set of `scheme` (wna16: `bits`) takes at
+ * `avg` slots per routed expert (the tuner writes rows that differ from it) */
+int moe_tc_untuned(moe_scheme scheme, int bits, int64_t avg);
 
 /* moe.topk routing of rows [0, T) of `logits` (device) into ids/weights
  * (device, [T, r->top_k]); bias: device F32 [E] or NULL. Queued on b's
