@@ -530,13 +530,11 @@ END_TEST
  * powers of two, odd values, subnormal ones and ones whose reciprocal
  * overflows, both division modes, fp8 e4m3fn / e4m3fnuz and int8; dynamic
  * per_tensor, per_token (with and without scale_ub) and per_token_group
- * alike. The oracle tests check the machine's own path against the contract;
- * this one ties each lower path to it. On a machine without the higher
- * levels both runs take the same path. The lane encoders' streamed stores
- * (taken only past the last-level cache, cpu.h moe_cpu_stream_codes) are
- * forced on for two more levels, the machine's and AVX2's, against the
- * cached stores of the machine's level; per_token's rows of 1000 put codes
- * of both kinds into one cache line. */
+ * alike (groups of 40 and 200 too: the lane amax's partial vectors). The oracle tests check the machine's own
+ * path against the contract; this one ties each lower path to it. On a machine without the higher levels both
+ * runs take the same path. The lane encoders' streamed stores (taken only past the last-level cache, cpu.h
+ * moe_cpu_stream_codes) are forced on for two more levels, the machine's and AVX2's, against the cached
+ * stores of the machine's level; per_token's rows of 1000 put codes of both kinds into one cache line. */
 typedef struct level {
   moe_cpu_isa cap;
   bool stream;
@@ -617,6 +615,11 @@ START_TEST(scaled_quant_lower_levels_match) {
           int64_t odd[2] = {N / 1000, 1000};
           moe_named_tensor tail[1] = {tensor("x", xts[d], (void *)x, (size_t)(odd[0] * odd[1]) * es, 2, odd)};
           expect_same_at_cap(cap, "quant.per_token", tail, 1, p, 2, what);
+          /* groups that are not a multiple of 32 (the lane amax's masked tail) nor of 64 */
+          for (int g = 40; g <= 200; g += 160) {
+            p[2] = pint("group_size", g);
+            expect_same_at_cap(cap, "quant.per_token_group", tail, 1, p, 3, what);
+          }
         }
     }
   free(x32);
