@@ -273,10 +273,12 @@ ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb,
  * 64-element step, packed by vpermt2b and stored 64 bytes at once; the same
  * cvt(x * factor), RNE, saturating, -0 kept), one call for the run so that
  * its set-up is paid once per RUN blocks. Blocks of NaN/inf (factor 0, codes
- * NaN) are zeroed after, as above; an odd last block takes the tile encoder. */
+ * NaN) are zeroed after, as above. nb even (cpu.h: the encoder's g = 32).
+ * The codes stay cached stores: streamed ones past the L3 measured no faster
+ * (bench/RESULTS.md), as the 16-byte ones before. */
 #define RUN (4 * TILE)
 V512 static void quant_run_pairs(const uint16_t *h, moe_dtype xt, size_t b0, size_t nb, const moe_mx_args *a,
-                                 const moe_narrow_fmt *fmt, bool stream, uint8_t *q, uint8_t *scales) {
+                                 const moe_narrow_fmt *fmt, uint8_t *q, uint8_t *scales) {
   uint32_t amax[RUN];
   float mult[RUN];
   bool non_finite = false;
@@ -285,11 +287,8 @@ V512 static void quant_run_pairs(const uint16_t *h, moe_dtype xt, size_t b0, siz
     tile_amax_avx512(h + t * BLOCK, xt == MOE_BF16, nt, amax + t);
     non_finite |= tile_scales_avx512(amax + t, nt, a->rule, fmt, scales + b0 + t, mult + t);
   }
-  const size_t even = nb & ~(size_t)1;
-  moe_cpu_encode_scaled_avx512(h, xt, even, BLOCK, mult, mult, false, false, fmt,
-                               (moe_cpu_ahead){MOE_CPU_PREFETCH, false}, stream, q);
-  if (even < nb)
-    tile_encode_avx512(h + even * BLOCK, xt == MOE_BF16, 1, mult + even, fmt, false, false, q + even * BLOCK);
+  moe_cpu_encode_scaled_avx512(h, xt, nb, BLOCK, mult, mult, false, false, fmt,
+                               (moe_cpu_ahead){MOE_CPU_PREFETCH, false}, false, q);
   if (non_finite)
     for (size_t b = 0; b < nb; b++)
       if (scales[b0 + b] == 0xFF) memset(q + b * BLOCK, 0, BLOCK);
@@ -297,15 +296,16 @@ V512 static void quant_run_pairs(const uint16_t *h, moe_dtype xt, size_t b0, siz
 
 /* Blocks [b0, b1); `pairs`: by quant_run_pairs. */
 MOE_CPU_HOT static void quant_blocks(const moe_tensor *x, const moe_mx_args *a, moe_cpu_isa isa, bool pairs,
-                                     bool stream, size_t b0, size_t b1, uint8_t *q, uint8_t *scales) {
+                                     size_t b0, size_t b1, uint8_t *q, uint8_t *scales) {
   /* a local copy: byte stores to q may alias *a, which would keep the
    * loops from vectorizing */
   const moe_narrow_fmt fmt = a->fmt;
-  if (pairs) {
-    for (size_t t = b0; t < b1; t += RUN)
-      quant_run_pairs((const uint16_t *)x->data + t * BLOCK, x->dtype, t, b1 - t < RUN ? b1 - t : RUN, a,
-                      &fmt, stream, q + t * BLOCK, scales);
-    return;
+  if (pairs) { /* an odd last block by the tiles below */
+    const size_t even = b0 + ((b1 - b0) & ~(size_t)1);
+    for (size_t t = b0; t < even; t += RUN)
+      quant_run_pairs((const uint16_t *)x->data + t * BLOCK, x->dtype, t, even - t < RUN ? even - t : RUN, a,
+                      &fmt, q + t * BLOCK, scales);
+    b0 = even;
   }
   for (size_t t = b0; t < b1; t += TILE) {
     const size_t nb = b1 - t < TILE ? b1 - t : TILE;
@@ -330,11 +330,10 @@ moe_status moe_cpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err) {
   const bool pairs = isa >= MOE_CPU_ISA_AVX512_VBMI && (x->dtype == MOE_BF16 || x->dtype == MOE_F16) &&
                      a->qdtype != MOE_FP4_E2M1 && !a->half_up &&
                      moe_cpu_scaled_kind(false, &a->fmt, &hi, &lo) == MOE_SCALED_FP8_NEG_ZERO;
-  const bool stream = pairs && moe_cpu_stream_codes(x->nbytes + c->out[0].tensor.nbytes);
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long g = 0; g < groups; g++) {
     size_t b0 = (size_t)g * GROUP, b1 = b0 + GROUP < blocks ? b0 + GROUP : blocks;
-    quant_blocks(x, a, isa, pairs, stream, b0, b1, q, scales);
+    quant_blocks(x, a, isa, pairs, b0, b1, q, scales);
   }
   return MOE_OK;
 }

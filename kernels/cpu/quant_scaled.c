@@ -131,7 +131,7 @@ MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t
  * calls. */
 ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
                                      const moe_scaled_args *a, moe_cpu_scaled_lanes lanes,
-                                     moe_cpu_amax_lanes amax, bool stream, float *scales, void *q) {
+                                     moe_cpu_amax_lanes amax_in_lanes, bool stream, float *scales, void *q) {
   enum { BATCH_ELEMS = 4096, MAX_BATCH = 64 };
   const moe_narrow_fmt fmt = a->fmt; /* locals: stores to q and scales may alias *a */
   const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8, pow2 = a->pow2_scale;
@@ -144,7 +144,8 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
     const size_t nb = u1 - b0 < batch ? u1 - b0 : batch;
     const moe_cpu_ahead page = {MOE_CPU_PREFETCH, false};
     const size_t got =
-        amax ? amax((const char *)x + b0 * g * (moe_dtype_bits(xt) / 8), xt, nb, g, page, s) : 0;
+        amax_in_lanes ? amax_in_lanes((const char *)x + b0 * g * (moe_dtype_bits(xt) / 8), xt, nb, g, page, s)
+                      : 0;
     for (size_t k = got; k < nb; k++)
       s[k] = amax_range(x, xt, (b0 + k) * g, (b0 + k + 1) * g, page);
     for (size_t k = 0; k < nb; k++) {
@@ -184,11 +185,11 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
 
 MOE_CPU_HOT static void quant_units(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
                                     const moe_scaled_args *a, moe_cpu_scaled_lanes lanes,
-                                    moe_cpu_amax_lanes amax, bool stream, float *scales, void *q) {
+                                    moe_cpu_amax_lanes amax_in_lanes, bool stream, float *scales, void *q) {
   switch (xt) {
-  case MOE_F16: quant_units_dtype(x, MOE_F16, u0, u1, g, a, lanes, amax, stream, scales, q); break;
-  case MOE_BF16: quant_units_dtype(x, MOE_BF16, u0, u1, g, a, lanes, amax, stream, scales, q); break;
-  default: quant_units_dtype(x, MOE_F32, u0, u1, g, a, lanes, amax, stream, scales, q); break;
+  case MOE_F16: quant_units_dtype(x, MOE_F16, u0, u1, g, a, lanes, amax_in_lanes, stream, scales, q); break;
+  case MOE_BF16: quant_units_dtype(x, MOE_BF16, u0, u1, g, a, lanes, amax_in_lanes, stream, scales, q); break;
+  default: quant_units_dtype(x, MOE_F32, u0, u1, g, a, lanes, amax_in_lanes, stream, scales, q); break;
   }
 }
 
