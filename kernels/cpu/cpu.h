@@ -99,8 +99,8 @@ void moe_cpu_set_stream_min(size_t bytes);
  * aligned to the vector (moe_cpu_stream_codes), fenced before the return so
  * the caller's own stores come after them. Return that count per unit (0
  * for a format they do not encode); the caller's C loop takes the rest.
- * g == 32 (quant.mx's blocks) with `units` even: every element, AVX-512 in
- * pairs of units (a step each), AVX2 a unit a step. */
+ * g == 32 (quant.mx's blocks): every element, AVX-512 in pairs of units (a
+ * step each) where `units` is even (else 0), AVX2 a unit a step. */
 typedef size_t (*moe_cpu_scaled_lanes)(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                        const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
                                        moe_cpu_ahead ahead, bool stream, uint8_t *q);

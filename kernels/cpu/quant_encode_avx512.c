@@ -119,14 +119,14 @@ VBMI ALWAYS_INLINE void step64(const void *x, moe_dtype xt, size_t i, const __m5
 }
 
 /* Units [0, units) of g elements, unit u scaled by s[u] (exact) or r[u]:
- * the leading multiple of 64 of each; g == 32 (quant.mx's blocks): the
- * units in pairs, a step each. */
+ * the leading multiple of 64 of each; g == 32 (quant.mx's blocks) with
+ * `units` even: the units in pairs, a step each (odd: none, 0). */
 VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                       const float *r, int out, bool exact, const lanes *L,
                                       moe_cpu_ahead ahead, bool stream, uint8_t *q) {
   const float *m = exact ? s : r;
   size_t n = g / 64 * 64;
-  if (g == 32) {
+  if (g == 32 && units % 2 == 0) {
     for (size_t u = 0; u + 1 < units; u += 2)
       step64(x, xt, u * 32, (const __m512[2]){_mm512_set1_ps(m[u]), _mm512_set1_ps(m[u + 1])}, out, exact, L,
              ahead, stream, q);
