@@ -7,7 +7,7 @@
  * machine the fastest is the least disturbed).
  *
  *   moe-bench-cpu [--quick] [--quant-only] [--fused-only] [--tokens 1,16,256] [--threads N] [--reference]
- *                 [--in-cache] [--mib 64,1024] [--isa c|avx2|avx512|avx512vbmi]
+ *                 [--in-cache] [--mib 64,1024] [--isa c|avx2|avx512|avx512vbmi] [--cpu-time]
  *
  * --reference runs fused_moe through the CPU backend's reference kernels
  * (the element-wise path the vector decoders replace): old and new in one
@@ -15,7 +15,9 @@
  * compute per element, the figure to tune them by (run it with --threads 1).
  * --mib: the quant table's input sizes (default 64; this VM's L3 is 480 MiB,
  * so 1024 is the one out of every cache). --isa caps the quant ops' lane code
- * (moe_cpu_set_isa_cap): each lower path timed on this machine.
+ * (moe_cpu_set_isa_cap): each lower path timed on this machine. --cpu-time
+ * (with --threads 1): every time, the memcpy ceiling's too, by the thread's
+ * CPU clock instead of the wall clock, for A/B runs on a shared machine.
  */
 #include <getopt.h>
 #include <omp.h>
@@ -35,9 +37,14 @@
 #include "moe/expert_set.h"
 #include "moe/ops.h"
 
+/* The clock of every time taken: wall time, or with --cpu-time (one thread
+ * only) the calling thread's CPU time, from which a loaded machine's
+ * preemption drops out (its cache and memory traffic do not). */
+static clockid_t bench_clock = CLOCK_MONOTONIC;
+
 static double now(void) {
   struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
+  clock_gettime(bench_clock, &ts);
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
@@ -438,22 +445,18 @@ static bool parse_isa(const char *s, moe_cpu_isa *isa) {
 }
 
 int main(int argc, char **argv) {
-  int threads = 0, quick = 0, quant_only = 0, fused_only = 0, reference = 0, in_cache = 0;
+  int threads = 0, quick = 0, quant_only = 0, fused_only = 0, reference = 0, in_cache = 0, cpu_time = 0;
   int toks[8] = {1, 16, 256}, nt = 3;
   int mibs[8] = {64}, nm = 1;
   moe_cpu_isa isa = MOE_CPU_ISA_AVX512_VBMI;
-  static const struct option opts[] = {{"threads", required_argument, 0, 't'},
-                                       {"quick", no_argument, 0, 'q'},
-                                       {"quant-only", no_argument, 0, 'Q'},
-                                       {"fused-only", no_argument, 0, 'F'},
-                                       {"tokens", required_argument, 0, 'T'},
-                                       {"reference", no_argument, 0, 'R'},
-                                       {"in-cache", no_argument, 0, 'C'},
-                                       {"mib", required_argument, 0, 'M'},
-                                       {"isa", required_argument, 0, 'I'},
-                                       {"help", no_argument, 0, 'h'},
-                                       {0, 0, 0, 0}};
-  for (int ch; (ch = getopt_long(argc, argv, "t:qQFT:RCM:I:h", opts, NULL)) != -1;) {
+  static const struct option opts[] = {
+      {"threads", required_argument, 0, 't'}, {"quick", no_argument, 0, 'q'},
+      {"quant-only", no_argument, 0, 'Q'},    {"fused-only", no_argument, 0, 'F'},
+      {"tokens", required_argument, 0, 'T'},  {"reference", no_argument, 0, 'R'},
+      {"in-cache", no_argument, 0, 'C'},      {"mib", required_argument, 0, 'M'},
+      {"isa", required_argument, 0, 'I'},     {"cpu-time", no_argument, 0, 'P'},
+      {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
+  for (int ch; (ch = getopt_long(argc, argv, "t:qQFT:RCM:I:Ph", opts, NULL)) != -1;) {
     if (ch == 't')
       threads = atoi(optarg);
     else if (ch == 'q')
@@ -464,6 +467,8 @@ int main(int argc, char **argv) {
       fused_only = 1;
     else if (ch == 'R')
       reference = 1;
+    else if (ch == 'P')
+      cpu_time = 1;
     else if (ch == 'C')
       in_cache = quant_only = 1;
     else if (ch == 'T' && (nt = parse_tokens(optarg, toks, 8)) > 0)
@@ -474,12 +479,17 @@ int main(int argc, char **argv) {
       continue;
     else {
       printf("usage: %s [--threads N] [--quick] [--quant-only] [--fused-only] [--tokens 1,16,256] "
-             "[--reference] [--in-cache] [--mib 64,1024] [--isa c|avx2|avx512|avx512vbmi]\n",
+             "[--reference] [--in-cache] [--mib 64,1024] [--isa c|avx2|avx512|avx512vbmi] [--cpu-time]\n",
              argv[0]);
       return ch == 'h' ? 0 : 2;
     }
   }
   if (quick && nt > 2) nt = 2;
+  if (cpu_time && threads != 1) {
+    fprintf(stderr, "--cpu-time times one thread: add --threads 1\n");
+    return 2;
+  }
+  if (cpu_time) bench_clock = CLOCK_THREAD_CPUTIME_ID;
   moe_cpu_set_reference_kernels(reference);
   moe_cpu_set_isa_cap(isa);
   moe_backend *b;
@@ -494,7 +504,8 @@ int main(int argc, char **argv) {
   if (!quant_only && gemm > 0.0)
     printf("; OpenBLAS sgemm [2048]^3 on %d threads: %.1f GFLOP/s", nthreads, gemm);
   if (!quant_only && gemm <= 0.0) printf("; no OpenBLAS in this build: %% of sgemm reads inf");
-  printf("%s; quant lane code: %s\n\n", reference ? "; fused_moe: reference kernels" : "",
+  printf("%s%s; quant lane code: %s\n\n", reference ? "; fused_moe: reference kernels" : "",
+         cpu_time ? "; times: the thread's CPU time" : "",
          (const char *[]){"C", "AVX2", "AVX-512", "AVX-512 VBMI"}[moe_cpu_quant_isa()]);
   if (!fused_only) {
     printf("| op | input | median | GB/s | %% of memcpy | fastest | %% of memcpy (fastest) |\n"

@@ -98,7 +98,9 @@ void moe_cpu_set_stream_min(size_t bytes);
  * `ahead`; `stream`: the codes by non-temporal stores where q is
  * aligned to the vector (moe_cpu_stream_codes), fenced before the return so
  * the caller's own stores come after them. Return that count per unit (0
- * for a format they do not encode); the caller's C loop takes the rest. */
+ * for a format they do not encode); the caller's C loop takes the rest.
+ * g == 32 (quant.mx's blocks): every element, AVX-512 in pairs of units (a
+ * step each) where `units` is even (else 0), AVX2 a unit a step. */
 typedef size_t (*moe_cpu_scaled_lanes)(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                        const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
                                        moe_cpu_ahead ahead, bool stream, uint8_t *q);
@@ -142,6 +144,16 @@ static inline int moe_cpu_scaled_kind(bool int8, const moe_narrow_fmt *fmt, floa
   case MOE_SCALED_FP8_NEG_ZERO: return LOOP(XT, MOE_SCALED_FP8_NEG_ZERO);                                    \
   default: return LOOP(XT, MOE_SCALED_FP8_NO_NEG_ZERO);                                                      \
   }
+
+/* The scaled ops' amaxes in AVX-512 lanes (quant_encode_avx512.c; needs
+ * MOE_CPU_ISA_AVX512): amax[u] = the max |x| over the finite elements of
+ * unit u, units [0, units) of g elements, as the C loops compute it,
+ * prefetching the input `ahead`. Returns `units`, or 0 for an input dtype it
+ * does not take (fp32: the C loops). */
+typedef size_t (*moe_cpu_amax_lanes)(const void *x, moe_dtype xt, size_t units, size_t g, moe_cpu_ahead ahead,
+                                     float *amax);
+size_t moe_cpu_amax_units_avx512(const void *x, moe_dtype xt, size_t units, size_t g, moe_cpu_ahead ahead,
+                                 float *amax);
 
 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                   const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,

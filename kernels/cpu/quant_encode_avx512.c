@@ -23,6 +23,7 @@
 #include <immintrin.h>
 
 #include "../ops/op.h"
+#include "amax_lanes_avx512.h"
 #include "cpu.h"
 #include "narrow_lanes_avx512.h"
 
@@ -88,41 +89,55 @@ VBMI ALWAYS_INLINE __m512i code16(__m512 v, __m512 mul, int out, bool exact, con
   return narrow_lanes_mag(a, &L->narrow, false, true);
 }
 
+/* The codes of the 64 elements at x[i]: the first 32 scaled by mul[0], the
+ * others by mul[1] (s[u] when exact, else r[u]). */
+VBMI ALWAYS_INLINE void step64(const void *x, moe_dtype xt, size_t i, const __m512 mul[2], int out,
+                               bool exact, const lanes *L, moe_cpu_ahead ahead, bool stream, uint8_t *q) {
+  const bool fp8 = out != MOE_SCALED_INT8;
+  __m512 v[4];
+  __m512i sign = _mm512_setzero_si512(), c[4];
+  const size_t es = xt == MOE_F32 ? 4 : 2;
+  for (size_t l = 0; l < 64 * es; l += 64) /* the input `ahead` bytes ahead */
+    moe_cpu_prefetch((const char *)x + i * es + l, ahead);
+  load64(x, xt, i, fp8, L, v, &sign);
+  for (int k = 0; k < 4; k++) /* v[0], v[1] hold elements of the first 32 (load64) */
+    c[k] = code16(v[k], mul[k / 2], out, exact, L);
+  __m512i b = _mm512_mask_blend_epi64(0xF0, _mm512_permutex2var_epi8(c[0], L->order, c[1]),
+                                      _mm512_permutex2var_epi8(c[2], L->order, c[3]));
+  if (fp8) {
+    const __m512i mag = b;
+    b = _mm512_ternarylogic_epi32(mag, sign, _mm512_set1_epi8((char)0x80), 0xF8); /* mag | (sign & 0x80) */
+    if (out == MOE_SCALED_FP8_NEG_ZERO) /* NaN's code has no sign: 0xFF -> 0x7F */
+      b = _mm512_mask_blend_epi8(_mm512_cmpeq_epi8_mask(b, _mm512_set1_epi8(-1)), b, _mm512_set1_epi8(0x7F));
+    else /* no -0: a zero magnitude drops its sign */
+      b = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(mag, mag), b);
+  }
+  if (stream && !((uintptr_t)(q + i) & 63)) /* a whole line, written around the cache */
+    _mm512_stream_si512((void *)(q + i), b);
+  else
+    _mm512_storeu_si512(q + i, b);
+}
+
 /* Units [0, units) of g elements, unit u scaled by s[u] (exact) or r[u]:
- * the leading multiple of 64 of each. */
+ * the leading multiple of 64 of each; g == 32 (quant.mx's blocks) with
+ * `units` even: the units in pairs, a step each (odd: none, 0). */
 VBMI ALWAYS_INLINE size_t encode_loop(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                       const float *r, int out, bool exact, const lanes *L,
                                       moe_cpu_ahead ahead, bool stream, uint8_t *q) {
-  const bool fp8 = out != MOE_SCALED_INT8;
-  const size_t n = g / 64 * 64;
-  for (size_t u = 0; u < units; u++)
-    for (size_t i = u * g, end = i + n; i < end; i += 64) {
-      const __m512 mul = _mm512_set1_ps(exact ? s[u] : r[u]);
-      __m512 v[4];
-      __m512i sign = _mm512_setzero_si512(), c[4];
-      const size_t es = xt == MOE_F32 ? 4 : 2;
-      for (size_t l = 0; l < 64 * es; l += 64) /* the input `ahead` bytes ahead */
-        moe_cpu_prefetch((const char *)x + i * es + l, ahead);
-      load64(x, xt, i, fp8, L, v, &sign);
-      for (int k = 0; k < 4; k++)
-        c[k] = code16(v[k], mul, out, exact, L);
-      __m512i b = _mm512_mask_blend_epi64(0xF0, _mm512_permutex2var_epi8(c[0], L->order, c[1]),
-                                          _mm512_permutex2var_epi8(c[2], L->order, c[3]));
-      if (fp8) {
-        const __m512i mag = b;
-        b = _mm512_ternarylogic_epi32(mag, sign, _mm512_set1_epi8((char)0x80),
-                                      0xF8); /* mag | (sign & 0x80) */
-        if (out == MOE_SCALED_FP8_NEG_ZERO)  /* NaN's code has no sign: 0xFF -> 0x7F */
-          b = _mm512_mask_blend_epi8(_mm512_cmpeq_epi8_mask(b, _mm512_set1_epi8(-1)), b,
-                                     _mm512_set1_epi8(0x7F));
-        else /* no -0: a zero magnitude drops its sign */
-          b = _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(mag, mag), b);
-      }
-      if (stream && !((uintptr_t)(q + i) & 63)) /* a whole line, written around the cache */
-        _mm512_stream_si512((void *)(q + i), b);
-      else
-        _mm512_storeu_si512(q + i, b);
+  const float *m = exact ? s : r;
+  size_t n = g / 64 * 64;
+  if (g == 32 && units % 2 == 0) {
+    for (size_t u = 0; u + 1 < units; u += 2)
+      step64(x, xt, u * 32, (const __m512[2]){_mm512_set1_ps(m[u]), _mm512_set1_ps(m[u + 1])}, out, exact, L,
+             ahead, stream, q);
+    n = 32;
+  } else {
+    for (size_t u = 0; u < units; u++) {
+      const __m512 mul = _mm512_set1_ps(m[u]);
+      for (size_t i = u * g, end = i + n; i < end; i += 64)
+        step64(x, xt, i, (const __m512[2]){mul, mul}, out, exact, L, ahead, stream, q);
     }
+  }
   if (stream) _mm_sfence(); /* the streamed lines ordered before the caller's later stores */
   return n;
 }
@@ -161,4 +176,66 @@ VBMI size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t uni
 #define ENCODE(XT, OUT) encode_loop(x, XT, units, g, s, r, OUT, exact, &L, ahead, stream, q)
   MOE_CPU_SCALED_DISPATCH(xt, out, ENCODE)
 #undef ENCODE
+}
+
+/* ---- the amaxes of 16-bit units ------------------------------------------------------- */
+/* The max of |h| over a unit's finite elements in 16-bit lanes: first over
+ * every element (one vpand and one vpmaxuw per 32: half the work of the C
+ * loop's vectorized compare-and-select), and only for a unit whose max is
+ * then inf or NaN, again with the non-finite elements masked out. |h| orders
+ * like the values, so the max bits are the amax's. The units' maxima by the
+ * tree of amax_lanes_avx512.h, 16 at a time. */
+#define V512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c")))
+
+/* The 32-word max of |h| over h[0, g): every element (`finite` false) or
+ * those below `inf` (the exponent field all ones). Tail by a masked load. */
+V512 ALWAYS_INLINE __m512i unit_max(const uint16_t *h, size_t g, bool finite, uint16_t inf,
+                                    moe_cpu_ahead ahead) {
+  const __m512i abs = _mm512_set1_epi16(0x7FFF), lim = _mm512_set1_epi16((short)inf);
+  __m512i m[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}; /* two chains */
+  size_t i = 0;
+  for (; i + 64 <= g; i += 64)
+    for (int k = 0; k < 2; k++) {
+      moe_cpu_prefetch(h + i + 32 * k, ahead);
+      const __m512i a = _mm512_and_si512(_mm512_loadu_si512(h + i + 32 * k), abs);
+      m[k] = finite ? _mm512_mask_max_epu16(m[k], _mm512_cmplt_epu16_mask(a, lim), m[k], a)
+                    : _mm512_max_epu16(m[k], a);
+    }
+  for (; i < g; i += 32) {
+    const size_t left = g - i;
+    const __mmask32 k = left >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << left) - 1u);
+    const __m512i a = _mm512_and_si512(_mm512_maskz_loadu_epi16(k, h + i), abs);
+    m[0] = finite ? _mm512_mask_max_epu16(m[0], _mm512_cmplt_epu16_mask(a, lim), m[0], a)
+                  : _mm512_max_epu16(m[0], a);
+  }
+  return _mm512_max_epu16(m[0], m[1]);
+}
+
+V512 size_t moe_cpu_amax_units_avx512(const void *x, moe_dtype xt, size_t units, size_t g,
+                                      moe_cpu_ahead ahead, float *amax) {
+  if (xt != MOE_BF16 && xt != MOE_F16) return 0;
+  const uint16_t *h = x;
+  const uint16_t inf = xt == MOE_BF16 ? 0x7F80 : 0x7C00;
+  for (size_t u0 = 0; u0 < units; u0 += 16) {
+    const size_t nu = units - u0 < 16 ? units - u0 : 16;
+    __m512i r[16];
+    for (size_t k = 0; k < 16; k++)
+      r[k] = k < nu ? unit_max(h + (u0 + k) * g, g, false, inf, ahead) : _mm512_setzero_si512();
+    __m512i m = _mm512_and_si512(amax_lanes_max16(r), _mm512_set1_epi32(0xFFFF));
+    const __mmask16 live = (__mmask16)((1u << nu) - 1u);
+    __mmask16 bad = _mm512_mask_cmpge_epu32_mask(live, m, _mm512_set1_epi32(inf));
+    while (bad) { /* a NaN or inf in unit k: its finite elements' max, by the tree of one */
+      const unsigned k = (unsigned)__builtin_ctz(bad);
+      bad &= (__mmask16)(bad - 1);
+      __m512i one[16] = {unit_max(h + (u0 + k) * g, g, true, inf, ahead)};
+      for (int j = 1; j < 16; j++)
+        one[j] = _mm512_setzero_si512();
+      const __m512i mk = _mm512_and_si512(amax_lanes_max16(one), _mm512_set1_epi32(0xFFFF));
+      m = _mm512_mask_permutexvar_epi32(m, (__mmask16)(1u << k), _mm512_setzero_si512(), mk);
+    }
+    const __m512 f = xt == MOE_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(m, 16))
+                                    : _mm512_cvtph_ps(_mm512_cvtepi32_epi16(m)); /* exact */
+    _mm512_mask_storeu_ps(amax + u0, live, f);
+  }
+  return units;
 }

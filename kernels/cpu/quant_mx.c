@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "../ops/op.h"
+#include "amax_lanes_avx512.h"
 #include "cpu.h"
 #include "narrow_lanes_avx2.h"
 #include "narrow_lanes_avx512.h"
@@ -85,12 +86,8 @@ __attribute__((target("avx2"), always_inline)) static inline uint32_t block_amax
   return bf16 ? (uint32_t)top << 16 : moe_f32_bits(moe_f16_to_f32(top));
 }
 
-/* The tile's 16 block amaxes by a tree of vertical maxes that halves each
- * block's lanes while it merges the registers: 256-bit halves, 128-bit
- * quarters (vshufi64x2), 64-bit (vpunpck*qdq), 32-bit (vshufps) and the two
- * words of a dword, about 4 ops per block instead of a reduction of its own
- * register (~13); the blocks end up in dword lanes 4k + j = block k + 4j,
- * which one vpermd puts in order. Blocks past nb are zeros. */
+/* The tile's 16 block amaxes by the tree of amax_lanes_avx512.h. Blocks past
+ * nb are zeros. */
 V512 static void tile_amax_avx512(const uint16_t *h, bool bf16, size_t nb, uint32_t *amax) {
   const __m512i abs_mask = _mm512_set1_epi16(0x7FFF);
   __m512i r[TILE];
@@ -98,19 +95,7 @@ V512 static void tile_amax_avx512(const uint16_t *h, bool bf16, size_t nb, uint3
     moe_cpu_prefetch(h + b * BLOCK, (moe_cpu_ahead){MOE_CPU_PREFETCH, false}); /* cpu.h */
     r[b] = b < nb ? _mm512_and_si512(_mm512_loadu_si512(h + b * BLOCK), abs_mask) : _mm512_setzero_si512();
   }
-  for (size_t b = 0; b < TILE; b += 2) /* [block b, block b + 1], 16 words each */
-    r[b / 2] = _mm512_max_epu16(_mm512_shuffle_i64x2(r[b], r[b + 1], 0x44),
-                                _mm512_shuffle_i64x2(r[b], r[b + 1], 0xEE));
-  for (size_t b = 0; b < TILE / 2; b += 2) /* blocks 4i .. 4i + 3 in the 128-bit lanes, 8 words each */
-    r[b / 2] = _mm512_max_epu16(_mm512_shuffle_i64x2(r[b], r[b + 1], 0x88),
-                                _mm512_shuffle_i64x2(r[b], r[b + 1], 0xDD));
-  for (size_t b = 0; b < TILE / 4; b += 2) /* lane k: blocks 8i + k, 8i + k + 4, 4 words each */
-    r[b / 2] = _mm512_max_epu16(_mm512_unpacklo_epi64(r[b], r[b + 1]), _mm512_unpackhi_epi64(r[b], r[b + 1]));
-  const __m512 g = _mm512_castsi512_ps(r[0]), hh = _mm512_castsi512_ps(r[1]);
-  __m512i m = _mm512_max_epu16(_mm512_castps_si512(_mm512_shuffle_ps(g, hh, _MM_SHUFFLE(2, 0, 2, 0))),
-                               _mm512_castps_si512(_mm512_shuffle_ps(g, hh, _MM_SHUFFLE(3, 1, 3, 1))));
-  m = _mm512_max_epu16(m, _mm512_srli_epi32(m, 16)); /* the block's max in the dword's low word */
-  m = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), m);
+  const __m512i m = amax_lanes_max16(r);
   const __m512i bits = bf16 ? _mm512_slli_epi32(m, 16)
                             : _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(m))); /* exact */
   _mm512_storeu_si512(amax, bits);
@@ -282,12 +267,46 @@ ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb,
   }
 }
 
-/* Blocks [b0, b1). */
-MOE_CPU_HOT static void quant_blocks(const moe_tensor *x, const moe_mx_args *a, moe_cpu_isa isa, size_t b0,
-                                     size_t b1, uint8_t *q, uint8_t *scales) {
+/* mxfp8 e4m3fn of 16-bit input with RNE, where the CPU has VBMI: RUN blocks'
+ * amaxes and scales a tile at a time (as above), then their codes by the
+ * scaled ops' lane encoder (cpu.h moe_cpu_scaled_lanes, g = 32: two blocks a
+ * 64-element step, packed by vpermt2b and stored 64 bytes at once; the same
+ * cvt(x * factor), RNE, saturating, -0 kept), one call for the run so that
+ * its set-up is paid once per RUN blocks. Blocks of NaN/inf (factor 0, codes
+ * NaN) are zeroed after, as above. nb even (cpu.h: the encoder's g = 32).
+ * The codes stay cached stores: streamed ones past the L3 measured no faster
+ * (bench/RESULTS.md), as the 16-byte ones before. */
+#define RUN (4 * TILE)
+V512 static void quant_run_pairs(const uint16_t *h, moe_dtype xt, size_t b0, size_t nb, const moe_mx_args *a,
+                                 const moe_narrow_fmt *fmt, uint8_t *q, uint8_t *scales) {
+  uint32_t amax[RUN];
+  float mult[RUN];
+  bool non_finite = false;
+  for (size_t t = 0; t < nb; t += TILE) {
+    const size_t nt = nb - t < TILE ? nb - t : TILE;
+    tile_amax_avx512(h + t * BLOCK, xt == MOE_BF16, nt, amax + t);
+    non_finite |= tile_scales_avx512(amax + t, nt, a->rule, fmt, scales + b0 + t, mult + t);
+  }
+  moe_cpu_encode_scaled_avx512(h, xt, nb, BLOCK, mult, mult, false, false, fmt,
+                               (moe_cpu_ahead){MOE_CPU_PREFETCH, false}, false, q);
+  if (non_finite)
+    for (size_t b = 0; b < nb; b++)
+      if (scales[b0 + b] == 0xFF) memset(q + b * BLOCK, 0, BLOCK);
+}
+
+/* Blocks [b0, b1); `pairs`: by quant_run_pairs. */
+MOE_CPU_HOT static void quant_blocks(const moe_tensor *x, const moe_mx_args *a, moe_cpu_isa isa, bool pairs,
+                                     size_t b0, size_t b1, uint8_t *q, uint8_t *scales) {
   /* a local copy: byte stores to q may alias *a, which would keep the
    * loops from vectorizing */
   const moe_narrow_fmt fmt = a->fmt;
+  if (pairs) { /* an odd last block by the tiles below */
+    const size_t even = b0 + ((b1 - b0) & ~(size_t)1);
+    for (size_t t = b0; t < even; t += RUN)
+      quant_run_pairs((const uint16_t *)x->data + t * BLOCK, x->dtype, t, even - t < RUN ? even - t : RUN, a,
+                      &fmt, q + t * BLOCK, scales);
+    b0 = even;
+  }
   for (size_t t = b0; t < b1; t += TILE) {
     const size_t nb = b1 - t < TILE ? b1 - t : TILE;
     switch (x->dtype) {
@@ -307,10 +326,14 @@ moe_status moe_cpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err) {
   long groups = (long)((blocks + GROUP - 1) / GROUP);
   uint8_t *q = c->out[0].tensor.data, *scales = c->out[1].tensor.data;
   const moe_cpu_isa isa = moe_cpu_quant_isa(); /* read once per call */
+  float hi, lo;
+  const bool pairs = isa >= MOE_CPU_ISA_AVX512_VBMI && (x->dtype == MOE_BF16 || x->dtype == MOE_F16) &&
+                     a->qdtype != MOE_FP4_E2M1 && !a->half_up &&
+                     moe_cpu_scaled_kind(false, &a->fmt, &hi, &lo) == MOE_SCALED_FP8_NEG_ZERO;
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long g = 0; g < groups; g++) {
     size_t b0 = (size_t)g * GROUP, b1 = b0 + GROUP < blocks ? b0 + GROUP : blocks;
-    quant_blocks(x, a, isa, b0, b1, q, scales);
+    quant_blocks(x, a, isa, pairs, b0, b1, q, scales);
   }
   return MOE_OK;
 }

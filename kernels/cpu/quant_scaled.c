@@ -17,6 +17,11 @@ static moe_cpu_scaled_lanes scaled_lanes(void) {
                                         : NULL;
 }
 
+/* The amax lanes the quant ops take at this call (read once per call). */
+static moe_cpu_amax_lanes amax_lanes(void) {
+  return moe_cpu_quant_isa() >= MOE_CPU_ISA_AVX512 ? moe_cpu_amax_units_avx512 : NULL;
+}
+
 /* ---- shared loops ----------------------------------------------------------- */
 
 /* max |x| over the finite elements of x[begin, end). In the integer domain:
@@ -61,7 +66,13 @@ ALWAYS_INLINE float amax_range(const void *x, moe_dtype xt, size_t begin, size_t
   return m;
 }
 
-MOE_CPU_HOT static float amax_of(const void *x, moe_dtype xt, size_t begin, size_t end) {
+/* `lanes` (NULL: none): 16-bit input by the lane amax instead. */
+MOE_CPU_HOT static float amax_of(const void *x, moe_dtype xt, size_t begin, size_t end,
+                                 moe_cpu_amax_lanes lanes) {
+  float m;
+  if (lanes &&
+      lanes((const char *)x + begin * (moe_dtype_bits(xt) / 8), xt, 1, end - begin, MOE_CPU_AHEAD_STREAM, &m))
+    return m;
   switch (xt) {
   case MOE_F16: return amax_range(x, MOE_F16, begin, end, MOE_CPU_AHEAD_STREAM);
   case MOE_BF16: return amax_range(x, MOE_BF16, begin, end, MOE_CPU_AHEAD_STREAM);
@@ -119,8 +130,8 @@ MOE_CPU_HOT static void encode(const void *x, moe_dtype xt, size_t begin, size_t
  * unit's reduction), then its codes. All inlined: a unit of 128 costs no
  * calls. */
 ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
-                                     const moe_scaled_args *a, moe_cpu_scaled_lanes lanes, bool stream,
-                                     float *scales, void *q) {
+                                     const moe_scaled_args *a, moe_cpu_scaled_lanes lanes,
+                                     moe_cpu_amax_lanes amax_in_lanes, bool stream, float *scales, void *q) {
   enum { BATCH_ELEMS = 4096, MAX_BATCH = 64 };
   const moe_narrow_fmt fmt = a->fmt; /* locals: stores to q and scales may alias *a */
   const bool exact = a->exact_division, int8 = a->qdtype == MOE_INT8, pow2 = a->pow2_scale;
@@ -131,8 +142,12 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
   float s[MAX_BATCH], r[MAX_BATCH];
   for (size_t b0 = u0; b0 < u1; b0 += batch) {
     const size_t nb = u1 - b0 < batch ? u1 - b0 : batch;
-    for (size_t k = 0; k < nb; k++)
-      s[k] = amax_range(x, xt, (b0 + k) * g, (b0 + k + 1) * g, (moe_cpu_ahead){MOE_CPU_PREFETCH, false});
+    const moe_cpu_ahead page = {MOE_CPU_PREFETCH, false};
+    const size_t got =
+        amax_in_lanes ? amax_in_lanes((const char *)x + b0 * g * (moe_dtype_bits(xt) / 8), xt, nb, g, page, s)
+                      : 0;
+    for (size_t k = got; k < nb; k++)
+      s[k] = amax_range(x, xt, (b0 + k) * g, (b0 + k + 1) * g, page);
     for (size_t k = 0; k < nb; k++) {
       const float amax = has_ub && ub < s[k] ? ub : s[k];
       s[k] = moe_dynamic_scale(amax, dtype_max, pow2);
@@ -169,12 +184,12 @@ ALWAYS_INLINE void quant_units_dtype(const void *x, moe_dtype xt, size_t u0, siz
 }
 
 MOE_CPU_HOT static void quant_units(const void *x, moe_dtype xt, size_t u0, size_t u1, size_t g,
-                                    const moe_scaled_args *a, moe_cpu_scaled_lanes lanes, bool stream,
-                                    float *scales, void *q) {
+                                    const moe_scaled_args *a, moe_cpu_scaled_lanes lanes,
+                                    moe_cpu_amax_lanes amax_in_lanes, bool stream, float *scales, void *q) {
   switch (xt) {
-  case MOE_F16: quant_units_dtype(x, MOE_F16, u0, u1, g, a, lanes, stream, scales, q); break;
-  case MOE_BF16: quant_units_dtype(x, MOE_BF16, u0, u1, g, a, lanes, stream, scales, q); break;
-  default: quant_units_dtype(x, MOE_F32, u0, u1, g, a, lanes, stream, scales, q); break;
+  case MOE_F16: quant_units_dtype(x, MOE_F16, u0, u1, g, a, lanes, amax_in_lanes, stream, scales, q); break;
+  case MOE_BF16: quant_units_dtype(x, MOE_BF16, u0, u1, g, a, lanes, amax_in_lanes, stream, scales, q); break;
+  default: quant_units_dtype(x, MOE_F32, u0, u1, g, a, lanes, amax_in_lanes, stream, scales, q); break;
   }
 }
 
@@ -191,11 +206,12 @@ moe_status moe_cpu_quant_per_tensor(moe_backend *b, moe_call *c, moe_error *err)
   const moe_cpu_scaled_lanes lanes = scaled_lanes();
   const bool stream = moe_cpu_stream_codes(x->nbytes + n); /* cpu.h; one byte a code */
   if (!a->has_static_scale) {
+    const moe_cpu_amax_lanes amax_in_lanes = amax_lanes();
     float amax = 0.0f; /* max is exact, so the reduction order cannot matter */
 #pragma omp parallel for num_threads(threads) reduction(max : amax) schedule(static)
     for (long ch = 0; ch < chunks; ch++) {
       size_t end = (size_t)(ch + 1) * CHUNK < n ? (size_t)(ch + 1) * CHUNK : n;
-      float m = amax_of(x->data, x->dtype, (size_t)ch * CHUNK, end);
+      float m = amax_of(x->data, x->dtype, (size_t)ch * CHUNK, end, amax_in_lanes);
       if (m > amax) amax = m;
     }
     s = moe_dynamic_scale(amax, a->dtype_max, false);
@@ -223,11 +239,12 @@ moe_status moe_cpu_quant_grouped(moe_backend *b, moe_call *c, moe_error *err) {
   const long items = (long)((units + per - 1) / per);
   float *scales = c->out[1].tensor.data;
   const moe_cpu_scaled_lanes lanes = scaled_lanes();
+  const moe_cpu_amax_lanes amax = amax_lanes();
   const bool stream = moe_cpu_stream_codes(x->nbytes + n); /* cpu.h; one byte a code */
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long it = 0; it < items; it++) {
     const size_t u0 = (size_t)it * per, u1 = u0 + per < units ? u0 + per : units;
-    quant_units(x->data, x->dtype, u0, u1, g, a, lanes, stream, scales, c->out[0].tensor.data);
+    quant_units(x->data, x->dtype, u0, u1, g, a, lanes, amax, stream, scales, c->out[0].tensor.data);
   }
   return MOE_OK;
 }
@@ -237,7 +254,7 @@ float moe_cpu_fp8_quant_group(float *v, size_t n, float static_scale, bool exact
   const moe_scaled_args a = {
       .qdtype = MOE_FP8_E4M3FN, .fmt = MOE_FMT_E4M3FN, .dtype_max = 448.0f, .exact_division = exact_division};
   const float s =
-      static_scale > 0.0f ? static_scale : moe_dynamic_scale(amax_of(v, MOE_F32, 0, n), 448.0f, false);
+      static_scale > 0.0f ? static_scale : moe_dynamic_scale(amax_of(v, MOE_F32, 0, n, NULL), 448.0f, false);
   const moe_cpu_scaled_lanes lanes = scaled_lanes();
   uint8_t q[TILE];
   for (size_t i0 = 0; i0 < n; i0 += TILE) {

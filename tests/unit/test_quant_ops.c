@@ -530,13 +530,12 @@ END_TEST
  * powers of two, odd values, subnormal ones and ones whose reciprocal
  * overflows, both division modes, fp8 e4m3fn / e4m3fnuz and int8; dynamic
  * per_tensor, per_token (with and without scale_ub) and per_token_group
- * alike. The oracle tests check the machine's own path against the contract;
- * this one ties each lower path to it. On a machine without the higher
- * levels both runs take the same path. The lane encoders' streamed stores
- * (taken only past the last-level cache, cpu.h moe_cpu_stream_codes) are
- * forced on for two more levels, the machine's and AVX2's, against the
- * cached stores of the machine's level; per_token's rows of 1000 put codes
- * of both kinds into one cache line. */
+ * alike (groups of 40 and 200 too: the lane amax's partial vectors; of 32:
+ * the encoder's pairs of units). The oracle tests check the machine's own
+ * path against the contract; this one ties each lower path to it. On a machine without the higher levels both
+ * runs take the same path. The lane encoders' streamed stores (taken only past the last-level cache, cpu.h
+ * moe_cpu_stream_codes) are forced on for two more levels, the machine's and AVX2's, against the cached
+ * stores of the machine's level; per_token's rows of 1000 put codes of both kinds into one cache line. */
 typedef struct level {
   moe_cpu_isa cap;
   bool stream;
@@ -617,6 +616,19 @@ START_TEST(scaled_quant_lower_levels_match) {
           int64_t odd[2] = {N / 1000, 1000};
           moe_named_tensor tail[1] = {tensor("x", xts[d], (void *)x, (size_t)(odd[0] * odd[1]) * es, 2, odd)};
           expect_same_at_cap(cap, "quant.per_token", tail, 1, p, 2, what);
+          /* groups that are not a multiple of 32 (the lane amax's masked tail) nor of 64 */
+          for (int g = 40; g <= 200; g += 160) {
+            p[2] = pint("group_size", g);
+            expect_same_at_cap(cap, "quant.per_token_group", tail, 1, p, 3, what);
+          }
+          /* groups of 32 (the AVX-512 encoder's pairs: 4095 groups, so batches of 64 and a last
+           * one of 63), and a per_tensor call whose last chunk holds 32 elements */
+          int64_t g32[2] = {1, 32 * 4095}, last32[2] = {1, 16384 * 7 + 32};
+          moe_named_tensor by32[1] = {tensor("x", xts[d], (void *)x, (size_t)(32 * 4095) * es, 2, g32)};
+          p[2] = pint("group_size", 32);
+          expect_same_at_cap(cap, "quant.per_token_group", by32, 1, p, 3, what);
+          moe_named_tensor chunk32[1] = {tensor("x", xts[d], (void *)x, (size_t)last32[1] * es, 2, last32)};
+          expect_same_at_cap(cap, "quant.per_tensor", chunk32, 1, p, 2, what);
         }
     }
   free(x32);
