@@ -5,8 +5,9 @@
 - gRPC: --max-connection-age closes even a connection that is not idle
   (GOAWAY, then the grace).
 - HTTP: a request not whole within --handshake-timeout (slowloris) is
-  closed; past --http-max-connections a connection is closed at accept;
-  both counted in /metrics.
+  closed; past --http-max-connections a connection that sends no whole
+  request within 250 ms is closed (test_limits.py: one that does is
+  served once); both counted in /metrics.
 - The REST port's own connection counts in /metrics (port="rest"): open,
   accepted, refused at the cap, closed idle after --idle-timeout.
 - Descriptors: under a 96-descriptor limit, a storm of idle connections

@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-import test_server as ts  # noqa: E402
+from moed_process import moed, run_tests  # noqa: E402
 from test_connections import fd_count, http_get  # noqa: E402
 from test_server import check, code_of, infer_pb, make_req, raw_unary  # noqa: E402
 
@@ -62,72 +62,71 @@ def health(port):
 
 def test_metrics_port_flood(tmp):
     # a long handshake timeout: the flood's connections hold the cap's slots for the whole test
-    p, g, h = ts.start(tmp, "--http-max-connections", str(CAP), "--handshake-timeout", "60")
     flood = []
-    try:
-        check(http_get(h, "/v2/health/live")[0] == 200, "live before the flood")
-        base = fd_count(p.pid)
-        held = [socket.create_connection(("127.0.0.1", h)) for _ in range(CAP)]
-        time.sleep(0.3)
-        extra = [socket.create_connection(("127.0.0.1", h)) for _ in range(3 * CAP)]
-        closed = sum(is_closed(s, 1.0) for s in extra)
-        check(closed == len(extra), f"idle connections past the cap closed ({closed} of {len(extra)})")
-        still = sum(not is_closed(s, 0.01) for s in held)
-        check(still == CAP, f"the cap's {CAP} idle connections are still open ({still})")
-        for s in extra:
-            s.close()
-
-        # the cap is full of idle connections: the probes and a scrape still answer
-        live, _ = http_get(h, "/v2/health/live")
-        ready, _ = http_get(h, "/v2/health/ready")
-        code, text = http_get(h, "/metrics")
-        check(live == 200 and ready == 200, f"probes answer with the cap held ({live}, {ready})")
-        check(code == 200 and metric(text, 'moed_http_connections{port="http"}') is not None,
-              f"/metrics answers with the cap held ({code})")
-        check(health(g) == SERVING, "gRPC health answers SERVING")
-
-        # ... and while a flood keeps opening connections that send nothing
-        stop = threading.Event()
-
-        def storm():  # ~500 a second, 15 times the cap's worth: the probe's GIL-bound client keeps up
-            while not stop.is_set() and len(flood) < 600:
-                try:
-                    flood.append(socket.create_connection(("127.0.0.1", h), timeout=2))
-                except OSError:
-                    pass
-                time.sleep(0.002)
-
-        t = threading.Thread(target=storm)
-        t.start()
+    with moed(tmp, "--http-max-connections", str(CAP), "--handshake-timeout", "60") as (p, g, h):
         try:
+            check(http_get(h, "/v2/health/live")[0] == 200, "live before the flood")
+            base = fd_count(p.pid)
+            held = [socket.create_connection(("127.0.0.1", h)) for _ in range(CAP)]
             time.sleep(0.3)
-            answers = [http_get(h, "/v2/health/live")[0] for _ in range(5)]
+            extra = [socket.create_connection(("127.0.0.1", h)) for _ in range(3 * CAP)]
+            closed = sum(is_closed(s, 1.0) for s in extra)
+            check(closed == len(extra), f"idle connections past the cap closed ({closed} of {len(extra)})")
+            still = sum(not is_closed(s, 0.01) for s in held)
+            check(still == CAP, f"the cap's {CAP} idle connections are still open ({still})")
+            for s in extra:
+                s.close()
+
+            # the cap is full of idle connections: the probes and a scrape still answer
+            live, _ = http_get(h, "/v2/health/live")
+            ready, _ = http_get(h, "/v2/health/ready")
             code, text = http_get(h, "/metrics")
-            fds = fd_count(p.pid)
-            grpc_health = health(g)
+            check(live == 200 and ready == 200, f"probes answer with the cap held ({live}, {ready})")
+            check(code == 200 and metric(text, 'moed_http_connections{port="http"}') is not None,
+                  f"/metrics answers with the cap held ({code})")
+            check(health(g) == SERVING, "gRPC health answers SERVING")
+
+            # ... and while a flood keeps opening connections that send nothing
+            stop = threading.Event()
+
+            def storm():  # ~500 a second, 15 times the cap's worth: the probe's GIL-bound client keeps up
+                while not stop.is_set() and len(flood) < 600:
+                    try:
+                        flood.append(socket.create_connection(("127.0.0.1", h), timeout=2))
+                    except OSError:
+                        pass
+                    time.sleep(0.002)
+
+            t = threading.Thread(target=storm)
+            t.start()
+            try:
+                time.sleep(0.3)
+                answers = [http_get(h, "/v2/health/live")[0] for _ in range(5)]
+                code, text = http_get(h, "/metrics")
+                fds = fd_count(p.pid)
+                grpc_health = health(g)
+            finally:
+                stop.set()
+                t.join()
+            print(f"     {len(flood)} flood connections; descriptors {base} before, {fds} during")
+            check(answers == [200] * 5, f"live answers during the flood ({answers})")
+            check(code == 200 and metric(text, "moed_grpc_request_bytes") is not None,
+                  f"/metrics answers during the flood ({code})")
+            check(grpc_health == SERVING, f"gRPC health answers during the flood ({grpc_health})")
+            # the cap's slots, as many on probation, the probes' own connections and a few in closing
+            check(fds <= base + 2 * CAP + 8, f"descriptors bounded during the flood ({fds}, base {base})")
+            for s in flood:
+                s.close()
+            time.sleep(0.5)
+            code, text = http_get(h, "/metrics")
+            refused = metric(text, 'moed_http_connections_closed_total{port="http",reason="refused"}')
+            check(refused is not None and refused >= len(extra),
+                  f"connections past the cap counted as refused ({refused})")
+            for s in held:
+                s.close()
         finally:
-            stop.set()
-            t.join()
-        print(f"     {len(flood)} flood connections; descriptors {base} before, {fds} during")
-        check(answers == [200] * 5, f"live answers during the flood ({answers})")
-        check(code == 200 and metric(text, "moed_grpc_request_bytes") is not None,
-              f"/metrics answers during the flood ({code})")
-        check(grpc_health == SERVING, f"gRPC health answers during the flood ({grpc_health})")
-        # the cap's slots, as many on probation, the probes' own connections and a few in closing
-        check(fds <= base + 2 * CAP + 8, f"descriptors bounded during the flood ({fds}, base {base})")
-        for s in flood:
-            s.close()
-        time.sleep(0.5)
-        code, text = http_get(h, "/metrics")
-        refused = metric(text, 'moed_http_connections_closed_total{port="http",reason="refused"}')
-        check(refused is not None and refused >= len(extra),
-              f"connections past the cap counted as refused ({refused})")
-        for s in held:
-            s.close()
-    finally:
-        for s in flood:
-            s.close()
-        ts.stop(p)
+            for s in flood:
+                s.close()
 
 
 def request(rows, seed=1):
@@ -139,53 +138,52 @@ def request(rows, seed=1):
 def test_grpc_body_budget(tmp):
     budget = 1 << 20
     # a batchable request waits up to the queue delay in the batcher: held, in work, for 1.5 s
-    p, g, h = ts.start(tmp, "--grpc-body-budget-bytes", str(budget), "--max-batch-tokens", "100000",
-                       "--max-queue-delay-us", "1500000")
-    ch = grpc.insecure_channel(f"127.0.0.1:{g}", options=[("grpc.max_send_message_length", 64 << 20)])
-    try:
-        big = request(3000)  # ~768 KiB: under the budget alone
-        size = big.ByteSize()
-        check(size < budget < 2 * size, f"one request fits the budget, two do not ({size} of {budget})")
-        codes = [code_of(lambda: infer_pb(ch, big, timeout=30))[0] for _ in range(4)]
-        check(codes == [SC.OK] * 4, f"requests one after the other each fit: bytes given back ({codes})")
+    with moed(tmp, "--grpc-body-budget-bytes", str(budget), "--max-batch-tokens", "100000",
+              "--max-queue-delay-us", "1500000") as (p, g, h):
+        ch = grpc.insecure_channel(f"127.0.0.1:{g}", options=[("grpc.max_send_message_length", 64 << 20)])
+        try:
+            big = request(3000)  # ~768 KiB: under the budget alone
+            size = big.ByteSize()
+            check(size < budget < 2 * size, f"one request fits the budget, two do not ({size} of {budget})")
+            codes = [code_of(lambda: infer_pb(ch, big, timeout=30))[0] for _ in range(4)]
+            check(codes == [SC.OK] * 4, f"requests one after the other each fit: bytes given back ({codes})")
 
-        over = request(5000)  # ~1.25 MiB: past the budget alone
-        code, msg = code_of(lambda: infer_pb(ch, over, timeout=30))
-        check(code == SC.RESOURCE_EXHAUSTED and f"--grpc-body-budget-bytes {budget}" in msg,
-              f"a message past the budget: RESOURCE_EXHAUSTED naming it ({code} {msg})")
+            over = request(5000)  # ~1.25 MiB: past the budget alone
+            code, msg = code_of(lambda: infer_pb(ch, over, timeout=30))
+            check(code == SC.RESOURCE_EXHAUSTED and f"--grpc-body-budget-bytes {budget}" in msg,
+                  f"a message past the budget: RESOURCE_EXHAUSTED naming it ({code} {msg})")
 
-        # one request held in the batcher: a second that does not fit beside it is refused, a
-        # small one and the probes pass, and the first is answered
-        first = {}
-        t = threading.Thread(target=lambda: first.update(r=code_of(lambda: infer_pb(ch, big, timeout=30))))
-        t0 = time.monotonic()
-        t.start()
-        time.sleep(0.5)
-        held = metric(http_get(h, "/metrics")[1], "moed_grpc_request_bytes")
-        check(held is not None and held >= size, f"moed_grpc_request_bytes counts the held request ({held})")
-        code, msg = code_of(lambda: infer_pb(ch, big, timeout=30))
-        check(code == SC.RESOURCE_EXHAUSTED and "--grpc-body-budget-bytes" in msg and time.monotonic() - t0 < 1.4,
-              f"a second one past what is left: RESOURCE_EXHAUSTED at once ({code} {msg})")
-        check(code_of(lambda: infer_pb(ch, request(16), timeout=30))[0] == SC.OK, "a small one fits beside it")
-        check(health(g) == SERVING, "gRPC health passes")
-        t.join()
-        check(first.get("r", (None,))[0] == SC.OK, f"the held request is answered ({first.get('r')})")
-        time.sleep(0.2)
-        held = metric(http_get(h, "/metrics")[1], "moed_grpc_request_bytes")
-        check(held == 0, f"every byte given back once all are answered ({held})")
+            # one request held in the batcher: a second that does not fit beside it is refused, a
+            # small one and the probes pass, and the first is answered
+            first = {}
+            t = threading.Thread(target=lambda: first.update(r=code_of(lambda: infer_pb(ch, big, timeout=30))))
+            t0 = time.monotonic()
+            t.start()
+            time.sleep(0.5)
+            held = metric(http_get(h, "/metrics")[1], "moed_grpc_request_bytes")
+            check(held is not None and held >= size, f"moed_grpc_request_bytes counts the held request ({held})")
+            code, msg = code_of(lambda: infer_pb(ch, big, timeout=30))
+            check(code == SC.RESOURCE_EXHAUSTED and "--grpc-body-budget-bytes" in msg and time.monotonic() - t0 < 1.4,
+                  f"a second one past what is left: RESOURCE_EXHAUSTED at once ({code} {msg})")
+            check(code_of(lambda: infer_pb(ch, request(16), timeout=30))[0] == SC.OK, "a small one fits beside it")
+            check(health(g) == SERVING, "gRPC health passes")
+            t.join()
+            check(first.get("r", (None,))[0] == SC.OK, f"the held request is answered ({first.get('r')})")
+            time.sleep(0.2)
+            held = metric(http_get(h, "/metrics")[1], "moed_grpc_request_bytes")
+            check(held == 0, f"every byte given back once all are answered ({held})")
 
-        # a stream message past the budget ends its stream with the same status
-        stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
-                                  request_serializer=lambda m: m.SerializeToString(),
-                                  response_deserializer=lambda b: b)
-        code, msg = code_of(lambda: list(stream(iter([over]), timeout=30)))
-        check(code == SC.RESOURCE_EXHAUSTED and "--grpc-body-budget-bytes" in msg,
-              f"a stream message past the budget ends the stream ({code} {msg})")
-        check(code_of(lambda: infer_pb(ch, big, timeout=30))[0] == SC.OK, "then a request that fits is served")
-    finally:
-        ch.close()
-        ts.stop(p)
+            # a stream message past the budget ends its stream with the same status
+            stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                      request_serializer=lambda m: m.SerializeToString(),
+                                      response_deserializer=lambda b: b)
+            code, msg = code_of(lambda: list(stream(iter([over]), timeout=30)))
+            check(code == SC.RESOURCE_EXHAUSTED and "--grpc-body-budget-bytes" in msg,
+                  f"a stream message past the budget ends the stream ({code} {msg})")
+            check(code_of(lambda: infer_pb(ch, big, timeout=30))[0] == SC.OK, "then a request that fits is served")
+        finally:
+            ch.close()
 
 
 if __name__ == "__main__":
-    ts.run_tests(test_metrics_port_flood, test_grpc_body_budget)
+    run_tests(test_metrics_port_flood, test_grpc_body_budget)
