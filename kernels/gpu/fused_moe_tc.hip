@@ -126,13 +126,14 @@ __host__ __device__ constexpr int chunk_bytes(int w) {
   return w == TW_16 ? 2048 : w == TW_INT8 || w == TW_FP8 ? 1024 : 512;
 }
 
-int tc_wkind(const moe_expert_config *cfg) {
-  return cfg->scheme == MOE_SCHEME_MXFP4   ? TW_FP4
-         : cfg->scheme == MOE_SCHEME_FP8   ? TW_FP8
-         : cfg->scheme != MOE_SCHEME_WNA16 ? TW_16
-         : cfg->bits == 4                  ? TW_INT4
-                                           : TW_INT8;
+int tc_wkind_of(moe_scheme scheme, int bits) {
+  return scheme == MOE_SCHEME_MXFP4   ? TW_FP4
+         : scheme == MOE_SCHEME_FP8   ? TW_FP8
+         : scheme != MOE_SCHEME_WNA16 ? TW_16
+         : bits == 4                  ? TW_INT4
+                                      : TW_INT8;
 }
+int tc_wkind(const moe_expert_config *cfg) { return tc_wkind_of(cfg->scheme, (int)cfg->bits); }
 
 /* Tile configurations: WG warpgroups, each 64 weight rows (16 per warp) x
  * BT tokens; BUDGET bytes of shared memory for the stages (small tiles
@@ -749,10 +750,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
         }
       }
     }
+    /* the sources move on by the stage (after a last, shorter stage they are not used) */
 #pragma unroll
     for (int q = 0; q < BP; q++)
       b_src[q] += KS * KB;
-      /* the sources move on by the stage (after a last, shorter stage they are not used) */
 #pragma unroll
     for (int q = 0; q < AP; q++)
       if (a_ok[q]) a_src[q] += KS * a_step;
@@ -1680,11 +1681,7 @@ int moe_tc_choose(moe_backend *b, const moe_expert_config *cfg, int64_t avg) {
 }
 
 extern "C" int moe_tc_untuned(moe_scheme scheme, int bits, int64_t avg) {
-  moe_expert_config cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.scheme = scheme;
-  cfg.bits = bits;
-  const int w = tc_wkind(&cfg);
+  const int w = tc_wkind_of(scheme, bits);
   /* the largest average slot count each configuration takes, per weight
    * kind (0: never); measured on the H200 (bench/RESULTS.md, tile choice).
    * The 128 x 64 tile pays for 16-bit weights only: with int4/int8 its
