@@ -163,7 +163,7 @@ int moe_tc_split(const moe_expert_config *cfg);
 /* One GEMM of the pipeline on packed weights (moe_gpu_fused_pack). */
 struct TcArgs {
   const uint8_t *w;    /* packed weights */
-  const float *scale;  /* wna16: packed scales [E][groups][N], fp32 */
+  const float *scale;  /* packed scales [E][groups][N]: fp32 (wna16), e8m0 bytes (mxfp4) */
   const uint8_t *zero; /* wna16 with zero points: packed [E][groups][N]; NULL: the midpoint */
   int n, k, groups, group;
   int scale16;   /* the set's scales are in the activation dtype: 16-bit dequant */

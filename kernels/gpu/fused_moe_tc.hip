@@ -76,7 +76,8 @@ size_t moe_tc_packed_bytes(const moe_expert_config *cfg, int slot) {
   if (cfg->scheme == MOE_SCHEME_FP8) return slot == MOE_W13_QWEIGHT || slot == MOE_W2_QWEIGHT ? e * n * k : 0;
   if (cfg->scheme != MOE_SCHEME_WNA16 && !fp4) return slot == MOE_W13 || slot == MOE_W2 ? e * n * k * 2 : 0;
   if (slot == MOE_W13_QWEIGHT || slot == MOE_W2_QWEIGHT) return e * n * k * (fp4 ? 4 : (size_t)cfg->bits) / 8;
-  if (slot == MOE_W13_SCALES || slot == MOE_W2_SCALES) return e * groups * n * 4;
+  /* scales: fp32, or mxfp4's e8m0 bytes as they are (a quarter of the bytes a decode stage copies) */
+  if (slot == MOE_W13_SCALES || slot == MOE_W2_SCALES) return e * groups * n * (fp4 ? 1 : 4);
   if ((slot == MOE_W13_QZEROS || slot == MOE_W2_QZEROS) && cfg->has_zero_points) return e * groups * n;
   return 0;
 }
@@ -182,9 +183,10 @@ template <int W, class C> struct Smem {
   static constexpr int KS = C::KS, COLS = KS * KB;
   static constexpr int B1 = C::BT * KB * 2, B = KS * B1;
   static constexpr int A1 = C::BN / 16 * chunk_bytes(W), A = KS * A1;
-  static constexpr int SGS = COLS / 16; /* groups starting in a stage, at most (G >= 16) */
-  static constexpr int S = WNA16 ? SGS * C::BN * 4 : 0;
-  static constexpr int Z = WNA16 ? SGS * C::BN : 0;
+  static constexpr int SGS = COLS / 16;          /* groups starting in a stage, at most (G >= 16) */
+  static constexpr int SB = W == TW_FP4 ? 1 : 4; /* bytes per scale: e8m0 (mxfp4) or fp32 */
+  static constexpr int S = WNA16 ? SGS * C::BN * SB : 0;
+  static constexpr int Z = WNA16 && W != TW_FP4 ? SGS * C::BN : 0; /* mxfp4 has no zero points */
   static constexpr int STAGE = (B + A + S + Z + 1023) / 1024 * 1024;
   /* the budget's worth of stages, 3 to 8 deep */
   static constexpr int STAGES = C::BUDGET / STAGE < 3 ? 3 : C::BUDGET / STAGE > 8 ? 8 : C::BUDGET / STAGE;
@@ -485,11 +487,15 @@ __device__ __forceinline__ void dequant(const uint32_t *words, const Deq &d, boo
 
 /* ---- the GEMM kernels -------------------------------------------------------------- */
 
-/* How a main loop dequantizes: groups of 16 or 32 columns (a group may
- * start at any 16), groups of whole KB blocks with scales in the activation
- * dtype or not, or any of these, checked in every KB block (M_RUNTIME; and
- * 16-bit weights, which are not dequantized) */
-enum { M_SMALL_GROUPS, M_SCALE16, M_SCALE32, M_RUNTIME };
+/* How a main loop dequantizes: groups of 16 or 32 columns found by a
+ * check every 16 columns (wna16), mxfp4's groups of 32 at constant places
+ * (stages and segments start on a KB block), groups of whole KB blocks with
+ * scales in the activation dtype or not, or any of these, checked in every
+ * KB block (M_RUNTIME; and 16-bit weights, which are not dequantized).
+ * wna16 g16/g32 keep the check: the constant schedule took their decode
+ * tile from 126 to 156 registers (three blocks per SM instead of four: int4
+ * g128 23% slower, the routes share one kernel's register count). */
+enum { M_SMALL_GROUPS, M_FP4, M_SCALE16, M_SCALE32, M_RUNTIME };
 
 /* This block's (tile, weight strip). Groups of RASTER tiles (consecutive
  * tiles are mostly one expert's) sweep every strip, tiles fastest, so a
@@ -703,11 +709,20 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
    * blocks (WSPLIT): at most KS <= 4 groups start in a stage, warp w copies
    * the w-th (lanes 0-15 the scales, 16-19 the zero points), so that no
    * warp loops over the stage's groups; else threads 0.. copy every group. */
-  const int G = a.group;
+  const int G = W == TW_FP4 ? 32 : a.group; /* a constant for mxfp4 */
   const bool wsplit = C::WG == 1 && KS > 1 && G >= KB;
+  /* mxfp4: every stage but perhaps the last holds COLS / 32 groups, whose
+   * e8m0 scales (16 rows per 16-byte piece) are numbered across the stage;
+   * thread tid copies piece tid (and tid + THREADS, ...), so that no
+   * thread loops over groups. (wna16's g16/g32 keep the loop below: this
+   * schedule cost their decode tile registers.) */
+  constexpr int SPS = BN / 16, SQ = (S::SGS * SPS + THREADS - 1) / THREADS;
+  const uint8_t *sg_src = W == TW_FP4 ? (const uint8_t *)a.scale +
+                                            ((size_t)e * a.groups + (size_t)(kbs * KB / G)) * (size_t)N + n0
+                                      : NULL;
   const int sp = wsplit ? lane : tid, zp = wsplit ? lane - 16 : tid;
   const bool s_ok = WNA16 && sp < BN / 4 && n0 + 4 * sp < N;
-  const bool z_ok = WNA16 && a.zero && zp >= 0 && zp < BN / 16 && n0 + 16 * zp < N;
+  const bool z_ok = WNA16 && W != TW_FP4 && a.zero && zp >= 0 && zp < BN / 16 && n0 + 16 * zp < N;
   /* segments start at a group's first column (moe_tc_split) */
   const size_t g0 = (size_t)e * a.groups + (size_t)(kbs * KB / G);
   const float *s_src = s_ok ? a.scale + g0 * (size_t)N + n0 + 4 * sp : NULL;
@@ -762,7 +777,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
     if (WNA16) {
       const int col_end = (st + 1) * S::COLS < seg_cols ? (st + 1) * S::COLS : seg_cols;
       float *ss = (float *)(sb + S::B + S::A);
-      uint8_t *sz = (uint8_t *)(ss + S::SGS * BN);
+      uint8_t *sz = sb + S::B + S::A + S::S;
       if (wsplit) {
         if (iss_gcol + warp * G < col_end) {
           if (s_ok) cp_async16(ss + warp * BN + 4 * sp, s_src + (size_t)warp * N, true);
@@ -773,6 +788,17 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
           ng++;
         if (s_ok) s_src += (size_t)ng * N;
         if (z_ok) z_src += (size_t)ng * N;
+      } else if constexpr (W == TW_FP4) {
+        constexpr int slots = S::COLS / 32;
+#pragma unroll
+        for (int q = 0; q < SQ; q++) {
+          const int i = tid + q * THREADS, js = i / SPS, pc = i % SPS;
+          if (js < slots)
+            cp_async16_if(sb + S::B + S::A + js * BN + 16 * pc, sg_src + (size_t)js * N + 16 * pc,
+                          n0 + 16 * pc < N && iss_gcol + js * 32 < col_end);
+        }
+        iss_gcol += S::COLS; /* past the segment's end after its last stage: no more copies */
+        sg_src += (size_t)slots * N;
       } else {
         for (int j = 0; iss_gcol < col_end; j++, iss_gcol += G) {
           if (s_ok) {
@@ -823,8 +849,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
   set_zero(1, zdef);
   int cmp_gcol = 0; /* first column of the next group compute reloads (in the segment) */
   const int raw_off = S::B + warp * CH + lane * 16;
-  const int sc_off = S::B + S::A + (warp * 16 + (lane >> 2)) * 4;
-  const int zp_off = S::B + S::A + S::SGS * BN * 4 + warp * 16 + (lane >> 2);
+  const int sc_off = S::B + S::A + (warp * 16 + (lane >> 2)) * S::SB;
+  const int zp_off = S::B + S::A + S::S + warp * 16 + (lane >> 2);
 #if defined(MOE_TC_WGMMA)
   /* descriptors of the shared window's start: a stage, a KB block and 16
    * columns further are plain adds to the address field (16-byte units) */
@@ -929,25 +955,34 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
       auto reload = [&]() {
         cmp_gcol += G;
 #pragma unroll
+        bool ok = true; /* mxfp4: both rows' scales allow the 16-bit multiply */
         for (int h = 0; h < 2; h++) {
-          const float sc = *(const float *)(sb + sc_off + j * BN * 4 + h * 32);
-          dq.s[h] = sc;
-          /* exact when scale16 (mxfp4: when dq.fast) */
-          const float s16 = W == TW_FP4 ? sc * (ACT == A_BF16 ? 0x1p126f : 0x1p14f) : sc;
-          dq.s16[h] = pack2<ACT>(s16, s16);
-          if (a.zero) set_zero(h, sb[zp_off + j * BN + h * 8]);
+          if constexpr (W == TW_FP4) {
+            /* e8m0 byte b: s = 2^(b - 127) (b = 0: 2^-127, an fp32 subnormal;
+             * 0xFF is refused at load). The 16-bit multiply (the codes' bits
+             * are value x 2^-126 in bf16, x 2^-14 in fp16) takes s x 2^126
+             * (2^14), which the 16-bit type holds exactly for s <= 2 (and,
+             * fp16, s >= 2^-38): b <= 128 (and b >= 89). */
+            const uint32_t b8 = sb[sc_off + j * BN + h * 8];
+            dq.s[h] = b8 ? __uint_as_float(b8 << 23) : 0x1p-127f;
+            if (ACT == A_BF16) {
+              dq.s16[h] = ((b8 + 126) << 7) * 0x10001u; /* 2^(b - 1) by its bits, twice */
+              ok = ok && b8 <= 128;
+            } else {
+              dq.s16[h] = pack2<ACT>(dq.s[h] * 0x1p14f, dq.s[h] * 0x1p14f);
+              ok = ok && b8 <= 128 && b8 >= 89;
+            }
+          } else {
+            const float sc = *(const float *)(sb + sc_off + j * BN * 4 + h * 32);
+            dq.s[h] = sc;
+            dq.s16[h] = pack2<ACT>(sc, sc); /* exact when scale16 */
+            if (a.zero) set_zero(h, sb[zp_off + j * BN + h * 8]);
+          }
         }
-        if (W == TW_FP4) { /* a warp's choice: one path per 16 columns, no divergence */
-          bool ok = true;
-#pragma unroll
-          for (int h = 0; h < 2; h++)
-            ok = ok && dq.s[h] <= 2.0f && (ACT == A_BF16 || dq.s[h] >= 0x1p-38f);
-          dq.fast = __all_sync(0xFFFFFFFFu, ok);
-        }
+        if (W == TW_FP4) dq.fast = __all_sync(0xFFFFFFFFu, ok); /* a warp's choice: no divergence */
         j++;
       };
       auto deq = [&](int ks, bool scale16) {
-        if (W == TW_FP4) scale16 = dq.fast; /* mxfp4: the group's scales, not their dtype */
         if (four_bit(W)) {
           const uint32_t wd[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
           dequant<W, MT>(&wd[ks], dq, scale16, af[ks]);
@@ -971,18 +1006,33 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
         for (int ks = 0; ks < KB / 16; ks++)
           deq(ks, false);
       } else if constexpr (MODE == M_SMALL_GROUPS) {
-        /* groups of 16 or 32 columns: a group can start at any 16 */
+        /* groups of 16 or 32 columns: a check every 16 */
 #pragma unroll
         for (int ks = 0; ks < KB / 16; ks++) {
           if (kb * KB + ks * 16 == cmp_gcol) reload();
           deq(ks, a.scale16);
+        }
+      } else if constexpr (MODE == M_FP4) {
+        /* a group every 32 columns: its reload and its slot are constants,
+         * and the route is one uniform branch per group (decided inside
+         * dequant it was a branch per 2 weights) */
+#pragma unroll
+        for (int ks = 0; ks < KB / 16; ks += 2) {
+          reload();
+          if (dq.fast) {
+            deq(ks, true);
+            deq(ks + 1, true);
+          } else {
+            deq(ks, false);
+            deq(ks + 1, false);
+          }
         }
       } else if constexpr (MODE == M_RUNTIME) { /* the route checked here (see main_loop's dispatch) */
         if (G < KB) {
 #pragma unroll
           for (int ks = 0; ks < KB / 16; ks++) {
             if (kb * KB + ks * 16 == cmp_gcol) reload();
-            deq(ks, a.scale16);
+            deq(ks, W == TW_FP4 ? dq.fast : a.scale16 != 0); /* mxfp4: the group's scales decide */
           }
         } else {
           if (kb * KB == cmp_gcol) reload();
@@ -1149,6 +1199,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
    * registers past the cap into spills). */
   if constexpr (!WNA16 || KS == 1)
     main_loop(std::integral_constant<int, M_RUNTIME>{});
+  else if constexpr (W == TW_FP4) /* groups of 32, always */
+    main_loop(std::integral_constant<int, M_FP4>{});
   else if (G < KB)
     main_loop(std::integral_constant<int, M_SMALL_GROUPS>{});
   else if (a.scale16)
@@ -1405,10 +1457,11 @@ __global__ void pack_weights(const uint8_t *src, uint8_t *dst, int experts, int 
   }
 }
 
-/* scales [E][N][groups] (any float dtype) -> fp32 [E][groups][N packed];
- * zero points (int4 packed along N, or int8) -> uint8 [E][groups][N packed] */
-__global__ void pack_groups(const void *scales, int scale_dt, const uint8_t *zeros, int bits, float *s_out,
-                            uint8_t *z_out, int experts, int n, int groups, int w13, int inter,
+/* scales [E][N][groups] (any float dtype) -> fp32 [E][groups][N packed],
+ * mxfp4's e8m0 bytes (e8) -> the same bytes [E][groups][N packed]; zero
+ * points (int4 packed along N, or int8) -> uint8 [E][groups][N packed] */
+__global__ void pack_groups(const void *scales, int scale_dt, const uint8_t *zeros, int bits, void *s_out,
+                            int e8, uint8_t *z_out, int experts, int n, int groups, int w13, int inter,
                             int interleaved) {
   const size_t total = (size_t)experts * groups * n;
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
@@ -1416,11 +1469,12 @@ __global__ void pack_groups(const void *scales, int scale_dt, const uint8_t *zer
     const int p = (int)(i % n), g = (int)(i / n % groups), e = (int)(i / n / groups);
     const int r = orig_row(p, w13, inter, interleaved);
     const size_t si = ((size_t)e * n + r) * groups + g;
-    s_out[i] = scale_dt == MOE_F16    ? moe_f16_to_f32(((const uint16_t *)scales)[si])
-               : scale_dt == MOE_BF16 ? moe_bf16_to_f32(((const uint16_t *)scales)[si])
-               : scale_dt == MOE_UINT8 /* e8m0 (mxfp4; 0xFF refused at load): 2^(b - 127), exact */
-                   ? ldexpf(1.0f, (int)((const uint8_t *)scales)[si] - 127)
-                   : ((const float *)scales)[si];
+    if (e8)
+      ((uint8_t *)s_out)[i] = ((const uint8_t *)scales)[si];
+    else
+      ((float *)s_out)[i] = scale_dt == MOE_F16    ? moe_f16_to_f32(((const uint16_t *)scales)[si])
+                            : scale_dt == MOE_BF16 ? moe_bf16_to_f32(((const uint16_t *)scales)[si])
+                                                   : ((const float *)scales)[si];
     if (zeros) {
       if (bits == 4) {
         const uint8_t b = zeros[((size_t)e * (n / 2) + r / 2) * groups + g];
@@ -1797,7 +1851,7 @@ moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_d
       const int groups = w == TW_FP4 ? k / 32 : cfg->group_size == -1 ? 1 : k / (int)cfg->group_size;
       pack_groups<<<blocks_for((size_t)e * groups * n, b), 256, 0, st>>>(
           src[ss], (int)scale_dt[m], cfg->has_zero_points ? (const uint8_t *)src[zs] : NULL, cfg->bits,
-          (float *)dst[ss], cfg->has_zero_points ? (uint8_t *)dst[zs] : NULL, e, n, groups, w13, in, il);
+          dst[ss], w == TW_FP4, cfg->has_zero_points ? (uint8_t *)dst[zs] : NULL, e, n, groups, w13, in, il);
     }
   }
   return moe_gpu_check(hipGetLastError(), "fused_moe weight packing", err);
