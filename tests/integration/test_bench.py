@@ -7,7 +7,8 @@ counts the sums over its windows); a sweep writes JSON, CSV and SVG that
 agree (one row and one plotted point per level) and whose server-side
 breakdown (ModelStatistics deltas) counts exactly the level's successful
 calls; --tokens sends the token counts asked for, --variants different row
-blocks; a wrong model is counted
+blocks; a server that never answers ModelStatistics costs 2 s, not a hang;
+a wrong model is counted
 by status with exit 1; --stream (ModelStreamInfer) likewise; bad flags
 exit 2 naming the flag. Nothing here depends on the machine's speed beyond
 "some requests complete".
@@ -266,6 +267,42 @@ def test_variants(port, tmp):
               f"{' '.join(args)}: exit 2 naming {flag} ({r.stderr.strip()})")
 
 
+def test_no_statistics():
+    """A server that answers ModelInfer but never ModelStatistics (as a bare
+    gRPC echo server, bench/echo_server.c, which leaves unregistered methods
+    waiting): the bench measures it and gives up the breakdown after 2 s,
+    instead of waiting forever."""
+    from concurrent import futures
+    import threading
+    import time
+    import grpc
+    stop = threading.Event()
+
+    def statistics(req, ctx):
+        stop.wait(60)
+        return b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("inference.GRPCInferenceService", {
+        "ModelInfer": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req),
+        "ModelStatistics": grpc.unary_unary_rpc_method_handler(statistics)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        t0 = time.monotonic()
+        r, rep = bench(port, "-m", "echo", "--input", "x=random:4x256:FP32", "--requests", "20", "--warmup", "0")
+        took = time.monotonic() - t0
+        check(r.returncode == 0 and rep is not None and rep["ok"] == 20 and rep["server"] is None and
+              "no server-side breakdown" in r.stderr and took < 15,
+              f"no ModelStatistics answer: 20 echoed requests measured, no breakdown, in {took:.1f} s "
+              f"({r.stderr.strip()})")
+        if rep:
+            check(rep["received_bytes_per_s"] == rep["sent_bytes_per_s"], "the echo's bytes counted as received")
+    finally:
+        stop.set()
+        server.stop(0)
+
+
 def test_help():
     """`moec bench --help` documents every flag bench takes."""
     r = subprocess.run([MOEC, "bench", "--help"], capture_output=True, text=True, timeout=10)
@@ -324,6 +361,7 @@ def main():
             test_variants(port, tmp)
             test_errors(port)
             test_help()
+        test_no_statistics()
         print_log_tail(tmp)
     exit_with_summary()
 
