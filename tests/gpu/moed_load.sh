@@ -278,7 +278,8 @@ def report(argv):
     d0 = delays[0]
     md += ["", f"## Service overhead: time per token at concurrency 64 (delay {d0} us)", "",
            "moed: 1 / tokens/s of the level. moed compute: batch_stats' compute_infer over the batches formed, per "
-           "row (moed's own op time, copies in and out included). In-process: moe-bench-gpu --fused on the same "
+           "row (moed's own op time, copies in and out included; summed over the workers, so with several it can "
+           "exceed the wall time). In-process: moe-bench-gpu --fused on the same "
            "GPU at the sizes formed (each size's time interpolated linearly between the bench's T = 1, 4, 16, "
            "64, 256; pre-routed topk_ids, 8 rotated routings), weighted by how many batches of each size ran.", "",
            "| set | batches (rows/batch) | moed us/token | moed compute us/token | in-process us/token | "
@@ -374,7 +375,8 @@ for d in $delays; do
     inputs=(-m "$name" --input "hidden_states=random:1x$h:BF16" --input "router_logits=random:1x$e:FP32")
     # the first requests copy the set to the device (and pack it): before any level
     moec -a "127.0.0.1:${grpc[$d]}" bench "${inputs[@]}" --tokens 1 --variants 64 --concurrency 8 \
-      --requests 64 --warmup 0 --json "$log/raw/d$d/$name/first.json" >/dev/null
+      --requests 64 --warmup 0 --json "$log/raw/d$d/$name/first.json" >/dev/null 2>"$log/raw/d$d/$name/first.err" ||
+      echo "moed_load.sh: the first requests to $name (delay $d) failed: $(head -c 300 "$log/raw/d$d/$name/first.err")" >&2
     for c in $levels; do
       base=$log/raw/d$d/$name/c$c
       python3 "$work/load.py" snap "${rest[$d]}" "${http[$d]}" "$name" "$base.before.json"
