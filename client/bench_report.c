@@ -94,6 +94,7 @@ cJSON *bench_report_json(const bench_run *b) {
     cJSON_AddStringToObject(j, "tokens_spec", b->tokens);
   else
     cJSON_AddNullToObject(j, "tokens_spec");
+  cJSON_AddNumberToObject(j, "variants", b->variants);
   cJSON_AddNumberToObject(j, "seed", b->seed);
   if (b->requests > 0) {
     cJSON_AddNumberToObject(j, "requests_per_level", (double)b->requests);
@@ -187,6 +188,7 @@ void bench_report_table(FILE *f, const bench_run *b) {
           b->channels);
   if (b->rate > 0) fprintf(f, ", %.1f requests/s offered", b->rate);
   if (b->tokens) fprintf(f, ", tokens %s (seed %u)", b->tokens, b->seed);
+  if (b->variants > 1) fprintf(f, ", %d variants each", b->variants);
   if (b->requests > 0)
     fprintf(f, "\nmeasured   %ld requests per level\n", b->requests);
   else if (b->stability > 0)

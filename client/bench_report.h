@@ -32,6 +32,7 @@ typedef struct bench_run {
   double rate;  /* > 0: open loop */
   bool poisson;
   const char *tokens; /* the --tokens spec; NULL: each request as given */
+  int variants;       /* different requests per token count (--variants) */
   unsigned seed;
   long requests;    /* > 0: a fixed count per level */
   double window_s;  /* else windows ... */

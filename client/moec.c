@@ -42,6 +42,7 @@
 
 #define MAX_TENSORS 16
 #define BENCH_MAX_LEVELS 64
+#define BENCH_MAX_MESSAGES 65536 /* requests prepared: token counts x --variants */
 
 typedef struct client {
   grpc_channel *ch;
@@ -658,6 +659,7 @@ typedef struct bench_opts {
   int levels[BENCH_MAX_LEVELS]; /* --concurrency: the sweep */
   int n_levels;
   load_config load; /* what every level shares */
+  int variants;     /* --variants: requests per token count, each from its own rows */
   const char *json, *csv, *svg;
 } bench_opts;
 
@@ -718,7 +720,9 @@ static int token_rows(infer_request *ir, int64_t rows) {
       ir->raw[i].data = a->data;
       ir->raw[i].len = a->nbytes;
     } else {
-      fprintf(stderr, "moec: --tokens: input %s has %lld rows, fewer than the largest count %lld\n",
+      fprintf(stderr,
+              "moec: --tokens: input %s has %lld rows, fewer than the %lld needed (the largest count x "
+              "--variants)\n",
               ir->it[i].name, (long long)a->shape[0], (long long)rows);
       return -1;
     }
@@ -727,21 +731,24 @@ static int token_rows(infer_request *ir, int64_t rows) {
 }
 
 /* The message for `rows` tokens (0: the request as given; else after
- * token_rows): its fields
- * without the raw contents, packed, then each input's contents as field 7
- * (raw_input_contents, the message's last field) referencing ir's arrays
- * without a copy; ir outlives the message. NULL: out of memory. */
-static grpc_byte_buffer *bench_message(infer_request *ir, int64_t rows) {
+ * token_rows) from row `first` on of the inputs on the token axis: its
+ * fields without the raw contents, packed, then each input's contents as
+ * field 7 (raw_input_contents, the message's last field) referencing ir's
+ * arrays without a copy; ir outlives the message. NULL: out of memory. */
+static grpc_byte_buffer *bench_message(infer_request *ir, int64_t rows, int64_t first) {
   int n = (int)ir->req.n_inputs;
   int64_t shapes[MAX_TENSORS][NPY_MAX_DIMS];
-  size_t len[MAX_TENSORS];
+  size_t len[MAX_TENSORS], off[MAX_TENSORS];
   grpc_slice slices[1 + 2 * MAX_TENSORS];
   for (int i = 0; i < n; i++) {
     const npy_array *a = &ir->arr[i];
     memcpy(shapes[i], a->shape, sizeof shapes[i]);
     len[i] = a->nbytes;
-    if (rows > 0 && ir->token_axis[i]) {
-      len[i] = a->nbytes / (size_t)a->shape[0] * (size_t)rows; /* a prefix of a: no overflow */
+    off[i] = 0;
+    if (rows > 0 &&
+        ir->token_axis[i]) { /* rows [first, first + rows) of a (token_rows made them): no overflow */
+      len[i] = a->nbytes / (size_t)a->shape[0] * (size_t)rows;
+      off[i] = a->nbytes / (size_t)a->shape[0] * (size_t)first;
       shapes[i][0] = rows;
     }
     ir->it[i].shape = shapes[i];
@@ -758,7 +765,7 @@ static grpc_byte_buffer *bench_message(infer_request *ir, int64_t rows) {
     for (uint64_t v = len[i]; k == 1 || v; v >>= 7)
       head[k++] = (uint8_t)(v & 0x7F) | (v >> 7 ? 0x80 : 0);
     slices[1 + 2 * i] = grpc_slice_from_copied_buffer((const char *)head, k);
-    slices[2 + 2 * i] = grpc_slice_from_static_buffer(ir->arr[i].data, len[i]);
+    slices[2 + 2 * i] = grpc_slice_from_static_buffer((const uint8_t *)ir->arr[i].data + off[i], len[i]);
   }
   grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(slices, (size_t)(1 + 2 * n));
   for (int i = 0; i < 1 + 2 * n; i++)
@@ -772,13 +779,20 @@ typedef struct stat_totals {
   uint64_t count, queue_ns, input_ns, infer_ns, output_ns;
 } stat_totals;
 
+/* A server that never answers ModelStatistics (a bare echo server whose
+ * gRPC core leaves unregistered methods waiting) costs the bench this long,
+ * not forever; --timeout-ms when shorter. */
+#define BENCH_STATS_TIMEOUT_MS 2000
+
 static bool stat_totals_get(client *c, const char *model, stat_totals *t) {
   char msg[1024];
   ProtobufCMessage *r;
   Inference__ModelStatisticsRequest q = INFERENCE__MODEL_STATISTICS_REQUEST__INIT;
   q.name = (char *)model;
   memset(t, 0, sizeof *t);
-  grpc_status_code st = unary(c, "/inference.GRPCInferenceService/ModelStatistics", &q.base,
+  client sc = *c;
+  if (sc.timeout_ms <= 0 || sc.timeout_ms > BENCH_STATS_TIMEOUT_MS) sc.timeout_ms = BENCH_STATS_TIMEOUT_MS;
+  grpc_status_code st = unary(&sc, "/inference.GRPCInferenceService/ModelStatistics", &q.base,
                               &inference__model_statistics_response__descriptor, &r, msg, sizeof msg);
   if (st) {
     fprintf(stderr, "moec: bench: ModelStatistics: %s: %s (no server-side breakdown)\n", load_status_name(st),
@@ -850,14 +864,26 @@ static int cmd_bench(client *c, const char *model, char **inputs, int n_in, char
       fprintf(stderr, "moec: %s\n", err);
       goto done;
     }
-    if (token_rows(&ir, td.tokens[td.n - 1]) != 0) goto done;
+    if (td.n * (size_t)o->variants > BENCH_MAX_MESSAGES) {
+      fprintf(stderr,
+              "moec: --variants %d: %zu token counts x %d variants is more than %d requests to prepare\n",
+              o->variants, td.n, o->variants, BENCH_MAX_MESSAGES);
+      goto done;
+    }
+    /* variant v of every count: rows [v x the largest count, ...) */
+    if (token_rows(&ir, (int64_t)td.tokens[td.n - 1] * o->variants) != 0) goto done;
   }
-  n_msgs = b->tokens ? td.n : 1;
+  const size_t nv = (size_t)o->variants; /* 1 without --tokens (main checks) */
+  n_msgs = (b->tokens ? td.n : 1) * nv;
   if (!(msgs = calloc(n_msgs, sizeof *msgs))) goto done;
   for (size_t i = 0; i < n_msgs; i++) {
-    msgs[i].tokens = b->tokens ? td.tokens[i] : ir.arr[0].ndim >= 1 ? (uint32_t)ir.arr[0].shape[0] : 1;
-    msgs[i].cdf = b->tokens ? td.cdf[i] : 1;
-    if (!(msgs[i].bytes = bench_message(&ir, b->tokens ? td.tokens[i] : 0))) goto done;
+    const size_t t = i / nv, v = i % nv;
+    msgs[i].tokens = b->tokens ? td.tokens[t] : ir.arr[0].ndim >= 1 ? (uint32_t)ir.arr[0].shape[0] : 1;
+    /* the count's probability shared evenly by its variants; its last variant ends where the count does */
+    const double lo = b->tokens && t ? td.cdf[t - 1] : 0, hi = b->tokens ? td.cdf[t] : 1;
+    msgs[i].cdf = v + 1 == nv ? hi : lo + (hi - lo) * (double)(v + 1) / (double)nv;
+    const int64_t first = b->tokens ? (int64_t)v * td.tokens[td.n - 1] : 0;
+    if (!(msgs[i].bytes = bench_message(&ir, b->tokens ? td.tokens[t] : 0, first))) goto done;
   }
   o->load.messages = msgs;
   o->load.n_messages = n_msgs;
@@ -967,7 +993,11 @@ static void usage(FILE *f) {
       "                    uniform:MIN:MAX or zipf:S:MAX (count k with probability ~ k^-S); shorter\n"
       "                    random inputs are made MAX rows long, .npy inputs need MAX rows (each\n"
       "                    request sends a prefix)\n"
-      "  --seed N          the draws of --tokens and --poisson (default 1)\n"
+      "  --variants N      with --tokens: N different requests per token count, drawn evenly; variant v\n"
+      "                    sends the rows from v x the largest count on (random inputs are made N x\n"
+      "                    that long, .npy inputs need as many rows), so that requests differ (an\n"
+      "                    expert set's routing) instead of repeating one (default 1)\n"
+      "  --seed N          the draws of --tokens, --variants and --poisson (default 1)\n"
       "  --stream          ModelStreamInfer: one stream per request in flight carries its requests\n"
       "  --json FILE       the report as JSON (- : stdout, instead of the table)\n"
       "  --csv FILE        one row per level (- : stdout)\n"
@@ -995,6 +1025,7 @@ enum {
   OPT_MAX_WINDOWS,
   OPT_TOKENS,
   OPT_SEED,
+  OPT_VARIANTS,
   OPT_JSON,
   OPT_CSV,
   OPT_SVG,
@@ -1015,8 +1046,10 @@ int main(int argc, char **argv) {
   bool replace = false, concurrency_set = false, windows_set = false;
   double duration = 0, window_ms = 1000, stability_pct = 10;
   size_t chunk = (size_t)4 << 20;
-  bench_opts bo = {
-      .levels = {1}, .n_levels = 1, .load = {.channels = 1, .warmup_s = 1, .max_windows = 10, .seed = 1}};
+  bench_opts bo = {.levels = {1},
+                   .n_levels = 1,
+                   .load = {.channels = 1, .warmup_s = 1, .max_windows = 10, .seed = 1},
+                   .variants = 1};
   moec_tls tls = {0};
   const char *token_file = NULL;
   char token[512] = "";
@@ -1043,6 +1076,7 @@ int main(int argc, char **argv) {
       {"max-windows", required_argument, NULL, OPT_MAX_WINDOWS},
       {"tokens", required_argument, NULL, OPT_TOKENS},
       {"seed", required_argument, NULL, OPT_SEED},
+      {"variants", required_argument, NULL, OPT_VARIANTS},
       {"json", required_argument, NULL, OPT_JSON},
       {"csv", required_argument, NULL, OPT_CSV},
       {"svg", required_argument, NULL, OPT_SVG},
@@ -1113,6 +1147,10 @@ int main(int argc, char **argv) {
       windows_set = true;
       break;
     case OPT_TOKENS: bo.run.tokens = optarg; break;
+    case OPT_VARIANTS:
+      if (!flag_long("--variants", optarg, 1, BENCH_MAX_MESSAGES, &v)) return 2;
+      bo.variants = (int)v;
+      break;
     case OPT_SEED:
       if (!flag_long("--seed", optarg, 0, 2147483647L, &v)) return 2;
       bo.load.seed = (unsigned)v;
@@ -1184,6 +1222,9 @@ int main(int argc, char **argv) {
     } else if (bo.load.stream && timeout_ms > 0) {
       fprintf(stderr, "moec: --timeout-ms: a deadline per request does not apply to --stream\n");
       rc = 2;
+    } else if (bo.variants > 1 && !bo.run.tokens) {
+      fprintf(stderr, "moec: --variants needs --tokens (the rows each variant sends)\n");
+      rc = 2;
     } else if (bo.load.poisson && bo.load.rate <= 0) {
       fprintf(stderr, "moec: --poisson needs --rate\n");
       rc = 2;
@@ -1209,6 +1250,7 @@ int main(int argc, char **argv) {
                            .poisson = bo.load.poisson,
                            .tokens = bo.run.tokens,
                            .seed = bo.load.seed,
+                           .variants = bo.variants,
                            .requests = bo.load.requests,
                            .window_s = bo.load.window_s,
                            .max_windows = bo.load.max_windows,

@@ -19,6 +19,7 @@ typedef struct worker {
   moe_backend *backend;
   moe_backend *fallback; /* GPU workers: a CPU backend for ops without a GPU kernel */
   unsigned trim_seen;    /* d->trim_gen when this worker last trimmed (d->mu) */
+  moed_worker_load load; /* d->mu */
 } worker;
 
 struct moed_devices {
@@ -115,10 +116,13 @@ static void *worker_main(void *arg) {
     moed_job *job = take_locked(d);
     if (!job) break; /* stopping and nothing left */
     d->running++;
+    w->load.busy = true;
     pthread_mutex_unlock(&d->mu);
     job->run(job, w->backend);
     pthread_mutex_lock(&d->mu);
     d->running--;
+    w->load.busy = false;
+    w->load.jobs++;
     poll_locked(d); /* the job may have dropped a set's last use */
   }
   pthread_mutex_unlock(&d->mu);
@@ -231,9 +235,11 @@ moe_backend *moed_devices_inline_backend(moed_devices *d) { return d->inline_bac
 
 int moed_devices_count(const moed_devices *d) { return d ? d->num_workers : 0; }
 
-int moed_devices_load(moed_devices *d, int queued[MOED_PRIORITY_LEVELS]) {
+int moed_devices_load(moed_devices *d, int queued[MOED_PRIORITY_LEVELS], moed_worker_load *workers) {
   pthread_mutex_lock(&d->mu);
   memcpy(queued, d->queued_at, sizeof d->queued_at);
+  for (int i = 0; workers && i < d->num_workers; i++)
+    workers[i] = d->workers[i].load;
   int running = d->running;
   pthread_mutex_unlock(&d->mu);
   return running;
@@ -242,6 +248,10 @@ int moed_devices_load(moed_devices *d, int queued[MOED_PRIORITY_LEVELS]) {
 const char *moed_devices_memory(const moed_devices *d, int i, moe_backend_memory *out) {
   if (moe_backend_is_host(d->workers[i].backend)) return NULL;
   moe_backend_memory_get(d->workers[i].backend, out);
+  return moe_backend_name(d->workers[i].backend);
+}
+
+const char *moed_devices_worker_name(const moed_devices *d, int i) {
   return moe_backend_name(d->workers[i].backend);
 }
 

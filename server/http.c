@@ -234,7 +234,9 @@ static void render_metrics(moed_http *h, wbuf *b) {
             "# TYPE moed_inflight_requests gauge\nmoed_inflight_requests %d\n",
             atomic_load(&s->inflight));
   int queued[MOED_PRIORITY_LEVELS];
-  int running = moed_devices_load(s->devices, queued);
+  const int nw = moed_devices_count(s->devices);
+  moed_worker_load *wl = calloc(nw > 0 ? (size_t)nw : 1, sizeof *wl); /* NULL: no per-worker samples */
+  int running = moed_devices_load(s->devices, queued, wl);
   wb_printf(b, "# HELP moed_device_queue_jobs Jobs (a batch, or one request) waiting in the device queues "
                "(one queue per priority level, shared by every worker).\n"
                "# TYPE moed_device_queue_jobs gauge\n");
@@ -246,6 +248,24 @@ static void render_metrics(moed_http *h, wbuf *b) {
             "# HELP moed_batcher_requests Requests held in open batches, waiting for max_batch_tokens rows "
             "or max_queue_delay_us.\n# TYPE moed_batcher_requests gauge\nmoed_batcher_requests %zu\n",
             running, moed_batcher_held(s->batcher));
+  /* the queues are shared by every worker (one per GPU): what is per device
+   * is the work each one takes from them, read with the gauges above */
+  if (wl) {
+    char(*names)[MOED_PROM_LABEL_SIZE(128)] = calloc((size_t)nw, sizeof *names);
+    for (int i = 0; names && i < nw; i++)
+      moed_prom_label(names[i], sizeof names[i], moed_devices_worker_name(s->devices, i));
+    wb_printf(b, "# HELP moed_worker_busy 1 while the device worker (one per GPU, else a CPU worker) runs a "
+                 "job: the batches in flight per device.\n# TYPE moed_worker_busy gauge\n");
+    for (int i = 0; names && i < nw; i++)
+      wb_printf(b, "moed_worker_busy{worker=\"%d\",backend=\"%s\"} %d\n", i, names[i], wl[i].busy ? 1 : 0);
+    wb_printf(b, "# HELP moed_worker_jobs_total Jobs (a batch, or one request) each device worker has run.\n"
+                 "# TYPE moed_worker_jobs_total counter\n");
+    for (int i = 0; names && i < nw; i++)
+      wb_printf(b, "moed_worker_jobs_total{worker=\"%d\",backend=\"%s\"} %llu\n", i, names[i],
+                (unsigned long long)wl[i].jobs);
+    free(names);
+  }
+  free(wl);
   wb_printf(b,
             "# HELP moed_stream_buffered_bytes ModelStreamInfer responses queued for clients, not yet "
             "written (bounded by --stream-buffer-bytes per stream, --response-buffer-bytes in all).\n"

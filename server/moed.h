@@ -469,13 +469,22 @@ const char *moed_devices_backend_name(moed_devices *d);
 void moed_devices_poll(moed_devices *d);
 /* Workers; any thread. */
 int moed_devices_count(const moed_devices *d);
+/* One worker's share of the load (/metrics: per device). */
+typedef struct moed_worker_load {
+  bool busy;     /* running a job now */
+  uint64_t jobs; /* jobs it has run */
+} moed_worker_load;
 /* Jobs waiting in the device queues per priority level (queued[0]: level
- * 1); returns the jobs the workers are running now. Any thread. */
-int moed_devices_load(moed_devices *d, int queued[MOED_PRIORITY_LEVELS]);
+ * 1) and, when workers is not NULL, each worker's load (moed_devices_count
+ * of them), all read at one instant; returns the jobs the workers are
+ * running now (the busy ones). Any thread. */
+int moed_devices_load(moed_devices *d, int queued[MOED_PRIORITY_LEVELS], moed_worker_load *workers);
 /* The device memory of worker i's backend, and its name; NULL (out left
  * alone) when it works in host memory (the CPU's: no device memory). Any
  * thread. */
 const char *moed_devices_memory(const moed_devices *d, int i, moe_backend_memory *out);
+/* Worker i's backend's name (a GPU's, or the CPU's). Any thread. */
+const char *moed_devices_worker_name(const moed_devices *d, int i);
 
 /* ---- handlers*.c: the protocol --------------------------------------------- */
 

@@ -6,7 +6,9 @@ no errors, ok == requests, p50 <= p90 <= p95 <= p99 <= max, each level's
 counts the sums over its windows); a sweep writes JSON, CSV and SVG that
 agree (one row and one plotted point per level) and whose server-side
 breakdown (ModelStatistics deltas) counts exactly the level's successful
-calls; --tokens sends the token counts asked for; a wrong model is counted
+calls; --tokens sends the token counts asked for, --variants different row
+blocks; a server that never answers ModelStatistics costs 2 s, not a hang;
+a wrong model is counted
 by status with exit 1; --stream (ModelStreamInfer) likewise; bad flags
 exit 2 naming the flag. Nothing here depends on the machine's speed beyond
 "some requests complete".
@@ -230,11 +232,82 @@ def test_tokens(port, tmp):
           f"--tokens over a .npy and a random input of 8 rows: every request consistent ({r.stderr.strip()})")
 
 
+def test_variants(port, tmp):
+    """--variants N: each request is one of N row blocks of the inputs,
+    drawn evenly. Row block 0 of topk_ids routes to valid experts, block 1
+    to expert 8 of 8 (INVALID_ARGUMENT): about half the requests fail, all
+    with that status, and none without --variants (block 0 only)."""
+    rng = np.random.default_rng(3)
+    h = (rng.standard_normal((4, 128)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    ids = np.array([[0, 1], [2, 3], [8, 0], [1, 8]], np.int32)  # rows 2, 3: expert 8 does not exist
+    np.save(os.path.join(tmp, "vh.npy"), h)
+    np.save(os.path.join(tmp, "vids.npy"), ids)
+    np.save(os.path.join(tmp, "vw.npy"), np.full((4, 2), 0.5, np.float32))
+    inputs = ["--input", f"hidden_states={tmp}/vh.npy:BF16", "--input", f"topk_ids={tmp}/vids.npy",
+              "--input", f"topk_weights={tmp}/vw.npy"]
+    r, rep = bench(port, "-m", "set", *inputs, "--tokens", "2", "--requests", "40", "--warmup", "0")
+    check(r.returncode == 0 and rep is not None and rep["ok"] == 40 and rep["variants"] == 1,
+          f"--tokens 2 without --variants: rows 0-1 only, all ok ({r.stderr.strip()})")
+    r, rep = bench(port, "-m", "set", *inputs, "--tokens", "2", "--variants", "2", "--requests", "200",
+                   "--concurrency", "4", "--warmup", "0")
+    bad = rep and rep["errors_by_status"].get("INVALID_ARGUMENT", 0)
+    check(r.returncode == 1 and rep is not None and rep["variants"] == 2 and rep["requests"] == 200 and
+          rep["errors"] == bad and 60 <= bad <= 140 and rep["tokens"] == 2 * rep["ok"],
+          f"--variants 2: rows 2-3 sent by about half the requests, each refused ({rep and rep['errors_by_status']})")
+    r, rep = bench(port, "-m", "set", "--input", "hidden_states=random:1x128:BF16", "--input",
+                   "router_logits=random:1x8:FP32", "--tokens", "1,2", "--variants", "16", "--requests", "50",
+                   "--warmup", "0")
+    check(r.returncode == 0 and rep is not None and rep["ok"] == 50 and 50 <= rep["tokens"] <= 100,
+          f"--variants 16 over random inputs (made 32 rows long): all ok ({r.stderr.strip()})")
+    for args, flag, say in [(["--variants", "2"], "--variants", "--tokens"),
+                            (["--variants", "0", "--tokens", "1"], "--variants", "1.."),
+                            (["--variants", "3", "--tokens", "2"], "--tokens", "4 rows")]:
+        r, _ = bench(port, "-m", "set", *inputs, *args, "--requests", "5")
+        check(r.returncode == 2 and flag in r.stderr and say in r.stderr,
+              f"{' '.join(args)}: exit 2 naming {flag} ({r.stderr.strip()})")
+
+
+def test_no_statistics():
+    """A server that answers ModelInfer but never ModelStatistics (as a bare
+    gRPC echo server, bench/echo_server.c, which leaves unregistered methods
+    waiting): the bench measures it and gives up the breakdown after 2 s,
+    instead of waiting forever."""
+    from concurrent import futures
+    import threading
+    import time
+    import grpc
+    stop = threading.Event()
+
+    def statistics(req, ctx):
+        stop.wait(60)
+        return b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("inference.GRPCInferenceService", {
+        "ModelInfer": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req),
+        "ModelStatistics": grpc.unary_unary_rpc_method_handler(statistics)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        t0 = time.monotonic()
+        r, rep = bench(port, "-m", "echo", "--input", "x=random:4x256:FP32", "--requests", "20", "--warmup", "0")
+        took = time.monotonic() - t0
+        check(r.returncode == 0 and rep is not None and rep["ok"] == 20 and rep["server"] is None and
+              "no server-side breakdown" in r.stderr and took < 15,
+              f"no ModelStatistics answer: 20 echoed requests measured, no breakdown, in {took:.1f} s "
+              f"({r.stderr.strip()})")
+        if rep:
+            check(rep["received_bytes_per_s"] == rep["sent_bytes_per_s"], "the echo's bytes counted as received")
+    finally:
+        stop.set()
+        server.stop(0)
+
+
 def test_help():
     """`moec bench --help` documents every flag bench takes."""
     r = subprocess.run([MOEC, "bench", "--help"], capture_output=True, text=True, timeout=10)
     flags = ["-m MODEL", "--input", "--param", "--concurrency", "--channels", "--rate", "--poisson", "--warmup",
-             "--window-ms", "--stability-pct", "--max-windows", "--duration", "--requests", "--tokens", "--seed",
+             "--window-ms", "--stability-pct", "--max-windows", "--duration", "--requests", "--tokens", "--variants", "--seed",
              "--stream", "--json", "--csv", "--svg", "--timeout-ms", "--tls-ca", "--tls-cert", "--tls-key",
              "--token-file", "-a HOST:PORT"]
     missing = [f for f in flags if f not in r.stdout]
@@ -285,8 +358,10 @@ def main():
             test_stream(port)
             test_sweep(port, tmp)
             test_tokens(port, tmp)
+            test_variants(port, tmp)
             test_errors(port)
             test_help()
+        test_no_statistics()
         print_log_tail(tmp)
     exit_with_summary()
 

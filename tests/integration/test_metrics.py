@@ -9,7 +9,11 @@ bucket holds exactly the batch_stats executions of sizes up to its bound,
 buckets are cumulative and monotone with +Inf = _count; the queue-time
 histogram counts every success. While requests wait in open batches (a
 long max_queue_delay_us) the batcher gauge shows them; idle, every queue
-gauge is 0; CPU workers show no device memory sample.
+gauge is 0; CPU workers show no device memory sample. Per worker (device):
+moed_worker_jobs_total counts the jobs each ran (30 lone requests: 30 jobs
+over the workers, as many as ModelStatistics' executions), moed_worker_busy
+is 0 or 1, sums to moed_batches_in_flight in every scrape, and shows the
+worker running a long request.
 
 env: MOED, MOEC, MOE_MKSET."""
 import os
@@ -115,6 +119,57 @@ def test_histograms(tmp, repo):
         idle_gauges(http_port, "idle after the load")
 
 
+def workers(samples, name):
+    """{worker: value} of a per-worker metric; its backend label checked."""
+    got = {l["worker"]: v for n, l, v in samples if n == name and l.get("backend", "").startswith("cpu")}
+    return got if len(got) == len([1 for n, _, _ in samples if n == name]) else None
+
+
+def test_workers(tmp, repo):
+    """Per-device samples: one per worker, labelled with its backend."""
+    with moed(tmp, "--model-repository", repo, "--workers", "2") as (_, port, http_port):
+        idle_gauges(http_port, "idle at start (2 workers)")
+        text, s = scrape(http_port)
+        jobs0, busy = workers(s, "moed_worker_jobs_total"), workers(s, "moed_worker_busy")
+        check("# TYPE moed_worker_jobs_total counter" in text and "# TYPE moed_worker_busy gauge" in text and
+              jobs0 is not None and set(jobs0) == {"0", "1"} and busy == {"0": 0, "1": 0},
+              f"one jobs counter and one busy gauge per worker, labelled worker and backend ({jobs0}, {busy})")
+        cli = tc.InferenceServerClient(f"127.0.0.1:{port}")
+        ex0 = cli.get_inference_statistics("set").model_stats[0].execution_count
+        # one at a time: each request its own batch, its own job
+        r = bench(port, "set", ["hidden_states=random:2x128:BF16", "router_logits=random:2x8:FP32"], 30, 1)
+        check(r.returncode == 0, f"30 requests one at a time ({r.stderr.strip()})")
+        idle_gauges(http_port, "idle after 30 requests")
+        _, s = scrape(http_port)
+        jobs = workers(s, "moed_worker_jobs_total")
+        ex = cli.get_inference_statistics("set").model_stats[0].execution_count - ex0
+        ran = sum(jobs[w] - jobs0[w] for w in jobs) if jobs and jobs0 else None
+        check(ran == 30 == ex, f"30 lone requests: 30 jobs over the workers, as many executions ({jobs}, {ex})")
+        # a long request (a 128 MiB activation, decoded and run on a worker) keeps one busy a while:
+        # every scrape's busy gauges sum to moed_batches_in_flight; one shows it running
+        done = threading.Event()
+
+        def load():
+            bench(port, "quant.per_token", ["x=random:4096x8192:FP32"], 6, 1)
+            done.set()
+
+        t = threading.Thread(target=load)
+        t.start()
+        seen, agree = set(), True
+        while not done.is_set():
+            _, s = scrape(http_port)
+            busy, running = workers(s, "moed_worker_busy"), value(s, "moed_batches_in_flight")
+            agree &= busy is not None and all(v in (0, 1) for v in busy.values()) and sum(busy.values()) == running
+            seen |= {w for w, v in (busy or {}).items() if v == 1}
+            time.sleep(0.005)
+        t.join()
+        check(agree, "in every scrape each worker's busy gauge is 0 or 1 and they sum to moed_batches_in_flight")
+        check(len(seen) >= 1, f"a worker seen busy with a long request ({seen})")
+        idle_gauges(http_port, "idle after the long requests")
+        _, s = scrape(http_port)
+        check(workers(s, "moed_worker_busy") == {"0": 0, "1": 0}, "idle: no worker busy")
+
+
 def test_batcher_gauge(tmp, repo):
     """Requests wait up to 50 ms in an open batch: scrapes during the load
     see some held, never more than are in flight."""
@@ -149,6 +204,7 @@ def main():
                         "--intermediate", "64", "--top-k", "2"], check=True, capture_output=True)
         test_histograms(tmp, repo)
         test_batcher_gauge(tmp, repo)
+        test_workers(tmp, repo)
         print_log_tail(tmp)
     exit_with_summary()
 
