@@ -191,6 +191,9 @@ struct TcArgs {
   int xg;           /* columns per activation scale: BK (block) or K */
   const float *wsc; /* the weight scales as the files have them: [E], [E][N] or [E][ceil(N / bn)][K / bk] */
   int bn, bk;
+  /* mxfp4, set by moe_tc_gemm: per expert and 16 packed rows, whether all
+   * their scales allow the 16-bit multiply (bit 0: bf16, bit 1: fp16) */
+  const uint8_t *fp4_fast;
 };
 
 /* Whether a set takes this path: gpu.h's moe_gpu_fused_packs. */

@@ -76,8 +76,10 @@ size_t moe_tc_packed_bytes(const moe_expert_config *cfg, int slot) {
   if (cfg->scheme == MOE_SCHEME_FP8) return slot == MOE_W13_QWEIGHT || slot == MOE_W2_QWEIGHT ? e * n * k : 0;
   if (cfg->scheme != MOE_SCHEME_WNA16 && !fp4) return slot == MOE_W13 || slot == MOE_W2 ? e * n * k * 2 : 0;
   if (slot == MOE_W13_QWEIGHT || slot == MOE_W2_QWEIGHT) return e * n * k * (fp4 ? 4 : (size_t)cfg->bits) / 8;
-  /* scales: fp32, or mxfp4's e8m0 bytes as they are (a quarter of the bytes a decode stage copies) */
-  if (slot == MOE_W13_SCALES || slot == MOE_W2_SCALES) return e * groups * n * (fp4 ? 1 : 4);
+  /* scales: fp32, or mxfp4's e8m0 bytes as they are (a quarter of the bytes a decode stage copies)
+   * and then a flag byte per expert and 16 rows (moe_tc_pack) */
+  if (slot == MOE_W13_SCALES || slot == MOE_W2_SCALES)
+    return fp4 ? e * groups * n + e * (n / 16) : e * groups * n * 4;
   if ((slot == MOE_W13_QZEROS || slot == MOE_W2_QZEROS) && cfg->has_zero_points) return e * groups * n;
   return 0;
 }
@@ -415,6 +417,35 @@ struct Deq {
 
 /* Eight fragment values (a0..a7) of one lane for one 16 x 16 block, as
  * four act pairs: pair p holds row (p & 1 ? r + 8 : r). */
+/* mxfp4 codes in a lane's word (moe_tc_pack): bit b (m, e0, e1, s) of
+ * pair p's first code sits at fp4_at(p, b), of its second 16 bits higher.
+ * Chosen for the move under a bf16's exponent field (m, e0, e1 to bits 6-8,
+ * s to 15): one shift and mask for pairs 0-2, three for pair 3 (a search
+ * found no placement that serves all four pairs with one each); fp16
+ * (bits 9-11, 15) takes two for pairs 0-2. */
+__host__ __device__ constexpr int fp4_at(int p, int b) {
+  return p < 3 ? 3 * p + (b == 3 ? 9 : b) : (b < 2 ? 10 + b : 11 + b);
+}
+/* where bit b goes: under the exponent field's low end, s to the sign */
+__host__ __device__ constexpr int fp4_to(int act, int b) { return b == 3 ? 15 : (act == A_BF16 ? 6 : 9) + b; }
+/* the bits of pair p that move by `shift` (both halves) */
+__host__ __device__ constexpr uint32_t fp4_mask(int act, int p, int shift) {
+  uint32_t m = 0;
+  for (int b = 0; b < 4; b++)
+    if (fp4_to(act, b) - fp4_at(p, b) == shift) m |= 0x10001u << fp4_to(act, b);
+  return m;
+}
+/* pair p's two codes as 16-bit floats' bits (see dequant) */
+template <int ACT, int P> __device__ __forceinline__ uint32_t fp4_bits(uint32_t w) {
+  uint32_t r = 0;
+#pragma unroll
+  for (int sh = -15; sh <= 15; sh++) {
+    const uint32_t m = fp4_mask(ACT, P, sh); /* a constant once unrolled */
+    if (m) r |= (sh >= 0 ? w << sh : w >> -sh) & m;
+  }
+  return r;
+}
+
 template <int W, int ACT>
 __device__ __forceinline__ void dequant(const uint32_t *words, const Deq &d, bool scale16,
                                         uint32_t (&out)[4]) {
@@ -424,17 +455,18 @@ __device__ __forceinline__ void dequant(const uint32_t *words, const Deq &d, boo
      * low end, so the value is value(c) x 2^-126 (bf16) or x 2^-14 (fp16),
      * exact (a subnormal for c's subnormal half); then value(c) x 2^(b - 127)
      * rounded once to act (docs/numerics.md mxfp4). scale16 (the group's
-     * scales s <= 2, and >= 2^-38 for fp16): one packed 16-bit multiply by s
-     * x 2^126 (2^14), a power of two the 16-bit type holds, rounds the exact
-     * product once (at most 2 significant bits, |product| <= 12, >= 2^-128:
-     * within bf16's subnormals); else in fp32 and one conversion. */
+     * scales s <= 2, and >= 2^-28 for fp16): one packed 16-bit multiply by s
+     * x 2^126 (2^14), a power of two the 16-bit type holds as a normal
+     * number, rounds the exact product once (at most 2 significant bits,
+     * |product| <= 12, >= 2^-128: within bf16's subnormals); else in fp32
+     * and one conversion. */
     const float mag = ACT == A_BF16 ? 0x1p126f : 0x1p14f;
     const uint32_t w = words[0];
+    const uint32_t pairs[4] = {fp4_bits<ACT, 0>(w), fp4_bits<ACT, 1>(w), fp4_bits<ACT, 2>(w),
+                               fp4_bits<ACT, 3>(w)};
 #pragma unroll
     for (int p = 0; p < 4; p++) {
-      const uint32_t x = (w >> (4 * p)) & 0x000F000Fu;
-      const uint32_t bits =
-          ((x << 12) & 0x80008000u) | (ACT == A_BF16 ? (x << 6) & 0x01C001C0u : (x << 9) & 0x0E000E00u);
+      const uint32_t bits = pairs[p];
       if (scale16) {
         out[p] = mul2<ACT>(bits, d.s16[p & 1]);
       } else {
@@ -659,7 +691,15 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
         *(uint4 *)(smem + (blk / KS) * S::STAGE + (blk % KS) * S::B1 + r * 128 + (i & 7) * 16) =
             make_uint4(0, 0, 0, 0);
     }
-  __syncthreads();
+  /* mxfp4: whether every scale of the block's rows allows the 16-bit
+   * multiply (moe_tc_pack's flag per 16 rows), the same answer in every
+   * warp: then its main loop has no vote and no branch per group */
+  bool fp4_fast = false;
+  if constexpr (W == TW_FP4)
+    fp4_fast =
+        __syncthreads_and(mt >= mtc || (a.fp4_fast[(size_t)e * mtc + mt] >> (ACT == A_BF16 ? 0 : 1) & 1));
+  else
+    __syncthreads();
 
   /* The main loop is issue-bound at small batches (wna16 dequantizes every
    * weight), so everything per stage that is not a copy, a dequantization
@@ -849,7 +889,8 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
   set_zero(1, zdef);
   int cmp_gcol = 0; /* first column of the next group compute reloads (in the segment) */
   const int raw_off = S::B + warp * CH + lane * 16;
-  const int sc_off = S::B + S::A + (warp * 16 + (lane >> 2)) * S::SB;
+  const int sc_off =
+      S::B + S::A + (W == TW_FP4 ? warp * 16 + 2 * (lane >> 2) : (warp * 16 + (lane >> 2)) * 4);
   const int zp_off = S::B + S::A + S::S + warp * 16 + (lane >> 2);
 #if defined(MOE_TC_WGMMA)
   /* descriptors of the shared window's start: a stage, a KB block and 16
@@ -952,36 +993,44 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
       for (int h = 0; h < (W == TW_16 ? 0 : CH / 512); h++)
         raw[h] = *(const uint4 *)(sb + raw_off + u * S::A1 + h * 512);
       /* the group's scales and zero points into dq (slot j of the stage) */
-      auto reload = [&]() {
+      /* vote (mxfp4): whether the warp's rows all allow the 16-bit multiply
+       * (dq.fast); blocks whose scales all do (fp4_fast) skip it */
+      auto reload_as = [&](auto vote) {
         cmp_gcol += G;
+        if constexpr (W == TW_FP4) {
+          /* e8m0 bytes of rows r, r + 8 side by side (moe_tc_pack); b: s =
+           * 2^(b - 127) (b = 0: 2^-127, an fp32 subnormal; 0xFF is refused at
+           * load). The 16-bit multiply (the codes' bits are value x 2^-126 in
+           * bf16, x 2^-14 in fp16) takes s x 2^126 (2^14), a normal number of
+           * the 16-bit type for b <= 128 (fp16: 99 <= b <= 128), made by its
+           * bits: 2^(b - 1) in bf16, 2^(b - 113) in fp16, twice. */
+          const uint32_t two = *(const uint16_t *)(sb + sc_off + j * BN);
+          bool ok = true;
 #pragma unroll
-        bool ok = true; /* mxfp4: both rows' scales allow the 16-bit multiply */
-        for (int h = 0; h < 2; h++) {
-          if constexpr (W == TW_FP4) {
-            /* e8m0 byte b: s = 2^(b - 127) (b = 0: 2^-127, an fp32 subnormal;
-             * 0xFF is refused at load). The 16-bit multiply (the codes' bits
-             * are value x 2^-126 in bf16, x 2^-14 in fp16) takes s x 2^126
-             * (2^14), which the 16-bit type holds exactly for s <= 2 (and,
-             * fp16, s >= 2^-38): b <= 128 (and b >= 89). */
-            const uint32_t b8 = sb[sc_off + j * BN + h * 8];
+          for (int h = 0; h < 2; h++) {
+            const uint32_t b8 = h ? two >> 8 : two & 0xFFu;
             dq.s[h] = b8 ? __uint_as_float(b8 << 23) : 0x1p-127f;
             if (ACT == A_BF16) {
-              dq.s16[h] = ((b8 + 126) << 7) * 0x10001u; /* 2^(b - 1) by its bits, twice */
+              dq.s16[h] = b8 * 0x00800080u + 0x3F003F00u; /* (b + 126) << 7 */
               ok = ok && b8 <= 128;
             } else {
-              dq.s16[h] = pack2<ACT>(dq.s[h] * 0x1p14f, dq.s[h] * 0x1p14f);
-              ok = ok && b8 <= 128 && b8 >= 89;
+              dq.s16[h] = b8 * 0x04000400u - 98u * 0x04000400u; /* (b - 98) << 10 */
+              ok = ok && b8 >= 99 && b8 <= 128;
             }
-          } else {
+          }
+          if constexpr (decltype(vote)::value) dq.fast = __all_sync(0xFFFFFFFFu, ok); /* no divergence */
+        } else {
+#pragma unroll
+          for (int h = 0; h < 2; h++) {
             const float sc = *(const float *)(sb + sc_off + j * BN * 4 + h * 32);
             dq.s[h] = sc;
             dq.s16[h] = pack2<ACT>(sc, sc); /* exact when scale16 */
             if (a.zero) set_zero(h, sb[zp_off + j * BN + h * 8]);
           }
         }
-        if (W == TW_FP4) dq.fast = __all_sync(0xFFFFFFFFu, ok); /* a warp's choice: no divergence */
         j++;
       };
+      auto reload = [&]() { reload_as(std::true_type{}); };
       auto deq = [&](int ks, bool scale16) {
         if (four_bit(W)) {
           const uint32_t wd[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
@@ -1013,19 +1062,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
           deq(ks, a.scale16);
         }
       } else if constexpr (MODE == M_FP4) {
-        /* a group every 32 columns: its reload and its slot are constants,
-         * and the route is one uniform branch per group (decided inside
-         * dequant it was a branch per 2 weights) */
+        /* a block whose scales all allow the 16-bit multiply: a group every
+         * 32 columns, its reload and slot constants, no vote, no branch */
 #pragma unroll
         for (int ks = 0; ks < KB / 16; ks += 2) {
-          reload();
-          if (dq.fast) {
-            deq(ks, true);
-            deq(ks + 1, true);
-          } else {
-            deq(ks, false);
-            deq(ks + 1, false);
-          }
+          reload_as(std::false_type{});
+          deq(ks, true);
+          deq(ks + 1, true);
         }
       } else if constexpr (MODE == M_RUNTIME) { /* the route checked here (see main_loop's dispatch) */
         if (G < KB) {
@@ -1199,9 +1242,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
    * registers past the cap into spills). */
   if constexpr (!WNA16 || KS == 1)
     main_loop(std::integral_constant<int, M_RUNTIME>{});
-  else if constexpr (W == TW_FP4) /* groups of 32, always */
-    main_loop(std::integral_constant<int, M_FP4>{});
-  else if (G < KB)
+  else if constexpr (W == TW_FP4) { /* groups of 32, always */
+    if (fp4_fast)
+      main_loop(std::integral_constant<int, M_FP4>{});
+    else /* some scale of the block needs the fp32 route: checked per group */
+      main_loop(std::integral_constant<int, M_RUNTIME>{});
+  } else if (G < KB)
     main_loop(std::integral_constant<int, M_SMALL_GROUPS>{});
   else if (a.scale16)
     main_loop(std::integral_constant<int, M_SCALE16>{});
@@ -1447,6 +1493,13 @@ __global__ void pack_weights(const uint8_t *src, uint8_t *dst, int experts, int 
         uint32_t *o = (uint32_t *)(out + (ks >> 1) * 512 + lane * 16 + (ks & 1) * 8);
         o[0] = v[0] | v[1] << 8 | v[2] << 16 | v[3] << 24;
         o[1] = v[4] | v[5] << 8 | v[6] << 16 | v[7] << 24;
+      } else if (W == TW_FP4) { /* pair p: its codes' bits where dequant wants them (fp4_at) */
+        uint32_t wd = 0;
+        for (int p = 0; p < 4; p++)
+          for (int bit = 0; bit < 4; bit++)
+            wd |= (v[2 * p] >> bit & 1u) << fp4_at(p, bit) | (v[2 * p + 1] >> bit & 1u)
+                                                                 << (16 + fp4_at(p, bit));
+        *(uint32_t *)(out + lane * 16 + ks * 4) = wd;
       } else { /* pair p: low element at nibble p, high at nibble p + 4 */
         uint32_t wd = 0;
         for (int p = 0; p < 4; p++)
@@ -1469,8 +1522,8 @@ __global__ void pack_groups(const void *scales, int scale_dt, const uint8_t *zer
     const int p = (int)(i % n), g = (int)(i / n % groups), e = (int)(i / n / groups);
     const int r = orig_row(p, w13, inter, interleaved);
     const size_t si = ((size_t)e * n + r) * groups + g;
-    if (e8)
-      ((uint8_t *)s_out)[i] = ((const uint8_t *)scales)[si];
+    if (e8) /* rows r and r + 8 of each 16 side by side: one 16-bit load in the kernel */
+      ((uint8_t *)s_out)[i - p % 16 + p % 8 * 2 + p / 8 % 2] = ((const uint8_t *)scales)[si];
     else
       ((float *)s_out)[i] = scale_dt == MOE_F16    ? moe_f16_to_f32(((const uint16_t *)scales)[si])
                             : scale_dt == MOE_BF16 ? moe_bf16_to_f32(((const uint16_t *)scales)[si])
@@ -1483,6 +1536,25 @@ __global__ void pack_groups(const void *scales, int scale_dt, const uint8_t *zer
         z_out[i] = zeros[si];
       }
     }
+  }
+}
+
+/* mxfp4: after the packed scales [E][groups][N], per expert and 16 rows:
+ * bit 0, every scale allows bf16's 16-bit multiply (b <= 128); bit 1,
+ * fp16's (99 <= b <= 128) (tc_gemm's fp4_fast) */
+__global__ void fp4_flags(uint8_t *sc, int experts, int n, int groups) {
+  const size_t total = (size_t)experts * (size_t)(n / 16);
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const int mt = (int)(i % (size_t)(n / 16)), e = (int)(i / (size_t)(n / 16));
+    bool bf = true, hf = true;
+    for (int g = 0; g < groups; g++)
+      for (int r = 0; r < 16; r++) {
+        const uint32_t b8 = sc[((size_t)e * groups + g) * (size_t)n + (size_t)mt * 16 + r];
+        bf = bf && b8 <= 128;
+        hf = hf && b8 >= 99 && b8 <= 128;
+      }
+    sc[(size_t)experts * groups * (size_t)n + i] = (uint8_t)(bf | hf << 1);
   }
 }
 
@@ -1842,8 +1914,10 @@ moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_d
     uint8_t *d = (uint8_t *)dst[ws];
     if (w == TW_16)
       pack_weights<TW_16><<<nb, 256, 0, st>>>(s, d, e, n, k, w13, in, il);
-    else if (four_bit(w)) /* fp4 codes are laid out as int4 ones */
+    else if (w == TW_INT4)
       pack_weights<TW_INT4><<<nb, 256, 0, st>>>(s, d, e, n, k, w13, in, il);
+    else if (w == TW_FP4)
+      pack_weights<TW_FP4><<<nb, 256, 0, st>>>(s, d, e, n, k, w13, in, il);
     else /* int8 and fp8 codes */
       pack_weights<TW_INT8><<<nb, 256, 0, st>>>(s, d, e, n, k, w13, in, il);
     if (grouped(w)) {
@@ -1852,6 +1926,8 @@ moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_d
       pack_groups<<<blocks_for((size_t)e * groups * n, b), 256, 0, st>>>(
           src[ss], (int)scale_dt[m], cfg->has_zero_points ? (const uint8_t *)src[zs] : NULL, cfg->bits,
           dst[ss], w == TW_FP4, cfg->has_zero_points ? (uint8_t *)dst[zs] : NULL, e, n, groups, w13, in, il);
+      if (w == TW_FP4)
+        fp4_flags<<<blocks_for((size_t)e * (n / 16), b), 256, 0, st>>>((uint8_t *)dst[ss], e, n, groups);
     }
   }
   return moe_gpu_check(hipGetLastError(), "fused_moe weight packing", err);
@@ -1865,7 +1941,11 @@ moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, in
   switch (tc_wkind(cfg)) {
   case TW_INT4: return launch_act<TW_INT4>(b, act, config, max_tiles, a, err);
   case TW_INT8: return launch_act<TW_INT8>(b, act, config, max_tiles, a, err);
-  case TW_FP4: return launch_act<TW_FP4>(b, act, config, max_tiles, a, err);
+  case TW_FP4: {
+    TcArgs f = a; /* the flags follow the scales (moe_tc_packed_bytes) */
+    f.fp4_fast = (const uint8_t *)a.scale + (size_t)cfg->num_experts * (size_t)a.groups * (size_t)a.n;
+    return launch_act<TW_FP4>(b, act, config, max_tiles, f, err);
+  }
   case TW_FP8: return launch_act<TW_FP8>(b, act, config, max_tiles, a, err);
   default: return launch_act<TW_16>(b, act, config, max_tiles, a, err);
   }

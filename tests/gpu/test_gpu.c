@@ -733,11 +733,13 @@ static void fm_make(fm_model *m, const fm_case *c, moe_activation act, int64_t e
       for (size_t j = 0; j < (size_t)(e * n * k / 2); j++)
         ((uint8_t *)m->buf[q])[j] = (uint8_t)rng();
       const int base = 127 + (int)floor(log2(1.0 / (2.93 * sqrt((double)k))));
-      /* with bf16 activations one group in 61 scaled by 2^9 more (s > 2: the fp32 dequantization;
-       * the others take the 16-bit multiply) */
+      /* one group in 61 of expert 0 scaled by 2^9 more (bf16) or 2^-25 (fp16): s outside what the
+       * 16-bit multiply takes (the fp32 dequantization; the tensor-core GEMM takes it for every 16
+       * rows with such a group, the 16-bit multiply for the other experts' rows) */
       for (size_t j = 0; j < (size_t)(e * n * k / 32); j++)
         ((uint8_t *)m->buf[sc])[j] =
-            (uint8_t)(base + (int)(rng() % 2) + (c->act == MOE_BF16 && j % 61 == 0 ? 9 : 0));
+            (uint8_t)(base + (int)(rng() % 2) +
+                      (j < (size_t)(n * k / 32) && j % 61 == 0 ? (c->act == MOE_BF16 ? 9 : -25) : 0));
     }
     return;
   }
