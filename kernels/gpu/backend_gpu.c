@@ -385,7 +385,7 @@ moe_status moe_gpu_set_weights(moe_backend *b, const moe_expert_set *set, void *
                         moe_expert_tensor_names[i], t->nbytes);
       }
     }
-    if (moe_gpu_fused_packs(b, &set->cfg)) { /* the tensor-core layout replaces the files' */
+    if (moe_gpu_fused_tc(b, &set->cfg)) { /* the tensor-core layout replaces the files' */
       void *packed[MOE_EXPERT_TENSOR_COUNT];
       moe_status s = moe_gpu_fused_pack(b, set, e->dev, packed, err);
       if (s) {
@@ -507,8 +507,7 @@ static moe_status gpu_sync(moe_backend *b) {
 }
 
 static moe_status gpu_run(moe_backend *b, moe_call *c, moe_error *err) {
-  /* the op, and fused_moe's scheme and biases: off the tensor-core path fp8,
-   * mxfp4 and biases have no kernel, which would read such a set as 16-bit */
+  /* the op, and fused_moe's scheme (gpu_fused_lacks) */
   moe_status s = moe_call_check_backend(c, b, err);
   if (s) return s;
   s = moe_gpu_enter(b, err);
@@ -545,16 +544,28 @@ static void gpu_destroy(moe_backend *b) {
   b->context = NULL;
 }
 
-/* Biases, mxfp4 and fp8 codes are handled by the tensor-core GEMM's
- * epilogue and tile loader only; the portable GEMM (AMD, shapes the tensor
- * cores do not take) reads 16-bit or wna16 weights without biases. */
+bool moe_gpu_portable(void) {
+  static int portable = -1; /* read once; threads that race read the same */
+  int v = __atomic_load_n(&portable, __ATOMIC_RELAXED);
+  if (v < 0) {
+    const char *e = getenv("MOE_GPU_PORTABLE");
+    v = e && *e && strcmp(e, "0") != 0;
+    __atomic_store_n(&portable, v, __ATOMIC_RELAXED);
+  }
+  return v != 0;
+}
+
+bool moe_gpu_fused_tc(moe_backend *b, const moe_expert_config *cfg) {
+  return !moe_gpu_portable() && moe_gpu_fused_packs(b, cfg);
+}
+
+/* Every scheme, with or without biases, runs on both GEMM paths (the
+ * tensor-core one where moe_gpu_fused_tc takes the set, the portable one
+ * everywhere else, AMD included): nothing is lacking. The hook stays
+ * because a backend without one is taken to lack biases (kernels/ops/call.c). */
 static const char *gpu_fused_lacks(const moe_backend *b, const moe_expert_config *cfg) {
-  if (moe_gpu_fused_packs((moe_backend *)b, cfg)) return NULL; /* reads the device's properties only */
-  if (cfg->scheme == MOE_SCHEME_MXFP4) return "scheme mxfp4 off the tensor-core path";
-  if (cfg->scheme == MOE_SCHEME_FP8)
-    return "scheme fp8 off the tensor-core path (it needs compute capability 9.0 or later, K of both GEMMs a "
-           "multiple of 64 and, with block scales, block_k 128 and block_n a multiple of 16)";
-  if (cfg->has_bias) return "expert biases (w13_bias, w2_bias) off the tensor-core path";
+  (void)b;
+  (void)cfg;
   return NULL;
 }
 

@@ -15,22 +15,37 @@
  * The GEMM grid is sized for the most tiles any routing can need; blocks
  * past the tile count the align step wrote return at once.
  *
- * Weight schemes are tile loaders (Loader<W>: 16-byte chunk loads of one
- * weight row, and the dequantization of 8-element pieces of a chunk into
- * act-rounded fp32, w = act((q - z) * s) via codec.h), plugged into the one
- * GEMM kernel template; nothing else differs between schemes.
+ * The portable GEMM (below; AMD's only one, and NVIDIA's for the sets the
+ * tensor cores do not take, or all with MOE_GPU_PORTABLE=1) serves every
+ * scheme. Weight schemes are tile loaders (Loader<W>: chunk loads of one
+ * weight row, and the dequantization of pieces of a chunk into fp32 via
+ * codec.h: 16-bit values widened, wna16 act((q - z) * s), mxfp4
+ * act(value * 2^(b - 127)), fp8 the e4m3fn codes' exact values), plugged
+ * into the one GEMM kernel template. fp8 W8A8 quantizes each GEMM's input
+ * first (fp8_act_rows: e4m3fn codes and their scales per tile row and K
+ * block, quant.per_token_group's arithmetic, or the expert's static scale)
+ * and scales the sums of code products in the GEMM (below); expert biases
+ * are added to the sums in the epilogues, before the roundings of g, u and
+ * y. Nothing else differs between schemes.
  *
  * Summation order (batch invariance): every dot product over K is split
- * across a group of 32 lanes (a warp on NVIDIA, half a wavefront on AMD):
- * lane l owns the 16-byte chunks l, l + 32, l + 64, ... of the row, adds
- * its elements in ascending order into one fp32 accumulator (fmaf), and the
- * 32 partial sums are combined by a fixed xor butterfly (16, 8, 4, 2, 1).
- * That order depends on K and the scheme only: not on the token's tile, the
- * tile height BM (a launch choice from the batch size), the rows beside it
- * (so the order of an expert's rows, which align leaves to its atomics)
- * or the grid. No atomics, no split K. Results are deterministic; they are
- * not bit-identical to the CPU's (another summation order: docs/numerics.md's
- * tolerance applies). */
+ * across a group of 32 lanes (a warp on NVIDIA, half a wavefront on AMD).
+ * K is walked as segments, each padded to whole steps of 32 chunks: one
+ * segment of K, except fp8 with block scales, whose K blocks (BK columns)
+ * are a segment each. Lane l owns the chunks l, l + 32, l + 64, ... of a
+ * segment, adds their elements in ascending order into one fp32
+ * accumulator (fmaf), and the 32 partial sums are combined by a fixed xor
+ * butterfly (16, 8, 4, 2, 1). fp8 block scales: each segment's sum p_b is
+ * scaled as p_b * (sx_b * sw_b) and added to the total in ascending b; one
+ * segment: (p * sx) * sw (docs/numerics.md "Weight scheme fp8"). That order
+ * depends on K and the scheme only: not on the token's tile, the tile
+ * height BM (a launch choice from the batch size), the rows beside it (so
+ * the order of an expert's rows, which align leaves to its atomics) or the
+ * grid. No atomics, no split K. Results are deterministic; they are not
+ * bit-identical to the CPU's (another summation order: docs/numerics.md's
+ * tolerance applies). The file is built with FMA contraction on: the
+ * contract's separate roundings around the scale products and bias adds
+ * are written with add_rn / mul_rn. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,13 +56,20 @@ namespace {
 constexpr int LG = 32;                     /* lanes per dot-product group */
 constexpr int GROUPS = MOE_GPU_BLOCK / LG; /* lane groups per block */
 constexpr int NPW = 4;                     /* weight rows per lane group */
-constexpr int KT = 1024;                   /* K elements staged in shared memory per step */
+constexpr int KT = 1024;                   /* K positions staged in shared memory per step */
 constexpr int KT_PHYS = KT + KT / 8;       /* + 4 floats of padding per 32: conflict-free reads */
 
-enum { W_BF16, W_F16, W_INT4, W_INT8 };
+/* weight kinds: 16-bit values, wna16 int4 / int8 codes, mxfp4 e2m1 codes, fp8 e4m3fn codes */
+enum { W_BF16, W_F16, W_INT4, W_INT8, W_FP4, W_FP8 };
 
-/* elements per 16-byte chunk */
-__host__ __device__ constexpr int chunk_of(int w) { return w == W_INT4 ? 32 : w == W_INT8 ? 16 : 8; }
+/* elements per chunk (one lane's load): 16 bytes; fp8 4, so that a K block
+ * of 128 columns (DeepSeek-V3's BK) is one step of the 32 lanes */
+__host__ __device__ constexpr int chunk_of(int w) {
+  return w == W_INT4 || w == W_FP4 ? 32 : w == W_INT8 ? 16 : w == W_FP8 ? 4 : 8;
+}
+__host__ __device__ constexpr int chunk_bytes(int w) { return w == W_FP8 ? 4 : 16; }
+/* elements per piece (one dequantization step; x read as one or two float4) */
+__host__ __device__ constexpr int piece_of(int w) { return chunk_of(w) < 8 ? chunk_of(w) : 8; }
 
 __device__ __forceinline__ int phys(int j) { return j + (j >> 5) * 4; }
 
@@ -57,36 +79,80 @@ __device__ __forceinline__ float load_float(const void *p, int dt, size_t i) {
   return ((const float *)p)[i];
 }
 
+/* a + b and a * b, each rounded, never fused with a neighbouring operation
+ * into an fma (the file is built with contraction on) */
+__device__ __forceinline__ float add_rn(float a, float b) {
+#if defined(MOE_GPU_CUDA)
+  return __fadd_rn(a, b);
+#else
+#pragma clang fp contract(off)
+  return a + b;
+#endif
+}
+__device__ __forceinline__ float mul_rn(float a, float b) {
+#if defined(MOE_GPU_CUDA)
+  return __fmul_rn(a, b);
+#else
+#pragma clang fp contract(off)
+  return a * b;
+#endif
+}
+
+/* The sum of v over the 32 lanes of a group, in the fixed butterfly order:
+ * every lane gets the same bits. */
+__device__ __forceinline__ float lane_sum(float v) {
+#pragma unroll
+  for (int o = LG / 2; o > 0; o >>= 1)
+    v += MOE_SHFL_XOR(v, o);
+  return v;
+}
+
 /* ---- weights: one GEMM's matrix on the device ---------------------------------- */
 
 /* kernels/cpu/weight_format.h's moe_weight_matrix, device pointers. */
 struct Wmat {
   const uint8_t *data;
   size_t row_bytes;
-  int rows, cols; /* per expert: N outputs x K inputs */
-  const void *scales;
+  int rows, cols;     /* per expert: N outputs x K inputs */
+  const void *scales; /* wna16: scale_dt (F32, F16, BF16); mxfp4: e8m0 bytes; fp8: F32 weight scales */
   int scale_dt;
   const uint8_t *zeros; /* NULL: the midpoint */
   int group, groups;
-  int vec;         /* rows 16-byte aligned and K a multiple of the chunk: one load per chunk */
+  /* K as the lanes walk it: nseg segments of seg columns, each padded to
+   * segp positions (whole steps); fp8 block scales: a K block (BK) each,
+   * else one of K */
+  int seg, nseg, segp;
+  int wscale, bn;  /* fp8: moe_weight_scale, BN */
+  int vec;         /* rows aligned to whole chunks and seg a multiple of the chunk: one load per chunk */
   int chunk_scale; /* group a multiple of the chunk: one scale per chunk */
   int sub_scale;   /* group a multiple of 8: one scale per 8-element piece */
 };
 
-/* One lane's chunk of one weight row as loaded: 16 bytes of values or codes
- * and, for wna16 with one group per chunk, its scale and zero point. */
+/* fp8: the weight scale of row n of expert e in K block b */
+__device__ __forceinline__ float fp8_wscale(const Wmat &m, int e, int n, int b) {
+  const float *s = (const float *)m.scales;
+  if (m.wscale == MOE_WSCALE_PER_TENSOR) return s[e];
+  if (m.wscale == MOE_WSCALE_PER_CHANNEL) return s[(size_t)e * (size_t)m.rows + (size_t)n];
+  const int nbn = (m.rows + m.bn - 1) / m.bn;
+  return s[((size_t)e * (size_t)nbn + (size_t)(n / m.bn)) * (size_t)m.nseg + (size_t)b];
+}
+
+/* One lane's chunk of one weight row as loaded: its bytes of values or codes
+ * and, with one scale group per chunk, its scale and zero point. */
 struct Raw {
   uint4 v;
   float s, zb; /* scale; 2^23 + zero point */
 };
 
 template <int W> struct Loader {
-  static constexpr int CH = chunk_of(W);
+  static constexpr int CH = chunk_of(W), CB = chunk_bytes(W), PE = piece_of(W);
   static constexpr bool WNA16 = W == W_INT4 || W == W_INT8;
-  static constexpr int BITS = W == W_INT4 ? 4 : 8;
+  static constexpr bool GROUPED = WNA16 || W == W_FP4; /* a scale per group of columns */
+  static constexpr int BITS = W == W_INT4 || W == W_FP4 ? 4 : W == W_INT8 || W == W_FP8 ? 8 : 16;
 
   /* 2^23 + z of row n, group g: (q | 2^23 as float) - (2^23 + z) is q - z exactly */
   static __device__ __forceinline__ float zero_bias(const Wmat &m, int e, int n, int g) {
+    if (!WNA16) return 0.0f;
     float z;
     if (!m.zeros) {
       z = BITS == 4 ? 8.0f : 128.0f;
@@ -100,92 +166,169 @@ template <int W> struct Loader {
     return 8388608.0f + z;
   }
   static __device__ __forceinline__ float scale(const Wmat &m, int e, int n, int g) {
-    return load_float(m.scales, m.scale_dt,
-                      ((size_t)e * (size_t)m.rows + (size_t)n) * (size_t)m.groups + (size_t)g);
+    const size_t i = ((size_t)e * (size_t)m.rows + (size_t)n) * (size_t)m.groups + (size_t)g;
+    if (W == W_FP4) return moe_e8m0_to_f32(((const uint8_t *)m.scales)[i]); /* never 0xFF: refused at load */
+    return load_float(m.scales, m.scale_dt, i);
+  }
+  /* the weight of code c: act-rounded, or fp8's exact value (the GEMM scales its sums) */
+  template <int ACT> static __device__ __forceinline__ float value(uint32_t c, float s, float zb) {
+    if (W == W_BF16) return moe_bf16_to_f32((uint16_t)c);
+    if (W == W_F16) return moe_f16_to_f32((uint16_t)c);
+    if (W == W_FP8) return moe_e4m3fn_to_f32((uint8_t)c);
+    if (W == W_FP4) {
+      const moe_narrow_fmt f = MOE_FMT_E2M1;
+      return act_round<ACT>(moe_narrow_to_f32((uint8_t)c, &f) * s); /* exact product, one rounding */
+    }
+    return act_round<ACT>((moe_f32_from_bits(0x4B000000u | c) - zb) * s);
   }
 
-  /* chunk of row n of expert e starting at column j0 (a multiple of CH) */
+  /* chunk of row n of expert e starting at column j0 */
   static __device__ __forceinline__ void load(const Wmat &m, int e, int n, int j0, bool valid, Raw &r) {
     r.v = make_uint4(0, 0, 0, 0);
     r.s = 0.0f;
     r.zb = 0.0f;
     if (!valid) return;
     const uint8_t *row = m.data + ((size_t)e * (size_t)m.rows + (size_t)n) * m.row_bytes;
-    const size_t off = (size_t)j0 * (W == W_INT4 ? 1 : W == W_INT8 ? 2 : 4) / 2;
+    const size_t off = (size_t)j0 * BITS / 8;
     if (m.vec) {
-      r.v = *(const uint4 *)(row + off);
+      if (CB == 16)
+        r.v = *(const uint4 *)(row + off);
+      else
+        r.v.x = *(const uint32_t *)(row + off);
     } else { /* tails and unaligned rows: bytes, zero past the row */
       uint32_t w[4] = {0, 0, 0, 0};
-      for (int b = 0; b < 16; b++)
+      for (int b = 0; b < CB; b++)
         if (off + (size_t)b < m.row_bytes) w[b >> 2] |= (uint32_t)row[off + (size_t)b] << (8 * (b & 3));
       r.v = make_uint4(w[0], w[1], w[2], w[3]);
     }
-    if (WNA16 && m.chunk_scale) {
+    if (GROUPED && m.chunk_scale) {
       const int g = j0 / m.group;
       r.s = scale(m, e, n, g);
       r.zb = zero_bias(m, e, n, g);
     }
   }
 
-  /* w[q] = the weight at column j0 + 8 p + q, act-rounded; 0 past K. */
+  /* w[q] = the weight at column j0 + PE p + q (value()); 0 at and past jend,
+   * the end of the chunk's segment. */
   template <int ACT>
-  static __device__ __forceinline__ void piece(const Wmat &m, const Raw &r, int e, int n, int j0, int p,
-                                               bool valid, float w[8]) {
+  static __device__ __forceinline__ void piece(const Wmat &m, const Raw &r, int e, int n, int j0, int jend,
+                                               int p, bool valid, float w[PE]) {
     const uint32_t word[4] = {r.v.x, r.v.y, r.v.z, r.v.w};
-    if (!valid || (!m.vec && j0 + 8 * p >= m.cols)) { /* no row, or a piece past K */
+    const int j = j0 + PE * p;
+    if (!valid || (!m.vec && j >= jend)) { /* no row, or a piece past its segment */
 #pragma unroll
-      for (int q = 0; q < 8; q++)
+      for (int q = 0; q < PE; q++)
         w[q] = 0.0f;
       return;
     }
-    if (!WNA16) { /* already in the act dtype: widening only */
+    uint32_t code[PE];
 #pragma unroll
-      for (int q = 0; q < 8; q++) {
-        const uint32_t h = (word[q >> 1] >> (16 * (q & 1))) & 0xFFFFu;
-        w[q] = W == W_BF16 ? moe_bf16_to_f32((uint16_t)h) : moe_f16_to_f32((uint16_t)h);
+    for (int q = 0; q < PE; q++) {
+      const int i = PE * p + q; /* element of the chunk */
+      code[q] = BITS == 4   ? (word[i >> 3] >> (4 * (i & 7))) & 15u
+                : BITS == 8 ? (word[i >> 2] >> (8 * (i & 3))) & 0xFFu
+                            : (word[i >> 1] >> (16 * (i & 1))) & 0xFFFFu;
+    }
+    if (!GROUPED) {
+#pragma unroll
+      for (int q = 0; q < PE; q++)
+        w[q] = value<ACT>(code[q], 0.0f, 0.0f);
+    } else if (m.chunk_scale || m.sub_scale) {
+      float s = r.s, zb = r.zb;
+      if (!m.chunk_scale) {
+        const int g = j / m.group;
+        s = scale(m, e, n, g);
+        zb = zero_bias(m, e, n, g);
       }
-    } else {
-      uint32_t code[8];
 #pragma unroll
-      for (int q = 0; q < 8; q++)
-        code[q] = BITS == 4 ? (word[p] >> (4 * q)) & 15u : (word[2 * p + (q >> 2)] >> (8 * (q & 3))) & 0xFFu;
-      const int j = j0 + 8 * p;
-      if (m.chunk_scale || m.sub_scale) {
-        float s = r.s, zb = r.zb;
-        if (!m.chunk_scale) {
-          const int g = j / m.group;
-          s = scale(m, e, n, g);
-          zb = zero_bias(m, e, n, g);
-        }
+      for (int q = 0; q < PE; q++)
+        w[q] = value<ACT>(code[q], s, zb);
+    } else { /* groups that split a piece (group sizes not a multiple of 8) */
 #pragma unroll
-        for (int q = 0; q < 8; q++)
-          w[q] = act_round<ACT>((moe_f32_from_bits(0x4B000000u | code[q]) - zb) * s);
-      } else { /* groups that split a piece (group sizes not a multiple of 8) */
-#pragma unroll
-        for (int q = 0; q < 8; q++) {
-          const int g = (j + q < m.cols ? j + q : m.cols - 1) / m.group;
-          w[q] = act_round<ACT>((moe_f32_from_bits(0x4B000000u | code[q]) - zero_bias(m, e, n, g)) *
-                                scale(m, e, n, g));
-        }
+      for (int q = 0; q < PE; q++) {
+        const int g = (j + q < jend ? j + q : jend - 1) / m.group;
+        w[q] = value<ACT>(code[q], scale(m, e, n, g), zero_bias(m, e, n, g));
       }
     }
-    if (!m.vec) /* past K: zero (the staged x is zero there too) */
+    if (!m.vec) /* past the segment: zero (the staged x is zero there too) */
 #pragma unroll
-      for (int q = 0; q < 8; q++)
-        if (j0 + 8 * p + q >= m.cols) w[q] = 0.0f;
+      for (int q = 0; q < PE; q++)
+        if (j + q >= jend) w[q] = 0.0f;
   }
 };
+
+/* ---- fp8 W8A8: the GEMM inputs' codes ------------------------------------------------- */
+
+struct ActQ {
+  const void *x;    /* phase 1: hidden_states [T, K]; phase 2: a [slots, K] (act dtype) */
+  int k, seg, nseg; /* K in nseg groups of seg columns (the GEMM's segments) */
+  int phase, top_k;
+  const int *sorted, *ntiles;
+  const int4 *tiles;
+  const float *static_scale; /* a13_scale / a2_scale [E]; NULL: dynamic */
+  int exact;                 /* x / s, else x * (1 / s) */
+  uint8_t *q;                /* e4m3fn codes [tile rows][K] */
+  float *s;                  /* their scales [tile rows][nseg] */
+};
+
+/* Every tile row's input (phase 1: its token's hidden_states row; phase 2
+ * its row of a) to e4m3fn codes, one scale per seg columns: dynamic as
+ * quant.per_token_group / per_token make them (the finite amax, s =
+ * amax / 448 or 1, codec.h's e4m3fn rounding of x * (1 / s) or x / s),
+ * static with the tile's expert's scale: the CPU's codes bit for bit. A
+ * lane group per (row, segment); blocks past the tile count return. */
+template <int ACT> __global__ void __launch_bounds__(MOE_GPU_BLOCK) fp8_act_rows(ActQ a) {
+  const int tid = (int)threadIdx.x, lane = tid % LG, grp = tid / LG;
+  const int ntiles = *a.ntiles;
+  const moe_narrow_fmt fmt = MOE_FMT_E4M3FN;
+  for (int mt = (int)blockIdx.x; mt < ntiles; mt += (int)gridDim.x) {
+    const int4 tile = a.tiles[mt];
+    const int e = tile.x, row0 = tile.y, rows = tile.z;
+    for (int u = (int)blockIdx.y * GROUPS + grp; u < rows * a.nseg; u += (int)gridDim.y * GROUPS) {
+      const int p = row0 + u / a.nseg, b = u % a.nseg;
+      const size_t src = a.phase == 1 ? (size_t)(a.sorted[p] / a.top_k) : (size_t)p;
+      const uint16_t *in = (const uint16_t *)a.x + src * (size_t)a.k + (size_t)b * (size_t)a.seg;
+      float s;
+      if (a.static_scale) {
+        s = a.static_scale[e];
+      } else {
+        uint32_t mx = 0; /* |v| bits of the finite values: their max is the amax */
+        for (int j = lane; j < a.seg; j += LG) {
+          const uint32_t bits = moe_f32_bits(from16<ACT>(in[j])) & 0x7FFFFFFFu;
+          mx = bits < 0x7F800000u && bits > mx ? bits : mx;
+        }
+#pragma unroll
+        for (int o = LG / 2; o > 0; o >>= 1) {
+          const uint32_t t = MOE_SHFL_XOR(mx, o);
+          mx = t > mx ? t : mx;
+        }
+        s = moe_dynamic_scale(moe_f32_from_bits(mx), 448.0f, false);
+      }
+      const float r = 1.0f / s;
+      uint8_t *out = a.q + (size_t)p * (size_t)a.k + (size_t)b * (size_t)a.seg;
+      for (int j = lane; j < a.seg; j += LG) {
+        const float v = from16<ACT>(in[j]);
+        out[j] = moe_f32_to_narrow(a.exact ? v / s : v * r, &fmt, false);
+      }
+      if (lane == 0) a.s[(size_t)p * (size_t)a.nseg + (size_t)b] = s;
+    }
+  }
+}
 
 /* ---- the grouped GEMM ------------------------------------------------------------ */
 
 struct GemmArgs {
   Wmat w;
   int inter, hidden, top_k, activation, interleaved;
-  const void *x; /* phase 1: hidden_states [T, H]; phase 2: a [slots, I] (act dtype) */
-  int x_vec;     /* x rows 16-byte aligned, K a multiple of 8 */
+  const void *x;   /* phase 1: hidden_states [T, H]; phase 2: a [slots, I] (act dtype); fp8: their
+                      e4m3fn codes, a row per tile row (fp8_act_rows) */
+  int x_vec;       /* x rows aligned for one load of 8 elements and seg a multiple of 8 */
+  const float *xs; /* fp8: the codes' scales [tile rows][nseg] */
   const int *sorted, *ntiles;
   const int4 *tiles; /* {local expert, first row in sorted order, rows, 0} */
   const float *tw;   /* routed weight of each slot */
+  const void *bias;  /* the expert biases [E][N] in the files' row order (NULL: none) */
+  int bias_dt;       /* their moe_dtype: F32, F16 or BF16 */
   uint16_t *out;     /* phase 1: a; phase 2: y [slots, H] */
 };
 
@@ -197,14 +340,16 @@ struct GemmArgs {
 template <int W, int ACT, int PHASE, int BM>
 __global__ void __launch_bounds__(MOE_GPU_BLOCK, BM >= 8 ? 1 : 2) gemm_kernel(GemmArgs a) {
   using L = Loader<W>;
-  constexpr int CH = L::CH;
+  constexpr int CH = L::CH, PE = L::PE;
+  constexpr bool FP8 = W == W_FP8;
   constexpr int U = KT / (LG * CH); /* steps per staged tile */
   static_assert(BM * (PHASE == 1 ? 2 : NPW) <= LG, "one epilogue value per lane");
+  static_assert(KT % (LG * CH) == 0 && CH % PE == 0, "whole steps per staged tile, whole pieces per chunk");
   __shared__ __align__(16) float xs[BM][KT_PHYS];
   __shared__ int slot_of[BM];
   const int tid = (int)threadIdx.x, lane = tid % LG, grp = tid / LG;
-  const int K = a.w.cols;
-  const int nsteps = (K + LG * CH - 1) / (LG * CH);
+  const int K = a.w.cols, seg = a.w.seg, nseg = a.w.nseg, segp = a.w.segp;
+  const int sps = segp / (LG * CH), nsteps = nseg * sps; /* steps per segment, in all */
   const int ntiles = *a.ntiles;
 
   /* this lane group's weight rows and whether they exist */
@@ -227,48 +372,99 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK, BM >= 8 ? 1 : 2) gemm_kernel(Ge
     }
   }
 
+  /* this lane's chunk of step st: its first column j0 and the end of its
+   * segment; false for the padding past the segment's columns */
+  auto locate = [&](int st, int &j0, int &jend) {
+    const int b = st / sps, o = (st - b * sps) * LG * CH + lane * CH;
+    j0 = b * seg + o;
+    jend = b * seg + seg;
+    return o < seg;
+  };
+
   for (int mt = (int)blockIdx.y; mt < ntiles; mt += (int)gridDim.y) {
     const int4 tile = a.tiles[mt];
     const int e = tile.x, row0 = tile.y, rows = tile.z;
     if (tid < BM) slot_of[tid] = tid < rows ? a.sorted[row0 + tid] : 0;
 
-    /* x[m][k0 .. k0 + KT) -> xs, fp32, zero past K and past the tile's rows */
-    auto stage = [&](int k0) {
+    /* K positions v0 .. v0 + KT of x's rows -> xs, fp32 (fp8: the codes'
+     * values), zero in the padding and past the tile's rows */
+    auto stage = [&](int v0) {
       for (int i = tid; i < BM * (KT / 8); i += MOE_GPU_BLOCK) {
-        const int m = i / (KT / 8), c = i % (KT / 8), j = k0 + 8 * c;
-        float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        if (m < rows && j < K) {
-          const size_t xrow = PHASE == 1 ? (size_t)(slot_of[m] / a.top_k) : (size_t)(row0 + m);
-          const uint16_t *src = (const uint16_t *)a.x + xrow * (size_t)K + (size_t)j;
-          if (a.x_vec) {
-            const uint4 u = *(const uint4 *)src;
-            const uint32_t wd[4] = {u.x, u.y, u.z, u.w};
+        const int m = i / (KT / 8), c = i % (KT / 8), v = v0 + 8 * c;
+        const int b = v / segp, o = v - b * segp;
+        float x[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (m < rows && b < nseg && o < seg) {
+          /* fp8 codes have a row per tile row; hidden_states one per token */
+          const size_t xrow = PHASE == 1 && !FP8 ? (size_t)(slot_of[m] / a.top_k) : (size_t)(row0 + m);
+          const size_t j = xrow * (size_t)K + (size_t)b * (size_t)seg + (size_t)o;
+          if (FP8) {
+            const uint8_t *src = (const uint8_t *)a.x + j;
+            if (a.x_vec) {
+              const uint2 u = *(const uint2 *)src;
 #pragma unroll
-            for (int q = 0; q < 8; q++)
-              v[q] = from16<ACT>((wd[q >> 1] >> (16 * (q & 1))) & 0xFFFFu);
+              for (int q = 0; q < 8; q++)
+                x[q] = moe_e4m3fn_to_f32((uint8_t)((q < 4 ? u.x : u.y) >> (8 * (q & 3))));
+            } else {
+              for (int q = 0; q < 8 && o + q < seg; q++)
+                x[q] = moe_e4m3fn_to_f32(src[q]);
+            }
           } else {
-            for (int q = 0; q < 8 && j + q < K; q++)
-              v[q] = from16<ACT>(src[q]);
+            const uint16_t *src = (const uint16_t *)a.x + j;
+            if (a.x_vec) {
+              const uint4 u = *(const uint4 *)src;
+              const uint32_t wd[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+              for (int q = 0; q < 8; q++)
+                x[q] = from16<ACT>((wd[q >> 1] >> (16 * (q & 1))) & 0xFFFFu);
+            } else {
+              for (int q = 0; q < 8 && o + q < seg; q++)
+                x[q] = from16<ACT>(src[q]);
+            }
           }
         }
         float4 *dst = (float4 *)&xs[m][phys(8 * c)];
-        dst[0] = make_float4(v[0], v[1], v[2], v[3]);
-        dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+        dst[0] = make_float4(x[0], x[1], x[2], x[3]);
+        dst[1] = make_float4(x[4], x[5], x[6], x[7]);
       }
     };
 
-    float acc[BM][NPW];
+    /* acc: this lane's sums of the current segment; tot: fp8 block scales'
+     * running totals (every lane the same) */
+    float acc[BM][NPW], tot[FP8 ? BM : 1][NPW];
 #pragma unroll
     for (int m = 0; m < BM; m++)
 #pragma unroll
       for (int nn = 0; nn < NPW; nn++)
         acc[m][nn] = 0.0f;
-
-    auto load_step = [&](int st, Raw(&r)[NPW]) {
-      const int j0 = (st * LG + lane) * CH;
+#pragma unroll
+    for (int m = 0; m < (FP8 ? BM : 1); m++)
 #pragma unroll
       for (int nn = 0; nn < NPW; nn++)
-        L::load(a.w, e, row[nn], j0, rvalid[nn] && j0 < K, r[nn]);
+        tot[m][nn] = 0.0f;
+
+    /* fp8 block scales: segment b's sums p_b (the butterfly) join tot as
+     * p_b * (sx_b * sw_b), blocks in ascending order */
+    auto fold = [&](int b) {
+#pragma unroll
+      for (int m = 0; m < (FP8 ? BM : 1); m++) {
+        if (m < rows) {
+          const float sx = a.xs[(size_t)(row0 + m) * (size_t)nseg + (size_t)b];
+#pragma unroll
+          for (int nn = 0; nn < NPW; nn++) {
+            const float sw = fp8_wscale(a.w, e, rvalid[nn] ? row[nn] : 0, b);
+            tot[m][nn] = add_rn(tot[m][nn], mul_rn(lane_sum(acc[m][nn]), mul_rn(sx, sw)));
+            acc[m][nn] = 0.0f;
+          }
+        }
+      }
+    };
+
+    auto load_step = [&](int st, Raw(&r)[NPW]) {
+      int j0, jend;
+      const bool in = locate(st, j0, jend);
+#pragma unroll
+      for (int nn = 0; nn < NPW; nn++)
+        L::load(a.w, e, row[nn], j0, rvalid[nn] && in, r[nn]);
     };
     auto step = [&](int st, const Raw(&r)[NPW]) {
       if (st % U == 0) {
@@ -276,27 +472,34 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK, BM >= 8 ? 1 : 2) gemm_kernel(Ge
         stage(st / U * KT);
         __syncthreads();
       }
-      const int j0 = (st * LG + lane) * CH, jt = j0 - st / U * KT;
+      int j0, jend;
+      const bool in = locate(st, j0, jend);
+      const int jt = (st % U) * LG * CH + lane * CH; /* the chunk's position in xs */
 #pragma unroll
-      for (int p = 0; p < CH / 8; p++) {
-        float w[NPW][8];
+      for (int p = 0; p < CH / PE; p++) {
+        float w[NPW][PE];
 #pragma unroll
         for (int nn = 0; nn < NPW; nn++)
-          L::template piece<ACT>(a.w, r[nn], e, row[nn], j0, p, rvalid[nn] && j0 < K, w[nn]);
+          L::template piece<ACT>(a.w, r[nn], e, row[nn], j0, jend, p, rvalid[nn] && in, w[nn]);
 #pragma unroll
         for (int m = 0; m < BM; m++) {
           if (m < rows) {
-            const float4 x0 = *(const float4 *)&xs[m][phys(jt + 8 * p)];
-            const float4 x1 = *(const float4 *)&xs[m][phys(jt + 8 * p) + 4];
-            const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+            float xv[8];
+            const float4 x0 = *(const float4 *)&xs[m][phys(jt + PE * p)];
+            xv[0] = x0.x, xv[1] = x0.y, xv[2] = x0.z, xv[3] = x0.w;
+            if (PE == 8) {
+              const float4 x1 = *(const float4 *)&xs[m][phys(jt + PE * p) + 4];
+              xv[4] = x1.x, xv[5] = x1.y, xv[6] = x1.z, xv[7] = x1.w;
+            }
 #pragma unroll
-            for (int q = 0; q < 8; q++)
+            for (int q = 0; q < PE; q++)
 #pragma unroll
               for (int nn = 0; nn < NPW; nn++)
                 acc[m][nn] = fmaf(xv[q], w[nn][q], acc[m][nn]);
           }
         }
       }
+      if (FP8 && nseg > 1 && (st + 1) % sps == 0) fold(st / sps);
     };
 
     /* two chunks per row in flight: the next step's loads go out before this
@@ -310,24 +513,29 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK, BM >= 8 ? 1 : 2) gemm_kernel(Ge
       if (st + 1 < nsteps) step(st + 1, rb);
     }
 
-    /* the fixed butterfly: every lane ends with the same full sums */
+    /* every lane ends with the same full sums: the block totals, or the
+     * fixed butterfly of its one segment */
 #pragma unroll
     for (int m = 0; m < BM; m++) {
       if (m < rows) {
 #pragma unroll
-        for (int nn = 0; nn < NPW; nn++) {
-          float v = acc[m][nn];
-#pragma unroll
-          for (int o = LG / 2; o > 0; o >>= 1)
-            v += MOE_SHFL_XOR(v, o);
-          acc[m][nn] = v;
-        }
+        for (int nn = 0; nn < NPW; nn++)
+          acc[m][nn] = FP8 && nseg > 1 ? tot[FP8 ? m : 0][nn] : lane_sum(acc[m][nn]);
       }
     }
+
+    /* the contract's SUM of token row m and weight row n: fp8 with one
+     * segment scaled as (p * sx) * sw; then the expert's bias */
+    auto finish = [&](float v, int m, int n) {
+      if (FP8 && nseg == 1) v = mul_rn(mul_rn(v, a.xs[(size_t)(row0 + m)]), fp8_wscale(a.w, e, n, 0));
+      if (a.bias) v = add_rn(v, load_float(a.bias, a.bias_dt, (size_t)e * (size_t)a.w.rows + (size_t)n));
+      return v;
+    };
 
     if (PHASE == 1) { /* lane 2 m + u: unit u of row m */
       const int lm = lane >> 1, lu = lane & 1;
       float g = 0.0f, u = 0.0f;
+      int rg = 0, ru = 0;
 #pragma unroll
       for (int m = 0; m < BM; m++)
 #pragma unroll
@@ -335,9 +543,13 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK, BM >= 8 ? 1 : 2) gemm_kernel(Ge
           if (lm == m && lu == uu) { /* constant indices: acc stays in registers */
             g = a.interleaved ? acc[m][2 * uu] : acc[m][uu];
             u = a.interleaved ? acc[m][2 * uu + 1] : acc[m][2 + uu];
+            rg = a.interleaved ? row[2 * uu] : row[uu];
+            ru = a.interleaved ? row[2 * uu + 1] : row[2 + uu];
           }
       const int unit = unit0 + lu;
       if (lm < rows && unit < a.inter) {
+        g = finish(g, lm, rg);
+        u = finish(u, lm, ru);
         const float v = activate<ACT>(a.activation, act_round<ACT>(g), act_round<ACT>(u));
         a.out[(size_t)(row0 + lm) * (size_t)a.inter + (size_t)unit] = to16<ACT>(v);
       }
@@ -355,7 +567,7 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK, BM >= 8 ? 1 : 2) gemm_kernel(Ge
           }
       if (lm < rows && h < a.hidden) {
         const int slot = slot_of[lm];
-        a.out[(size_t)slot * (size_t)a.hidden + (size_t)h] = to16<ACT>(v * a.tw[slot]);
+        a.out[(size_t)slot * (size_t)a.hidden + (size_t)h] = to16<ACT>(finish(v, lm, h) * a.tw[slot]);
       }
     }
     __syncthreads(); /* slot_of and xs are rewritten by the next tile */
@@ -643,6 +855,17 @@ __global__ void __launch_bounds__(MOE_GPU_BLOCK)
 
 bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
+/* The portable GEMM's weight kind of a set. */
+int wkind(const moe_expert_config *cfg) {
+  switch (cfg->scheme) {
+  case MOE_SCHEME_BF16: return W_BF16;
+  case MOE_SCHEME_FP16: return W_F16;
+  case MOE_SCHEME_MXFP4: return W_FP4;
+  case MOE_SCHEME_FP8: return W_FP8;
+  default: return cfg->bits == 4 ? W_INT4 : W_INT8;
+  }
+}
+
 /* kernels/cpu/weight_format.c moe_weight_matrix_init, over device copies. */
 Wmat wmat(const moe_expert_config *cfg, bool w13, void *const dev[MOE_EXPERT_TENSOR_COUNT],
           const moe_expert_set *set) {
@@ -650,14 +873,39 @@ Wmat wmat(const moe_expert_config *cfg, bool w13, void *const dev[MOE_EXPERT_TEN
   memset(&m, 0, sizeof m);
   m.rows = (int)(w13 ? 2 * cfg->intermediate_size : cfg->hidden_size);
   m.cols = (int)(w13 ? cfg->hidden_size : cfg->intermediate_size);
-  int ch;
-  if (cfg->scheme != MOE_SCHEME_WNA16) {
+  m.seg = m.cols;
+  m.nseg = 1;
+  m.group = m.cols;
+  m.groups = 1;
+  const int qs = w13 ? MOE_W13_QWEIGHT : MOE_W2_QWEIGHT, ss = w13 ? MOE_W13_SCALES : MOE_W2_SCALES;
+  const int w = wkind(cfg);
+  switch (w) {
+  case W_BF16:
+  case W_F16:
     m.data = (const uint8_t *)dev[w13 ? MOE_W13 : MOE_W2];
     m.row_bytes = (size_t)m.cols * 2;
-    ch = chunk_of(W_BF16);
-    m.group = m.groups = 1;
-  } else {
-    const int qs = w13 ? MOE_W13_QWEIGHT : MOE_W2_QWEIGHT, ss = w13 ? MOE_W13_SCALES : MOE_W2_SCALES;
+    break;
+  case W_FP4: /* e2m1 codes packed along K, e8m0 scales per 32 */
+    m.data = (const uint8_t *)dev[qs];
+    m.row_bytes = (size_t)m.cols / 2;
+    m.scales = dev[ss];
+    m.scale_dt = MOE_UINT8;
+    m.group = 32;
+    m.groups = m.cols / 32;
+    break;
+  case W_FP8: /* e4m3fn codes; the weight scales multiply the GEMM's sums */
+    m.data = (const uint8_t *)dev[qs];
+    m.row_bytes = (size_t)m.cols;
+    m.scales = dev[ss];
+    m.scale_dt = MOE_F32;
+    m.wscale = (int)cfg->weight_scale;
+    m.bn = (int)cfg->block_n;
+    if (cfg->weight_scale == MOE_WSCALE_BLOCK) { /* BK divides K (validated) */
+      m.seg = (int)cfg->block_k;
+      m.nseg = m.cols / m.seg;
+    }
+    break;
+  default: /* wna16 */
     m.data = (const uint8_t *)dev[qs];
     m.row_bytes = (size_t)(cfg->bits == 4 ? m.cols / 2 : m.cols);
     m.scales = dev[ss];
@@ -665,12 +913,22 @@ Wmat wmat(const moe_expert_config *cfg, bool w13, void *const dev[MOE_EXPERT_TEN
     m.zeros = cfg->has_zero_points ? (const uint8_t *)dev[w13 ? MOE_W13_QZEROS : MOE_W2_QZEROS] : NULL;
     m.group = (int)(cfg->group_size == -1 ? m.cols : cfg->group_size);
     m.groups = m.cols / m.group;
-    ch = chunk_of(cfg->bits == 4 ? W_INT4 : W_INT8);
+    break;
   }
-  m.vec = aligned16(m.data) && m.row_bytes % 16 == 0 && m.cols % ch == 0;
+  const int ch = chunk_of(w), cb = chunk_bytes(w), step = LG * ch;
+  m.segp = (m.seg + step - 1) / step * step;
+  m.vec = ((uintptr_t)m.data % (uintptr_t)cb) == 0 && m.row_bytes % (size_t)cb == 0 && m.seg % ch == 0;
   m.chunk_scale = m.vec && m.group % ch == 0;
   m.sub_scale = m.group % 8 == 0;
   return m;
+}
+
+/* K positions the portable GEMM walks (segments padded to whole steps) */
+int64_t walked(const moe_expert_config *cfg, bool w13) {
+  const int64_t k = w13 ? cfg->hidden_size : cfg->intermediate_size, step = LG * chunk_of(wkind(cfg));
+  const int64_t seg =
+      cfg->scheme == MOE_SCHEME_FP8 && cfg->weight_scale == MOE_WSCALE_BLOCK ? cfg->block_k : k;
+  return k / seg * ((seg + step - 1) / step * step);
 }
 
 /* workspace offsets, 256-byte aligned */
@@ -689,28 +947,25 @@ struct Plan {
 /* Instantiated: tile heights 1 and 8 only, and the 16-bit weight formats
  * with their own activation dtype only (the op rejects the others): the
  * file's compile time is that of these kernels. */
-template <int W, int ACT, int PHASE> void launch_gemm(int bm, dim3 grid, hipStream_t st, const GemmArgs &g) {
-  if (bm == 1)
-    gemm_kernel<W, ACT, PHASE, 1><<<grid, MOE_GPU_BLOCK, 0, st>>>(g);
+template <int W, int ACT> void launch_gemm(int phase, int bm, dim3 grid, hipStream_t st, const GemmArgs &g) {
+  if (phase == 1 && bm == 1)
+    gemm_kernel<W, ACT, 1, 1><<<grid, MOE_GPU_BLOCK, 0, st>>>(g);
+  else if (phase == 1)
+    gemm_kernel<W, ACT, 1, 8><<<grid, MOE_GPU_BLOCK, 0, st>>>(g);
+  else if (bm == 1)
+    gemm_kernel<W, ACT, 2, 1><<<grid, MOE_GPU_BLOCK, 0, st>>>(g);
   else
-    gemm_kernel<W, ACT, PHASE, 8><<<grid, MOE_GPU_BLOCK, 0, st>>>(g);
+    gemm_kernel<W, ACT, 2, 8><<<grid, MOE_GPU_BLOCK, 0, st>>>(g);
 }
 
-template <int W, int ACT>
-void launch_phases(int bm, dim3 g1, dim3 g2, hipStream_t st, const GemmArgs &a1, const GemmArgs &a2) {
-  launch_gemm<W, ACT, 1>(bm, g1, st, a1);
-  launch_gemm<W, ACT, 2>(bm, g2, st, a2);
-}
-
-template <int ACT>
-void launch_both(int w, int bm, dim3 g1, dim3 g2, hipStream_t st, const GemmArgs &a1, const GemmArgs &a2) {
-  constexpr int W16 = ACT == A_BF16 ? W_BF16 : W_F16;
-  if (w == W_INT4)
-    launch_phases<W_INT4, ACT>(bm, g1, g2, st, a1, a2);
-  else if (w == W_INT8)
-    launch_phases<W_INT8, ACT>(bm, g1, g2, st, a1, a2);
-  else
-    launch_phases<W16, ACT>(bm, g1, g2, st, a1, a2);
+template <int ACT> void launch_kind(int w, int phase, int bm, dim3 grid, hipStream_t st, const GemmArgs &g) {
+  switch (w) {
+  case W_INT4: launch_gemm<W_INT4, ACT>(phase, bm, grid, st, g); break;
+  case W_INT8: launch_gemm<W_INT8, ACT>(phase, bm, grid, st, g); break;
+  case W_FP4: launch_gemm<W_FP4, ACT>(phase, bm, grid, st, g); break;
+  case W_FP8: launch_gemm<W_FP8, ACT>(phase, bm, grid, st, g); break;
+  default: launch_gemm<ACT == A_BF16 ? W_BF16 : W_F16, ACT>(phase, bm, grid, st, g); break;
+  }
 }
 
 } // namespace
@@ -738,6 +993,11 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
                 inter = cfg->intermediate_size;
   if (n64 > 0x7FFFFFFF / 2 || el > 0x7FFFFFFF / 4 || hidden > 0x7FFFFFFF / 2 || inter > 0x7FFFFFFF / 4)
     return moe_fail(err, MOE_EUNSUPPORTED, "fused_moe on the GPU: sizes past 32-bit indexing");
+  if (walked(cfg, true) > 0x3FFFFFFF || walked(cfg, false) > 0x3FFFFFFF)
+    return moe_fail(err, MOE_EUNSUPPORTED,
+                    "fused_moe on the GPU: block_k %lld: K blocks padded to whole steps of the portable GEMM "
+                    "pass 32-bit indexing",
+                    (long long)cfg->block_k);
   const int n = (int)n64;
 
   /* weights: inline ones are the call's inputs (device pointers already);
@@ -756,7 +1016,7 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
    * the portable path's) is a launch choice from the batch only: results
    * do not depend on it. MOE_GPU_FUSED_TILE=small|medium|wide|large
    * forces one tensor-core configuration (tests compare them bit for bit). */
-  const bool tc = moe_gpu_fused_packs(b, cfg);
+  const bool tc = moe_gpu_fused_tc(b, cfg);
   const int64_t avg = n64 / (el < n64 ? el : n64);
   int tc_config = moe_tc_choose(b, cfg, avg);
   if (const char *force = getenv("MOE_GPU_FUSED_TILE"))
@@ -790,13 +1050,19 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   /* by token from 256 tokens: below, the scale copy's launch cost more than
    * the k-fold quantization saved (H200: Qwen3-30B-A3B T = 1 41 -> 49 us,
    * T = 4096 1770 -> 1580); the codes and scales are the same either way */
-  const bool xtok = fp8 && !cfg->has_act_scales && tokens >= 256;
+  const bool tc8 = tc && fp8, xtok = tc8 && !cfg->has_act_scales && tokens >= 256;
   const size_t xrows = (size_t)n + 128; /* + a tile of padding (TcArgs.xrows) */
-  const size_t o_xq = p.take(fp8 ? (size_t)(xtok ? tokens : n) * (size_t)hidden : 0, 2),
-               o_xs = p.take(fp8 ? xrows * (size_t)(hidden / xg1) : 0, 4),
+  const size_t o_xq = p.take(tc8 ? (size_t)(xtok ? tokens : n) * (size_t)hidden : 0, 2),
+               o_xs = p.take(tc8 ? xrows * (size_t)(hidden / xg1) : 0, 4),
                o_xt = p.take(xtok ? (size_t)tokens * (size_t)(hidden / xg1) : 0, 4),
-               o_aq = p.take(fp8 ? (size_t)n * (size_t)inter : 0, 2),
-               o_as = p.take(fp8 ? xrows * (size_t)(inter / xg2) : 0, 4);
+               o_aq = p.take(tc8 ? (size_t)n * (size_t)inter : 0, 2),
+               o_as = p.take(tc8 ? xrows * (size_t)(inter / xg2) : 0, 4);
+  /* the portable path's fp8 codes and scales, a row per tile row (one GEMM's at a time) */
+  const bool pfp8 = !tc && fp8;
+  const size_t o_pq = p.take(pfp8 ? (size_t)n * (size_t)(hidden > inter ? hidden : inter) : 0, 1),
+               o_ps = p.take(
+                   pfp8 ? (size_t)n * (size_t)(hidden / xg1 > inter / xg2 ? hidden / xg1 : inter / xg2) : 0,
+                   4);
   if (p.overflow) return moe_fail(err, MOE_EOVERFLOW, "fused_moe: workspace size overflows");
   char *ws = (char *)moe_gpu_workspace(b, p.size);
   if (!ws) return moe_fail(err, MOE_ENOMEM, "fused_moe: %zu bytes of device workspace", p.size);
@@ -950,18 +1216,52 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
     g2.x = a_buf;
     g2.x_vec = inter % 8 == 0;
     g2.out = y_buf;
+    if (cfg->has_bias) { /* added to the sums in the epilogues (docs/numerics.md "Expert biases") */
+      g1.bias = dev[MOE_W13_BIAS];
+      g1.bias_dt = (int)args->set->t[MOE_W13_BIAS].dtype;
+      g2.bias = dev[MOE_W2_BIAS];
+      g2.bias_dt = (int)args->set->t[MOE_W2_BIAS].dtype;
+    }
     const unsigned gy = (unsigned)(max_tiles < 65535 ? max_tiles : 65535);
     const dim3 grid1((unsigned)((inter + 2 * GROUPS - 1) / (2 * GROUPS)), gy);
     const dim3 grid2((unsigned)((hidden + GROUPS * NPW - 1) / (GROUPS * NPW)), gy);
-    const int w = cfg->scheme == MOE_SCHEME_BF16   ? W_BF16
-                  : cfg->scheme == MOE_SCHEME_FP16 ? W_F16
-                  : cfg->bits == 4                 ? W_INT4
-                                                   : W_INT8;
-    if (act == A_BF16)
-      launch_both<A_BF16>(w, bm, grid1, grid2, st, g1, g2);
-    else
-      launch_both<A_F16>(w, bm, grid1, grid2, st, g1, g2);
-    if ((s = moe_gpu_check(hipGetLastError(), "fused_moe gemm", err))) return s;
+    const int w = wkind(cfg);
+    for (int phase = 1; phase <= 2 && !s; phase++) {
+      GemmArgs &g = phase == 1 ? g1 : g2;
+      if (fp8) { /* the GEMM's input to e4m3fn codes first (static scales: the set's a13 / a2) */
+        ActQ q;
+        memset(&q, 0, sizeof q);
+        q.x = g.x;
+        q.k = g.w.cols;
+        q.seg = g.w.seg;
+        q.nseg = g.w.nseg;
+        q.phase = phase;
+        q.top_k = (int)k;
+        q.sorted = sorted;
+        q.ntiles = ntiles;
+        q.tiles = tiles;
+        q.static_scale =
+            cfg->has_act_scales ? (const float *)dev[phase == 1 ? MOE_A13_SCALE : MOE_A2_SCALE] : NULL;
+        q.exact = cfg->exact_division;
+        q.q = (uint8_t *)(ws + o_pq);
+        q.s = (float *)(ws + o_ps);
+        const int64_t units = (int64_t)bm * q.nseg, qy = (units + GROUPS - 1) / GROUPS;
+        const dim3 qgrid(gy, (unsigned)(qy < 64 ? qy : 64));
+        if (act == A_BF16)
+          fp8_act_rows<A_BF16><<<qgrid, MOE_GPU_BLOCK, 0, st>>>(q);
+        else
+          fp8_act_rows<A_F16><<<qgrid, MOE_GPU_BLOCK, 0, st>>>(q);
+        g.x = q.q;
+        g.x_vec = q.seg % 8 == 0; /* rows of K = nseg x seg bytes in a 256-byte aligned buffer */
+        g.xs = q.s;
+      }
+      if (act == A_BF16)
+        launch_kind<A_BF16>(w, phase, bm, phase == 1 ? grid1 : grid2, st, g);
+      else
+        launch_kind<A_F16>(w, phase, bm, phase == 1 ? grid1 : grid2, st, g);
+      s = moe_gpu_check(hipGetLastError(), phase == 1 ? "fused_moe gate_up" : "fused_moe down", err);
+    }
+    if (s) return s;
   }
 
   void *out = c->out[0].tensor.data;

@@ -57,6 +57,15 @@ bool moe_gpu_fused_packs(moe_backend *b, const moe_expert_config *cfg);
 moe_status moe_gpu_fused_pack(moe_backend *b, const moe_expert_set *set,
                               void *const src[MOE_EXPERT_TENSOR_COUNT], void *dst[MOE_EXPERT_TENSOR_COUNT],
                               moe_error *err);
+/* Whether sets of this configuration take the tensor-core path on b (and
+ * are packed for it): moe_gpu_fused_packs, unless moe_gpu_portable. Every
+ * caller asks this, never moe_gpu_fused_packs alone. */
+bool moe_gpu_fused_tc(moe_backend *b, const moe_expert_config *cfg);
+/* MOE_GPU_PORTABLE set (non-empty, not "0"), read once per process: only
+ * the kernels AMD gets run (quant.hip's codec conversions, fused_moe's
+ * portable GEMM for every set), so that tests exercise them on NVIDIA. Sets
+ * are packed at load by moe_gpu_fused_tc, hence one answer per process. */
+bool moe_gpu_portable(void);
 /* Packed copies of an inline-weight set's tensors dev (device pointers, the
  * call's inputs), replaced in dev: made on the first call and reused while
  * the same device buffers come back; an entry is dropped when one of its

@@ -870,15 +870,8 @@ template <auto K> unsigned resident_grid(const moe_backend *b, size_t items, int
 
 moe_status launched(const char *what, moe_error *err) { return moe_gpu_check(hipGetLastError(), what, err); }
 
-/* Vendor fast path unless MOE_GPU_PORTABLE is set (non-empty, not "0"). */
-bool use_hw() {
-  static int hw = -1;
-  if (hw < 0) {
-    const char *e = getenv("MOE_GPU_PORTABLE");
-    hw = !(e && *e && strcmp(e, "0") != 0);
-  }
-  return hw != 0;
-}
+/* Vendor fast path unless MOE_GPU_PORTABLE is set (gpu.h). */
+bool use_hw() { return !moe_gpu_portable(); }
 
 /* Calls fn.template operator()<IN, Q>() for the runtime kinds. */
 template <typename F> void dispatch_in_q(int in, int qk, F &&fn) {

@@ -12,7 +12,10 @@
  * (outputs poisoned), bit-identical across batchings on the GPU; loaded
  * sets (the backend's device copies), routing on the device, shards; fp8
  * W8A8 (block, per channel, per tensor, static) within its own bound; fp8,
- * mxfp4 and biases refused off the tensor-core path and served by the CPU.
+ * mxfp4 and biases on both GEMM paths: shapes the tensor cores take, and
+ * shapes they do not (K not whole 64-column blocks, fp8 block_k other than
+ * 128), which run on the portable GEMM on every GPU. MOE_GPU_PORTABLE=1
+ * (tests/gpu/run.sh's second run) sends every case to the portable GEMM.
  *
  * MOE_GPU_TEST_QUICK=1: a handful of scales per case (for compute-sanitizer). */
 #include <check.h>
@@ -670,6 +673,29 @@ static const fm_case fm_cases[] = {
      MOE_WSCALE_PER_TENSOR, 0, 0, false},
     {"fp8 per_tensor static bf16", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, MOE_F32, 512, 256,
      MOE_DTYPE_INVALID, MOE_WSCALE_PER_TENSOR, 0, 0, true},
+    /* shapes the tensor cores do not take (K not whole 64-column blocks, fp8 block_k other than 128):
+     * the portable GEMM on every GPU, for fp8 (every weight-scale kind, dynamic and static
+     * activation scales; K blocks whose columns fill no whole chunk or piece), mxfp4 and biases */
+    {"fp8 block 40x32 bf16 bias f32 K%64", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, MOE_F32, 352, 160, MOE_F32,
+     MOE_WSCALE_BLOCK, 40, 32, false},
+    {"fp8 block 16x18 fp16 odd sizes", MOE_SCHEME_FP8, MOE_F16, 0, -1, false, MOE_F32, 90, 54,
+     MOE_DTYPE_INVALID, MOE_WSCALE_BLOCK, 16, 18, false},
+    {"fp8 per_channel fp16 bias fp16 odd sizes", MOE_SCHEME_FP8, MOE_F16, 0, -1, false, MOE_F32, 70, 38,
+     MOE_F16, MOE_WSCALE_PER_CHANNEL, 0, 0, false},
+    {"fp8 per_tensor bf16 K%64", MOE_SCHEME_FP8, MOE_BF16, 0, -1, false, MOE_F32, 200, 104, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"fp8 per_tensor static fp16 bias fp16 K%64", MOE_SCHEME_FP8, MOE_F16, 0, -1, false, MOE_F32, 136, 88,
+     MOE_F16, MOE_WSCALE_PER_TENSOR, 0, 0, true},
+    {"mxfp4 bf16 bias bf16 K%64", MOE_SCHEME_MXFP4, MOE_BF16, 0, 32, false, MOE_UINT8, 96, 160, MOE_BF16,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"mxfp4 fp16 K%64", MOE_SCHEME_MXFP4, MOE_F16, 0, 32, false, MOE_UINT8, 224, 32, MOE_DTYPE_INVALID,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"bf16 odd sizes bias f32", MOE_SCHEME_BF16, MOE_BF16, 0, -1, false, MOE_F32, 72, 20, MOE_F32,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int8 g5 zp odd sizes bias bf16", MOE_SCHEME_WNA16, MOE_BF16, 8, 5, true, MOE_BF16, 40, 30, MOE_BF16,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
+    {"int4 g3 odd groups bias fp16", MOE_SCHEME_WNA16, MOE_F16, 4, 3, false, MOE_F16, 48, 18, MOE_F16,
+     MOE_WSCALE_PER_TENSOR, 0, 0, false},
 };
 /* fp8 W8A8's bound (docs/numerics.md): a one-ulp difference of a can move a code */
 static double fm_tol(const fm_case *c) {
@@ -975,9 +1001,10 @@ END_TEST
 /* GPU only: a token's output bits alone, in a batch, and in another batch at
  * another position (other tokens, other expert loads) are identical. */
 START_TEST(fused_batch_invariance) {
-  const size_t picks[] = {0,  2,  4,  13, 16, 19,
-                          22, 27, 28, 32}; /* bf16, odd sizes, int4 g128, int8 g128, int8 g-1 zp, split K,
-                                              mxfp4, int4 + bias, fp8 block, fp8 static */
+  /* bf16, odd sizes, int4 g128, int8 g128, int8 g-1 zp, split K, mxfp4, int4 + bias, fp8 block, fp8
+   * static; shapes of the portable GEMM: fp8 block 40x32 + bias, block 16x18, per channel + bias, per
+   * tensor, static + bias, mxfp4 + bias, int8 g5 + bias */
+  const size_t picks[] = {0, 2, 4, 13, 16, 19, 22, 27, 28, 32, 33, 34, 35, 36, 37, 38, 41};
   char label[200];
   for (size_t pi = 0; pi < sizeof picks / sizeof picks[0]; pi++) {
     const fm_case *c = &fm_cases[picks[pi]];
@@ -1076,9 +1103,12 @@ END_TEST
  * expert shard [offset, offset + E_local) of E global. */
 START_TEST(fused_set_routing_shard) {
   char label[200];
-  for (int variant = 0; variant < 6; variant++) {
-    /* bf16, int4 g128 zp fp16; shards of those, of fp8 block and of fp8 static (per expert scales) */
-    const fm_case *c = &fm_cases[variant == 4 ? 28 : variant == 5 ? 32 : variant & 1 ? 5 : 0];
+  static const size_t shard_cases[] = {28, 32, 34, 37, 38};
+  for (int variant = 0; variant < 9; variant++) {
+    /* bf16, int4 g128 zp fp16; shards of those, of fp8 block and of fp8 static (per expert scales),
+     * and of sets the portable GEMM serves on every GPU (fp8 block 16x18, fp8 static with biases,
+     * mxfp4 with biases: loaded in the files' layout, never packed) */
+    const fm_case *c = &fm_cases[variant >= 4 ? shard_cases[variant - 4] : variant & 1 ? 5 : 0];
     const bool shard = variant >= 2;
     fm_model m;
     fm_make(&m, c, MOE_ACT_SILU, FM_EXPERTS);
@@ -1091,12 +1121,13 @@ START_TEST(fused_set_routing_shard) {
     cfg.hidden_size = c->hidden;
     cfg.intermediate_size = c->inter;
     cfg.bits = c->bits;
-    cfg.group_size = c->group;
+    cfg.group_size = c->scheme == MOE_SCHEME_WNA16 ? c->group : -1; /* mxfp4's 32 is implied */
     cfg.has_zero_points = c->zeros;
     cfg.weight_scale = c->wscale;
     cfg.block_n = fm_bn(c);
     cfg.block_k = fm_bk(c);
     cfg.has_act_scales = c->static_act;
+    cfg.has_bias = c->bias_t != MOE_DTYPE_INVALID;
     cfg.routing.top_k = FM_TOPK;
     cfg.routing.scoring = MOE_SCORING_SIGMOID;
     cfg.routing.renormalize = true;
@@ -1248,61 +1279,74 @@ START_TEST(set_release_trim) {
 }
 END_TEST
 
-/* ---- schemes without a GPU kernel ------------------------------------------------------ */
+/* ---- the new schemes off the tensor-core path ------------------------------------------- */
 
-/* fp8, mxfp4 and expert biases have no GPU kernel off the tensor-core
- * path (K not whole 64-column blocks here: H = 96): a call on
- * the GPU is refused with MOE_EUNSUPPORTED naming what is missing, before
- * any memory is touched (so host pointers are safe here), and never
- * computed as if the weights were 16-bit; the CPU runs the same call
+/* fp8 (per tensor, block, static activation scales), mxfp4 and expert
+ * biases in sets loaded from files (moe_expert_set_write_random, then load:
+ * the backend's device copies in the files' layout) whose K is not whole
+ * 64-column blocks (H = 96): the GPU accepts the call and computes it on
+ * the portable GEMM, within docs/numerics.md's tolerance of the CPU
  * (docs/design.md "Weight schemes on the GPU"). */
-START_TEST(new_schemes_refused) {
+START_TEST(new_schemes_portable) {
   static const struct {
     moe_scheme scheme;
-    bool bias;
-    const char *needle;
-  } cases[] = {{MOE_SCHEME_FP8, false, "scheme fp8"},
-               {MOE_SCHEME_MXFP4, false, "scheme mxfp4 off the tensor-core path"},
-               {MOE_SCHEME_WNA16, true, "biases (w13_bias, w2_bias) off the tensor-core path"}};
+    moe_weight_scale wscale;
+    bool static_act, bias;
+  } cases[] = {{MOE_SCHEME_FP8, MOE_WSCALE_PER_TENSOR, false, false},
+               {MOE_SCHEME_FP8, MOE_WSCALE_BLOCK, false, true},
+               {MOE_SCHEME_FP8, MOE_WSCALE_PER_TENSOR, true, true},
+               {MOE_SCHEME_MXFP4, MOE_WSCALE_PER_TENSOR, false, false},
+               {MOE_SCHEME_MXFP4, MOE_WSCALE_PER_TENSOR, false, true},
+               {MOE_SCHEME_WNA16, MOE_WSCALE_PER_TENSOR, false, true}};
+  enum { E = 4, K = 2, T = 9, H = 96, I = 32 };
   char dir[] = "/tmp/moe_gpu_schemes_XXXXXX";
   ck_assert_ptr_nonnull(mkdtemp(dir));
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     moe_expert_config cfg;
     moe_expert_config_defaults(&cfg);
     cfg.scheme = cases[i].scheme;
-    cfg.num_experts = cfg.global_num_experts = 2;
-    cfg.hidden_size = 96;
-    cfg.intermediate_size = 32;
+    cfg.num_experts = cfg.global_num_experts = E;
+    cfg.hidden_size = H;
+    cfg.intermediate_size = I;
+    cfg.routing.top_k = K;
     cfg.bits = cfg.scheme == MOE_SCHEME_WNA16 ? 4 : 0;
     if (cfg.scheme == MOE_SCHEME_WNA16) cfg.group_size = 32;
+    cfg.weight_scale = cases[i].wscale;
+    if (cases[i].wscale == MOE_WSCALE_BLOCK) cfg.block_n = cfg.block_k = 32;
+    cfg.has_act_scales = cases[i].static_act;
     cfg.has_bias = cases[i].bias;
     char sub[64];
     snprintf(sub, sizeof sub, "%s/set%zu", dir, i);
     moe_error err = {{0}};
     moe_expert_set *set = NULL;
-    ck_assert_msg(moe_expert_set_write_random(sub, &cfg, 1, &err) == MOE_OK, "%s", err.msg);
+    ck_assert_msg(moe_expert_set_write_random(sub, &cfg, 1 + i, &err) == MOE_OK, "%s", err.msg);
     ck_assert_msg(moe_expert_set_load(sub, "s", &set, &err) == MOE_OK, "%s", err.msg);
-    uint16_t x[96] = {0};
-    int32_t ids[1] = {1};
-    float w[1] = {1.0f};
-    uint16_t out[96];
-    moe_named_tensor in[] = {{"hidden_states", {MOE_BF16, 2, {1, 96}, x, sizeof x}},
-                             {"topk_ids", {MOE_INT32, 2, {1, 1}, ids, sizeof ids}},
-                             {"topk_weights", {MOE_F32, 2, {1, 1}, w, sizeof w}}};
-    moe_params p = {NULL, 0};
-    moe_call *c = NULL;
-    ck_assert_msg(moe_op_prepare(moe_op_find("fused_moe"), in, 3, &p, set, &c, &err) == MOE_OK, "%s",
-                  err.msg);
-    moe_call_output(c, 0)->tensor.data = out;
-    ck_assert_int_eq(moe_call_check_backend(c, cpu, &err), MOE_OK);
-    ck_assert_int_eq(moe_call_check_backend(c, gpu, &err), MOE_EUNSUPPORTED);
-    ck_assert_msg(strstr(err.msg, cases[i].needle), "message '%s' lacks '%s'", err.msg, cases[i].needle);
-    memset(&err, 0, sizeof err);
-    ck_assert_int_eq(moe_call_run(c, gpu, &err), MOE_EUNSUPPORTED);
-    ck_assert_msg(strstr(err.msg, cases[i].needle), "run: message '%s' lacks '%s'", err.msg, cases[i].needle);
-    ck_assert_msg(moe_call_run(c, cpu, &err) == MOE_OK, "cpu: %s", err.msg);
-    moe_call_destroy(c);
+    uint16_t x[T * H];
+    int32_t ids[T * K];
+    float w[T * K];
+    for (size_t j = 0; j < T * H; j++)
+      x[j] = moe_f32_to_bf16(urand(-1, 1));
+    for (int t = 0; t < T; t++)
+      for (int k = 0; k < K; k++) {
+        ids[t * K + k] = (t + k * (1 + t % 3)) % E; /* distinct: k * (1 + t % 3) is 0 or in [1, 3] */
+        w[t * K + k] = urand(0.05f, 1.0f);
+      }
+    moe_named_tensor in[] = {{"hidden_states", tensor2(MOE_BF16, T, H, x)},
+                             {"topk_ids", tensor2(MOE_INT32, T, K, ids)},
+                             {"topk_weights", tensor2(MOE_F32, T, K, w)}};
+    const fm_case c = {.name = moe_scheme_names[cfg.scheme], .scheme = cfg.scheme, .act = MOE_BF16};
+    char label[160];
+    snprintf(label, sizeof label, "fused_moe set %s %s%s%s, H = %d", moe_scheme_names[cfg.scheme],
+             cfg.scheme == MOE_SCHEME_FP8 ? moe_weight_scale_names[cfg.weight_scale] : "",
+             cases[i].static_act ? " static" : "", cases[i].bias ? " bias" : "", H);
+    void *r[8], *g[8];
+    size_t nb[8];
+    run_both("fused_moe", in, 3, NULL, 0, set, 0, label, r, g, nb);
+    fm_compare(&c, r[0], g[0], (size_t)(T * H), label, NULL, NULL);
+    free(r[0]);
+    free(g[0]);
     moe_expert_set_destroy(set);
+    moe_backend_trim(gpu);
   }
   char cmd[128];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
@@ -1351,7 +1395,7 @@ int main(void) {
   tcase_add_test(tm, fused_tile_configs);
   tcase_add_test(tm, fused_set_routing_shard);
   tcase_add_test(tm, set_release_trim);
-  tcase_add_test(tm, new_schemes_refused);
+  tcase_add_test(tm, new_schemes_portable);
   suite_add_tcase(s, tm);
   SRunner *sr = srunner_create(s);
   srunner_set_fork_status(sr, CK_NOFORK); /* the device context lives in this process */
