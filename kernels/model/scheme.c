@@ -358,7 +358,7 @@ const moe_scheme_desc moe_schemes[MOE_SCHEME_COUNT] = {
                           .from_inline = wna16_from_inline},
     [MOE_SCHEME_FP8] = {.act = MOE_DTYPE_INVALID,
                         .quantized = true,
-                        .gpu = true, /* the tensor-core path's (backend_gpu.c's fused_lacks) */
+                        .gpu = true, /* both GPU GEMMs (tensor-core and portable) */
                         .check_config = fp8_check,
                         .layout = fp8_layout,
                         .check_values = fp8_values,
@@ -366,7 +366,7 @@ const moe_scheme_desc moe_schemes[MOE_SCHEME_COUNT] = {
                         .from_inline = fp8_from_inline},
     [MOE_SCHEME_MXFP4] = {.act = MOE_DTYPE_INVALID,
                           .quantized = true,
-                          .gpu = true, /* the tensor-core path's (backend_gpu.c's fused_lacks) */
+                          .gpu = true, /* both GPU GEMMs (tensor-core and portable) */
                           .check_config = mxfp4_check,
                           .layout = mxfp4_layout,
                           .check_values = mxfp4_values,
