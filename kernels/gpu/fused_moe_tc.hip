@@ -1018,8 +1018,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
               ok = ok && b8 >= 99 && b8 <= 128;
             }
           }
-          /* vote: the warp's answer (no divergence); else this lane's, for a vote later if needed */
-          dq.fast = decltype(vote)::value ? __all_sync(0xFFFFFFFFu, ok) : ok;
+          if constexpr (decltype(vote)::value) dq.fast = __all_sync(0xFFFFFFFFu, ok); /* no divergence */
         } else {
 #pragma unroll
           for (int h = 0; h < 2; h++) {
@@ -1063,18 +1062,13 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
           deq(ks, a.scale16);
         }
       } else if constexpr (MODE == M_FP4) {
-        /* a group every 32 columns, its reload and slot constants; a block
-         * whose scales all allow the 16-bit multiply (fp4_fast) does not vote */
+        /* a block whose scales all allow the 16-bit multiply: a group every
+         * 32 columns, its reload and slot constants, no vote, no branch */
 #pragma unroll
         for (int ks = 0; ks < KB / 16; ks += 2) {
           reload_as(std::false_type{});
-          if (fp4_fast || __all_sync(0xFFFFFFFFu, dq.fast)) {
-            deq(ks, true);
-            deq(ks + 1, true);
-          } else {
-            deq(ks, false);
-            deq(ks + 1, false);
-          }
+          deq(ks, true);
+          deq(ks + 1, true);
         }
       } else if constexpr (MODE == M_RUNTIME) { /* the route checked here (see main_loop's dispatch) */
         if (G < KB) {
@@ -1248,11 +1242,12 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
    * registers past the cap into spills). */
   if constexpr (!WNA16 || KS == 1)
     main_loop(std::integral_constant<int, M_RUNTIME>{});
-  else if constexpr (W == TW_FP4) /* groups of 32, always. One loop: a branch on fp4_fast around two
-                                   * (a per-block value, uniform, but not to ptxas) put each loop's
-                                   * wgmma descriptors on the vector path, ~90 instructions a stage */
-    main_loop(std::integral_constant<int, M_FP4>{});
-  else if (G < KB)
+  else if constexpr (W == TW_FP4) { /* groups of 32, always */
+    if (fp4_fast)
+      main_loop(std::integral_constant<int, M_FP4>{});
+    else /* some scale of the block needs the fp32 route: checked per group */
+      main_loop(std::integral_constant<int, M_RUNTIME>{});
+  } else if (G < KB)
     main_loop(std::integral_constant<int, M_SMALL_GROUPS>{});
   else if (a.scale16)
     main_loop(std::integral_constant<int, M_SCALE16>{});
