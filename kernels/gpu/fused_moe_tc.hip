@@ -1243,6 +1243,10 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
   if constexpr (!WNA16 || KS == 1)
     main_loop(std::integral_constant<int, M_RUNTIME>{});
   else if constexpr (W == TW_FP4) { /* groups of 32, always */
+    /* Two loops under a branch on a per-block value: ptxas then computes
+     * their wgmma descriptors on the vector path (R2UR moves), yet one loop
+     * with the flag checked per group measured 1-7% slower (RESULTS.md,
+     * fourteenth pass). */
     if (fp4_fast)
       main_loop(std::integral_constant<int, M_FP4>{});
     else /* some scale of the block needs the fp32 route: checked per group */
