@@ -565,7 +565,7 @@ void moed_batcher_submit(moed_batcher *b, moed_infer_req *r) {
   uint64_t next;
   if (b->held >= max_held) purge_open(b, &next); /* callers that gave up hold no places */
   for (open_batch *ob; b->held >= max_held && (ob = first_due(b));)
-    flush(b, ob); /* held only to grow: the device queue's places are theirs as before */
+    flush(b, ob); /* held only to grow: sent, they free places here before a request is refused */
   if (b->held >= max_held) {
     atomic_fetch_add(&s->rejected, 1);
     moed_infer_reject(s, r, GRPC_STATUS_UNAVAILABLE, "batch queue full");
@@ -640,6 +640,6 @@ void moed_batcher_destroy(moed_batcher *b) {
   while (b->watched)
     unwatch_locked(b->watched);
   pthread_mutex_unlock(&watch_mu);
-  /* the batches' timers only point at their batch, freed on close; b goes with its own */
+  /* the batches' timers only point at their batch, freed on close; b goes with its own two */
   uv_close((uv_handle_t *)&b->expiry, on_handle_closed);
 }
