@@ -5,8 +5,18 @@
  * open batch with the same key; a batch goes to the device queues when it holds
  * max_batch_tokens rows or when its timer (max_queue_delay_us, rounded up
  * to libuv's milliseconds) fires. Delay 0 still merges what arrived in the
- * same loop iteration: the timer fires in the next one. Requests held here
- * are bounded by max_queue_size (beyond: UNAVAILABLE).
+ * same loop iteration: the timer fires in the next one. A batch whose delay
+ * has passed stays open while the device queues already hold work of its
+ * priority level or higher and no worker is free for it (moed_devices_busy):
+ * sent now it would only wait there as one more small job, so it keeps
+ * taking requests (up to max_batch_tokens, which still sends it at once)
+ * until a worker finishes a job; that worker wakes the loop (a uv_async),
+ * which sends the held batches, highest level and oldest first, while one
+ * is free for them (Triton's dynamic batcher: requests gather while the
+ * instance is busy). Requests merge only with requests of their own
+ * priority level, so a held batch never carries one past the queue's
+ * order. Requests held here are bounded by max_queue_size (when full, held
+ * batches are sent first, then: UNAVAILABLE).
  *
  * Also the inference jobs themselves: one job = one batch (or one large
  * request decoded on the worker), and their callers giving up while they
@@ -150,6 +160,9 @@ typedef struct open_batch {
   moed_infer_req **reqs;
   size_t n, cap;
   int64_t rows;
+  int priority; /* every request's level */
+  uint64_t seq; /* creation order: the oldest held batch goes first */
+  bool due;     /* its delay passed: held only while the devices are busy */
 } open_batch;
 
 struct infer_job;
@@ -163,6 +176,13 @@ struct moed_batcher {
   struct infer_job *watched;
   uv_timer_t expiry;
   uint64_t armed_ns; /* the deadline the timer is set for; UINT64_MAX: none */
+  uint64_t seq;      /* batches created */
+  /* a worker finishing a job wakes the loop through this while a due batch
+   * is held (holding: set before each busy check, so that a worker that
+   * frees up after the check sees it) */
+  uv_async_t wake;
+  _Atomic bool holding;
+  int closed; /* handles closed (destroy) */
 };
 
 /* ---- jobs ------------------------------------------------------------------------- */
@@ -248,6 +268,7 @@ static infer_job *job_new(moed_server *s, size_t n) {
 
 static void on_expiry(uv_timer_t *t);
 static size_t purge_open(moed_batcher *b, uint64_t *next);
+static void flush_due(moed_batcher *b);
 
 /* Sets the timer for `at` if that is sooner than the one set (loop thread). */
 static void expiry_arm(moed_batcher *b, uint64_t at) {
@@ -359,6 +380,7 @@ size_t moed_batcher_sweep(moed_batcher *b) {
   } while (n + n_raw == SWEEP_BATCH);
   if (next_open < next) next = next_open;
   if (next != UINT64_MAX) expiry_arm(b, next);
+  if (withdrawn) flush_due(b); /* held batches may have waited for the jobs withdrawn */
   return withdrawn;
 }
 
@@ -437,6 +459,7 @@ static void on_batch_closed(uv_handle_t *h) {
   free(ob);
 }
 
+/* Sends ob to the device queues (whatever their load) and closes it. */
 static void flush(moed_batcher *b, open_batch *ob) {
   for (open_batch **pp = &b->open; *pp; pp = &(*pp)->next)
     if (*pp == ob) {
@@ -479,15 +502,48 @@ static size_t purge_open(moed_batcher *b, uint64_t *next) {
   return gone;
 }
 
-static void on_timer(uv_timer_t *t) {
-  open_batch *ob = t->data;
-  flush(ob->owner, ob);
+/* The due batch to send first: the highest level, then the oldest. */
+static open_batch *first_due(const moed_batcher *b) {
+  open_batch *best = NULL;
+  for (open_batch *ob = b->open; ob; ob = ob->next)
+    if (ob->due &&
+        (!best || ob->priority < best->priority || (ob->priority == best->priority && ob->seq < best->seq)))
+      best = ob;
+  return best;
 }
 
-static open_batch *batch_new(moed_batcher *b) {
+/* Sends the due batches while a worker is free for them. When the first
+ * must wait, so do the rest (busy for a level is busy for every lower one). */
+static void flush_due(moed_batcher *b) {
+  open_batch *ob;
+  while ((ob = first_due(b))) {
+    atomic_store(&b->holding, true); /* before the check: see the struct */
+    if (moed_devices_busy(b->srv->devices, ob->priority)) return;
+    flush(b, ob);
+  }
+  atomic_store(&b->holding, false);
+}
+
+static void on_timer(uv_timer_t *t) {
+  open_batch *ob = t->data;
+  ob->due = true;
+  flush_due(ob->owner);
+}
+
+static void on_wake(uv_async_t *h) { flush_due(h->data); }
+
+/* A worker finished a job (its thread, under the device queues' lock). */
+static void on_worker_free(void *arg) {
+  moed_batcher *b = arg;
+  if (atomic_load(&b->holding)) uv_async_send(&b->wake);
+}
+
+static open_batch *batch_new(moed_batcher *b, int priority) {
   open_batch *ob = calloc(1, sizeof *ob);
   if (!ob) return NULL;
   ob->owner = b;
+  ob->priority = priority;
+  ob->seq = b->seq++;
   ob->cap = 8;
   ob->reqs = malloc(ob->cap * sizeof *ob->reqs);
   if (!ob->reqs) {
@@ -508,6 +564,8 @@ void moed_batcher_submit(moed_batcher *b, moed_infer_req *r) {
   const size_t max_held = (size_t)s->cfg->max_queue_size;
   uint64_t next;
   if (b->held >= max_held) purge_open(b, &next); /* callers that gave up hold no places */
+  for (open_batch *ob; b->held >= max_held && (ob = first_due(b));)
+    flush(b, ob); /* held only to grow: sent, they free places here before a request is refused */
   if (b->held >= max_held) {
     atomic_fetch_add(&s->rejected, 1);
     moed_infer_reject(s, r, GRPC_STATUS_UNAVAILABLE, "batch queue full");
@@ -515,13 +573,13 @@ void moed_batcher_submit(moed_batcher *b, moed_infer_req *r) {
   }
   int64_t rows = moed_infer_batch_rows(r);
   open_batch *ob = b->open;
-  while (ob && !moed_infer_same_batch(ob->reqs[0], r))
+  while (ob && !(ob->priority == r->priority && moed_infer_same_batch(ob->reqs[0], r)))
     ob = ob->next;
   if (ob && ob->rows + rows > s->cfg->max_batch_tokens) { /* full: send it, start another */
     flush(b, ob);
     ob = NULL;
   }
-  if (!ob && !(ob = batch_new(b))) {
+  if (!ob && !(ob = batch_new(b, r->priority))) {
     moed_infer_dispatch(s, &r, 1); /* no memory to batch: run it alone */
     return;
   }
@@ -547,8 +605,15 @@ int moed_batcher_create(moed_server *s, moed_batcher **out) {
   if (!b) return -1;
   b->srv = s;
   b->armed_ns = UINT64_MAX;
+  if (uv_async_init(s->loop, &b->wake, on_wake) != 0) {
+    free(b);
+    return -1;
+  }
+  b->wake.data = b;
   uv_timer_init(s->loop, &b->expiry);
   b->expiry.data = b;
+  uv_unref((uv_handle_t *)&b->wake); /* held batches never keep a stopping loop alive */
+  moed_devices_on_free(s->devices, on_worker_free, b);
   *out = b;
   return 0;
 }
@@ -560,15 +625,21 @@ void moed_batcher_flush_all(moed_batcher *b) {
     flush(b, b->open);
 }
 
-static void on_expiry_closed(uv_handle_t *h) { free(h->data); }
+/* b goes with the last of its two handles (libuv's order of close callbacks is its own). */
+static void on_handle_closed(uv_handle_t *h) {
+  moed_batcher *b = h->data;
+  if (++b->closed == 2) free(b);
+}
 
 void moed_batcher_destroy(moed_batcher *b) {
   if (!b) return;
+  moed_devices_on_free(b->srv->devices, NULL, NULL); /* no worker touches b->wake after this */
+  uv_close((uv_handle_t *)&b->wake, on_handle_closed);
   moed_batcher_flush_all(b);
   pthread_mutex_lock(&watch_mu); /* jobs still queued run (or are cancelled) unwatched */
   while (b->watched)
     unwatch_locked(b->watched);
   pthread_mutex_unlock(&watch_mu);
-  /* the batches' timers only point at their batch, freed on close; b goes with its own */
-  uv_close((uv_handle_t *)&b->expiry, on_expiry_closed);
+  /* the batches' timers only point at their batch, freed on close; b goes with its own two */
+  uv_close((uv_handle_t *)&b->expiry, on_handle_closed);
 }

@@ -4,6 +4,9 @@
  * of the highest level that has one (Triton's priority queue policy). A job
  * nobody waits for any more is withdrawn from any place in its queue (the
  * batcher's sweep), so that abandoned work does not hold the queue's bound.
+ * A worker that finishes a job tells the batcher (moed_devices_on_free),
+ * which holds batches while every worker is busy and work of their level
+ * already waits (moed_devices_busy): they keep filling until one is free.
  * Which backend a device number opens is the library's business
  * (moe_backend_open); only moed_devices_create picks the numbers. */
 #include <pthread.h>
@@ -37,6 +40,8 @@ struct moed_devices {
   unsigned trim_gen;
   worker *workers;
   int num_workers;
+  void (*on_free)(void *arg); /* after each job, under mu (moed_devices_on_free) */
+  void *on_free_arg;
   moe_backend *inline_backend; /* the CQ thread's (host backends only) */
 };
 
@@ -124,6 +129,7 @@ static void *worker_main(void *arg) {
     w->load.busy = false;
     w->load.jobs++;
     poll_locked(d); /* the job may have dropped a set's last use */
+    if (d->on_free) d->on_free(d->on_free_arg);
   }
   pthread_mutex_unlock(&d->mu);
   return NULL;
@@ -229,6 +235,24 @@ bool moed_devices_withdraw(moed_devices *d, moed_job *job) {
   if (queued) unlink_locked(d, job);
   pthread_mutex_unlock(&d->mu);
   return queued;
+}
+
+bool moed_devices_busy(moed_devices *d, int priority) {
+  const moed_job probe = {.priority = priority};
+  pthread_mutex_lock(&d->mu);
+  int ahead = 0; /* jobs a worker takes before one of this level submitted now */
+  for (int l = 0; l <= level_of(&probe); l++)
+    ahead += d->queued_at[l];
+  const bool busy = ahead > 0 && ahead >= d->num_workers - d->running;
+  pthread_mutex_unlock(&d->mu);
+  return busy;
+}
+
+void moed_devices_on_free(moed_devices *d, void (*fn)(void *arg), void *arg) {
+  pthread_mutex_lock(&d->mu);
+  d->on_free = fn;
+  d->on_free_arg = arg;
+  pthread_mutex_unlock(&d->mu);
 }
 
 moe_backend *moed_devices_inline_backend(moed_devices *d) { return d->inline_backend; }

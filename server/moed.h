@@ -452,6 +452,14 @@ bool moed_devices_submit(moed_devices *d, moed_job *job);
  * false: a worker has it. The caller must know job is alive (not yet
  * freed by its run). Any thread. */
 bool moed_devices_withdraw(moed_devices *d, moed_job *job);
+/* Whether a job of this priority level submitted now would wait: jobs of
+ * its level or higher are queued and no worker is left free for it after
+ * them (the batcher then keeps a batch open to grow). Any thread. */
+bool moed_devices_busy(moed_devices *d, int priority);
+/* fn(arg) is called on a worker thread each time it finishes a job, under
+ * the queues' lock (so it must not call back into them: uv_async_send);
+ * after moed_devices_on_free(d, NULL, NULL) returns it is never called. */
+void moed_devices_on_free(moed_devices *d, void (*fn)(void *arg), void *arg);
 /* Runs what is queued, then joins the workers (backends stay). */
 void moed_devices_stop(moed_devices *d);
 /* The host backend that runs ops worker backend b has no kernel for (b
