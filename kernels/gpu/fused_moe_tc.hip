@@ -426,6 +426,13 @@ struct Deq {
 __host__ __device__ constexpr int fp4_at(int p, int b) {
   return p < 3 ? 3 * p + (b == 3 ? 9 : b) : (b < 2 ? 10 + b : 11 + b);
 }
+/* Whether an e8m0 scale byte b (s = 2^(b - 127)) allows mxfp4's 16-bit
+ * multiply in act (dequant): s x 2^126 (bf16) or s x 2^14 (fp16) a normal
+ * number of that type, b <= 128 (fp16: 99 <= b <= 128). The packing's
+ * flags (fp4_flags) and the kernel's per-group check ask this one rule. */
+__host__ __device__ constexpr bool fp4_fast16(int act, uint32_t b) {
+  return b <= 128 && (act == A_BF16 || b >= 99);
+}
 /* where bit b goes: under the exponent field's low end, s to the sign */
 __host__ __device__ constexpr int fp4_to(int act, int b) { return b == 3 ? 15 : (act == A_BF16 ? 6 : 9) + b; }
 /* the bits of pair p that move by `shift` (both halves) */
@@ -1010,13 +1017,9 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
           for (int h = 0; h < 2; h++) {
             const uint32_t b8 = h ? two >> 8 : two & 0xFFu;
             dq.s[h] = b8 ? __uint_as_float(b8 << 23) : 0x1p-127f;
-            if (ACT == A_BF16) {
-              dq.s16[h] = b8 * 0x00800080u + 0x3F003F00u; /* (b + 126) << 7 */
-              ok = ok && b8 <= 128;
-            } else {
-              dq.s16[h] = b8 * 0x04000400u - 98u * 0x04000400u; /* (b - 98) << 10 */
-              ok = ok && b8 >= 99 && b8 <= 128;
-            }
+            dq.s16[h] = ACT == A_BF16 ? b8 * 0x00800080u + 0x3F003F00u        /* (b + 126) << 7 */
+                                      : b8 * 0x04000400u - 98u * 0x04000400u; /* (b - 98) << 10 */
+            ok = ok && fp4_fast16(ACT, b8);
           }
           if constexpr (decltype(vote)::value) dq.fast = __all_sync(0xFFFFFFFFu, ok); /* no divergence */
         } else {
@@ -1544,8 +1547,8 @@ __global__ void pack_groups(const void *scales, int scale_dt, const uint8_t *zer
 }
 
 /* mxfp4: after the packed scales [E][groups][N], per expert and 16 rows:
- * bit 0, every scale allows bf16's 16-bit multiply (b <= 128); bit 1,
- * fp16's (99 <= b <= 128) (tc_gemm's fp4_fast) */
+ * bit 0, every scale allows bf16's 16-bit multiply; bit 1, fp16's
+ * (fp4_fast16; tc_gemm's fp4_fast) */
 __global__ void fp4_flags(uint8_t *sc, int experts, int n, int groups) {
   const size_t total = (size_t)experts * (size_t)(n / 16);
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
@@ -1555,8 +1558,8 @@ __global__ void fp4_flags(uint8_t *sc, int experts, int n, int groups) {
     for (int g = 0; g < groups; g++)
       for (int r = 0; r < 16; r++) {
         const uint32_t b8 = sc[((size_t)e * groups + g) * (size_t)n + (size_t)mt * 16 + r];
-        bf = bf && b8 <= 128;
-        hf = hf && b8 >= 99 && b8 <= 128;
+        bf = bf && fp4_fast16(A_BF16, b8);
+        hf = hf && fp4_fast16(A_F16, b8);
       }
     sc[(size_t)experts * groups * (size_t)n + i] = (uint8_t)(bf | hf << 1);
   }
