@@ -1055,15 +1055,20 @@ END_TEST
  * service) gives the same bits for the same batch, so a token's result
  * cannot depend on the configuration its batch size selects; the large
  * tile twice, with the bulk kernel (16-bit weights on sm_90a) and with
- * the generic one (MOE_GPU_TC_BULK=0). Shapes the path does not take
+ * the generic one (MOE_GPU_TC_BULK=0), and the bulk one again on
+ * misaligned buffers. Shapes the path does not take
  * ignore the variables and pass trivially. */
 START_TEST(fused_tile_configs) {
   const size_t picks[] = {0,  1,  4,  5,  7,  12, 13, 14,
                           19, 20, 23, 25, 28, 29, 32}; /* bf16, fp16, int4 g128, g128 zp, g32 zp, g16, int8
                                                           g128, g64 zp, split K, odd KB, mxfp4 + bias, bf16 +
                                                           bias, fp8 block, fp8 block 48x128, fp8 static */
-  static const char *const configs[] = {"small", "medium", "wide", "large", "large"};
-  static const char *const bulk[] = {"1", "1", "1", "1", "0"};
+  static const char *const configs[] = {"small", "medium", "wide", "large", "large", "large"};
+  static const char *const bulk[] = {"1", "1", "1", "1", "0", "1"};
+  /* the bulk kernel's tiles of <= 64 rows gather 16-byte aligned
+   * hidden_states rows themselves, others read them staged by gather_rows:
+   * the last run misaligns the buffers */
+  static const size_t misalign[] = {0, 0, 0, 0, 0, 4};
   char label[200];
   for (size_t pi = 0; pi < sizeof picks / sizeof picks[0]; pi++) {
     const fm_case *c = &fm_cases[picks[pi]];
@@ -1076,8 +1081,9 @@ START_TEST(fused_tile_configs) {
       setenv("MOE_GPU_FUSED_TILE", configs[k], 1);
       setenv("MOE_GPU_TC_BULK", bulk[k], 1);
       uint16_t *r, *g;
-      snprintf(label, sizeof label, "tile config %s (MOE_GPU_TC_BULK=%s) %s", configs[k], bulk[k], c->name);
-      fm_run(&m, NULL, &tk, 0, label, &r, &g);
+      snprintf(label, sizeof label, "tile config %s (MOE_GPU_TC_BULK=%s, misaligned %zu) %s", configs[k],
+               bulk[k], misalign[k], c->name);
+      fm_run(&m, NULL, &tk, misalign[k], label, &r, &g);
       fm_compare(c, r, g, (size_t)(tk.T * c->hidden), label, NULL, NULL);
       free(r);
       if (!first) {
