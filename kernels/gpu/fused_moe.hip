@@ -1172,8 +1172,8 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
     t2.out = y_buf;
     if (bulk) {
       t1.cap = t2.cap = (int)rows_a;
-      t1.xk = ws + o_xk;
       if ((s = moe_tc_gather(b, (int)max_tiles, t1, (uint16_t *)(ws + o_xk), err))) return s;
+      t1.x = ws + o_xk;
     }
     /* fp8: each GEMM's activations quantized first (static scales: the set's a13 / a2) */
     const bool st_sc = fp8 && cfg->has_act_scales;

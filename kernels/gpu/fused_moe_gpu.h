@@ -175,9 +175,8 @@ struct TcArgs {
   const int4 *tiles;
   const float *tw;
   uint16_t *out;
-  int cap;     /* the bulk path (moe_tc_bulk): rows of the K-major buffers (xk, phase 1's out, phase 2's x);
+  int cap;     /* the bulk path (moe_tc_bulk): rows of the K-major buffers (phase 1's x and out, phase 2's x);
                 * 0: the generic kernel, row-major buffers */
-  const void *xk; /* the bulk path's phase 1: x's rows in tile order, K-major (moe_tc_gather) */
   int split;   /* K segments (moe_tc_split; 1 for phase 1 and the bulk path) */
   int slots;   /* split > 1: rows of each segment's part */
   float *part; /* split > 1: the segments' fp32 sums [split][slots][hidden], no routing weight */
@@ -210,8 +209,7 @@ moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_d
 /* Whether the call's GEMMs take the bulk path (sm_90a, 16-bit weights,
  * the large tile; MOE_GPU_TC_BULK=0: never): then the caller gathers
  * phase 1's x with moe_tc_gather into a K-major buffer of cap = max_tiles
- * x 128 rows (TcArgs.xk; the rows of the tiles that do not gather their
- * own) and sizes the intermediate the same (TcArgs.cap). */
+ * x 128 rows and sizes the intermediate the same (TcArgs.cap). */
 bool moe_tc_bulk(moe_backend *b, const moe_expert_config *cfg, int config);
 moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_t *xk, moe_error *err);
 /* fp8 W8A8: the GEMM's activations (phase 1: hidden_states; phase 2: a) to

@@ -1267,30 +1267,15 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
  * copies and the multiplying warps never copy, load fragments or meet at
  * a block barrier. A = the weight rows (moe_tc_pack's layout), B = the
  * tile's token rows from a K-major buffer written for the call (phase 1:
- * gather_rows; phase 2: phase 1's epilogue), tile ti's rows at ti * BT;
- * phase 1's tiles of at most 64 rows have the copying warps gather their
- * rows from x themselves (bulk_gathers): 16 bytes per lane and cp.async,
- * swizzled as the buffer would be.
+ * gather_rows; phase 2: phase 1's epilogue), tile ti's rows at ti * BT.
  * Stages are handed over by mbarriers: full (the copies' bytes landed),
  * empty (each multiplying warp's products of the stage are done). The
  * products are the generic kernel's wgmma on the same operands in the
  * same K order (batch invariance: identical bits, test_gpu's tile test). */
 namespace bulk {
-/* COPIERS warps gather phase 1's rows (one warp's cp.async went at half
- * the speed the GEMM needs: its copies in flight are bounded) */
-constexpr int BT = 128, BN = 256, CONSUMERS = 4, COPIERS = 4, THREADS = 128 * CONSUMERS + 32 * COPIERS;
+constexpr int BT = 128, BN = 256, CONSUMERS = 4, THREADS = 128 * CONSUMERS + 32;
 constexpr int B = BT * KB * 2, A = BN * KB * 2, STAGE = B + A, STAGES = 4, BYTES = STAGES * STAGE + 1024;
 } // namespace bulk
-
-/* Whether phase 1's block gathers its tile's rows of x itself (cp.async by
- * the copying warps) rather than reading gather_rows' K-major copy: x
- * 16-byte aligned and at most 64 rows. Full tiles gathered so ran 7-12%
- * slower at T = 4096 (Mixtral, Qwen3-30B-A3B: the copies in flight of 4
- * warps do not keep up where the bulk copy does), tiles of 64 rows 2-4%
- * faster (bench/RESULTS.md, fifteenth pass). */
-__device__ __forceinline__ bool bulk_gathers(const TcArgs &a, int rows) {
-  return a.phase == 1 && a.x_vec && rows <= 64;
-}
 
 #if defined(MOE_TC_WGMMA)
 __device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
@@ -1313,11 +1298,6 @@ __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
 __device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
                : "memory");
-}
-/* one arrival on bar once this thread's cp.async copies so far have landed
- * (counted in the barrier's init count: noinc) */
-__device__ __forceinline__ void cp_async_arrive(uint64_t *bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 /* `bytes` (a multiple of 16) by the copy engine, counted on bar */
 __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
@@ -1345,7 +1325,7 @@ __device__ __forceinline__ int bulk_cols(int rows) {
 template <int N, int ACT>
 __device__ __forceinline__ void bulk_item(const TcArgs &a, uint8_t *smem, uint64_t *full, uint64_t *empty,
                                           int nkb, int n0, int ti, int rows, const int *slot_of,
-                                          const float *tw_of, int e, bool gathered) {
+                                          const float *tw_of, int e) {
   using namespace bulk;
   const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
   float acc[N / 8][4];
@@ -1362,7 +1342,6 @@ __device__ __forceinline__ void bulk_item(const TcArgs &a, uint8_t *smem, uint64
   for (int kb = 0; kb < nkb; kb++) {
     const int s = kb % STAGES;
     mbar_wait(&full[s], (kb / STAGES) & 1);
-    if (gathered) fence_proxy_async(); /* the copying warps' rows are generic-proxy writes */
     const uint32_t so = (uint32_t)(s * STAGE) >> 4;
     wgmma_fence();
 #pragma unroll
@@ -1387,7 +1366,6 @@ template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_b
   __shared__ uint64_t full[STAGES], empty[STAGES];
   __shared__ int slot_of[BT];
   __shared__ float tw_of[BT]; /* as in tc_gemm */
-  __shared__ const uint16_t *xrow[BT]; /* gathered: each tile row's token row of x */
   uint8_t *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   int ti, strip;
   block_order(ti, strip);
@@ -1397,62 +1375,44 @@ template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_b
   const int4 tile = a.tiles[ti];
   const int e = tile.x, row0 = tile.y, rows = tile.z;
   const int N = a.n, nkb = a.k / KB, n0 = strip * BN, cols = bulk_cols(rows);
-  const bool gathered = bulk_gathers(a, rows); /* else B is a K-major buffer */
   if (tid < STAGES) {
-    mbar_init(&full[tid], gathered ? 1 + 32 * COPIERS : 1); /* + the copying warps' cp.async arrivals */
+    mbar_init(&full[tid], 1);
     mbar_init(&empty[tid], 4 * CONSUMERS);
   }
-  for (int i = tid; i < BT; i += THREADS) {
-    const int slot = load_slot(a, row0, rows, i, slot_of, tw_of);
-    if (gathered) xrow[i] = (const uint16_t *)a.x + (size_t)(slot < 0 ? 0 : slot / a.top_k) * (size_t)a.k;
-  }
+  for (int i = tid; i < BT; i += THREADS)
+    load_slot(a, row0, rows, i, slot_of, tw_of);
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   __syncthreads();
 
-  if (warp >= 4 * CONSUMERS) { /* the copying warps: the first one's lane 0 issues the bulk copies */
-    const int cw = warp - 4 * CONSUMERS;
-    if (cw && !gathered) return;
-    const uint32_t a_bytes = (uint32_t)((N - n0 < BN ? N - n0 : BN) * KB * 2),
-                   b_bytes = gathered ? 0u : (uint32_t)(cols * KB * 2);
-    const uint8_t *wa = a.w + ((size_t)e * nkb * N + n0) * KB * 2,
-                  *xb = (const uint8_t *)(a.phase == 1 ? a.xk : a.x) + (size_t)ti * B;
-    /* gathered: lane l of copying warp w copies 16-byte chunk l % 8 of
-     * rows l / 8 + 4 (w + COPIERS i), to where a K-major buffer's stage
-     * would have it (kmajor's swizzle) */
-    const int c = lane & 7;
-    for (int kb = 0; kb < nkb; kb++) {
-      const int s = kb % STAGES;
-      if (kb >= STAGES) mbar_wait(&empty[s], (kb / STAGES - 1) & 1);
-      uint8_t *sb = smem + s * STAGE;
-      if (cw == 0 && lane == 0) {
+  if (warp == 4 * CONSUMERS) { /* the copying warp: one thread issues every stage */
+    if (lane == 0) {
+      const uint32_t a_bytes = (uint32_t)((N - n0 < BN ? N - n0 : BN) * KB * 2),
+                     b_bytes = (uint32_t)(cols * KB * 2);
+      const uint8_t *wa = a.w + ((size_t)e * nkb * N + n0) * KB * 2,
+                    *xb = (const uint8_t *)a.x + (size_t)ti * B;
+      for (int kb = 0; kb < nkb; kb++) {
+        const int s = kb % STAGES;
+        if (kb >= STAGES) mbar_wait(&empty[s], (kb / STAGES - 1) & 1);
+        uint8_t *sb = smem + s * STAGE;
         mbar_expect(&full[s], a_bytes + b_bytes);
-        if (!gathered) bulk_copy(sb, xb + (size_t)kb * a.cap * KB * 2, b_bytes, &full[s]);
+        bulk_copy(sb, xb + (size_t)kb * a.cap * KB * 2, b_bytes, &full[s]);
         bulk_copy(sb + B, wa + (size_t)kb * N * KB * 2, a_bytes, &full[s]);
-      }
-      if (gathered) {
-#pragma unroll 4
-        for (int i = 0; i < cols / (4 * COPIERS); i++) {
-          const int r = (lane >> 3) + 4 * (cw + COPIERS * i);
-          cp_async16_if(sb + r * KB * 2 + ((c ^ (r & 7)) << 4), xrow[r] + kb * KB + c * 8, r < rows);
-        }
-        cp_async_arrive(&full[s]);
       }
     }
     return;
   }
   switch (cols) {
-  case 16: bulk_item<16, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e, gathered); break;
-  case 32: bulk_item<32, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e, gathered); break;
-  case 64: bulk_item<64, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e, gathered); break;
-  default: bulk_item<128, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e, gathered); break;
+  case 16: bulk_item<16, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e); break;
+  case 32: bulk_item<32, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e); break;
+  case 64: bulk_item<64, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e); break;
+  default: bulk_item<128, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e); break;
   }
 #else
   (void)a; /* moe_tc_bulk is false off sm_90a */
 #endif
 }
 
-/* Phase 1's B for the bulk path's tiles that do not gather their rows
- * themselves (bulk_gathers): hidden_states rows in tile order, K-major
+/* Phase 1's B for the bulk path: hidden_states rows in tile order, K-major
  * (tile ti's row i at ti * BT + i). Rows past the tile's count are not
  * written (as phase 1's epilogue leaves them in phase 2's B): whatever
  * they hold only reaches the products of their own token columns, which
@@ -1470,7 +1430,7 @@ __global__ void gather_rows(TcArgs a, uint16_t *xk) {
   const uint16_t *x = (const uint16_t *)a.x;
   for (int q = (int)threadIdx.x; q < BT * KB / 8; q += (int)blockDim.x) {
     const int c = q & 7, r = q / 8, col = (int)blockIdx.y * KB + c * 8;
-    if (r >= rows || bulk_gathers(a, rows)) break; /* r grows with q */
+    if (r >= rows) break; /* r grows with q */
     const uint16_t *src = x + (size_t)(a.sorted[row0 + r] / a.top_k) * (size_t)K + col;
     uint4 v;
     if (a.x_vec) {

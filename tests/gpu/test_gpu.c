@@ -1065,9 +1065,7 @@ START_TEST(fused_tile_configs) {
                                                           bias, fp8 block, fp8 block 48x128, fp8 static */
   static const char *const configs[] = {"small", "medium", "wide", "large", "large", "large"};
   static const char *const bulk[] = {"1", "1", "1", "1", "0", "1"};
-  /* the bulk kernel's tiles of <= 64 rows gather 16-byte aligned
-   * hidden_states rows themselves, others read them staged by gather_rows:
-   * the last run misaligns the buffers */
+  /* the last run misaligns the buffers: gather_rows' scalar loads */
   static const size_t misalign[] = {0, 0, 0, 0, 0, 4};
   char label[200];
   for (size_t pi = 0; pi < sizeof picks / sizeof picks[0]; pi++) {
