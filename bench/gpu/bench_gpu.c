@@ -16,7 +16,7 @@
  *
  *   moe-bench-gpu [--runs N] [--max-mib 1024]
  *   moe-bench-gpu --fused [--runs N] [--matmul-tflops X] [--fp8-matmul-tflops X] [--max-tokens T] [--only
- * NAME|bf16|int4|mxfp4|fp8[,...]]
+ * NAME|bf16|int4|int8|mxfp4|fp8[,...]]
  *                 [--tokens T1,T2,...] [--tune FILE] [--host-time]
  *
  * --only floor: a layer small enough (E 8, k 2, H 256, I 128) that a
@@ -198,24 +198,27 @@ static void *dev_alloc(moe_backend *b, size_t n) {
   return p;
 }
 
-/* Packed 4-bit weights on the device, w[0..3] = w13 codes and scales, w2
- * codes and scales: wna16 int4 with bf16 scales per 128 (U(a/2, a), a =
- * 0.5 / sqrt(K)) or mxfp4 with e8m0 scales per 32 (near 1 / (2.93 sqrt(K)));
- * returns the bytes of one expert. */
-static size_t packed4_weights(moe_backend *b, moe_named_tensor w[4], int64_t E, int64_t H, int64_t I,
-                              bool mx) {
+/* Quantized weights on the device, w[0..3] = w13 codes and scales, w2
+ * codes and scales: wna16 int4 or int8 (bits) with bf16 scales per 128
+ * (U(a/2, a), a = 0.5 / sqrt(K), / 16 for int8's 16x wider codes) or mxfp4
+ * (mx) with e8m0 scales per 32 (near 1 / (2.93 sqrt(K))); returns the bytes
+ * of one expert. */
+static size_t packed_weights(moe_backend *b, moe_named_tensor w[4], int64_t E, int64_t H, int64_t I, int bits,
+                             bool mx) {
   static const char *const names[4] = {"w13_qweight", "w13_scales", "w2_qweight", "w2_scales"};
   const int64_t g = mx ? 32 : 128;
   size_t per_expert = 0;
   for (int m = 0; m < 2; m++) {
     const int64_t n = m ? H : 2 * I, k = m ? I : H;
-    const size_t q = (size_t)(n * k) / 2, sc = (size_t)(n * (k / g)) * (mx ? 1 : 2);
-    w[2 * m] = (moe_named_tensor){names[2 * m], {MOE_UINT8, 3, {E, n, k / 2}, dev_alloc(b, q * E), q * E}};
+    const int64_t kq = k * bits / 8; /* code bytes per row */
+    const size_t q = (size_t)(n * kq), sc = (size_t)(n * (k / g)) * (mx ? 1 : 2);
+    w[2 * m] = (moe_named_tensor){names[2 * m], {MOE_UINT8, 3, {E, n, kq}, dev_alloc(b, q * E), q * E}};
     w[2 * m + 1] = (moe_named_tensor){
         names[2 * m + 1], {mx ? MOE_UINT8 : MOE_BF16, 3, {E, n, k / g}, dev_alloc(b, sc * E), sc * E}};
     fill_device(b, w[2 * m].tensor.data, q * E, 1, 0);
     fill_device(b, w[2 * m + 1].tensor.data, sc * E, mx ? 3 : 2,
-                mx ? 127.0f + floorf(log2f(1.0f / (2.93f * sqrtf((float)k)))) : 0.5f / sqrtf((float)k));
+                mx ? 127.0f + floorf(log2f(1.0f / (2.93f * sqrtf((float)k))))
+                   : 0.5f / sqrtf((float)k) / (bits == 8 ? 16.0f : 1.0f));
     per_expert += q + sc;
   }
   return per_expert;
@@ -434,11 +437,14 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, doubl
          "matmul |\n"
          "|---|---|---|---|---|---|---|---|---|\n");
   for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++)
-    for (int sch = 0; sch < 4; sch++) { /* bf16, wna16 int4 g128, mxfp4, fp8 W8A8 block 128 x 128 */
-      static const char *const sch_name[] = {"bf16", "int4", "mxfp4", "fp8"}, *const sch_label[] = {
-                                                                                  "bf16", "wna16 int4 g128",
-                                                                                  "mxfp4", "fp8 block 128"};
-      const int int4 = sch == 1, mx = sch == 2, fp8 = sch == 3;
+    for (int sch = 0; sch < 5; sch++) { /* bf16, wna16 int4 / int8 g128, mxfp4, fp8 W8A8 block 128 x 128 */
+      static const char *const sch_name[] = {"bf16", "int4", "int8", "mxfp4", "fp8"}, *const sch_label[] = {
+                                                                                          "bf16",
+                                                                                          "wna16 int4 g128",
+                                                                                          "wna16 int8 g128",
+                                                                                          "mxfp4",
+                                                                                          "fp8 block 128"};
+      const int int4 = sch == 1, int8 = sch == 2, mx = sch == 3, fp8 = sch == 4;
       if (!selected(only, models[mi].name, sch_name[sch])) continue;
       if (models[mi].opt_in && (!only || !strstr(only, models[mi].name))) continue;
       const int64_t E = models[mi].e, K = models[mi].k, H = models[mi].h, I = models[mi].i;
@@ -449,7 +455,7 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, doubl
       if (fp8) {
         per_expert = fp8_weights(b, w, E, H, I);
         nw = 4;
-      } else if (!int4 && !mx) {
+      } else if (!int4 && !int8 && !mx) {
         size_t b13 = (size_t)(2 * I * H) * 2, b2 = (size_t)(H * I) * 2;
         w[0] = (moe_named_tensor){"w13", {MOE_BF16, 3, {E, 2 * I, H}, dev_alloc(b, b13 * E), b13 * E}};
         w[1] = (moe_named_tensor){"w2", {MOE_BF16, 3, {E, H, I}, dev_alloc(b, b2 * E), b2 * E}};
@@ -458,7 +464,7 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, doubl
         nw = 2;
         per_expert = b13 + b2;
       } else {
-        per_expert = packed4_weights(b, w, E, H, I, mx);
+        per_expert = packed_weights(b, w, E, H, I, int8 ? 8 : 4, mx);
         nw = 4;
       }
       void *hsc[4] = {0}; /* mxfp4: host copies of the scales for prepare (host_e8m0) */
@@ -532,7 +538,7 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, doubl
         rot_arg ra = {calls, ROT, 0, b};
         int used_runs;
         const double ms = time_cell(b, &ra, &used_runs, 0);
-        if (tune && !mx && !fp8) tune_cell(b, &ra, models[mi].name, E, K, T, int4, ms, &tt);
+        if (tune && !int8 && !mx && !fp8) tune_cell(b, &ra, models[mi].name, E, K, T, int4, ms, &tt);
         const double bytes = wbytes + 2.0 * (double)(T * H) * 2 + (double)(T * K) * 8;
         const double gbs = bytes / (ms * 1e-3) / 1e9;
         const double flops = 2.0 * (double)T * (double)K * (double)(H * 2 * I + I * H);
@@ -555,7 +561,7 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, doubl
         free(tw);
         free(used);
       }
-      if (tune && !mx && !fp8) tune_emit(&tt, device, E, H, I, int4);
+      if (tune && !int8 && !mx && !fp8) tune_emit(&tt, device, E, H, I, int4);
       moe_backend_free(b, x);
       moe_backend_free(b, out);
       for (size_t q = 0; q < nw; q++) {
@@ -575,7 +581,7 @@ int main(int argc, char **argv) {
   double mm_tflops = 0, mm8_tflops = 0;
   int64_t max_tokens = 4096;
   const char *only =
-      NULL; /* --only A,B: layers whose name contains each, or a scheme (bf16, int4, mxfp4, fp8) */
+      NULL; /* --only A,B: layers whose name contains each, or a scheme (bf16, int4, int8, mxfp4, fp8) */
   const char *only_tokens = NULL; /* --tokens T1,T2 */
   const char *tune_path = NULL;   /* --tune FILE: the tuned table (with --fused) */
   for (int i = 1; i < argc; i++) {
