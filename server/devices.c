@@ -123,11 +123,16 @@ static void *worker_main(void *arg) {
     d->running++;
     w->load.busy = true;
     pthread_mutex_unlock(&d->mu);
-    job->run(job, w->backend);
+    moed_phases ph = {{0}, 0}; /* this job's, added below under the lock /metrics reads with */
+    job->phases = &ph;
+    job->run(job, w->backend); /* may free job */
     pthread_mutex_lock(&d->mu);
     d->running--;
     w->load.busy = false;
     w->load.jobs++;
+    for (int p = 0; p < MOED_PHASES; p++)
+      w->load.phases.ns[p] += ph.ns[p];
+    w->load.phases.executions += ph.executions;
     poll_locked(d); /* the job may have dropped a set's last use */
     if (d->on_free) d->on_free(d->on_free_arg);
   }
