@@ -314,9 +314,61 @@ static void shared_unref(void *p) {
   free(s);
 }
 
+/* The responses of a merged call: each request's rows of the outputs. */
+typedef struct merged_answer {
+  moed_answer base; /* on the answer thread */
+  moed_server *srv;
+  shared_outputs *shared; /* one reference, dropped when done */
+  moed_timing t;          /* the batch's */
+  size_t num_out, n;
+  moe_named_tensor outs[MOED_MAX_TENSORS];
+  size_t out_row[MOED_MAX_TENSORS]; /* bytes per row of each output */
+  moed_infer_req **reqs;            /* answered and freed here */
+  moed_infer_req *own[];            /* reqs on the answer thread */
+} merged_answer;
+
+static void answer_merged(merged_answer *a) {
+  shared_outputs *shared = a->shared;
+  int64_t row = 0;
+  for (size_t k = 0; k < a->n; k++) {
+    moed_infer_req *rk = a->reqs[k];
+    moed_timing tk = a->t; /* the batch's times, and this request's encoding */
+    const uint64_t encoding = moed_now_ns();
+    moe_named_tensor mine[MOED_MAX_TENSORS];
+    grpc_slice data[MOED_MAX_TENSORS];
+    for (size_t i = 0; i < a->num_out; i++) {
+      mine[i] = a->outs[i];
+      mine[i].tensor.shape[0] = rk->rows;
+      mine[i].tensor.nbytes = a->out_row[i] * (size_t)rk->rows;
+      data[i] = grpc_slice_new_with_user_data((uint8_t *)shared->buf[i] + a->out_row[i] * (size_t)row,
+                                              mine[i].tensor.nbytes, shared_unref, shared);
+    }
+    row += rk->rows;
+    grpc_byte_buffer *resp = NULL;
+    uint64_t bytes_out = 0;
+    char err[MOED_ERR_LEN];
+    grpc_status_code code = moed_infer_shm_outputs(rk, mine, data, a->num_out, err);
+    if (!code) code = encode(a->srv, rk, mine, data, a->num_out, &resp, &bytes_out, err);
+    for (size_t i = 0; i < a->num_out; i++)
+      grpc_slice_unref(data[i]);
+    tk.output_ns += moed_now_ns() - encoding;
+    moed_infer_finish(a->srv, rk, code, err, resp, &tk, bytes_out);
+    a->reqs[k] = NULL;
+  }
+  shared_unref(shared);
+}
+
+static void answer_async(moed_answer *base) {
+  merged_answer *a = (merged_answer *)base;
+  answer_merged(a);
+  free(a);
+}
+
 /* Runs reqs (same batch key, all still wanted) as one call along the first
- * axis. false: merging was refused (the caller runs them one by one). */
-static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n, laps *l) {
+ * axis, answered on answerer when there is one; false: merging was refused
+ * (the caller runs them one by one). */
+static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n, laps *l,
+                       moed_answerer *answerer) {
   moed_infer_req *r0 = reqs[0];
   /* the call borrows the model's set: held until the call is gone, since
    * the requests (and their references) are freed as they are answered */
@@ -390,33 +442,29 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
   memset(host, 0, sizeof host);
   atomic_init(&shared->refs, 1 + n * c.num_out);
   ok = true;
-  int64_t row = 0;
-  for (size_t k = 0; k < n; k++) {
-    moed_infer_req *rk = reqs[k];
-    moed_timing tk = t; /* the batch's times, and this request's encoding */
-    const uint64_t encoding = moed_now_ns();
-    moe_named_tensor mine[MOED_MAX_TENSORS];
-    grpc_slice data[MOED_MAX_TENSORS];
-    for (size_t i = 0; i < c.num_out; i++) {
-      mine[i] = outs[i];
-      mine[i].tensor.shape[0] = rk->rows;
-      mine[i].tensor.nbytes = out_row[i] * (size_t)rk->rows;
-      data[i] = grpc_slice_new_with_user_data((uint8_t *)shared->buf[i] + out_row[i] * (size_t)row,
-                                              mine[i].tensor.nbytes, shared_unref, shared);
-    }
-    row += rk->rows;
-    grpc_byte_buffer *resp = NULL;
-    uint64_t bytes_out = 0;
-    char err[MOED_ERR_LEN];
-    grpc_status_code code = moed_infer_shm_outputs(rk, mine, data, c.num_out, err);
-    if (!code) code = encode(srv, rk, mine, data, c.num_out, &resp, &bytes_out, err);
-    for (size_t i = 0; i < c.num_out; i++)
-      grpc_slice_unref(data[i]);
-    tk.output_ns += moed_now_ns() - encoding;
-    moed_infer_finish(srv, rk, code, err, resp, &tk, bytes_out);
-    reqs[k] = NULL;
+  merged_answer here, *a = NULL; /* on the answer thread: a copy of reqs, freed there */
+  if (answerer && n <= (SIZE_MAX - sizeof *a) / sizeof *reqs && (a = malloc(sizeof *a + n * sizeof *reqs))) {
+    memcpy(a->own, reqs, n * sizeof *reqs);
+    a->reqs = a->own;
+  } else {
+    a = &here;
+    a->reqs = reqs;
   }
-  shared_unref(shared);
+  a->base.run = answer_async;
+  a->srv = srv;
+  a->shared = shared;
+  a->t = t;
+  a->num_out = c.num_out;
+  a->n = n;
+  memcpy(a->outs, outs, sizeof outs);
+  memcpy(a->out_row, out_row, sizeof out_row);
+  if (a == &here) {
+    answer_merged(a);
+  } else {
+    moed_answerer_post(answerer, &a->base);
+    for (size_t k = 0; k < n; k++)
+      reqs[k] = NULL; /* the answer thread's now */
+  }
 out:
   for (size_t i = 0; i < MOED_MAX_TENSORS; i++) {
     moed_hostmem_free(merged[i]);
@@ -429,11 +477,11 @@ out:
 }
 
 void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n) {
-  moed_infer_run_timed(srv, b, reqs, n, NULL);
+  moed_infer_run_timed(srv, b, reqs, n, NULL, NULL);
 }
 
-void moed_infer_run_timed(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n,
-                          moed_phases *ph) {
+void moed_infer_run_timed(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n, moed_phases *ph,
+                          moed_answerer *answerer) {
   laps l = {ph, moed_now_ns()};
   size_t live = 0;
   for (size_t k = 0; k < n; k++) { /* answer what failed or is no longer wanted */
@@ -450,7 +498,7 @@ void moed_infer_run_timed(moed_server *srv, moe_backend *b, moed_infer_req **req
   /* every request here is for one model (the batch key): an op this
    * backend has no kernel for runs on the worker's host fallback */
   if (live && b && !moe_op_supported(reqs[0]->model->op, b)) b = moed_devices_fallback(srv->devices, b);
-  if (live > 1 && run_merged(srv, b, reqs, live, &l)) return;
+  if (live > 1 && run_merged(srv, b, reqs, live, &l, answerer)) return;
   for (size_t k = 0; k < live; k++)
     run_single(srv, b, reqs[k], &l);
 }

@@ -20,7 +20,7 @@
 #     GB/s against moe-echo-server sending the same request back.
 # Per level also where the device worker's time went per batch (the
 # moed_worker_phase_seconds_total deltas: gather, prepare, copy_in, launch,
-# copy_out, wait, answer; us per execution).
+# copy_out, wait, answer, answer_async; us per execution).
 # The script checks its numbers (each level's counts are the sums over its
 # windows, percentiles ordered, the batches' rows are the requests' tokens,
 # /metrics agrees with ModelStatistics) and exits 1 when a check or a
@@ -170,7 +170,7 @@ def metric_samples(text, name, labels):
                 yield float(m.group(3))
 
 
-PHASES = ("gather", "prepare", "copy_in", "launch", "copy_out", "wait", "answer")
+PHASES = ("gather", "prepare", "copy_in", "launch", "copy_out", "wait", "answer", "answer_async")
 
 
 def phases(before, after):
@@ -309,17 +309,18 @@ def report(argv):
     md += ["", "## Device worker phases per batch", "",
            "moed_worker_phase_seconds_total and moed_worker_executions_total deltas over the level (every worker; "
            "warm-up included): us per execution in each phase, in the order a batch passes through them "
-           "(docs/server.md \"Metrics\"); host = every phase but wait.", "",
+           "(docs/server.md \"Metrics\"); worker = the worker thread's own (every phase but answer_async, which the "
+           "answer thread spends beside the next batch); host = the worker's but wait.", "",
            "| set | delay us | concurrency | requests/s | executions | " + " | ".join(PHASES) +
-           " | sum us | host us |", "|---|---|---|---|---|" + "---|" * (len(PHASES) + 2)]
+           " | worker us | host us |", "|---|---|---|---|---|" + "---|" * (len(PHASES) + 2)]
     for m in models:
         for d in delays:
             for c in levels:
                 x = L[(d, m, c)]
                 n, per = x["phases"]
-                host = sum(v for p, v in per.items() if p != "wait")
+                own = sum(v for p, v in per.items() if p != "answer_async")
                 md.append(f"| {m} | {d} | {c} | {x['lv']['requests_per_s']:.0f} | {n} | " +
-                          " | ".join(f"{per[p]:.1f}" for p in PHASES) + f" | {sum(per.values()):.1f} | {host:.1f} |")
+                          " | ".join(f"{per[p]:.1f}" for p in PHASES) + f" | {own:.1f} | {own - per['wait']:.1f} |")
     have = 1 in levels and 64 in levels
     md += ["", "Targets (issue 11): requests/s at concurrency 64 >= 10 x at 1; p99 at 64 <= 3 x (delay + compute "
            "per batch at 64).", "",

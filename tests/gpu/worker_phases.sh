@@ -5,8 +5,10 @@
 # --max-queue-delay-us 0, decode only (no in-process bench, no large
 # activations), short windows. LOGDIR/load.md holds requests/s and the
 # table "Device worker phases per batch" (us per execution in gather,
-# prepare, copy_in, launch, copy_out, wait, answer); LOGDIR/raw/ the
-# /metrics scrapes before and after each level.
+# prepare, copy_in, launch, copy_out, wait, answer, answer_async);
+# LOGDIR/raw/ the /metrics scrapes before and after each level.
+# MOED_ANSWER_THREAD=0 in the environment: moed answers on the worker (the
+# A/B of the answer thread; docs/server.md "Metrics").
 #   tests/gpu/worker_phases.sh BINDIR LOGDIR
 # BINDIR as for moed_load.sh (tests/gpu/pack.sh's output); MOE_LOAD_DEVICE=cpu
 # is the dry run without a GPU (small layers). Other MOE_LOAD_* settings

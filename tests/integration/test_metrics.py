@@ -125,6 +125,11 @@ def test_histograms(tmp, repo):
         _, s = scrape(http_port)
         execs = [v for n, _, v in s if n == "moed_worker_executions_total"]
         check(execs and sum(execs) == ex, f"moed_worker_executions_total sums to the executions ({execs}, {ex})")
+        # merged batches' responses go to an answer thread only where one was asked for (CPU workers: by env)
+        asynced = sum(v for n, l, v in s if n == "moed_worker_phase_seconds_total" and l.get("phase") == "answer_async")
+        threaded = os.environ.get("MOED_ANSWER_THREAD") == "1"
+        check(asynced > 0 if threaded else asynced == 0,
+              f"answer_async {asynced} s: {'> 0 (MOED_ANSWER_THREAD=1)' if threaded else '0 (CPU workers answer inline)'}")
 
 
 def workers(samples, name):
@@ -133,7 +138,7 @@ def workers(samples, name):
     return got if len(got) == len([1 for n, _, _ in samples if n == name]) else None
 
 
-PHASES = ("gather", "prepare", "copy_in", "launch", "copy_out", "wait", "answer")
+PHASES = ("gather", "prepare", "copy_in", "launch", "copy_out", "wait", "answer", "answer_async")
 
 
 def phase_sums(samples):
