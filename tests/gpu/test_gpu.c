@@ -1441,9 +1441,11 @@ int main(void) {
   make_scales(scales, NSCALES);
 
   Suite *s = suite_create("gpu");
+  TCase *tb = tcase_create("backend"); /* alone: CK_RUN_CASE=backend */
+  tcase_add_test(tb, copies_gather_async);
+  suite_add_tcase(s, tb);
   TCase *tc = tcase_create("quant");
   tcase_set_timeout(tc, 3600);
-  tcase_add_test(tc, copies_gather_async);
   tcase_add_test(tc, per_tensor_static_exhaustive);
   tcase_add_test(tc, per_tensor_dynamic);
   tcase_add_test(tc, per_tensor_random_f32);
