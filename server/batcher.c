@@ -227,9 +227,9 @@ static void infer_job_run(moed_job *job, moe_backend *b) {
   if (!take(j)) return;
   if (j->raw) {
     moed_infer_req *r = moed_infer_decode(j->srv, j->raw);
-    if (r) moed_infer_run(j->srv, b, &r, 1);
+    if (r) moed_infer_run_timed(j->srv, b, &r, 1, job->phases, job->answerer);
   } else {
-    moed_infer_run(j->srv, b, j->reqs, j->n);
+    moed_infer_run_timed(j->srv, b, j->reqs, j->n, job->phases, job->answerer);
   }
   free(j);
 }

@@ -8,22 +8,46 @@
  * which holds batches while every worker is busy and work of their level
  * already waits (moed_devices_busy): they keep filling until one is free.
  * Which backend a device number opens is the library's business
- * (moe_backend_open); only moed_devices_create picks the numbers. */
+ * (moe_backend_open); only moed_devices_create picks the numbers.
+ *
+ * A GPU worker has an answer thread: the responses of a merged batch (a
+ * few microseconds each: encoding, gRPC, freeing) are sent there while
+ * the worker stages and launches its next batch, so the device does not
+ * idle through them. CPU workers answer on their own thread (their op
+ * wants every core anyway). MOED_ANSWER_THREAD=1 gives every worker one,
+ * =0 none (tests; A/B runs). */
 #include <pthread.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "moed.h"
 
-typedef struct worker {
+#define ANSWERS_MAX 4 /* merged batches queued on an answer thread; the worker waits beyond */
+
+typedef struct worker worker;
+
+/* A worker's answer thread and its queue (started and joined by the worker). */
+struct moed_answerer {
+  pthread_mutex_t mu;
+  pthread_cond_t cv; /* an answer queued, one done, or stopping */
+  moed_answer *head, *tail;
+  int n; /* queued or running */
+  bool stopping;
+  pthread_t thread;
+  worker *w;
+};
+
+struct worker {
   moed_devices *d;
   pthread_t thread;
   moe_backend *backend;
   moe_backend *fallback; /* GPU workers: a CPU backend for ops without a GPU kernel */
   unsigned trim_seen;    /* d->trim_gen when this worker last trimmed (d->mu) */
   moed_worker_load load; /* d->mu */
-} worker;
+  bool answers;          /* start an answer thread */
+};
 
 struct moed_devices {
   pthread_mutex_t mu;
@@ -104,9 +128,81 @@ static moed_job *take_locked(moed_devices *d) {
   return NULL;
 }
 
+static void *answer_main(void *arg) {
+  moed_answerer *q = arg;
+  moed_devices *d = q->w->d;
+  pthread_mutex_lock(&q->mu);
+  for (;;) {
+    while (!q->head && !q->stopping)
+      pthread_cond_wait(&q->cv, &q->mu);
+    moed_answer *a = q->head;
+    if (!a) break; /* stopping and nothing left */
+    q->head = a->next;
+    if (!q->head) q->tail = NULL;
+    pthread_mutex_unlock(&q->mu);
+    const uint64_t t0 = moed_now_ns();
+    a->run(a);
+    const uint64_t took = moed_now_ns() - t0;
+    pthread_mutex_lock(&d->mu);
+    q->w->load.phases.ns[MOED_PHASE_ANSWER_ASYNC] += took;
+    pthread_mutex_unlock(&d->mu);
+    pthread_mutex_lock(&q->mu);
+    q->n--;
+    pthread_cond_broadcast(&q->cv);
+  }
+  pthread_mutex_unlock(&q->mu);
+  return NULL;
+}
+
+void moed_answerer_post(moed_answerer *q, moed_answer *a) {
+  a->next = NULL;
+  pthread_mutex_lock(&q->mu);
+  while (q->n >= ANSWERS_MAX)
+    pthread_cond_wait(&q->cv, &q->mu);
+  if (q->tail)
+    q->tail->next = a;
+  else
+    q->head = a;
+  q->tail = a;
+  q->n++;
+  pthread_cond_broadcast(&q->cv);
+  pthread_mutex_unlock(&q->mu);
+}
+
+/* w's answer thread; NULL (answers on the worker) when not wanted or not started. */
+static moed_answerer *answerer_start(worker *w) {
+  if (!w->answers) return NULL;
+  moed_answerer *q = calloc(1, sizeof *q);
+  if (!q) return NULL;
+  q->w = w;
+  pthread_mutex_init(&q->mu, NULL);
+  pthread_cond_init(&q->cv, NULL);
+  if (pthread_create(&q->thread, NULL, answer_main, q) == 0) return q;
+  pthread_cond_destroy(&q->cv);
+  pthread_mutex_destroy(&q->mu);
+  free(q);
+  moed_log(MOED_LOG_WARN, "answer_thread", "%s: no answer thread: answers on the worker",
+           moe_backend_name(w->backend));
+  return NULL;
+}
+
+/* Sends what is queued, then ends the thread. */
+static void answerer_stop(moed_answerer *q) {
+  if (!q) return;
+  pthread_mutex_lock(&q->mu);
+  q->stopping = true;
+  pthread_cond_broadcast(&q->cv);
+  pthread_mutex_unlock(&q->mu);
+  pthread_join(q->thread, NULL);
+  pthread_cond_destroy(&q->cv);
+  pthread_mutex_destroy(&q->mu);
+  free(q);
+}
+
 static void *worker_main(void *arg) {
   worker *w = arg;
   moed_devices *d = w->d;
+  moed_answerer *answerer = answerer_start(w);
   pthread_mutex_lock(&d->mu);
   for (;;) {
     while (!d->queued && !d->stopping && w->trim_seen == d->trim_gen)
@@ -123,15 +219,22 @@ static void *worker_main(void *arg) {
     d->running++;
     w->load.busy = true;
     pthread_mutex_unlock(&d->mu);
-    job->run(job, w->backend);
+    moed_phases ph = {{0}, 0}; /* this job's, added below under the lock /metrics reads with */
+    job->phases = &ph;
+    job->answerer = answerer;
+    job->run(job, w->backend); /* may free job */
     pthread_mutex_lock(&d->mu);
     d->running--;
     w->load.busy = false;
     w->load.jobs++;
+    for (int p = 0; p < MOED_PHASES; p++)
+      w->load.phases.ns[p] += ph.ns[p];
+    w->load.phases.executions += ph.executions;
     poll_locked(d); /* the job may have dropped a set's last use */
     if (d->on_free) d->on_free(d->on_free_arg);
   }
   pthread_mutex_unlock(&d->mu);
+  answerer_stop(answerer); /* every answer sent before the worker is joined */
   return NULL;
 }
 
@@ -160,6 +263,8 @@ int moed_devices_create(const moed_config *cfg, moed_devices **out) {
   int n = gpus ? gpus : cfg->workers;
   d->workers = calloc((size_t)n, sizeof *d->workers);
   if (!d->workers) goto fail;
+  const char *at = getenv("MOED_ANSWER_THREAD"); /* unset: GPU workers; 1: every worker; 0: none */
+  const bool answers_all = at && strcmp(at, "1") == 0, answers_none = at && strcmp(at, "0") == 0;
   int threads = cfg->threads_per_worker;
   if (threads <= 0) {
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
@@ -172,6 +277,7 @@ int moed_devices_create(const moed_config *cfg, moed_devices **out) {
     w->d = d;
     moe_status s = moe_backend_open(gpus ? i : MOE_BACKEND_HOST, threads, &w->backend, &err);
     if (!s && gpus) s = moe_backend_open(MOE_BACKEND_HOST, threads, &w->fallback, &err);
+    w->answers = !answers_none && (answers_all || (!s && !moe_backend_is_host(w->backend)));
     if (s != MOE_OK) {
       moed_log(MOED_LOG_ERROR, "backend_failed", "worker %d: %s", i, err.msg);
       moe_backend_destroy(w->backend);

@@ -263,6 +263,23 @@ static void render_metrics(moed_http *h, wbuf *b) {
     for (int i = 0; names && i < nw; i++)
       wb_printf(b, "moed_worker_jobs_total{worker=\"%d\",backend=\"%s\"} %llu\n", i, names[i],
                 (unsigned long long)wl[i].jobs);
+    wb_printf(b, "# HELP moed_worker_executions_total Op calls (a merged batch, or one request) each device "
+                 "worker has run: what moed_worker_phase_seconds_total is spent on.\n"
+                 "# TYPE moed_worker_executions_total counter\n");
+    for (int i = 0; names && i < nw; i++)
+      wb_printf(b, "moed_worker_executions_total{worker=\"%d\",backend=\"%s\"} %llu\n", i, names[i],
+                (unsigned long long)wl[i].phases.executions);
+    static const char *const phase[MOED_PHASES] = MOED_PHASE_NAMES;
+    wb_printf(b,
+              "# HELP moed_worker_phase_seconds_total Seconds each device worker spent per phase of its "
+              "executions: gather (requests merged), prepare (call and memory), copy_in, launch (the op "
+              "run; on a GPU its kernels queued), copy_out (queued), wait (the device finishing), answer "
+              "(responses sent, or handed to the answer thread), answer_async (the worker's answer thread, "
+              "beside its next batch).\n# TYPE moed_worker_phase_seconds_total counter\n");
+    for (int i = 0; names && i < nw; i++)
+      for (int p = 0; p < MOED_PHASES; p++)
+        wb_printf(b, "moed_worker_phase_seconds_total{worker=\"%d\",backend=\"%s\",phase=\"%s\"} %.9f\n", i,
+                  names[i], phase[p], (double)wl[i].phases.ns[p] / 1e9);
     free(names);
   }
   free(wl);

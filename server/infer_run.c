@@ -2,21 +2,40 @@
  * request's outputs (infer_req.h). Requests with the same batch key run as
  * one call along the first axis, whose outputs are split back by rows;
  * inputs and outputs are staged into the backend's memory (none of that on
- * host backends, whose outputs go to gRPC as slices without a copy). */
+ * host backends, whose outputs go to gRPC as slices without a copy). On a
+ * device, per call: the inputs in one allocation with one gathered copy,
+ * the op's kernels queued behind it without a wait, the outputs' copies
+ * queued behind those, and one synchronize; each step's time goes to the
+ * worker's phase sums (moed_phases). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "infer_req.h"
+
+/* The phase clock of one job: each lap's time since the last goes to a
+ * phase of ph (NULL: only the clock runs). */
+typedef struct laps {
+  moed_phases *ph;
+  uint64_t at;
+} laps;
+
+static void lap(laps *l, moed_phase p) {
+  const uint64_t now = moed_now_ns();
+  if (l->ph) l->ph->ns[p] += now - l->at;
+  l->at = now;
+}
 
 /* One op call and the memory it uses. */
 typedef struct run_ctx {
   moed_server *srv;
   moe_backend *b;
   moe_call *call;
-  void *device_in[MOED_MAX_TENSORS]; /* device copies of inputs (non-host backends) */
-  void *outputs[MOED_MAX_TENSORS];   /* output buffers (backend memory) */
-  void *host_out[MOED_MAX_TENSORS];  /* host copies (non-host backends) */
-  moed_weights *cached;              /* inline fused_moe weights from the cache */
+  laps *laps;
+  void *device_in;                  /* one block for the device copies of every input (non-host backends) */
+  bool out_queued;                  /* copies to host_out queued, not yet synchronized */
+  void *outputs[MOED_MAX_TENSORS];  /* output buffers (backend memory) */
+  void *host_out[MOED_MAX_TENSORS]; /* host copies (non-host backends) */
+  moed_weights *cached;             /* inline fused_moe weights from the cache */
   size_t num_out;
   moed_infer_req **reqs; /* the requests the call serves (its stop check) */
   size_t n_reqs;
@@ -62,8 +81,10 @@ grpc_status_code moed_infer_unwanted(const moed_server *srv, const moed_infer_re
 }
 
 static void ctx_cleanup(run_ctx *c) {
+  /* a copy into host_out still queued (an error after it): done before host_out goes */
+  if (c->out_queued) moe_backend_synchronize(c->b);
+  if (c->device_in) moe_backend_free(c->b, c->device_in);
   for (size_t i = 0; i < MOED_MAX_TENSORS; i++) {
-    if (c->device_in[i]) moe_backend_free(c->b, c->device_in[i]);
     if (c->outputs[i]) {
       if (moe_backend_is_host(c->b))
         moed_hostmem_free(c->outputs[i]);
@@ -100,23 +121,43 @@ static void bind_cached_weights(run_ctx *c, const moed_model *m, bool *done) {
   }
 }
 
+#define DEVICE_ALIGN 256 /* each input's place in the inputs' block: the alignment of a block of its own */
+
+/* The inputs to the device (non-host backends): one block holds them all,
+ * each at a DEVICE_ALIGN offset, filled by one gathered copy. */
+static grpc_status_code inputs_to_device(run_ctx *c, const bool *done) {
+  const void *src[MOED_MAX_TENSORS];
+  size_t off[MOED_MAX_TENSORS], len[MOED_MAX_TENSORS], idx[MOED_MAX_TENSORS], n = 0, end = 0;
+  for (size_t i = 0; i < moe_call_num_inputs(c->call) && i < MOED_MAX_TENSORS; i++) {
+    const moe_named_tensor *t = moe_call_input(c->call, i);
+    if (done[i] || !t->name || !t->tensor.data || !t->tensor.nbytes) continue;
+    if (end > SIZE_MAX - DEVICE_ALIGN || t->tensor.nbytes > SIZE_MAX - DEVICE_ALIGN - end)
+      return moed_failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "device memory exhausted for input '%s'",
+                        t->name);
+    src[n] = t->tensor.data;
+    off[n] = (end + DEVICE_ALIGN - 1) & ~(size_t)(DEVICE_ALIGN - 1);
+    len[n] = t->tensor.nbytes;
+    idx[n++] = i;
+    end = off[n - 1] + len[n - 1];
+  }
+  if (!n) return GRPC_STATUS_OK;
+  if (moe_backend_alloc(c->b, end, &c->device_in) != MOE_OK)
+    return moed_failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "device memory exhausted for input '%s'",
+                      moe_call_input(c->call, idx[0])->name);
+  if (moe_backend_copy_in_gather(c->b, c->device_in, src, off, len, n) != MOE_OK)
+    return moed_failf(c->err, GRPC_STATUS_INTERNAL, "copy of input '%s' to the device failed",
+                      moe_call_input(c->call, idx[0])->name);
+  for (size_t k = 0; k < n; k++)
+    moe_call_input(c->call, idx[k])->tensor.data = (char *)c->device_in + off[k];
+  return GRPC_STATUS_OK;
+}
+
+/* Backend memory for the outputs and (devices) the inputs, copied in. */
 static grpc_status_code bind_memory(run_ctx *c, const moed_model *m) {
   moe_backend *b = c->b;
   bool host = moe_backend_is_host(b);
   bool done[MOED_MAX_TENSORS] = {false};
   bind_cached_weights(c, m, done);
-  if (!host) { /* inputs to the device */
-    for (size_t i = 0; i < moe_call_num_inputs(c->call) && i < MOED_MAX_TENSORS; i++) {
-      moe_named_tensor *t = moe_call_input(c->call, i);
-      if (done[i] || !t->name || !t->tensor.data || !t->tensor.nbytes) continue;
-      if (moe_backend_alloc(b, t->tensor.nbytes, &c->device_in[i]) != MOE_OK)
-        return moed_failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "device memory exhausted for input '%s'",
-                          t->name);
-      if (moe_backend_copy_in(b, c->device_in[i], t->tensor.data, t->tensor.nbytes) != MOE_OK)
-        return moed_failf(c->err, GRPC_STATUS_INTERNAL, "copy of input '%s' to the device failed", t->name);
-      t->tensor.data = c->device_in[i];
-    }
-  }
   for (size_t i = 0; i < c->num_out; i++) {
     moe_named_tensor *o = moe_call_output(c->call, i);
     void *p = NULL;
@@ -129,37 +170,44 @@ static grpc_status_code bind_memory(run_ctx *c, const moed_model *m) {
     c->outputs[i] = p;
     o->tensor.data = p;
   }
+  lap(c->laps, MOED_PHASE_PREPARE);
+  if (host) return GRPC_STATUS_OK;
+  grpc_status_code code = inputs_to_device(c, done);
+  lap(c->laps, MOED_PHASE_COPY_IN);
+  return code;
+}
+
+/* Non-host backends: the outputs' copies to host buffers, queued behind
+ * the op (complete at the next synchronize). */
+static grpc_status_code queue_copy_out(run_ctx *c) {
+  for (size_t i = 0; i < c->num_out; i++) {
+    moe_named_tensor *o = moe_call_output(c->call, i);
+    c->host_out[i] = moed_hostmem_alloc(o->tensor.nbytes);
+    if (!c->host_out[i])
+      return moed_failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for output '%s'", o->name);
+    c->out_queued = true;
+    if (moe_backend_copy_out_async(c->b, c->host_out[i], o->tensor.data, o->tensor.nbytes) != MOE_OK)
+      return moed_failf(c->err, GRPC_STATUS_INTERNAL, "copy of output '%s' from the device failed", o->name);
+  }
   return GRPC_STATUS_OK;
 }
 
 /* Host buffers of the outputs: the outputs themselves on host backends,
- * copies otherwise. Ownership moves to the caller (take[i]). */
-static grpc_status_code copy_out(run_ctx *c, void **take) {
+ * the copies otherwise. Ownership moves to the caller (take[i]). */
+static void take_outputs(run_ctx *c, void **take) {
   bool host = moe_backend_is_host(c->b);
-  for (size_t i = 0; i < c->num_out; i++) {
-    moe_named_tensor *o = moe_call_output(c->call, i);
-    if (!host) {
-      c->host_out[i] = moed_hostmem_alloc(o->tensor.nbytes);
-      if (!c->host_out[i])
-        return moed_failf(c->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for output '%s'", o->name);
-      if (moe_backend_copy_out(c->b, c->host_out[i], o->tensor.data, o->tensor.nbytes) != MOE_OK)
-        return moed_failf(c->err, GRPC_STATUS_INTERNAL, "copy of output '%s' from the device failed",
-                          o->name);
-    }
-  }
-  if (!host && moe_backend_synchronize(c->b) != MOE_OK)
-    return moed_failf(c->err, GRPC_STATUS_INTERNAL, "device synchronize failed");
   for (size_t i = 0; i < c->num_out; i++) {
     void **owner = host ? &c->outputs[i] : &c->host_out[i];
     take[i] = *owner;
     *owner = NULL;
   }
-  return GRPC_STATUS_OK;
 }
 
 /* prepare + memory + run + outputs to the host; on error c->err. The
  * caller sets t->start_ns where its staging began; t's input, infer and
- * output (the copy to the host) are filled here. */
+ * output are filled here. On a device the outputs' copies are queued
+ * behind the op and waited for with it: infer is the op and that copy (a
+ * few microseconds for decode batches), output the host's part of it. */
 static grpc_status_code run_call(run_ctx *c, const moed_model *m, const moe_named_tensor *in, size_t n_in,
                                  const moe_param *params, size_t n_params, void **host_outs, moed_timing *t) {
   moe_params mp = {params, n_params};
@@ -176,21 +224,29 @@ static grpc_status_code run_call(run_ctx *c, const moed_model *m, const moe_name
     return moed_failf(c->err, GRPC_STATUS_INTERNAL, "op has too many outputs");
   grpc_status_code code = bind_memory(c, m);
   if (code) return code;
-  const uint64_t staged = moed_now_ns();
+  const uint64_t staged = c->laps->at; /* bind_memory's last lap */
   t->input_ns = staged - t->start_ns;
   moe_call_set_stop(c->call, run_stop, c);
+  if (c->laps->ph) c->laps->ph->executions++;
   ms = moe_call_run(c->call, c->b, &err);
+  lap(c->laps, MOED_PHASE_LAUNCH);
   c->stopped = ms == MOE_ECANCELLED;
   if (ms != MOE_OK) return moed_failf(c->err, moed_status_from_moe(ms), "%s", err.msg);
-  /* a device runs the op asynchronously: waiting here puts its time in
-   * compute_infer rather than in the output copy that would wait for it */
-  if (!moe_backend_is_host(c->b) && moe_backend_synchronize(c->b) != MOE_OK)
-    return moed_failf(c->err, GRPC_STATUS_INTERNAL, "device synchronize failed");
-  const uint64_t ran = moed_now_ns();
+  if (!moe_backend_is_host(c->b)) {
+    /* no wait before the copies: they start when the op ends, on the device */
+    code = queue_copy_out(c);
+    lap(c->laps, MOED_PHASE_COPY_OUT);
+    if (code) return code;
+    c->out_queued = false;
+    const moe_status sync = moe_backend_synchronize(c->b);
+    lap(c->laps, MOED_PHASE_WAIT);
+    if (sync != MOE_OK) return moed_failf(c->err, GRPC_STATUS_INTERNAL, "device synchronize failed");
+  }
+  const uint64_t ran = c->laps->at;
   t->infer_ns = ran - staged;
-  code = copy_out(c, host_outs);
+  take_outputs(c, host_outs);
   t->output_ns = moed_now_ns() - ran;
-  return code;
+  return GRPC_STATUS_OK;
 }
 
 /* r's response, from outputs in host memory. */
@@ -201,11 +257,12 @@ static grpc_status_code encode(const moed_server *srv, const moed_infer_req *r, 
                             srv->cfg->max_message_bytes, outs, data, num_out, out, bytes_out, err);
 }
 
-static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r) {
+static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r, laps *l) {
   run_ctx c;
   memset(&c, 0, sizeof c);
   c.srv = srv;
   c.b = b;
+  c.laps = l;
   c.reqs = &r;
   c.n_reqs = 1;
   moed_timing t = {0};
@@ -216,7 +273,8 @@ static void run_single(moed_server *srv, moe_backend *b, moed_infer_req *r) {
   size_t nd = 0;
   grpc_status_code code = moed_infer_unwanted(srv, r, false, c.err);
   if (code) goto done;
-  t.start_ns = moed_now_ns();
+  lap(l, MOED_PHASE_GATHER);
+  t.start_ns = l->at;
   code = run_call(&c, r->model, r->in, r->n_in, r->params, r->n_params, host, &t);
   if (c.stopped) code = moed_infer_unwanted(srv, r, true, c.err);
   if (code) goto done;
@@ -238,6 +296,7 @@ done:
     moed_hostmem_free(host[i]);
   ctx_cleanup(&c);
   moed_infer_finish(srv, r, code, c.err, resp, &t, bytes_out);
+  lap(l, MOED_PHASE_ANSWER);
 }
 
 /* The outputs of a merged call, shared by the slices of every request's
@@ -255,9 +314,61 @@ static void shared_unref(void *p) {
   free(s);
 }
 
+/* The responses of a merged call: each request's rows of the outputs. */
+typedef struct merged_answer {
+  moed_answer base; /* on the answer thread */
+  moed_server *srv;
+  shared_outputs *shared; /* one reference, dropped when done */
+  moed_timing t;          /* the batch's */
+  size_t num_out, n;
+  moe_named_tensor outs[MOED_MAX_TENSORS];
+  size_t out_row[MOED_MAX_TENSORS]; /* bytes per row of each output */
+  moed_infer_req **reqs;            /* answered and freed here */
+  moed_infer_req *own[];            /* reqs on the answer thread */
+} merged_answer;
+
+static void answer_merged(merged_answer *a) {
+  shared_outputs *shared = a->shared;
+  int64_t row = 0;
+  for (size_t k = 0; k < a->n; k++) {
+    moed_infer_req *rk = a->reqs[k];
+    moed_timing tk = a->t; /* the batch's times, and this request's encoding */
+    const uint64_t encoding = moed_now_ns();
+    moe_named_tensor mine[MOED_MAX_TENSORS];
+    grpc_slice data[MOED_MAX_TENSORS];
+    for (size_t i = 0; i < a->num_out; i++) {
+      mine[i] = a->outs[i];
+      mine[i].tensor.shape[0] = rk->rows;
+      mine[i].tensor.nbytes = a->out_row[i] * (size_t)rk->rows;
+      data[i] = grpc_slice_new_with_user_data((uint8_t *)shared->buf[i] + a->out_row[i] * (size_t)row,
+                                              mine[i].tensor.nbytes, shared_unref, shared);
+    }
+    row += rk->rows;
+    grpc_byte_buffer *resp = NULL;
+    uint64_t bytes_out = 0;
+    char err[MOED_ERR_LEN];
+    grpc_status_code code = moed_infer_shm_outputs(rk, mine, data, a->num_out, err);
+    if (!code) code = encode(a->srv, rk, mine, data, a->num_out, &resp, &bytes_out, err);
+    for (size_t i = 0; i < a->num_out; i++)
+      grpc_slice_unref(data[i]);
+    tk.output_ns += moed_now_ns() - encoding;
+    moed_infer_finish(a->srv, rk, code, err, resp, &tk, bytes_out);
+    a->reqs[k] = NULL;
+  }
+  shared_unref(shared);
+}
+
+static void answer_async(moed_answer *base) {
+  merged_answer *a = (merged_answer *)base;
+  answer_merged(a);
+  free(a);
+}
+
 /* Runs reqs (same batch key, all still wanted) as one call along the first
- * axis. false: merging was refused (the caller runs them one by one). */
-static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n) {
+ * axis, answered on answerer when there is one; false: merging was refused
+ * (the caller runs them one by one). */
+static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n, laps *l,
+                       moed_answerer *answerer) {
   moed_infer_req *r0 = reqs[0];
   /* the call borrows the model's set: held until the call is gone, since
    * the requests (and their references) are freed as they are answered */
@@ -271,6 +382,7 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
   memset(&c, 0, sizeof c);
   c.srv = srv;
   c.b = b;
+  c.laps = l;
   c.reqs = reqs;
   c.n_reqs = n;
   bool ok = false;
@@ -300,6 +412,7 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
     in[i].tensor.shape[0] = total;
     in[i].tensor.nbytes = bytes;
   }
+  lap(l, MOED_PHASE_GATHER);
   if (run_call(&c, r0->model, in, r0->n_in, r0->params, r0->n_params, host, &t)) {
     if (!c.stopped) goto out;
     for (size_t k = 0; k < n; k++) { /* stopped: answered here, not run again one by one */
@@ -329,33 +442,29 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
   memset(host, 0, sizeof host);
   atomic_init(&shared->refs, 1 + n * c.num_out);
   ok = true;
-  int64_t row = 0;
-  for (size_t k = 0; k < n; k++) {
-    moed_infer_req *rk = reqs[k];
-    moed_timing tk = t; /* the batch's times, and this request's encoding */
-    const uint64_t encoding = moed_now_ns();
-    moe_named_tensor mine[MOED_MAX_TENSORS];
-    grpc_slice data[MOED_MAX_TENSORS];
-    for (size_t i = 0; i < c.num_out; i++) {
-      mine[i] = outs[i];
-      mine[i].tensor.shape[0] = rk->rows;
-      mine[i].tensor.nbytes = out_row[i] * (size_t)rk->rows;
-      data[i] = grpc_slice_new_with_user_data((uint8_t *)shared->buf[i] + out_row[i] * (size_t)row,
-                                              mine[i].tensor.nbytes, shared_unref, shared);
-    }
-    row += rk->rows;
-    grpc_byte_buffer *resp = NULL;
-    uint64_t bytes_out = 0;
-    char err[MOED_ERR_LEN];
-    grpc_status_code code = moed_infer_shm_outputs(rk, mine, data, c.num_out, err);
-    if (!code) code = encode(srv, rk, mine, data, c.num_out, &resp, &bytes_out, err);
-    for (size_t i = 0; i < c.num_out; i++)
-      grpc_slice_unref(data[i]);
-    tk.output_ns += moed_now_ns() - encoding;
-    moed_infer_finish(srv, rk, code, err, resp, &tk, bytes_out);
-    reqs[k] = NULL;
+  merged_answer here, *a = NULL; /* on the answer thread: a copy of reqs, freed there */
+  if (answerer && n <= (SIZE_MAX - sizeof *a) / sizeof *reqs && (a = malloc(sizeof *a + n * sizeof *reqs))) {
+    memcpy(a->own, reqs, n * sizeof *reqs);
+    a->reqs = a->own;
+  } else {
+    a = &here;
+    a->reqs = reqs;
   }
-  shared_unref(shared);
+  a->base.run = answer_async;
+  a->srv = srv;
+  a->shared = shared;
+  a->t = t;
+  a->num_out = c.num_out;
+  a->n = n;
+  memcpy(a->outs, outs, sizeof outs);
+  memcpy(a->out_row, out_row, sizeof out_row);
+  if (a == &here) {
+    answer_merged(a);
+  } else {
+    moed_answerer_post(answerer, &a->base);
+    for (size_t k = 0; k < n; k++)
+      reqs[k] = NULL; /* the answer thread's now */
+  }
 out:
   for (size_t i = 0; i < MOED_MAX_TENSORS; i++) {
     moed_hostmem_free(merged[i]);
@@ -363,10 +472,17 @@ out:
   }
   ctx_cleanup(&c);
   moed_model_release(model);
+  lap(l, MOED_PHASE_ANSWER);
   return ok;
 }
 
 void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n) {
+  moed_infer_run_timed(srv, b, reqs, n, NULL, NULL);
+}
+
+void moed_infer_run_timed(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n, moed_phases *ph,
+                          moed_answerer *answerer) {
+  laps l = {ph, moed_now_ns()};
   size_t live = 0;
   for (size_t k = 0; k < n; k++) { /* answer what failed or is no longer wanted */
     moed_infer_req *r = reqs[k];
@@ -382,7 +498,7 @@ void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, siz
   /* every request here is for one model (the batch key): an op this
    * backend has no kernel for runs on the worker's host fallback */
   if (live && b && !moe_op_supported(reqs[0]->model->op, b)) b = moed_devices_fallback(srv->devices, b);
-  if (live > 1 && run_merged(srv, b, reqs, live)) return;
+  if (live > 1 && run_merged(srv, b, reqs, live, &l, answerer)) return;
   for (size_t k = 0; k < live; k++)
-    run_single(srv, b, reqs[k]);
+    run_single(srv, b, reqs[k], &l);
 }

@@ -430,6 +430,43 @@ typedef struct moed_devices moed_devices;
 typedef struct moed_job moed_job;
 typedef void (*moed_job_fn)(moed_job *job, moe_backend *b);
 
+/* Where a device worker's time goes per execution (one op call: a merged
+ * batch, or one request), in the order an execution passes through them
+ * (infer_run.c; /metrics moed_worker_phase_seconds_total). On a GPU the
+ * kernels run between the launch and the end of the wait: the wait is the
+ * device time the host did not hide. MOED_PHASE_NAMES: their label values. */
+typedef enum moed_phase {
+  MOED_PHASE_GATHER,   /* requests checked, rows merged into one host buffer */
+  MOED_PHASE_PREPARE,  /* the op's call prepared, backend memory bound */
+  MOED_PHASE_COPY_IN,  /* inputs queued to the device (host side of the copies) */
+  MOED_PHASE_LAUNCH,   /* the op run (a device: its kernels queued) */
+  MOED_PHASE_COPY_OUT, /* a device: the outputs' copies to host buffers queued behind the op */
+  MOED_PHASE_WAIT,     /* a device: the one synchronize (the op, those copies, their bytes into place) */
+  MOED_PHASE_ANSWER, /* responses encoded and sent, statistics, memory freed (or handed to the answer thread)
+                      */
+  MOED_PHASE_ANSWER_ASYNC, /* the worker's answer thread: merged batches' responses, beside the next batch */
+  MOED_PHASES
+} moed_phase;
+#define MOED_PHASE_NAMES                                                                                     \
+  { "gather", "prepare", "copy_in", "launch", "copy_out", "wait", "answer", "answer_async" }
+/* The responses of a merged batch, encoded and sent on the worker's answer
+ * thread (devices.c) while the worker goes on to its next batch; run does
+ * it and frees a. */
+typedef struct moed_answer moed_answer;
+struct moed_answer {
+  moed_answer *next;
+  void (*run)(moed_answer *a);
+};
+typedef struct moed_answerer moed_answerer;
+/* Queues a on q's thread, in order; waits while a few are queued already
+ * (the bound). Only the worker that owns q (its job's answerer). */
+void moed_answerer_post(moed_answerer *q, moed_answer *a);
+/* A worker's sums over its executions (clock_gettime MONOTONIC; nothing allocated). */
+typedef struct moed_phases {
+  uint64_t ns[MOED_PHASES];
+  uint64_t executions; /* op calls that reached the backend (the ones timed) */
+} moed_phases;
+
 /* Request priority levels as Triton's queue policy numbers them: 1 is the
  * highest, MOED_PRIORITY_LEVELS the lowest; a request without one (or 0)
  * gets MOED_PRIORITY_DEFAULT. Higher levels leave the device queues first. */
@@ -437,11 +474,13 @@ typedef void (*moed_job_fn)(moed_job *job, moe_backend *b);
 #define MOED_PRIORITY_DEFAULT 2
 
 struct moed_job {
-  moed_job *next, *prev; /* in its queue (devices.c, under its lock) */
-  bool queued;           /* in a queue, not yet taken by a worker nor withdrawn (devices.c) */
-  moed_job_fn run;       /* on a worker thread */
-  moed_job_fn cancel;    /* instead of run when the queues stop (b NULL) */
-  int priority;          /* 1..MOED_PRIORITY_LEVELS; 0: MOED_PRIORITY_DEFAULT */
+  moed_job *next, *prev;   /* in its queue (devices.c, under its lock) */
+  bool queued;             /* in a queue, not yet taken by a worker nor withdrawn (devices.c) */
+  moed_job_fn run;         /* on a worker thread */
+  moed_job_fn cancel;      /* instead of run when the queues stop (b NULL) */
+  int priority;            /* 1..MOED_PRIORITY_LEVELS; 0: MOED_PRIORITY_DEFAULT */
+  moed_phases *phases;     /* set by the worker before run: where run adds its executions' times */
+  moed_answerer *answerer; /* set by the worker before run: its answer thread; NULL: answer on the worker */
 };
 
 int moed_devices_create(const moed_config *cfg, moed_devices **out);
@@ -479,8 +518,9 @@ void moed_devices_poll(moed_devices *d);
 int moed_devices_count(const moed_devices *d);
 /* One worker's share of the load (/metrics: per device). */
 typedef struct moed_worker_load {
-  bool busy;     /* running a job now */
-  uint64_t jobs; /* jobs it has run */
+  bool busy;          /* running a job now */
+  uint64_t jobs;      /* jobs it has run */
+  moed_phases phases; /* of the jobs it has finished */
 } moed_worker_load;
 /* Jobs waiting in the device queues per priority level (queued[0]: level
  * 1) and, when workers is not NULL, each worker's load (moed_devices_count
@@ -582,8 +622,13 @@ bool moed_infer_failed(const moed_infer_req *r);
  * model_name. */
 bool moed_infer_inline_ok(moed_server *srv, grpc_byte_buffer *payload);
 /* infer_run.c: runs reqs[0..n) (one merged call when n > 1; each alone
- * when merging is refused), answers each, records statistics, frees them. */
+ * when merging is refused), answers each, records statistics, frees them.
+ * moed_infer_run_timed also adds each execution's phase times to *ph (a
+ * device worker's; NULL: not kept) and answers merged batches on answerer
+ * (NULL: here). */
 void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n);
+void moed_infer_run_timed(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n, moed_phases *ph,
+                          moed_answerer *answerer);
 /* infer_answer.c: answers r with `code` (stream: an error message on the
  * stream) and frees it; it never ran. */
 void moed_infer_reject(moed_server *srv, moed_infer_req *r, grpc_status_code code, const char *why);

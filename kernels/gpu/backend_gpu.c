@@ -52,6 +52,14 @@ typedef struct packed_entry {
   struct packed_entry *next;
 } packed_entry;
 
+/* A device -> host copy queued by gpu_copy_out_async: its bytes wait at
+ * stage[1] + off until the host copies them to dst (pending_finish). */
+typedef struct pending_out {
+  void *dst;
+  size_t off, len;
+} pending_out;
+#define PENDING_MAX 16 /* copies queued at once; more: the first ones are completed */
+
 typedef struct gpu_ctx {
   int device;
   int sm_count;
@@ -65,6 +73,9 @@ typedef struct gpu_ctx {
   size_t ws_size;
   void *stage[2]; /* pinned host staging, STAGE_CHUNK each */
   hipEvent_t stage_done[2];
+  pending_out pending[PENDING_MAX]; /* into stage[1], in stream order */
+  int n_pending;
+  size_t pending_end;       /* bytes of stage[1] they use */
   set_entry *sets;          /* a short list: a worker serves a few sets */
   packed_entry *packed;     /* most recently used first, at most MOE_GPU_PACKED_INLINE */
   size_t resident;          /* pool bytes of sets and packed entries */
@@ -264,8 +275,23 @@ moe_status moe_gpu_enter(moe_backend *b, moe_error *err) {
 
 static void packed_drop_overlapping(moe_backend *b, const void *p, size_t n);
 
+/* Completes the queued device -> host copies: waits for the last (or not,
+ * `synced`: the stream is idle) and copies their bytes out of stage[1].
+ * Every use of the staging buffers comes after it. */
+static moe_status pending_finish(gpu_ctx *ctx, bool synced) {
+  if (!ctx->n_pending) return MOE_OK;
+  const bool ok = synced || hipEventSynchronize(ctx->stage_done[1]) == hipSuccess;
+  for (int i = 0; ok && i < ctx->n_pending; i++)
+    memcpy(ctx->pending[i].dst, (const char *)ctx->stage[1] + ctx->pending[i].off, ctx->pending[i].len);
+  ctx->n_pending = 0;
+  ctx->pending_end = 0;
+  return ok ? MOE_OK : MOE_EDEVICE;
+}
+
 static moe_status gpu_copy_in(moe_backend *b, void *dst, const void *src, size_t n) {
   gpu_ctx *ctx = b->context;
+  moe_status s = pending_finish(ctx, false);
+  if (s) return s;
   packed_drop_overlapping(b, dst, n);
   for (size_t off = 0, k = 0; off < n; off += STAGE_CHUNK, k++) {
     int i = (int)(k & 1);
@@ -280,9 +306,41 @@ static moe_status gpu_copy_in(moe_backend *b, void *dst, const void *src, size_t
   return MOE_OK;
 }
 
+/* Small inputs of one call at once: one host copy into stage[0] and one
+ * transfer of their span (a call's inputs otherwise cost a transfer each,
+ * and the second waited for the first to leave stage[0]). Larger spans go
+ * piece by piece through gpu_copy_in's double buffering. */
+static moe_status gpu_copy_in_gather(moe_backend *b, void *dst, const void *const src[], const size_t off[],
+                                     const size_t nbytes[], size_t n) {
+  gpu_ctx *ctx = b->context;
+  size_t span = 0;
+  for (size_t i = 0; i < n; i++) { /* increasing, not overlapping: the span is the last end */
+    if (off[i] < span || nbytes[i] > SIZE_MAX - off[i]) return MOE_EINVAL;
+    span = off[i] + nbytes[i];
+  }
+  if (n < 2 || span > STAGE_CHUNK) {
+    for (size_t i = 0; i < n; i++) {
+      moe_status s = gpu_copy_in(b, (char *)dst + off[i], src[i], nbytes[i]);
+      if (s) return s;
+    }
+    return MOE_OK;
+  }
+  moe_status s = pending_finish(ctx, false);
+  if (s) return s;
+  packed_drop_overlapping(b, dst, span);
+  if (hipEventSynchronize(ctx->stage_done[0]) != hipSuccess) return MOE_EDEVICE;
+  for (size_t i = 0; i < n; i++)
+    memcpy((char *)ctx->stage[0] + off[i], src[i], nbytes[i]);
+  if (hipMemcpyAsync(dst, ctx->stage[0], span, hipMemcpyHostToDevice, ctx->stream) != hipSuccess)
+    return MOE_EDEVICE;
+  return hipEventRecord(ctx->stage_done[0], ctx->stream) == hipSuccess ? MOE_OK : MOE_EDEVICE;
+}
+
 /* Completes before returning: dst is filled. */
 static moe_status gpu_copy_out(moe_backend *b, void *dst, const void *src, size_t n) {
   gpu_ctx *ctx = b->context;
+  moe_status s = pending_finish(ctx, false);
+  if (s) return s;
   size_t prev_off = 0, prev_len = 0;
   int prev = -1;
   for (size_t off = 0, k = 0; off < n; off += STAGE_CHUNK, k++) {
@@ -305,6 +363,28 @@ static moe_status gpu_copy_out(moe_backend *b, void *dst, const void *src, size_
     if (hipEventSynchronize(ctx->stage_done[prev]) != hipSuccess) return MOE_EDEVICE;
     memcpy((char *)dst + prev_off, ctx->stage[prev], prev_len);
   }
+  return MOE_OK;
+}
+
+/* Queued behind the work on the stream, into stage[1], so that the copy
+ * starts when the op ends, without the host between them; completed by
+ * the next synchronize (or any copy: pending_finish). Nothing waits here
+ * for stage[1]: every earlier use of it is ordered before on the stream,
+ * and the host touches it only after pending_finish. */
+static moe_status gpu_copy_out_async(moe_backend *b, void *dst, const void *src, size_t n) {
+  gpu_ctx *ctx = b->context;
+  if (n > STAGE_CHUNK) return gpu_copy_out(b, dst, src, n); /* complete at once: allowed */
+  if (ctx->n_pending == PENDING_MAX || n > STAGE_CHUNK - ctx->pending_end) {
+    moe_status s = pending_finish(ctx, false);
+    if (s) return s;
+  }
+  const size_t off = ctx->pending_end;
+  if (hipMemcpyAsync((char *)ctx->stage[1] + off, src, n, hipMemcpyDeviceToHost, ctx->stream) != hipSuccess ||
+      hipEventRecord(ctx->stage_done[1], ctx->stream) != hipSuccess)
+    return MOE_EDEVICE;
+  ctx->pending[ctx->n_pending++] = (pending_out){dst, off, n};
+  const size_t end = off + n, aligned = (end + 255) & ~(size_t)255; /* n <= STAGE_CHUNK: no overflow */
+  ctx->pending_end = aligned < STAGE_CHUNK ? aligned : STAGE_CHUNK;
   return MOE_OK;
 }
 
@@ -494,16 +574,24 @@ moe_status moe_gpu_inline_packed(moe_backend *b, const moe_expert_set *set,
   return MOE_OK;
 }
 
-/* The API's free: a buffer a packed copy was made from takes that copy along. */
+/* The API's free: a buffer a packed copy was made from takes that copy
+ * along (anywhere in the block: gathered inputs share one). */
 static void gpu_free(moe_backend *b, void *ptr) {
   if (!ptr) return;
-  packed_drop_overlapping(b, ptr, 1);
+  gpu_ctx *ctx = b->context;
+  const size_t slot = live_find(ctx, ptr);
+  packed_drop_overlapping(b, ptr, slot == SIZE_MAX ? 1 : class_bytes(ctx->live[slot].cls));
   pool_free(b, ptr);
 }
 
 static moe_status gpu_sync(moe_backend *b) {
   gpu_ctx *ctx = b->context;
-  return hipStreamSynchronize(ctx->stream) == hipSuccess ? MOE_OK : MOE_EDEVICE;
+  if (hipStreamSynchronize(ctx->stream) != hipSuccess) {
+    ctx->n_pending = 0; /* their bytes never came */
+    ctx->pending_end = 0;
+    return MOE_EDEVICE;
+  }
+  return pending_finish(ctx, true);
 }
 
 static moe_status gpu_run(moe_backend *b, moe_call *c, moe_error *err) {
@@ -575,6 +663,8 @@ static const struct moe_backend_i gpu_iface = {
     .copy_in = gpu_copy_in,
     .copy_out = gpu_copy_out,
     .synchronize = gpu_sync,
+    .copy_in_gather = gpu_copy_in_gather,
+    .copy_out_async = gpu_copy_out_async,
     .run = gpu_run,
     .destroy = gpu_destroy,
     .trim = gpu_trim,

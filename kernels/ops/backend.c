@@ -1,6 +1,7 @@
 /* The public backend API over the interface every backend fills: opening by
  * device, lifetime, accessors and the memory wrappers; and the GPU entry
  * points of a build without a GPU backend. */
+#include <stdint.h>
 #include <stdlib.h>
 
 #include "backend_impl.h"
@@ -27,6 +28,24 @@ moe_status moe_backend_copy_in(moe_backend *b, void *dst, const void *src, size_
   return b->iface->copy_in(b, dst, src, nbytes);
 }
 moe_status moe_backend_copy_out(moe_backend *b, void *dst, const void *src, size_t nbytes) {
+  return b->iface->copy_out(b, dst, src, nbytes);
+}
+moe_status moe_backend_copy_in_gather(moe_backend *b, void *dst, const void *const src[], const size_t off[],
+                                      const size_t nbytes[], size_t n) {
+  size_t end = 0;
+  for (size_t i = 0; i < n; i++) { /* increasing, not overlapping (every backend alike) */
+    if (off[i] < end || nbytes[i] > SIZE_MAX - off[i]) return MOE_EINVAL;
+    end = off[i] + nbytes[i];
+  }
+  if (b->iface->copy_in_gather) return b->iface->copy_in_gather(b, dst, src, off, nbytes, n);
+  for (size_t i = 0; i < n; i++) {
+    moe_status s = b->iface->copy_in(b, (char *)dst + off[i], src[i], nbytes[i]);
+    if (s) return s;
+  }
+  return MOE_OK;
+}
+moe_status moe_backend_copy_out_async(moe_backend *b, void *dst, const void *src, size_t nbytes) {
+  if (b->iface->copy_out_async) return b->iface->copy_out_async(b, dst, src, nbytes);
   return b->iface->copy_out(b, dst, src, nbytes);
 }
 moe_status moe_backend_synchronize(moe_backend *b) { return b->iface->synchronize(b); }

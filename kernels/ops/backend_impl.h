@@ -28,6 +28,11 @@ struct moe_backend_i {
   moe_status (*copy_in)(moe_backend *b, void *dst, const void *src, size_t nbytes);
   moe_status (*copy_out)(moe_backend *b, void *dst, const void *src, size_t nbytes);
   moe_status (*synchronize)(moe_backend *b);
+  /* optional (NULL: copy_in per piece): moe_backend_copy_in_gather */
+  moe_status (*copy_in_gather)(moe_backend *b, void *dst, const void *const src[], const size_t off[],
+                               const size_t nbytes[], size_t n);
+  /* optional (NULL: copy_out, complete at once): moe_backend_copy_out_async */
+  moe_status (*copy_out_async)(moe_backend *b, void *dst, const void *src, size_t nbytes);
   /* runs a prepared call whose tensors live in this backend's memory */
   moe_status (*run)(moe_backend *b, moe_call *c, moe_error *err);
   /* releases the context (not the moe_backend struct itself) */

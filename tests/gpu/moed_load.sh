@@ -18,6 +18,9 @@
 #  3. large activations: a [4096, 7168] bf16 request (quant.per_token ->
 #     int8, and an expert set with H 7168) end to end, one at a time, in
 #     GB/s against moe-echo-server sending the same request back.
+# Per level also where the device worker's time went per batch (the
+# moed_worker_phase_seconds_total deltas: gather, prepare, copy_in, launch,
+# copy_out, wait, answer, answer_async; us per execution).
 # The script checks its numbers (each level's counts are the sums over its
 # windows, percentiles ordered, the batches' rows are the requests' tokens,
 # /metrics agrees with ModelStatistics) and exits 1 when a check or a
@@ -28,6 +31,9 @@
 # env: MOE_LOAD_DEVICE=cpu   a dry run on a machine without a GPU: moed --device cpu,
 #                            small layers, [64, 7168] requests, short windows, no in-process bench
 #      MOE_LOAD_DELAYS       --max-queue-delay-us of each moed (default "0 1000")
+#      MOE_LOAD_SETS         the decode sets measured (default all: qwen3_int4 qwen3_bf16 mixtral_int4 mixtral_bf16)
+#      MOE_LOAD_LEVELS       the concurrency levels (default "1 8 64 256"; the targets need 1 and 64)
+#      MOE_LOAD_QUICK=1      decode only: no in-process bench, no large activations (tests/gpu/worker_phases.sh)
 #      MOE_LOAD_WINDOW_MS, MOE_LOAD_MAX_WINDOWS, MOE_LOAD_WARMUP   each level's measurement
 #                            (default: 0.5 s of warm-up, then 3 windows of 1000 ms; "stable" when
 #                            they agree within 10 %)
@@ -74,11 +80,22 @@ else
   rows=4096 window=${MOE_LOAD_WINDOW_MS:-1000} windows=${MOE_LOAD_MAX_WINDOWS:-3} warmup=${MOE_LOAD_WARMUP:-0.5}
   large_calls=20
 fi
-levels="1 8 64 256"
+levels=${MOE_LOAD_LEVELS:-1 8 64 256}
+quick=${MOE_LOAD_QUICK:-0}
+if [ -n "${MOE_LOAD_SETS:-}" ]; then
+  picked=()
+  for l in "${layers[@]}"; do
+    for want in $MOE_LOAD_SETS; do [ "${l%% *}" = "$want" ] && picked+=("$l"); done
+  done
+  [ ${#picked[@]} -gt 0 ] || { echo "moed_load.sh: MOE_LOAD_SETS '$MOE_LOAD_SETS' names no set" >&2; exit 2; }
+  layers=("${picked[@]}")
+fi
 
 stamp "expert sets (moe-mkset, in parallel)"
 mk=()
-for l in "${layers[@]}" "$big"; do
+sets=("${layers[@]}")
+[ "$quick" = 1 ] || sets+=("$big")
+for l in "${sets[@]}"; do
   read -r name scheme e k h i <<<"$l"
   q=()
   [ "$scheme" = wna16 ] && q=(--bits 4 --group-size 128)
@@ -137,6 +154,32 @@ def metric(text, name, **labels):
         if all(ls.get(k) == v for k, v in labels.items()):
             out[ls.get("le", "")] = float(m.group(3))
     return out
+
+
+def total(text, name, **labels):
+    """The sum of the samples of `name` whose labels include `labels` (every worker's)."""
+    return sum(metric_samples(text, name, labels))
+
+
+def metric_samples(text, name, labels):
+    for line in text.splitlines():
+        m = re.match(r'([a-z_]+)(?:\{(.*)\})? (\S+)$', line)
+        if m and m.group(1) == name:
+            ls = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            if all(ls.get(k) == v for k, v in labels.items()):
+                yield float(m.group(3))
+
+
+PHASES = ("gather", "prepare", "copy_in", "launch", "copy_out", "wait", "answer", "answer_async")
+
+
+def phases(before, after):
+    """(executions, {phase: us per execution}) of the device workers between two scrapes."""
+    n = total(after, "moed_worker_executions_total") - total(before, "moed_worker_executions_total")
+    per = {p: (total(after, "moed_worker_phase_seconds_total", phase=p) -
+               total(before, "moed_worker_phase_seconds_total", phase=p)) * 1e6 / n if n else float("nan")
+           for p in PHASES}
+    return int(n), per
 
 
 def bench_gpu_table(path):
@@ -220,6 +263,7 @@ def level(rep, raw, delay, model, c):
             rep.check(v == n, f"{what}: moed_batch_size le={le}: {v} = batch_stats' {n}")
     compute_ns = sum(ns for _, ns in batches.values())
     return {"lv": lv, "batches": batches, "execs": execs, "rows": rows, "hist": hist,
+            "phases": phases(b["metrics"], a["metrics"]),
             "compute_per_batch_us": compute_ns / execs / 1e3 if execs else 0.0,
             "queue_us": lv["server"]["queue_us"] if lv["server"] else float("nan")}
 
@@ -239,6 +283,7 @@ def fmt_hist(hist):
 def report(argv):
     raw, out, device = argv[0], argv[1], argv[2]
     delays, models, levels = argv[3].split(), argv[4].split(), [int(c) for c in argv[5].split()]
+    quick = argv[6] == "1"
     layer_of = {"qwen3": "qwen3-30b-a3b", "mixtral": "mixtral-8x7b"}
     rep = Report()
     L = {(d, m, c): level(rep, raw, d, m, c) for d in delays for m in models for c in levels}
@@ -261,11 +306,27 @@ def report(argv):
                           f"{x['queue_us']:.0f} | {x['execs']} | {x['rows'] / max(x['execs'], 1):.1f} | "
                           f"{x['compute_per_batch_us']:.0f} | {fmt_hist(x['hist'])} | {len(lv['windows'])} "
                           f"({'yes' if lv['stable'] else 'no' if lv['stable'] is False else '-'}) |")
+    md += ["", "## Device worker phases per batch", "",
+           "moed_worker_phase_seconds_total and moed_worker_executions_total deltas over the level (every worker; "
+           "warm-up included): us per execution in each phase, in the order a batch passes through them "
+           "(docs/server.md \"Metrics\"); worker = the worker thread's own (every phase but answer_async, which the "
+           "answer thread spends beside the next batch); host = the worker's but wait.", "",
+           "| set | delay us | concurrency | requests/s | executions | " + " | ".join(PHASES) +
+           " | worker us | host us |", "|---|---|---|---|---|" + "---|" * (len(PHASES) + 2)]
+    for m in models:
+        for d in delays:
+            for c in levels:
+                x = L[(d, m, c)]
+                n, per = x["phases"]
+                own = sum(v for p, v in per.items() if p != "answer_async")
+                md.append(f"| {m} | {d} | {c} | {x['lv']['requests_per_s']:.0f} | {n} | " +
+                          " | ".join(f"{per[p]:.1f}" for p in PHASES) + f" | {own:.1f} | {own - per['wait']:.1f} |")
+    have = 1 in levels and 64 in levels
     md += ["", "Targets (issue 11): requests/s at concurrency 64 >= 10 x at 1; p99 at 64 <= 3 x (delay + compute "
            "per batch at 64).", "",
            "| set | delay us | requests/s 64 / 1 | >= 10 | p99 at 64 ms | 3 x (delay + compute/batch) ms | met |",
            "|---|---|---|---|---|---|---|"]
-    for m in models:
+    for m in models if have else []:
         for d in delays:
             one, sf = L[(d, m, 1)], L[(d, m, 64)]
             ratio = sf["lv"]["requests_per_s"] / max(one["lv"]["requests_per_s"], 1e-9)
@@ -285,7 +346,7 @@ def report(argv):
            "| set | batches (rows/batch) | moed us/token | moed compute us/token | in-process us/token | "
            "moed / in-process (<= 1.15) | moed / moed compute |",
            "|---|---|---|---|---|---|---|"]
-    for m in models:
+    for m in models if have else []:
         x = L[(d0, m, 64)]
         per_tok = 1e6 / x["lv"]["tokens_per_s"] if x["lv"]["tokens_per_s"] else float("nan")
         comp = sum(ns for _, ns in x["batches"].values()) / 1e3 / max(x["rows"], 1)
@@ -302,12 +363,13 @@ def report(argv):
         md += ["", "moe-bench-gpu's times (us) at its token counts: " + "; ".join(
             f"{k[0]} {k[1]}: " + ", ".join(f"T={t} {v:.1f}" for t, v in sorted(p.items())) for k, p in sorted(ip.items()))]
 
-    md += ["", "## Large activations: one request at a time, end to end (gRPC in, op, gRPC out)", "",
-           "GB/s = (request + response bytes) / median latency; the echo rows are moe-echo-server answering the "
-           "same request message with itself, in the same run; server split: moed's ModelStatistics per request.",
-           "", "| request | target | calls | request MB | response MB | p50 ms | p99 ms | GB/s | vs echo | "
-           "queue / input / infer / output us |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for case in ("per_token", "fused"):
+    if not quick:
+        md += ["", "## Large activations: one request at a time, end to end (gRPC in, op, gRPC out)", "",
+               "GB/s = (request + response bytes) / median latency; the echo rows are moe-echo-server answering "
+               "the same request message with itself, in the same run; server split: moed's ModelStatistics per "
+               "request.", "", "| request | target | calls | request MB | response MB | p50 ms | p99 ms | GB/s | "
+               "vs echo | queue / input / infer / output us |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for case in () if quick else ("per_token", "fused"):
         row = {}
         for tgt in ("moed", "echo"):
             j = json.load(open(f"{raw}/large-{case}-{tgt}.json"))["levels"][0]
@@ -363,7 +425,9 @@ done
 echo_port=$(cat "$work/port-echo")
 models=()
 for l in "${layers[@]}"; do models+=("${l%% *}"); done
-for d in $delays; do python3 "$work/load.py" wait "${rest[$d]}" "${models[@]}" big; done
+waited=("${models[@]}")
+[ "$quick" = 1 ] || waited+=(big)
+for d in $delays; do python3 "$work/load.py" wait "${rest[$d]}" "${waited[@]}"; done
 stamp "moed ready (delays: $delays)"
 
 moec() { timeout 120 "$bin/moec" "$@"; }
@@ -388,7 +452,7 @@ for d in $delays; do
   done
 done
 
-if [ "$device" != cpu ]; then
+if [ "$device" != cpu ] && [ "$quick" != 1 ]; then
   [ -x "$bin/moe-bench-gpu" ] || { echo "moed_load.sh: $bin/moe-bench-gpu missing" >&2; exit 2; }
   : >"$log/raw/bench-gpu.txt"
   for only in qwen3,int4 qwen3,bf16 mixtral,int4 mixtral,bf16; do
@@ -409,10 +473,11 @@ run_large() { # case, target port, inputs...
     2>"$log/raw/large-$case-$tgt.err" || true
 }
 for port in "${grpc[$d0]}" "$echo_port"; do
+  [ "$quick" = 1 ] && break
   run_large per_token "$port" -m quant.per_token --input "x=random:${rows}x7168:BF16" --param out_dtype=int8
   run_large fused "$port" -m big --input "hidden_states=random:${rows}x$hb:BF16" --input "router_logits=random:${rows}x$be:FP32"
 done
-stamp "large activations"
+[ "$quick" = 1 ] || stamp "large activations"
 for d in $delays; do
   python3 - "${http[$d]}" "$log/metrics-delay$d.txt" <<'PY'
 import sys, urllib.request
@@ -421,6 +486,6 @@ PY
 done
 
 rc=0
-python3 "$work/load.py" report "$log/raw" "$log/load.md" "$device" "$delays" "${models[*]}" "$levels" || rc=1
+python3 "$work/load.py" report "$log/raw" "$log/load.md" "$device" "$delays" "${models[*]}" "$levels" "$quick" || rc=1
 stamp "done (rc $rc)"
 exit $rc

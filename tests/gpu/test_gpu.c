@@ -17,6 +17,8 @@
  * 128), which run on the portable GEMM on every GPU. MOE_GPU_PORTABLE=1
  * (tests/gpu/run.sh's second run) sends every case to the portable GEMM.
  *
+ * The backend's gathered and queued copies byte for byte (copies_gather_async).
+ *
  * MOE_GPU_TEST_QUICK=1: a handful of scales per case (for compute-sanitizer). */
 #include <check.h>
 #include <math.h>
@@ -224,6 +226,70 @@ static const char *const scaled_out[] = {"fp8_e4m3fn", "fp8_e4m3fnuz", "int8"};
 static const moe_dtype half_types[] = {MOE_BF16, MOE_F16};
 
 /* ---- quant.per_tensor ------------------------------------------------------------ */
+
+/* ---- the backend's copies (the server's per-call path: infer_run.c) ------------ */
+
+static void fill_random(uint8_t *p, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    p[i] = (uint8_t)rng();
+}
+
+/* moe_backend_copy_in_gather into one block (pieces at 256-byte offsets, a
+ * small span: one staged transfer; a span past the 16 MiB staging buffer:
+ * piece by piece), then moe_backend_copy_out_async of every piece and of
+ * the whole block (more copies than the backend queues at once, one past
+ * the staging buffer, a synchronous copy in between that must complete the
+ * queued ones first): every byte back as written. */
+START_TEST(copies_gather_async) {
+  const size_t small[] = {1, 4096, 300, 88 * 1024, 7}, large[] = {3, (size_t)12 << 20, 5, (size_t)6 << 20};
+  const size_t *sets[2] = {small, large}, counts[2] = {5, 4};
+  for (int k = 0; k < 2; k++) {
+    const size_t n = counts[k];
+    const void *src[8];
+    size_t off[8], end = 0;
+    for (size_t i = 0; i < n; i++) {
+      off[i] = (end + 255) & ~(size_t)255;
+      end = off[i] + sets[k][i];
+    }
+    uint8_t *host = malloc(end), *back = malloc(end), *whole = malloc(end);
+    ck_assert(host && back && whole);
+    fill_random(host, end);
+    for (size_t i = 0; i < n; i++)
+      src[i] = host + off[i];
+    void *dev;
+    ck_assert(moe_backend_alloc(gpu, end, &dev) == MOE_OK);
+    ck_assert(moe_backend_copy_in_gather(gpu, dev, src, off, sets[k], n) == MOE_OK);
+    memset(back, 0xA5, end);
+    memset(whole, 0x5A, end);
+    for (int rep = 0; rep < 5; rep++) /* 5 x n + 1 queued copies: past the backend's 16 at once */
+      for (size_t i = 0; i < n; i++)
+        ck_assert(moe_backend_copy_out_async(gpu, back + off[i], (const char *)dev + off[i], sets[k][i]) ==
+                  MOE_OK);
+    ck_assert(moe_backend_copy_out_async(gpu, whole, dev, end) == MOE_OK);
+    uint8_t probe[64], probe_src[64];
+    void *dprobe;
+    fill_random(probe_src, sizeof probe_src);
+    ck_assert(moe_backend_alloc(gpu, sizeof probe, &dprobe) == MOE_OK);
+    ck_assert(moe_backend_copy_in(gpu, dprobe, probe_src, sizeof probe) == MOE_OK); /* completes the queued */
+    ck_assert(moe_backend_copy_out(gpu, probe, dprobe, sizeof probe) == MOE_OK);
+    ck_assert(moe_backend_synchronize(gpu) == MOE_OK);
+    ck_assert(memcmp(probe, probe_src, sizeof probe) == 0);
+    for (size_t i = 0; i < n; i++)
+      ck_assert_msg(memcmp(back + off[i], host + off[i], sets[k][i]) == 0, "piece %zu of %zu bytes", i,
+                    sets[k][i]);
+    for (size_t i = 0; i < n; i++)
+      ck_assert_msg(memcmp(whole + off[i], host + off[i], sets[k][i]) == 0, "whole block, piece %zu", i);
+    /* offsets out of order are refused */
+    const size_t bad_off[2] = {256, 0}, bad_len[2] = {8, 8};
+    ck_assert(moe_backend_copy_in_gather(gpu, dev, src, bad_off, bad_len, 2) == MOE_EINVAL);
+    moe_backend_free(gpu, dprobe);
+    moe_backend_free(gpu, dev);
+    free(host);
+    free(back);
+    free(whole);
+  }
+}
+END_TEST
 
 START_TEST(per_tensor_static_exhaustive) {
   uint16_t *x = all_patterns();
@@ -1379,6 +1445,9 @@ int main(void) {
   make_scales(scales, NSCALES);
 
   Suite *s = suite_create("gpu");
+  TCase *tb = tcase_create("backend"); /* alone: CK_RUN_CASE=backend */
+  tcase_add_test(tb, copies_gather_async);
+  suite_add_tcase(s, tb);
   TCase *tc = tcase_create("quant");
   tcase_set_timeout(tc, 3600);
   tcase_add_test(tc, per_tensor_static_exhaustive);

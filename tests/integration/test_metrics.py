@@ -13,7 +13,9 @@ gauge is 0; CPU workers show no device memory sample. Per worker (device):
 moed_worker_jobs_total counts the jobs each ran (30 lone requests: 30 jobs
 over the workers, as many as ModelStatistics' executions), moed_worker_busy
 is 0 or 1, sums to moed_batches_in_flight in every scrape, and shows the
-worker running a long request.
+worker running a long request; moed_worker_executions_total counts the
+op calls (30 lone requests: 30; merged load: the models' executions) and
+moed_worker_phase_seconds_total has every phase per worker, counting up.
 
 env: MOED, MOEC, MOE_MKSET."""
 import os
@@ -117,12 +119,38 @@ def test_histograms(tmp, repo):
         check(r.returncode == 0, f"90 requests of 3 rows to quant.per_token ({r.stderr.strip()})")
         batch_histogram(port, http_port, "quant.per_token", 90, 3)
         idle_gauges(http_port, "idle after the load")
+        # merged batches: the workers' executions are the models' (each batch one op call)
+        cli = tc.InferenceServerClient(f"127.0.0.1:{port}")
+        ex = sum(cli.get_inference_statistics(m).model_stats[0].execution_count for m in ("set", "quant.per_token"))
+        _, s = scrape(http_port)
+        execs = [v for n, _, v in s if n == "moed_worker_executions_total"]
+        check(execs and sum(execs) == ex, f"moed_worker_executions_total sums to the executions ({execs}, {ex})")
+        # merged batches' responses go to an answer thread only where one was asked for (CPU workers: by env)
+        asynced = sum(v for n, l, v in s if n == "moed_worker_phase_seconds_total" and l.get("phase") == "answer_async")
+        threaded = os.environ.get("MOED_ANSWER_THREAD") == "1"
+        check(asynced > 0 if threaded else asynced == 0,
+              f"answer_async {asynced} s: {'> 0 (MOED_ANSWER_THREAD=1)' if threaded else '0 (CPU workers answer inline)'}")
 
 
 def workers(samples, name):
     """{worker: value} of a per-worker metric; its backend label checked."""
     got = {l["worker"]: v for n, l, v in samples if n == name and l.get("backend", "").startswith("cpu")}
     return got if len(got) == len([1 for n, _, _ in samples if n == name]) else None
+
+
+PHASES = ("gather", "prepare", "copy_in", "launch", "copy_out", "wait", "answer", "answer_async")
+
+
+def phase_sums(samples):
+    """{worker: {phase: seconds}} of moed_worker_phase_seconds_total; None unless every worker has each
+    phase exactly once (and nothing else)."""
+    got = {}
+    for n, l, v in samples:
+        if n == "moed_worker_phase_seconds_total":
+            if l.get("phase") not in PHASES or l.get("phase") in got.get(l.get("worker"), {}):
+                return None
+            got.setdefault(l.get("worker"), {})[l["phase"]] = v
+    return got if got and all(len(p) == len(PHASES) for p in got.values()) else None
 
 
 def test_workers(tmp, repo):
@@ -134,6 +162,11 @@ def test_workers(tmp, repo):
         check("# TYPE moed_worker_jobs_total counter" in text and "# TYPE moed_worker_busy gauge" in text and
               jobs0 is not None and set(jobs0) == {"0", "1"} and busy == {"0": 0, "1": 0},
               f"one jobs counter and one busy gauge per worker, labelled worker and backend ({jobs0}, {busy})")
+        execs0, phases0 = workers(s, "moed_worker_executions_total"), phase_sums(s)
+        check("# TYPE moed_worker_executions_total counter" in text and
+              "# TYPE moed_worker_phase_seconds_total counter" in text and execs0 == {"0": 0, "1": 0} and
+              phases0 is not None and all(v == 0 for w in phases0.values() for v in w.values()),
+              f"per worker an executions counter and one phase counter per phase, all 0 ({execs0}, {phases0})")
         cli = tc.InferenceServerClient(f"127.0.0.1:{port}")
         ex0 = cli.get_inference_statistics("set").model_stats[0].execution_count
         # one at a time: each request its own batch, its own job
@@ -145,6 +178,14 @@ def test_workers(tmp, repo):
         ex = cli.get_inference_statistics("set").model_stats[0].execution_count - ex0
         ran = sum(jobs[w] - jobs0[w] for w in jobs) if jobs and jobs0 else None
         check(ran == 30 == ex, f"30 lone requests: 30 jobs over the workers, as many executions ({jobs}, {ex})")
+        execs = workers(s, "moed_worker_executions_total")
+        ran_ex = sum(execs[w] - execs0[w] for w in execs) if execs and execs0 else None
+        check(ran_ex == 30, f"moed_worker_executions_total: the 30 executions over the workers ({execs0} -> {execs})")
+        phases1 = phase_sums(s)
+        check(phases1 is not None and all(phases1[w][p] >= phases0[w][p] for w in phases1 for p in PHASES) and
+              all(sum(phases1[w].values()) > sum(phases0[w].values()) for w in phases1 if execs[w] > execs0[w]),
+              f"moed_worker_phase_seconds_total: every phase counts up, a worker that ran has spent time "
+              f"({phases0} -> {phases1})")
         # a long request (a 128 MiB activation, decoded and run on a worker) keeps one busy a while:
         # every scrape's busy gauges sum to moed_batches_in_flight; one shows it running
         done = threading.Event()

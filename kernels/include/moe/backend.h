@@ -57,7 +57,21 @@ void moe_backend_free(moe_backend *b, void *ptr);
 /* Host -> backend and backend -> host, ordered on the backend's stream. */
 moe_status moe_backend_copy_in(moe_backend *b, void *dst, const void *src, size_t nbytes);
 moe_status moe_backend_copy_out(moe_backend *b, void *dst, const void *src, size_t nbytes);
-/* Waits for everything queued on the backend. */
+/* Host -> backend of n host buffers into one allocation at once: src[i]
+ * (nbytes[i]) to dst + off[i], the pieces in increasing offsets, not
+ * overlapping. A GPU backend copies pieces that span at most its pinned
+ * staging buffer with one host copy into it and one transfer (the bytes
+ * between pieces are written too: dst's own padding), larger spans piece
+ * by piece as moe_backend_copy_in; the same ordering on its stream. */
+moe_status moe_backend_copy_in_gather(moe_backend *b, void *dst, const void *const src[], const size_t off[],
+                                      const size_t nbytes[], size_t n);
+/* Backend -> host, queued after the work queued so far: dst holds the
+ * bytes once the next moe_backend_synchronize returns (not before; other
+ * copies of the backend may complete it earlier). Host backends copy at
+ * once. dst stays the caller's; it must stay valid until then. */
+moe_status moe_backend_copy_out_async(moe_backend *b, void *dst, const void *src, size_t nbytes);
+/* Waits for everything queued on the backend (and completes the copies of
+ * moe_backend_copy_out_async). */
 moe_status moe_backend_synchronize(moe_backend *b);
 /* The owning thread, between runs: frees the device copies of expert sets
  * whose last reference the backend holds and, when that freed anything,
