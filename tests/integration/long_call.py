@@ -44,17 +44,20 @@ def channel(port):
                                                                ("grpc.max_receive_message_length", 1 << 30)])
 
 
-def calibrate(f):
-    """Tokens for a call of at least 6 s (linear in tokens), and its time."""
+def calibrate(f, seconds=6.0):
+    """Tokens for a call of about `seconds` (at least half of it, measured),
+    and its time. Linear in tokens, but fixed costs (first touch of the
+    weights, a loaded machine) make a small call's rate an underestimate:
+    the call grows until it takes two thirds of `seconds`."""
     code, msg, t = timed(lambda: f(req_of(256), timeout=120))
     check(code == SC.OK, f"calibration call OK ({code} {msg})")
-    tokens = min(65536, max(256, int(256 * 6.0 / max(t, 1e-3))))
-    for _ in range(3):  # fixed costs make the small call's rate an underestimate: grow until >= 4 s
+    tokens = min(65536, max(256, int(256 * seconds / max(t, 1e-3))))
+    for _ in range(3):
         code, msg, full = timed(lambda: f(req_of(tokens), timeout=300))
-        if code != SC.OK or full >= 4.0 or tokens >= 65536:
+        if code != SC.OK or full >= seconds * 2 / 3 or tokens >= 65536:
             break
-        tokens = min(65536, int(tokens * 6.0 / max(full, 0.1)))
-    check(code == SC.OK and full >= 3.0, f"long call: {tokens} tokens in {full:.2f}s ({code} {msg})")
+        tokens = min(65536, int(tokens * seconds / max(full, 0.01)))
+    check(code == SC.OK and full >= seconds / 2, f"long call: {tokens} tokens in {full:.2f}s ({code} {msg})")
     return tokens, full
 
 

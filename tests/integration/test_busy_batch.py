@@ -27,7 +27,7 @@ import tritonclient.grpc as tc
 sys.path.insert(0, os.path.dirname(__file__))
 from moed_process import check, exit_with_summary, moed, print_log_tail  # noqa: E402
 import test_server as ts  # noqa: E402
-from long_call import bigset_repo, busy_worker, call_fn, channel, req_of, timed, wait_metric  # noqa: E402
+from long_call import bigset_repo, busy_worker, calibrate, call_fn, channel, req_of, wait_metric  # noqa: E402
 from test_server import code_of  # noqa: E402
 
 SC = grpc.StatusCode
@@ -53,13 +53,6 @@ def alone(f, seeds):
     for s in seeds:
         ref[s] = outputs(f(req_of(1, seed=s), timeout=120))
     return ref
-
-
-def blocker_tokens(f, seconds):
-    """Tokens for a call of about `seconds` on the one worker (linear in tokens)."""
-    code, msg, t = timed(lambda: f(req_of(128, seed=9), timeout=120))
-    check(code == SC.OK, f"timing call OK ({code} {msg})")
-    return min(65536, max(128, int(128 * seconds / max(t, 1e-3))))
 
 
 def test_merge_under_load(tmp, repo):
@@ -101,7 +94,7 @@ def test_held(tmp, repo):
     with moed(tmp, "--model-repository", repo, "--workers", "1", "--max-queue-delay-us", "0") as (_, port, http_port):
         f = call_fn(channel(port))
         ref = alone(f, [1, 4, 5])
-        tokens = blocker_tokens(f, 4.0)
+        tokens = calibrate(f, 4.0)[0]
         blocker = busy_worker(http_port, f.future(req_of(tokens), timeout=300))
         queued = f.future(req_of(1, seed=1), timeout=300)  # nothing waits: it goes to the device queue
         wait_metric(http_port, QUEUED, 1, "the first request waits in the device queue")
@@ -142,7 +135,7 @@ def test_drain_held(tmp, repo):
                   "--drain-timeout", str(drain_s), exit_check=None) as (p, port, http_port):
             f = call_fn(channel(port))
             ref = alone(f, [7, 8])
-            tokens = blocker_tokens(f, 2.0 if drain_s > 1 else 8.0)
+            tokens = calibrate(f, 2.0 if drain_s > 1 else 8.0)[0]
             blocker = busy_worker(http_port, f.future(req_of(tokens), timeout=300))
             queued = f.future(req_of(1, seed=6), timeout=300)
             wait_metric(http_port, QUEUED, 1, "one request in the device queue")
