@@ -404,6 +404,24 @@ static void tune_emit(tune_state *ts, const char *device, int64_t E, int64_t H, 
   ts->n = 0;
 }
 
+/* The weight schemes a fused cell runs, in table order (--only names them). */
+typedef enum { W_BF16, W_PACKED, W_FP8 } weight_kind;
+typedef struct {
+  const char *name, *label;
+  weight_kind kind;
+  int bits;          /* W_PACKED: code width */
+  bool mx;           /* W_PACKED: e2m1 codes with e8m0 scales (else wna16 codes with bf16 scales per 128) */
+  const char *param; /* fused_moe's "scheme" parameter; NULL: the weights' dtypes say it */
+  bool tunable;      /* the tile tuner's table covers it (bf16 and wna16 int4) */
+} bench_scheme;
+static const bench_scheme schemes[] = {
+    {"bf16", "bf16", W_BF16, 16, false, NULL, true},
+    {"int4", "wna16 int4 g128", W_PACKED, 4, false, NULL, true},
+    {"int8", "wna16 int8 g128", W_PACKED, 8, false, NULL, false},
+    {"mxfp4", "mxfp4", W_PACKED, 4, true, "mxfp4", false},
+    {"fp8", "fp8 block 128", W_FP8, 8, false, "fp8", false},
+};
+
 static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, double mm8_tflops,
                         int64_t max_tokens, const char *only, const char *only_tokens, FILE *tune) {
   tune_state tt = {tune, {{0}}, 0};
@@ -437,25 +455,19 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, doubl
          "matmul |\n"
          "|---|---|---|---|---|---|---|---|---|\n");
   for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++)
-    for (int sch = 0; sch < 5; sch++) { /* bf16, wna16 int4 / int8 g128, mxfp4, fp8 W8A8 block 128 x 128 */
-      static const char *const sch_name[] = {"bf16", "int4", "int8", "mxfp4", "fp8"}, *const sch_label[] = {
-                                                                                          "bf16",
-                                                                                          "wna16 int4 g128",
-                                                                                          "wna16 int8 g128",
-                                                                                          "mxfp4",
-                                                                                          "fp8 block 128"};
-      const int int4 = sch == 1, int8 = sch == 2, mx = sch == 3, fp8 = sch == 4;
-      if (!selected(only, models[mi].name, sch_name[sch])) continue;
+    for (size_t si = 0; si < sizeof schemes / sizeof schemes[0]; si++) {
+      const bench_scheme *sc = &schemes[si];
+      if (!selected(only, models[mi].name, sc->name)) continue;
       if (models[mi].opt_in && (!only || !strstr(only, models[mi].name))) continue;
       const int64_t E = models[mi].e, K = models[mi].k, H = models[mi].h, I = models[mi].i;
       /* weights on the device, inline inputs of model fused_moe */
       moe_named_tensor w[4];
       size_t nw;
       size_t per_expert; /* bytes one routed expert costs: weights + scales */
-      if (fp8) {
+      if (sc->kind == W_FP8) {
         per_expert = fp8_weights(b, w, E, H, I);
         nw = 4;
-      } else if (!int4 && !int8 && !mx) {
+      } else if (sc->kind == W_BF16) {
         size_t b13 = (size_t)(2 * I * H) * 2, b2 = (size_t)(H * I) * 2;
         w[0] = (moe_named_tensor){"w13", {MOE_BF16, 3, {E, 2 * I, H}, dev_alloc(b, b13 * E), b13 * E}};
         w[1] = (moe_named_tensor){"w2", {MOE_BF16, 3, {E, H, I}, dev_alloc(b, b2 * E), b2 * E}};
@@ -464,11 +476,11 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, doubl
         nw = 2;
         per_expert = b13 + b2;
       } else {
-        per_expert = packed_weights(b, w, E, H, I, int8 ? 8 : 4, mx);
+        per_expert = packed_weights(b, w, E, H, I, sc->bits, sc->mx);
         nw = 4;
       }
       void *hsc[4] = {0}; /* mxfp4: host copies of the scales for prepare (host_e8m0) */
-      for (size_t q = 0; mx && q < nw; q++)
+      for (size_t q = 0; sc->mx && q < nw; q++)
         if (strstr(w[q].name, "_scales")) hsc[q] = host_e8m0(w[q].tensor.nbytes);
       const int64_t tmax = max_tokens < 4096 ? max_tokens : 4096;
       void *x = dev_alloc(b, (size_t)(tmax * H) * 2), *out = dev_alloc(b, (size_t)(tmax * H) * 2);
@@ -513,9 +525,9 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, doubl
             if (hsc[q]) in[3 + q].tensor.data = hsc[q];
           }
           moe_error err;
-          const moe_param sp = {.name = "scheme", .type = MOE_PARAM_STRING, .s = mx ? "mxfp4" : "fp8"};
+          const moe_param sp = {.name = "scheme", .type = MOE_PARAM_STRING, .s = sc->param};
           const moe_params ps = {&sp, 1};
-          if (moe_op_prepare(moe_op_find("fused_moe"), in, 3 + nw, mx || fp8 ? &ps : NULL, NULL, &calls[r],
+          if (moe_op_prepare(moe_op_find("fused_moe"), in, 3 + nw, sc->param ? &ps : NULL, NULL, &calls[r],
                              &err) != MOE_OK) {
             fprintf(stderr, "fused_moe prepare: %s\n", err.msg);
             exit(1);
@@ -529,7 +541,7 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, doubl
             moe_named_tensor *t = moe_call_input(calls[r], q);
             if (t->name && !strcmp(t->name, "topk_ids")) t->tensor.data = dids[r];
             if (t->name && !strcmp(t->name, "topk_weights")) t->tensor.data = dw[r];
-            for (size_t v = 0; mx && t->name && v < nw; v++)
+            for (size_t v = 0; sc->mx && t->name && v < nw; v++)
               if (!strcmp(t->name, w[v].name) && hsc[v]) t->tensor.data = w[v].tensor.data;
           }
           moe_call_output(calls[r], 0)->tensor.data = out;
@@ -538,14 +550,14 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, doubl
         rot_arg ra = {calls, ROT, 0, b};
         int used_runs;
         const double ms = time_cell(b, &ra, &used_runs, 0);
-        if (tune && !int8 && !mx && !fp8) tune_cell(b, &ra, models[mi].name, E, K, T, int4, ms, &tt);
+        if (tune && sc->tunable) tune_cell(b, &ra, models[mi].name, E, K, T, sc->bits == 4, ms, &tt);
         const double bytes = wbytes + 2.0 * (double)(T * H) * 2 + (double)(T * K) * 8;
         const double gbs = bytes / (ms * 1e-3) / 1e9;
         const double flops = 2.0 * (double)T * (double)K * (double)(H * 2 * I + I * H);
         const double tf = flops / (ms * 1e-3) / 1e12;
-        printf("| %s | %s | %lld | %.1f | %.3f | %.0f | %.1f%% | %.2f | ", models[mi].name, sch_label[sch],
+        printf("| %s | %s | %lld | %.1f | %.3f | %.0f | %.1f%% | %.2f | ", models[mi].name, sc->label,
                (long long)T, ms * 1e3, wbytes / 1e9, gbs, 100.0 * gbs / copy_gbs, tf);
-        const double ceiling = fp8 ? mm8_tflops : mm_tflops;
+        const double ceiling = sc->kind == W_FP8 ? mm8_tflops : mm_tflops;
         if (ceiling > 0)
           printf("%.2f%% |", 100.0 * tf / ceiling);
         else
@@ -561,7 +573,7 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, doubl
         free(tw);
         free(used);
       }
-      if (tune && !int8 && !mx && !fp8) tune_emit(&tt, device, E, H, I, int4);
+      if (tune && sc->tunable) tune_emit(&tt, device, E, H, I, sc->bits == 4);
       moe_backend_free(b, x);
       moe_backend_free(b, out);
       for (size_t q = 0; q < nw; q++) {

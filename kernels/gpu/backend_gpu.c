@@ -575,7 +575,10 @@ moe_status moe_gpu_inline_packed(moe_backend *b, const moe_expert_set *set,
 }
 
 /* The API's free: a buffer a packed copy was made from takes that copy
- * along (anywhere in the block: gathered inputs share one). */
+ * along (anywhere in the block: gathered inputs share one). ptr is looked
+ * up twice on purpose: freeing the packed copies removes their blocks from
+ * the live table, whose deletion re-seats entries, so the slot found here
+ * may not hold ptr by the time pool_free runs. */
 static void gpu_free(moe_backend *b, void *ptr) {
   if (!ptr) return;
   gpu_ctx *ctx = b->context;
