@@ -37,6 +37,7 @@ struct moed_answerer {
   bool stopping;
   pthread_t thread;
   worker *w;
+  moed_launched *launched; /* the worker's (not the answer thread's): moed_answerer_launched */
 };
 
 struct worker {
@@ -154,6 +155,8 @@ static void *answer_main(void *arg) {
   return NULL;
 }
 
+moed_launched **moed_answerer_launched(moed_answerer *q) { return &q->launched; }
+
 void moed_answerer_post(moed_answerer *q, moed_answer *a) {
   a->next = NULL;
   pthread_mutex_lock(&q->mu);
@@ -205,6 +208,14 @@ static void *worker_main(void *arg) {
   moed_answerer *answerer = answerer_start(w);
   pthread_mutex_lock(&d->mu);
   for (;;) {
+    if (answerer && answerer->launched && !d->queued) { /* nothing to launch behind it: complete it now */
+      moed_phases ph = {{0}, 0};
+      pthread_mutex_unlock(&d->mu);
+      moed_infer_launched_finish(&answerer->launched, &ph);
+      pthread_mutex_lock(&d->mu);
+      w->load.phases.ns[MOED_PHASE_WAIT] += ph.ns[MOED_PHASE_WAIT];
+      continue;
+    }
     while (!d->queued && !d->stopping && w->trim_seen == d->trim_gen)
       pthread_cond_wait(&d->cv, &d->mu);
     if (w->trim_seen != d->trim_gen) {
