@@ -405,7 +405,7 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
   c.laps = l;
   c.reqs = reqs;
   c.n_reqs = n;
-  c.defer = answerer != NULL;
+  c.defer = answerer && moed_answerer_launched(answerer);
   bool ok = false;
   moed_timing t = {.start_ns = moed_now_ns()}; /* merging the rows is input staging */
   int64_t total = 0;
@@ -569,10 +569,9 @@ void moed_infer_run_timed(moed_server *srv, moe_backend *b, moed_infer_req **req
   /* a batch held from an earlier job that this job does not replace is
    * completed after it (its copies are complete by then: this job's own
    * wait completed them) */
-  moed_launched *held = answerer ? *moed_answerer_launched(answerer) : NULL;
+  moed_launched **slot = answerer ? moed_answerer_launched(answerer) : NULL, *held = slot ? *slot : NULL;
   if (!(live > 1 && run_merged(srv, b, reqs, live, &l, answerer)))
     for (size_t k = 0; k < live; k++)
       run_single(srv, b, reqs[k], &l);
-  if (held && *moed_answerer_launched(answerer) == held)
-    moed_infer_launched_finish(moed_answerer_launched(answerer), ph);
+  if (held && *slot == held) moed_infer_launched_finish(slot, ph);
 }

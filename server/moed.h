@@ -468,7 +468,8 @@ typedef struct moed_phases {
 } moed_phases;
 /* A merged batch launched on a device and not yet waited for (infer_run.c):
  * its worker holds one while it stages and launches the next batch behind
- * it. The slot is q's (devices.c) and only q's worker touches it. */
+ * it. The slot is q's (devices.c) and only q's worker touches it; NULL
+ * when q's worker waits for each batch at once (MOED_HOLD_BATCH=0). */
 typedef struct merged_answer moed_launched;
 moed_launched **moed_answerer_launched(moed_answerer *q);
 /* Completes the batch held in *slot, if any: waits for its outputs (not for
