@@ -495,7 +495,8 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
     c.deferred = false;
     for (size_t k = 0; k < n; k++)
       reqs[k] = NULL;
-    moed_infer_launched_finish(moed_answerer_launched(answerer), l->ph);
+    moed_infer_launched_finish(moed_answerer_launched(answerer), NULL);
+    lap(l, MOED_PHASE_WAIT);
     *moed_answerer_launched(answerer) = a;
   } else {
     moed_stats_record_execution(a->stats, batch, &t);
@@ -573,5 +574,8 @@ void moed_infer_run_timed(moed_server *srv, moe_backend *b, moed_infer_req **req
   if (!(live > 1 && run_merged(srv, b, reqs, live, &l, answerer)))
     for (size_t k = 0; k < live; k++)
       run_single(srv, b, reqs[k], &l);
-  if (held && *slot == held) moed_infer_launched_finish(slot, ph);
+  if (held && *slot == held) {
+    moed_infer_launched_finish(slot, NULL);
+    lap(&l, MOED_PHASE_WAIT);
+  }
 }
