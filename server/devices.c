@@ -15,7 +15,9 @@
  * the worker stages and launches its next batch, so the device does not
  * idle through them. CPU workers answer on their own thread (their op
  * wants every core anyway). MOED_ANSWER_THREAD=1 gives every worker one,
- * =0 none (tests; A/B runs). */
+ * =0 none (tests; A/B runs). A worker with an answer thread holds a merged
+ * device batch while it launches the next (infer_run.c);
+ * MOED_HOLD_BATCH=0 waits for each at once instead (A/B runs). */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,6 +39,8 @@ struct moed_answerer {
   bool stopping;
   pthread_t thread;
   worker *w;
+  moed_launched *launched; /* the worker's (not the answer thread's): moed_answerer_launched */
+  bool hold;               /* launched is used (MOED_HOLD_BATCH) */
 };
 
 struct worker {
@@ -154,6 +158,8 @@ static void *answer_main(void *arg) {
   return NULL;
 }
 
+moed_launched **moed_answerer_launched(moed_answerer *q) { return q->hold ? &q->launched : NULL; }
+
 void moed_answerer_post(moed_answerer *q, moed_answer *a) {
   a->next = NULL;
   pthread_mutex_lock(&q->mu);
@@ -175,6 +181,8 @@ static moed_answerer *answerer_start(worker *w) {
   moed_answerer *q = calloc(1, sizeof *q);
   if (!q) return NULL;
   q->w = w;
+  const char *hold = getenv("MOED_HOLD_BATCH");
+  q->hold = !hold || strcmp(hold, "0") != 0;
   pthread_mutex_init(&q->mu, NULL);
   pthread_cond_init(&q->cv, NULL);
   if (pthread_create(&q->thread, NULL, answer_main, q) == 0) return q;
@@ -205,6 +213,14 @@ static void *worker_main(void *arg) {
   moed_answerer *answerer = answerer_start(w);
   pthread_mutex_lock(&d->mu);
   for (;;) {
+    if (answerer && answerer->launched && !d->queued) { /* nothing to launch behind it: complete it now */
+      moed_phases ph = {{0}, 0};
+      pthread_mutex_unlock(&d->mu);
+      moed_infer_launched_finish(&answerer->launched, &ph);
+      pthread_mutex_lock(&d->mu);
+      w->load.phases.ns[MOED_PHASE_WAIT] += ph.ns[MOED_PHASE_WAIT];
+      continue;
+    }
     while (!d->queued && !d->stopping && w->trim_seen == d->trim_gen)
       pthread_cond_wait(&d->cv, &d->mu);
     if (w->trim_seen != d->trim_gen) {

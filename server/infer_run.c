@@ -5,8 +5,13 @@
  * host backends, whose outputs go to gRPC as slices without a copy). On a
  * device, per call: the inputs in one allocation with one gathered copy,
  * the op's kernels queued behind it without a wait, the outputs' copies
- * queued behind those, and one synchronize; each step's time goes to the
- * worker's phase sums (moed_phases). */
+ * queued behind those, and one wait; each step's time goes to the
+ * worker's phase sums (moed_phases). A merged batch on a device with an
+ * answer thread is not waited for at once: it is held (its answerer's
+ * `launched`) while the worker stages and launches the next batch behind
+ * it, so that the device goes from one batch to the next without the
+ * host's staging between them; then the held one's outputs are completed
+ * and its answers posted. At most one batch waits that way per worker. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -31,8 +36,11 @@ typedef struct run_ctx {
   moe_backend *b;
   moe_call *call;
   laps *laps;
-  void *device_in;                  /* one block for the device copies of every input (non-host backends) */
-  bool out_queued;                  /* copies to host_out queued, not yet synchronized */
+  void *device_in; /* one block for the device copies of every input (non-host backends) */
+  bool out_queued; /* copies to host_out queued, not yet synchronized */
+  bool defer;      /* the caller may complete the copies later (deferred, group) */
+  bool deferred;   /* they are queued as the backend's copy group `group` */
+  uint64_t group;
   void *outputs[MOED_MAX_TENSORS];  /* output buffers (backend memory) */
   void *host_out[MOED_MAX_TENSORS]; /* host copies (non-host backends) */
   moed_weights *cached;             /* inline fused_moe weights from the cache */
@@ -237,6 +245,12 @@ static grpc_status_code run_call(run_ctx *c, const moed_model *m, const moe_name
     code = queue_copy_out(c);
     lap(c->laps, MOED_PHASE_COPY_OUT);
     if (code) return code;
+    if (c->defer && moe_backend_copy_out_end(c->b, &c->group) == MOE_OK) {
+      c->out_queued = false; /* the caller's now: it finishes the group before host_out is read or freed */
+      c->deferred = true;
+      take_outputs(c, host_outs);
+      return GRPC_STATUS_OK;
+    }
     c->out_queued = false;
     const moe_status sync = moe_backend_synchronize(c->b);
     lap(c->laps, MOED_PHASE_WAIT);
@@ -320,6 +334,12 @@ typedef struct merged_answer {
   moed_server *srv;
   shared_outputs *shared; /* one reference, dropped when done */
   moed_timing t;          /* the batch's */
+  /* launched and held (moed_launched): outputs complete with group's copies */
+  moe_backend *b;
+  uint64_t group;
+  moed_answerer *answerer;
+  moed_model_stats *stats;
+  uint64_t batch; /* Triton's batch size of the execution */
   size_t num_out, n;
   moe_named_tensor outs[MOED_MAX_TENSORS];
   size_t out_row[MOED_MAX_TENSORS]; /* bytes per row of each output */
@@ -385,6 +405,7 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
   c.laps = l;
   c.reqs = reqs;
   c.n_reqs = n;
+  c.defer = answerer && moed_answerer_launched(answerer);
   bool ok = false;
   moed_timing t = {.start_ns = moed_now_ns()}; /* merging the rows is input staging */
   int64_t total = 0;
@@ -436,12 +457,6 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
   uint64_t batch = 0; /* Triton's batch size: the batch-axis rows of every request merged */
   for (size_t k = 0; k < n; k++)
     batch += moed_infer_batch_size(srv, reqs[k]);
-  moed_stats_record_execution(r0->model->stats, batch, &t);
-  if (!(shared = calloc(1, sizeof *shared))) goto out;
-  memcpy(shared->buf, host, sizeof host);
-  memset(host, 0, sizeof host);
-  atomic_init(&shared->refs, 1 + n * c.num_out);
-  ok = true;
   merged_answer here, *a = NULL; /* on the answer thread: a copy of reqs, freed there */
   if (answerer && n <= (SIZE_MAX - sizeof *a) / sizeof *reqs && (a = malloc(sizeof *a + n * sizeof *reqs))) {
     memcpy(a->own, reqs, n * sizeof *reqs);
@@ -450,6 +465,19 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
     a = &here;
     a->reqs = reqs;
   }
+  if (c.deferred && a == &here) { /* nowhere to hold it: completed now */
+    c.deferred = false;
+    if (moe_backend_copy_out_finish(c.b, c.group) != MOE_OK) goto out; /* one by one: their own errors */
+    t.infer_ns = moed_now_ns() - (t.start_ns + t.input_ns);
+  }
+  if (!(shared = calloc(1, sizeof *shared))) {
+    if (a != &here) free(a);
+    goto out;
+  }
+  memcpy(shared->buf, host, sizeof host);
+  memset(host, 0, sizeof host);
+  atomic_init(&shared->refs, 1 + n * c.num_out);
+  ok = true;
   a->base.run = answer_async;
   a->srv = srv;
   a->shared = shared;
@@ -458,14 +486,32 @@ static bool run_merged(moed_server *srv, moe_backend *b, moed_infer_req **reqs, 
   a->n = n;
   memcpy(a->outs, outs, sizeof outs);
   memcpy(a->out_row, out_row, sizeof out_row);
-  if (a == &here) {
-    answer_merged(a);
-  } else {
-    moed_answerer_post(answerer, &a->base);
+  a->b = c.b;
+  a->group = c.group;
+  a->answerer = answerer;
+  a->stats = r0->model->stats;
+  a->batch = batch;
+  if (c.deferred) { /* held: the batch before it completes now, this one after the next launch */
+    c.deferred = false;
     for (size_t k = 0; k < n; k++)
-      reqs[k] = NULL; /* the answer thread's now */
+      reqs[k] = NULL;
+    moed_infer_launched_finish(moed_answerer_launched(answerer), NULL);
+    lap(l, MOED_PHASE_WAIT);
+    *moed_answerer_launched(answerer) = a;
+  } else {
+    moed_stats_record_execution(a->stats, batch, &t);
+    if (a == &here) {
+      answer_merged(a);
+    } else {
+      moed_answerer_post(answerer, &a->base);
+      for (size_t k = 0; k < n; k++)
+        reqs[k] = NULL; /* the answer thread's now */
+    }
   }
 out:
+  /* a group still deferred here was not held (an error after the launch):
+   * complete it before its host buffers are freed */
+  if (c.deferred) (void)moe_backend_copy_out_finish(c.b, c.group);
   for (size_t i = 0; i < MOED_MAX_TENSORS; i++) {
     moed_hostmem_free(merged[i]);
     moed_hostmem_free(host[i]);
@@ -474,6 +520,29 @@ out:
   moed_model_release(model);
   lap(l, MOED_PHASE_ANSWER);
   return ok;
+}
+
+void moed_infer_launched_finish(moed_launched **slot, moed_phases *ph) {
+  merged_answer *a = *slot;
+  if (!a) return;
+  *slot = NULL;
+  const uint64_t t0 = moed_now_ns();
+  const moe_status s = moe_backend_copy_out_finish(a->b, a->group);
+  const uint64_t now = moed_now_ns();
+  if (ph) ph->ns[MOED_PHASE_WAIT] += now - t0;
+  if (s != MOE_OK) { /* the outputs never came: nothing to answer with */
+    for (size_t k = 0; k < a->n; k++) {
+      char err[MOED_ERR_LEN];
+      moed_failf(err, GRPC_STATUS_INTERNAL, "device failed while running the batch (%s)", moe_strerror(s));
+      moed_infer_finish(a->srv, a->reqs[k], GRPC_STATUS_INTERNAL, err, NULL, NULL, 0);
+    }
+    shared_unref(a->shared);
+    free(a);
+    return;
+  }
+  a->t.infer_ns = now - (a->t.start_ns + a->t.input_ns);
+  moed_stats_record_execution(a->stats, a->batch, &a->t);
+  moed_answerer_post(a->answerer, &a->base);
 }
 
 void moed_infer_run(moed_server *srv, moe_backend *b, moed_infer_req **reqs, size_t n) {
@@ -498,7 +567,15 @@ void moed_infer_run_timed(moed_server *srv, moe_backend *b, moed_infer_req **req
   /* every request here is for one model (the batch key): an op this
    * backend has no kernel for runs on the worker's host fallback */
   if (live && b && !moe_op_supported(reqs[0]->model->op, b)) b = moed_devices_fallback(srv->devices, b);
-  if (live > 1 && run_merged(srv, b, reqs, live, &l, answerer)) return;
-  for (size_t k = 0; k < live; k++)
-    run_single(srv, b, reqs[k], &l);
+  /* a batch held from an earlier job that this job does not replace is
+   * completed after it (its copies are complete by then: this job's own
+   * wait completed them) */
+  moed_launched **slot = answerer ? moed_answerer_launched(answerer) : NULL, *held = slot ? *slot : NULL;
+  if (!(live > 1 && run_merged(srv, b, reqs, live, &l, answerer)))
+    for (size_t k = 0; k < live; k++)
+      run_single(srv, b, reqs[k], &l);
+  if (held && *slot == held) {
+    moed_infer_launched_finish(slot, NULL);
+    lap(&l, MOED_PHASE_WAIT);
+  }
 }

@@ -441,7 +441,7 @@ typedef enum moed_phase {
   MOED_PHASE_COPY_IN,  /* inputs queued to the device (host side of the copies) */
   MOED_PHASE_LAUNCH,   /* the op run (a device: its kernels queued) */
   MOED_PHASE_COPY_OUT, /* a device: the outputs' copies to host buffers queued behind the op */
-  MOED_PHASE_WAIT,     /* a device: the one synchronize (the op, those copies, their bytes into place) */
+  MOED_PHASE_WAIT,     /* a device: waiting for the op and those copies (merged: after the next launch) */
   MOED_PHASE_ANSWER, /* responses encoded and sent, statistics, memory freed (or handed to the answer thread)
                       */
   MOED_PHASE_ANSWER_ASYNC, /* the worker's answer thread: merged batches' responses, beside the next batch */
@@ -466,6 +466,17 @@ typedef struct moed_phases {
   uint64_t ns[MOED_PHASES];
   uint64_t executions; /* op calls that reached the backend (the ones timed) */
 } moed_phases;
+/* A merged batch launched on a device and not yet waited for (infer_run.c):
+ * its worker holds one while it stages and launches the next batch behind
+ * it. The slot is q's (devices.c) and only q's worker touches it; NULL
+ * when q's worker waits for each batch at once (MOED_HOLD_BATCH=0). */
+typedef struct merged_answer moed_launched;
+moed_launched **moed_answerer_launched(moed_answerer *q);
+/* Completes the batch held in *slot, if any: waits for its outputs (not for
+ * work launched after it), records its execution and posts its answers on
+ * its answer thread; the requests get INTERNAL when the device failed.
+ * Empties the slot; the wait's time goes to ph (NULL: not kept). */
+void moed_infer_launched_finish(moed_launched **slot, moed_phases *ph);
 
 /* Request priority levels as Triton's queue policy numbers them: 1 is the
  * highest, MOED_PRIORITY_LEVELS the lowest; a request without one (or 0)

@@ -53,10 +53,16 @@ typedef struct packed_entry {
 } packed_entry;
 
 /* A device -> host copy queued by gpu_copy_out_async: its bytes wait at
- * stage[1] + off until the host copies them to dst (pending_finish). */
+ * stage[1] + off until the host copies them to dst (pending_finish, or
+ * copies_finish for its group). Groups (moe_backend_copy_out_end) take the
+ * halves of stage[1] in turn, so that a caller can complete one call's
+ * copies while the next call's are queued behind them: group g lives in
+ * half g & 1, and an ended group is finished before a later group of its
+ * parity gets copies or its event. */
 typedef struct pending_out {
   void *dst;
   size_t off, len;
+  uint64_t group;
 } pending_out;
 #define PENDING_MAX 16 /* copies queued at once; more: the first ones are completed */
 
@@ -71,11 +77,14 @@ typedef struct gpu_ctx {
   size_t pool_bytes; /* held from the device, in use or cached */
   void *ws;          /* workspace, from the pool */
   size_t ws_size;
-  void *stage[2]; /* pinned host staging, STAGE_CHUNK each */
+  void *stage[2]; /* pinned host staging: STAGE_CHUNK, and stage[1] two halves of it */
   hipEvent_t stage_done[2];
-  pending_out pending[PENDING_MAX]; /* into stage[1], in stream order */
+  pending_out pending[PENDING_MAX]; /* into stage[1], in stream (and group) order */
   int n_pending;
-  size_t pending_end;       /* bytes of stage[1] they use */
+  size_t half_end[2];       /* bytes of each half of stage[1] the pending copies use */
+  uint64_t group;           /* the open group: gpu_copy_out_async's copies join it */
+  uint64_t done;            /* every group <= done is complete */
+  hipEvent_t group_done[2]; /* the end of the last ended group of each parity */
   set_entry *sets;          /* a short list: a worker serves a few sets */
   packed_entry *packed;     /* most recently used first, at most MOE_GPU_PACKED_INLINE */
   size_t resident;          /* pool bytes of sets and packed entries */
@@ -277,20 +286,49 @@ static void packed_drop_overlapping(moe_backend *b, const void *p, size_t n);
 
 /* Completes the queued device -> host copies: waits for the last (or not,
  * `synced`: the stream is idle) and copies their bytes out of stage[1].
- * Every use of the staging buffers comes after it. */
+ * Every use of stage[1]'s first STAGE_CHUNK bytes by the chunked copies
+ * comes after it. */
 static moe_status pending_finish(gpu_ctx *ctx, bool synced) {
+  ctx->done = ctx->group - 1;
   if (!ctx->n_pending) return MOE_OK;
   const bool ok = synced || hipEventSynchronize(ctx->stage_done[1]) == hipSuccess;
   for (int i = 0; ok && i < ctx->n_pending; i++)
     memcpy(ctx->pending[i].dst, (const char *)ctx->stage[1] + ctx->pending[i].off, ctx->pending[i].len);
   ctx->n_pending = 0;
-  ctx->pending_end = 0;
+  ctx->half_end[0] = ctx->half_end[1] = 0;
+  return ok ? MOE_OK : MOE_EDEVICE;
+}
+
+/* Completes the copies of ended group g and of every group before it:
+ * waits for g's end on the stream only, not for the work queued after. */
+static moe_status copies_finish(gpu_ctx *ctx, uint64_t g) {
+  if (g <= ctx->done) return MOE_OK;
+  /* failed: the copies are dropped all the same (their bytes never came;
+   * their buffers may be freed once the caller has the error) */
+  const bool ok = hipEventSynchronize(ctx->group_done[g & 1]) == hipSuccess;
+  int kept = 0;
+  ctx->half_end[0] = ctx->half_end[1] = 0;
+  for (int i = 0; i < ctx->n_pending; i++) {
+    const pending_out *q = &ctx->pending[i];
+    if (q->group <= g) {
+      if (ok) memcpy(q->dst, (const char *)ctx->stage[1] + q->off, q->len);
+      continue;
+    }
+    const int h = (int)(q->group & 1);
+    const size_t end = q->off - (size_t)h * STAGE_CHUNK + q->len, aligned = (end + 255) & ~(size_t)255;
+    if (aligned > ctx->half_end[h]) ctx->half_end[h] = aligned < STAGE_CHUNK ? aligned : STAGE_CHUNK;
+    ctx->pending[kept++] = *q;
+  }
+  ctx->n_pending = kept;
+  ctx->done = g;
   return ok ? MOE_OK : MOE_EDEVICE;
 }
 
 static moe_status gpu_copy_in(moe_backend *b, void *dst, const void *src, size_t n) {
   gpu_ctx *ctx = b->context;
-  moe_status s = pending_finish(ctx, false);
+  /* stage[1] only from the second chunk on: a copy of one chunk does not
+   * wait for the copies queued out of it (a call staged under the last) */
+  moe_status s = n > STAGE_CHUNK ? pending_finish(ctx, false) : MOE_OK;
   if (s) return s;
   packed_drop_overlapping(b, dst, n);
   for (size_t off = 0, k = 0; off < n; off += STAGE_CHUNK, k++) {
@@ -325,9 +363,7 @@ static moe_status gpu_copy_in_gather(moe_backend *b, void *dst, const void *cons
     }
     return MOE_OK;
   }
-  moe_status s = pending_finish(ctx, false);
-  if (s) return s;
-  packed_drop_overlapping(b, dst, span);
+  packed_drop_overlapping(b, dst, span); /* stage[0] only: nothing waits for stage[1] */
   if (hipEventSynchronize(ctx->stage_done[0]) != hipSuccess) return MOE_EDEVICE;
   for (size_t i = 0; i < n; i++)
     memcpy((char *)ctx->stage[0] + off[i], src[i], nbytes[i]);
@@ -366,26 +402,45 @@ static moe_status gpu_copy_out(moe_backend *b, void *dst, const void *src, size_
   return MOE_OK;
 }
 
-/* Queued behind the work on the stream, into stage[1], so that the copy
- * starts when the op ends, without the host between them; completed by
- * the next synchronize (or any copy: pending_finish). Nothing waits here
- * for stage[1]: every earlier use of it is ordered before on the stream,
- * and the host touches it only after pending_finish. */
+/* Queued behind the work on the stream, into the open group's half of
+ * stage[1], so that the copy starts when the op ends, without the host
+ * between them; completed by the next synchronize, any copy through
+ * stage[1] (pending_finish) or its group's finish. Nothing waits here for
+ * the half: every earlier use of it is ordered before on the stream, and
+ * the host touches it only after the copy is completed. */
 static moe_status gpu_copy_out_async(moe_backend *b, void *dst, const void *src, size_t n) {
   gpu_ctx *ctx = b->context;
   if (n > STAGE_CHUNK) return gpu_copy_out(b, dst, src, n); /* complete at once: allowed */
-  if (ctx->n_pending == PENDING_MAX || n > STAGE_CHUNK - ctx->pending_end) {
-    moe_status s = pending_finish(ctx, false);
-    if (s) return s;
-  }
-  const size_t off = ctx->pending_end;
+  const int h = (int)(ctx->group & 1);
+  moe_status s = copies_finish(ctx, ctx->group - 2); /* the half's last ended group */
+  if (!s && (ctx->n_pending == PENDING_MAX || n > STAGE_CHUNK - ctx->half_end[h]))
+    s = pending_finish(ctx, false);
+  if (s) return s;
+  const size_t off = (size_t)h * STAGE_CHUNK + ctx->half_end[h];
   if (hipMemcpyAsync((char *)ctx->stage[1] + off, src, n, hipMemcpyDeviceToHost, ctx->stream) != hipSuccess ||
       hipEventRecord(ctx->stage_done[1], ctx->stream) != hipSuccess)
     return MOE_EDEVICE;
-  ctx->pending[ctx->n_pending++] = (pending_out){dst, off, n};
-  const size_t end = off + n, aligned = (end + 255) & ~(size_t)255; /* n <= STAGE_CHUNK: no overflow */
-  ctx->pending_end = aligned < STAGE_CHUNK ? aligned : STAGE_CHUNK;
+  ctx->pending[ctx->n_pending++] = (pending_out){dst, off, n, ctx->group};
+  const size_t end = ctx->half_end[h] + n, aligned = (end + 255) & ~(size_t)255; /* n <= STAGE_CHUNK */
+  ctx->half_end[h] = aligned < STAGE_CHUNK ? aligned : STAGE_CHUNK;
   return MOE_OK;
+}
+
+static moe_status gpu_copy_out_end(moe_backend *b, uint64_t *group) {
+  gpu_ctx *ctx = b->context;
+  const uint64_t g = ctx->group;
+  moe_status s = copies_finish(ctx, g - 2); /* group_done[g & 1] is about to be its no more */
+  if (s) return s;
+  if (hipEventRecord(ctx->group_done[g & 1], ctx->stream) != hipSuccess) return MOE_EDEVICE;
+  ctx->group = g + 1;
+  *group = g;
+  return MOE_OK;
+}
+
+static moe_status gpu_copy_out_finish(moe_backend *b, uint64_t group) {
+  gpu_ctx *ctx = b->context;
+  if (group >= ctx->group) return MOE_EINVAL; /* not ended */
+  return copies_finish(ctx, group);
 }
 
 /* ---- device copies of loaded expert sets ------------------------------------ */
@@ -591,7 +646,8 @@ static moe_status gpu_sync(moe_backend *b) {
   gpu_ctx *ctx = b->context;
   if (hipStreamSynchronize(ctx->stream) != hipSuccess) {
     ctx->n_pending = 0; /* their bytes never came */
-    ctx->pending_end = 0;
+    ctx->half_end[0] = ctx->half_end[1] = 0;
+    ctx->done = ctx->group - 1;
     return MOE_EDEVICE;
   }
   return pending_finish(ctx, true);
@@ -629,6 +685,7 @@ static void gpu_destroy(moe_backend *b) {
   for (int i = 0; i < 2; i++) {
     if (ctx->stage[i]) hipHostFree(ctx->stage[i]);
     if (ctx->stage_done[i]) hipEventDestroy(ctx->stage_done[i]);
+    if (ctx->group_done[i]) hipEventDestroy(ctx->group_done[i]);
   }
   if (ctx->stream) hipStreamDestroy(ctx->stream);
   free(ctx);
@@ -668,6 +725,8 @@ static const struct moe_backend_i gpu_iface = {
     .synchronize = gpu_sync,
     .copy_in_gather = gpu_copy_in_gather,
     .copy_out_async = gpu_copy_out_async,
+    .copy_out_end = gpu_copy_out_end,
+    .copy_out_finish = gpu_copy_out_finish,
     .run = gpu_run,
     .destroy = gpu_destroy,
     .trim = gpu_trim,
@@ -712,15 +771,18 @@ moe_status moe_backend_gpu_create(int device, moe_backend **out, moe_error *err)
   snprintf(b->name, sizeof b->name, "gpu%d: %.48s", device, prop.name);
   if ((s = moe_gpu_check(hipStreamCreateWithFlags(&ctx->stream, hipStreamNonBlocking), "stream", err)))
     goto fail;
+  ctx->group = 2; /* copies_finish(group - 2) names no group before it */
+  ctx->done = 1;
   for (int i = 0; i < 2; i++) {
-    if ((s = moe_gpu_check(hipHostMalloc(&ctx->stage[i], STAGE_CHUNK, hipHostMallocDefault), "pinned staging",
-                           err)))
+    if ((s = moe_gpu_check(hipHostMalloc(&ctx->stage[i], (size_t)(i + 1) * STAGE_CHUNK, hipHostMallocDefault),
+                           "pinned staging", err)))
       goto fail;
-    if ((s = moe_gpu_check(hipEventCreateWithFlags(&ctx->stage_done[i], hipEventDisableTiming), "event",
-                           err)))
-      goto fail;
-    /* recorded once so that the first wait on it returns at once */
-    if ((s = moe_gpu_check(hipEventRecord(ctx->stage_done[i], ctx->stream), "event", err))) goto fail;
+    /* recorded once so that the first wait on them returns at once */
+    hipEvent_t *ev[2] = {&ctx->stage_done[i], &ctx->group_done[i]};
+    for (int k = 0; k < 2; k++) {
+      if ((s = moe_gpu_check(hipEventCreateWithFlags(ev[k], hipEventDisableTiming), "event", err))) goto fail;
+      if ((s = moe_gpu_check(hipEventRecord(*ev[k], ctx->stream), "event", err))) goto fail;
+    }
   }
   *out = b;
   return MOE_OK;

@@ -48,6 +48,12 @@ moe_status moe_backend_copy_out_async(moe_backend *b, void *dst, const void *src
   if (b->iface->copy_out_async) return b->iface->copy_out_async(b, dst, src, nbytes);
   return b->iface->copy_out(b, dst, src, nbytes);
 }
+moe_status moe_backend_copy_out_end(moe_backend *b, uint64_t *group) {
+  return b->iface->copy_out_end ? b->iface->copy_out_end(b, group) : MOE_EUNSUPPORTED;
+}
+moe_status moe_backend_copy_out_finish(moe_backend *b, uint64_t group) {
+  return b->iface->copy_out_finish ? b->iface->copy_out_finish(b, group) : MOE_EUNSUPPORTED;
+}
 moe_status moe_backend_synchronize(moe_backend *b) { return b->iface->synchronize(b); }
 
 size_t moe_backend_trim(moe_backend *b) { return b && b->iface->trim ? b->iface->trim(b) : 0; }

@@ -33,6 +33,10 @@ struct moe_backend_i {
                                const size_t nbytes[], size_t n);
   /* optional (NULL: copy_out, complete at once): moe_backend_copy_out_async */
   moe_status (*copy_out_async)(moe_backend *b, void *dst, const void *src, size_t nbytes);
+  /* optional, both or neither (NULL: copies complete at once, no groups):
+   * moe_backend_copy_out_end and moe_backend_copy_out_finish */
+  moe_status (*copy_out_end)(moe_backend *b, uint64_t *group);
+  moe_status (*copy_out_finish)(moe_backend *b, uint64_t group);
   /* runs a prepared call whose tensors live in this backend's memory */
   moe_status (*run)(moe_backend *b, moe_call *c, moe_error *err);
   /* releases the context (not the moe_backend struct itself) */

@@ -225,8 +225,6 @@ static size_t nscales_used(void) { return quick ? 6 : NSCALES; }
 static const char *const scaled_out[] = {"fp8_e4m3fn", "fp8_e4m3fnuz", "int8"};
 static const moe_dtype half_types[] = {MOE_BF16, MOE_F16};
 
-/* ---- quant.per_tensor ------------------------------------------------------------ */
-
 /* ---- the backend's copies (the server's per-call path: infer_run.c) ------------ */
 
 static void fill_random(uint8_t *p, size_t n) {
@@ -270,8 +268,8 @@ START_TEST(copies_gather_async) {
     void *dprobe;
     fill_random(probe_src, sizeof probe_src);
     ck_assert(moe_backend_alloc(gpu, sizeof probe, &dprobe) == MOE_OK);
-    ck_assert(moe_backend_copy_in(gpu, dprobe, probe_src, sizeof probe) == MOE_OK); /* completes the queued */
-    ck_assert(moe_backend_copy_out(gpu, probe, dprobe, sizeof probe) == MOE_OK);
+    ck_assert(moe_backend_copy_in(gpu, dprobe, probe_src, sizeof probe) == MOE_OK);
+    ck_assert(moe_backend_copy_out(gpu, probe, dprobe, sizeof probe) == MOE_OK); /* completes the queued */
     ck_assert(moe_backend_synchronize(gpu) == MOE_OK);
     ck_assert(memcmp(probe, probe_src, sizeof probe) == 0);
     for (size_t i = 0; i < n; i++)
@@ -287,6 +285,64 @@ START_TEST(copies_gather_async) {
     free(host);
     free(back);
     free(whole);
+  }
+}
+END_TEST
+
+/* Copy groups as a device worker uses them (infer_run.c holds a batch
+ * while the next is launched): each round copies a buffer in, queues its
+ * copies out (one to four pieces, up to 12 MiB, sometimes more than the
+ * backend queues at once), ends the group, then finishes the group before
+ * it. Every group's bytes come back as written (the host buffers poisoned
+ * first); a synchronous copy or a synchronize between rounds completes
+ * groups early (their finish then returns at once); a group not yet ended
+ * is refused; a copy past the staging buffer completes at once. */
+START_TEST(copies_groups) {
+  enum { ROUNDS = 24, SLOTS = 3 };
+  const size_t sizes[] = {64, 4096, 300000, (size_t)12 << 20, (size_t)9 << 20, (size_t)20 << 20};
+  uint8_t *host[SLOTS], *back[SLOTS];
+  void *dev[SLOTS];
+  size_t len[SLOTS] = {0};
+  uint64_t group[SLOTS] = {0};
+  const size_t cap = (size_t)20 << 20;
+  for (int i = 0; i < SLOTS; i++) {
+    host[i] = malloc(cap);
+    back[i] = malloc(cap);
+    ck_assert(host[i] && back[i]);
+    ck_assert(moe_backend_alloc(gpu, cap, &dev[i]) == MOE_OK);
+  }
+  for (int r = 0; r < ROUNDS; r++) {
+    const int i = r % SLOTS, prev = (r + SLOTS - 1) % SLOTS;
+    len[i] = sizes[rng() % (sizeof sizes / sizeof sizes[0])];
+    fill_random(host[i], len[i]);
+    memset(back[i], 0xA5, len[i]);
+    ck_assert(moe_backend_copy_in(gpu, dev[i], host[i], len[i]) == MOE_OK);
+    const int pieces = r % 7 == 3 ? 20 : 1 + (int)(rng() % 4); /* 20: past the 16 queued at once */
+    for (int k = 0; k < pieces; k++) {
+      const size_t a = len[i] * (size_t)k / (size_t)pieces, e = len[i] * (size_t)(k + 1) / (size_t)pieces;
+      ck_assert(moe_backend_copy_out_async(gpu, back[i] + a, (const char *)dev[i] + a, e - a) == MOE_OK);
+    }
+    ck_assert(moe_backend_copy_out_finish(gpu, UINT64_MAX) == MOE_EINVAL); /* never ended */
+    ck_assert(moe_backend_copy_out_end(gpu, &group[i]) == MOE_OK);
+    ck_assert(r == 0 || group[i] > group[prev]);
+    if (r % 5 == 4) { /* something else completes the copies first */
+      uint8_t probe[32];
+      ck_assert(r % 10 == 4 ? moe_backend_synchronize(gpu) == MOE_OK
+                            : moe_backend_copy_out(gpu, probe, dev[i], sizeof probe) == MOE_OK);
+    }
+    if (r == 0) continue;
+    ck_assert(moe_backend_copy_out_finish(gpu, group[prev]) == MOE_OK);
+    ck_assert_msg(memcmp(back[prev], host[prev], len[prev]) == 0, "round %d: group of %zu bytes", r - 1,
+                  len[prev]);
+    ck_assert(moe_backend_copy_out_finish(gpu, group[prev]) == MOE_OK); /* again: nothing left to do */
+  }
+  const int last = (ROUNDS - 1) % SLOTS;
+  ck_assert(moe_backend_copy_out_finish(gpu, group[last]) == MOE_OK);
+  ck_assert(memcmp(back[last], host[last], len[last]) == 0);
+  for (int i = 0; i < SLOTS; i++) {
+    moe_backend_free(gpu, dev[i]);
+    free(host[i]);
+    free(back[i]);
   }
 }
 END_TEST
@@ -1447,6 +1503,7 @@ int main(void) {
   Suite *s = suite_create("gpu");
   TCase *tb = tcase_create("backend"); /* alone: CK_RUN_CASE=backend */
   tcase_add_test(tb, copies_gather_async);
+  tcase_add_test(tb, copies_groups);
   suite_add_tcase(s, tb);
   TCase *tc = tcase_create("quant");
   tcase_set_timeout(tc, 3600);

@@ -8,7 +8,9 @@
 # prepare, copy_in, launch, copy_out, wait, answer, answer_async);
 # LOGDIR/raw/ the /metrics scrapes before and after each level.
 # MOED_ANSWER_THREAD=0 in the environment: moed answers on the worker (the
-# A/B of the answer thread; docs/server.md "Metrics").
+# A/B of the answer thread; docs/server.md "Metrics"); MOED_HOLD_BATCH=0:
+# the worker waits for each merged batch before it takes the next (the A/B
+# of holding a batch while the next is launched).
 #   tests/gpu/worker_phases.sh BINDIR LOGDIR
 # BINDIR as for moed_load.sh (tests/gpu/pack.sh's output); MOE_LOAD_DEVICE=cpu
 # is the dry run without a GPU (small layers). Other MOE_LOAD_* settings

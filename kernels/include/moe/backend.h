@@ -11,6 +11,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "moe/status.h"
 
@@ -70,6 +71,16 @@ moe_status moe_backend_copy_in_gather(moe_backend *b, void *dst, const void *con
  * copies of the backend may complete it earlier). Host backends copy at
  * once. dst stays the caller's; it must stay valid until then. */
 moe_status moe_backend_copy_out_async(moe_backend *b, void *dst, const void *src, size_t nbytes);
+/* Ends the group of moe_backend_copy_out_async copies queued since the last
+ * group ended (possibly none) and names it in *group: its copies complete
+ * with moe_backend_copy_out_finish(group), which waits for the device to
+ * reach them and not for work queued later, so the owning thread can
+ * queue the next call before it waits for this one. MOE_EUNSUPPORTED:
+ * the backend copies at once (host backends): nothing to wait for. */
+moe_status moe_backend_copy_out_end(moe_backend *b, uint64_t *group);
+/* Completes the copies of ended `group` and of every group before it (at
+ * once when something else, a synchronize or a copy, completed them). */
+moe_status moe_backend_copy_out_finish(moe_backend *b, uint64_t group);
 /* Waits for everything queued on the backend (and completes the copies of
  * moe_backend_copy_out_async). */
 moe_status moe_backend_synchronize(moe_backend *b);
