@@ -224,12 +224,12 @@ void moed_handle_request(moed_request *req, void *arg) {
   case MOED_M_REPOSITORY_INDEX: moed_handle_repository_index(s, req); break;
   case MOED_M_HEALTH_CHECK: health(s, req, false); break;
   case MOED_M_HEALTH_WATCH: health(s, req, true); break;
-  case MOED_M_SHM_REGISTER: moed_handle_shm_change(s, req, true); break;
-  case MOED_M_SHM_UNREGISTER: moed_handle_shm_change(s, req, false); break;
-  case MOED_M_SHM_STATUS: moed_handle_shm_status(s, req); break;
-  case MOED_M_CUDA_SHM_STATUS:
-  case MOED_M_CUDA_SHM_REGISTER:
-  case MOED_M_CUDA_SHM_UNREGISTER: moed_handle_cuda_shm(req); break;
+  case MOED_M_SHM_REGISTER: moed_handle_shm_change(s, req, true, MOED_SHM_SYSTEM); break;
+  case MOED_M_SHM_UNREGISTER: moed_handle_shm_change(s, req, false, MOED_SHM_SYSTEM); break;
+  case MOED_M_SHM_STATUS: moed_handle_shm_status(s, req, MOED_SHM_SYSTEM); break;
+  case MOED_M_CUDA_SHM_REGISTER: moed_handle_shm_change(s, req, true, MOED_SHM_CUDA); break;
+  case MOED_M_CUDA_SHM_UNREGISTER: moed_handle_shm_change(s, req, false, MOED_SHM_CUDA); break;
+  case MOED_M_CUDA_SHM_STATUS: moed_handle_shm_status(s, req, MOED_SHM_CUDA); break;
   case MOED_M_MODEL_INFER:
     infer(s, req);
     keep = true;
