@@ -51,13 +51,14 @@ const char *moed_version_other(const char *v) { return (!v || !*v || strcmp(v, "
 /* ---- health and server metadata ------------------------------------------------------ */
 
 static void server_metadata(const moed_server *s, moed_request *req) {
-  /* the last one only while regions may be registered */
-  static char *extensions[] = {"model_repository", "statistics", "grpc_health", "moe_expert_store",
-                               "system_shared_memory"};
+  /* the last two only while regions may be registered, the CUDA one where
+   * one could open (a GPU build running on GPUs) */
+  static char *extensions[] = {"model_repository", "statistics",           "grpc_health",
+                               "moe_expert_store", "system_shared_memory", "cuda_shared_memory"};
   Inference__ServerMetadataResponse r = INFERENCE__SERVER_METADATA_RESPONSE__INIT;
   r.name = "moed";
   r.version = MOED_VERSION;
-  r.n_extensions = sizeof extensions / sizeof extensions[0] - !s->shm;
+  r.n_extensions = sizeof extensions / sizeof extensions[0] - !s->shm - !(s->shm && moed_cuda_shm_gpus(s) > 0);
   r.extensions = extensions;
   moed_reply(req, &r.base);
 }

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "handlers_req.h"
+#include "moe/ipc.h"
 
 static bool shm_on(moed_server *s, moed_request *req) {
   if (!s->shm) moed_reply_error(req, GRPC_STATUS_FAILED_PRECONDITION, "shared memory is off (--shm-max-regions 0)");
@@ -24,6 +25,8 @@ static int gpus(const moed_server *s) {
     n++;
   return n;
 }
+
+int moed_cuda_shm_gpus(const moed_server *s) { return moe_ipc_supported() ? gpus(s) : 0; }
 
 /* Register, or unregister (`reg` false), a region of one kind. An
  * unregister's name is checked before the on/off check, a register's by
