@@ -58,7 +58,8 @@ static void server_metadata(const moed_server *s, moed_request *req) {
   Inference__ServerMetadataResponse r = INFERENCE__SERVER_METADATA_RESPONSE__INIT;
   r.name = "moed";
   r.version = MOED_VERSION;
-  r.n_extensions = sizeof extensions / sizeof extensions[0] - !s->shm - !(s->shm && moed_cuda_shm_gpus(s) > 0);
+  r.n_extensions =
+      sizeof extensions / sizeof extensions[0] - !s->shm - !(s->shm && moed_cuda_shm_gpus(s) > 0);
   r.extensions = extensions;
   moed_reply(req, &r.base);
 }

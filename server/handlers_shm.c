@@ -11,7 +11,8 @@
 #include "moe/ipc.h"
 
 static bool shm_on(moed_server *s, moed_request *req) {
-  if (!s->shm) moed_reply_error(req, GRPC_STATUS_FAILED_PRECONDITION, "shared memory is off (--shm-max-regions 0)");
+  if (!s->shm)
+    moed_reply_error(req, GRPC_STATUS_FAILED_PRECONDITION, "shared memory is off (--shm-max-regions 0)");
   return s->shm != NULL;
 }
 
@@ -48,8 +49,8 @@ void moed_handle_shm_change(moed_server *s, moed_request *req, bool reg, moed_sh
   const Inference__SystemSharedMemoryRegisterRequest *sys = reg && !cuda ? (void *)m : NULL;
   const Inference__CudaSharedMemoryRegisterRequest *dev = reg && cuda ? (void *)m : NULL;
   /* each message's name is its first field */
-  const char *name = sys   ? sys->name
-                     : dev ? dev->name
+  const char *name = sys    ? sys->name
+                     : dev  ? dev->name
                      : cuda ? ((Inference__CudaSharedMemoryUnregisterRequest *)m)->name
                             : ((Inference__SystemSharedMemoryUnregisterRequest *)m)->name;
   const char *peer = moed_rpc_peer(req->rpc);

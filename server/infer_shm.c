@@ -76,8 +76,7 @@ static grpc_status_code shm_resolve(moed_infer_req *r, moed_server *srv, const c
                       what, P_SIZE, P_REGION);
   if (!srv->shm)
     return moed_failf(r->err, GRPC_STATUS_FAILED_PRECONDITION,
-                      "%s: parameters['%s']: shared memory is off (--shm-max-regions 0)", what,
-                      P_REGION);
+                      "%s: parameters['%s']: shared memory is off (--shm-max-regions 0)", what, P_REGION);
   if (!moed_model_name_ok(ref->region)) /* not echoed */
     return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT,
                       "%s: parameters['%s']: not a valid region name (%s)", what, P_REGION,
@@ -196,7 +195,8 @@ grpc_status_code moed_infer_shm_outputs_decode(moed_infer_req *r, moed_server *s
 
 grpc_status_code moed_infer_shm_inputs(moed_infer_req *r) {
   for (size_t i = 0; i < r->n_in; i++) {
-    grpc_status_code code = r->shm_in[i].region ? copy_input(r, i, r->in[i].name, &r->in[i].tensor) : GRPC_STATUS_OK;
+    grpc_status_code code =
+        r->shm_in[i].region ? copy_input(r, i, r->in[i].name, &r->in[i].tensor) : GRPC_STATUS_OK;
     if (code) return code;
   }
   return GRPC_STATUS_OK;

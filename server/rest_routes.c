@@ -216,7 +216,8 @@ static void cuda_register(moed_rest *r, moed_http_conn *c, moed_http_request *rq
   long len = cJSON_IsString(b64) ? b64_decode(b64->valuestring, handle, sizeof handle) : -1;
   uint64_t device = 0, byte_size = 0;
   if (len < 0)
-    return moed_http_respond_error(c, 400, "raw_handle: missing, or not {\"b64\": base64 of a 64-byte CUDA IPC handle}");
+    return moed_http_respond_error(
+        c, 400, "raw_handle: missing, or not {\"b64\": base64 of a 64-byte CUDA IPC handle}");
   if (!json_u64(cJSON_GetObjectItemCaseSensitive(j, "device_id"), &device) || device > INT32_MAX)
     return moed_http_respond_error(c, 400, "device_id: not a non-negative integer (a GPU number)");
   if (!json_u64(cJSON_GetObjectItemCaseSensitive(j, "byte_size"), &byte_size))

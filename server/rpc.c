@@ -42,7 +42,8 @@ const method_desc moed_rpc_methods[MOED_M_COUNT] = {
                               .read_stream = true,
                               .paced = true,
                               .changes = true},
-    /* registering maps a node-local object or device buffer: who did it is logged as for repository changes */
+    /* registering maps a node-local object or device buffer: who did it is
+     * logged as for repository changes */
     [MOED_M_SHM_STATUS] = {.path = KSERVE("SystemSharedMemoryStatus")},
     [MOED_M_SHM_REGISTER] = {.path = KSERVE("SystemSharedMemoryRegister"), .changes = true},
     [MOED_M_SHM_UNREGISTER] = {.path = KSERVE("SystemSharedMemoryUnregister"), .changes = true},

@@ -284,7 +284,8 @@ grpc_status_code moed_shm_register_cuda(moed_shm *s, const char *name, const uin
 
 /* Whether region r is one that an unregister or status of `kind` and `name` (NULL or "": any) means. */
 static bool named(const moed_shm_region *r, moed_shm_kind kind, const char *name) {
-  return (kind == MOED_SHM_ANY || r->info.kind == kind) && (!name || !*name || strcmp(r->info.name, name) == 0);
+  return (kind == MOED_SHM_ANY || r->info.kind == kind) &&
+         (!name || !*name || strcmp(r->info.name, name) == 0);
 }
 
 void moed_shm_unregister(moed_shm *s, moed_shm_kind kind, const char *name) {
@@ -354,8 +355,9 @@ static grpc_status_code region_copy(const moed_shm_region *r, uint64_t offset, v
     moe_error e = {{0}};
     moe_status st = to_region ? moe_ipc_write(r->info.device_id, at, host, n, &e)
                               : moe_ipc_read(r->info.device_id, host, at, n, &e);
-    if (st) snprintf(why, MOED_ERR_LEN, "the copy %s CUDA shared memory region '%.128s' failed: %.400s",
-                     to_region ? "into" : "from", r->info.name, e.msg);
+    if (st)
+      snprintf(why, MOED_ERR_LEN, "the copy %s CUDA shared memory region '%.128s' failed: %.400s",
+               to_region ? "into" : "from", r->info.name, e.msg);
     return st ? GRPC_STATUS_INTERNAL : GRPC_STATUS_OK;
   }
   if (!(to_region ? moed_shm_copy(at, host, n) : moed_shm_copy(host, at, n))) {
@@ -365,11 +367,12 @@ static grpc_status_code region_copy(const moed_shm_region *r, uint64_t offset, v
   return GRPC_STATUS_OK;
 }
 
-grpc_status_code moed_shm_read(const moed_shm_region *r, uint64_t offset, void *dst, size_t n, char why[MOED_ERR_LEN]) {
+grpc_status_code moed_shm_read(const moed_shm_region *r, uint64_t offset, void *dst, size_t n,
+                               char why[MOED_ERR_LEN]) {
   return region_copy(r, offset, dst, n, false, why);
 }
 
 grpc_status_code moed_shm_write(const moed_shm_region *r, uint64_t offset, const void *src, size_t n,
-                    char why[MOED_ERR_LEN]) {
+                                char why[MOED_ERR_LEN]) {
   return region_copy(r, offset, (void *)src, n, true, why);
 }

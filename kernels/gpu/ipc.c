@@ -47,8 +47,8 @@ static moe_status check(hipError_t e, moe_status kind, const char *what, int dev
   return moe_fail(err, kind, "%s on gpu %d: %s", what, device, hipGetErrorString(e));
 }
 
-moe_status moe_ipc_open(int device, const unsigned char handle[MOE_IPC_HANDLE_BYTES], void **ptr, size_t *size,
-                        moe_error *err) {
+moe_status moe_ipc_open(int device, const unsigned char handle[MOE_IPC_HANDLE_BYTES], void **ptr,
+                        size_t *size, moe_error *err) {
   int prev = 0;
   moe_status s = enter(device, &prev, err);
   if (s) return s;
@@ -57,8 +57,8 @@ moe_status moe_ipc_open(int device, const unsigned char handle[MOE_IPC_HANDLE_BY
   void *p = NULL;
   /* EINVAL: a handle that opens nothing here is the caller's (not from a
    * live allocation, or from this very process) */
-  s = check(hipIpcOpenMemHandle(&p, h, hipIpcMemLazyEnablePeerAccess), MOE_EINVAL, "hipIpcOpenMemHandle", device,
-            err);
+  s = check(hipIpcOpenMemHandle(&p, h, hipIpcMemLazyEnablePeerAccess), MOE_EINVAL, "hipIpcOpenMemHandle",
+            device, err);
   hipDeviceptr_t base = NULL;
   size_t len = 0;
   if (!s && (s = check(hipMemGetAddressRange(&base, &len, p), MOE_EDEVICE,
@@ -107,8 +107,8 @@ moe_status moe_ipc_write(int device, void *dst, const void *src, size_t n, moe_e
 
 bool moe_ipc_supported(void) { return false; }
 
-moe_status moe_ipc_open(int device, const unsigned char handle[MOE_IPC_HANDLE_BYTES], void **ptr, size_t *size,
-                        moe_error *err) {
+moe_status moe_ipc_open(int device, const unsigned char handle[MOE_IPC_HANDLE_BYTES], void **ptr,
+                        size_t *size, moe_error *err) {
   (void)device, (void)handle, (void)ptr, (void)size;
   return moe_fail(err, MOE_EUNSUPPORTED, NO_GPU);
 }

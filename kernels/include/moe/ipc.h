@@ -26,8 +26,8 @@ bool moe_ipc_supported(void);
 /* Maps the allocation `handle` names into this process on `device`: *ptr
  * its first byte, *size its bytes from *ptr on (what may be read and
  * written through it). Close with moe_ipc_close. */
-moe_status moe_ipc_open(int device, const unsigned char handle[MOE_IPC_HANDLE_BYTES], void **ptr, size_t *size,
-                        moe_error *err);
+moe_status moe_ipc_open(int device, const unsigned char handle[MOE_IPC_HANDLE_BYTES], void **ptr,
+                        size_t *size, moe_error *err);
 /* Unmaps what moe_ipc_open mapped (the exporter's allocation stays its own). */
 moe_status moe_ipc_close(int device, void *ptr, moe_error *err);
 /* Copies n bytes from the device at src (mapped) to the host at dst;

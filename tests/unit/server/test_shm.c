@@ -115,7 +115,7 @@ START_TEST(status_lists_regions) {
   ck_assert_int_eq(moed_shm_status(s, MOED_SHM_SYSTEM, "z", &v), 0);
   free(v);
   moed_shm_unregister(s, MOED_SHM_SYSTEM, "never"); /* no error, nothing changes */
-  moed_shm_unregister(s, MOED_SHM_CUDA, "");          /* every CUDA region: none */
+  moed_shm_unregister(s, MOED_SHM_CUDA, "");        /* every CUDA region: none */
   ck_assert_int_eq(moed_shm_status(s, MOED_SHM_ANY, NULL, &v), 2);
   free(v);
   moed_shm_unregister(s, MOED_SHM_SYSTEM, "");
@@ -159,7 +159,8 @@ START_TEST(truncated_object_fails_the_copy) {
   ck_assert(!moed_shm_copy(moed_shm_span(r, 4096, 8), buf, 8));
   ck_assert(moed_shm_copy(buf, buf + 8, 8)); /* other copies are untouched */
   char why[MOED_ERR_LEN];
-  ck_assert_int_eq(moed_shm_read(r, 0, buf, 8, why), GRPC_STATUS_INVALID_ARGUMENT); /* through the region API */
+  ck_assert_int_eq(moed_shm_read(r, 0, buf, 8, why),
+                   GRPC_STATUS_INVALID_ARGUMENT); /* through the region API */
   ck_assert_ptr_nonnull(strstr(why, "no longer backed"));
   moed_shm_release(r);
   moed_shm_destroy(s);
@@ -189,7 +190,7 @@ START_TEST(reads_and_writes_are_bounded) {
   ck_assert_int_eq(moed_shm_read(r, UINT64_MAX - 2, got, 8, why), GRPC_STATUS_INVALID_ARGUMENT); /* wraps */
   ck_assert_int_eq(moed_shm_read(r, 257, got, 0, why), GRPC_STATUS_INVALID_ARGUMENT);
   ck_assert_int_eq(moed_shm_read(r, 256, got, 0, why), GRPC_STATUS_OK); /* empty, at the end */
-  for (int i = 0; i < 300; i++) /* the refused copies moved nothing */
+  for (int i = 0; i < 300; i++)                                         /* the refused copies moved nothing */
     ck_assert_uint_eq(got[i], 0);
   int fd = shm_open(key, O_RDONLY, 0); /* the write went to the object at offset 64 + 200 */
   ck_assert_int_eq(pread(fd, got, 56, 64 + 200), 56);
