@@ -81,24 +81,25 @@ moe_status moe_ipc_close(int device, void *ptr, moe_error *err) {
   return leave(prev, check(hipIpcCloseMemHandle(ptr), MOE_EDEVICE, "hipIpcCloseMemHandle", device, err), err);
 }
 
-moe_status moe_ipc_read(int device, void *dst, const void *src, size_t n, moe_error *err) {
+/* One synchronous copy; to_device: host -> device, waited for until the
+ * bytes are in device memory (from pageable memory the copy may return
+ * once staged). */
+static moe_status copy(int device, void *dst, const void *src, size_t n, bool to_device, moe_error *err) {
   int prev = 0;
   moe_status s = enter(device, &prev, err);
   if (s) return s;
-  s = check(hipMemcpy(dst, src, n, hipMemcpyDeviceToHost), MOE_EDEVICE, "hipMemcpy (device to host)", device,
-            err);
+  s = check(hipMemcpy(dst, src, n, to_device ? hipMemcpyHostToDevice : hipMemcpyDeviceToHost), MOE_EDEVICE,
+            to_device ? "hipMemcpy (host to device)" : "hipMemcpy (device to host)", device, err);
+  if (!s && to_device) s = check(hipStreamSynchronize(0), MOE_EDEVICE, "hipStreamSynchronize", device, err);
   return leave(prev, s, err);
 }
 
+moe_status moe_ipc_read(int device, void *dst, const void *src, size_t n, moe_error *err) {
+  return copy(device, dst, src, n, false, err);
+}
+
 moe_status moe_ipc_write(int device, void *dst, const void *src, size_t n, moe_error *err) {
-  int prev = 0;
-  moe_status s = enter(device, &prev, err);
-  if (s) return s;
-  s = check(hipMemcpy(dst, src, n, hipMemcpyHostToDevice), MOE_EDEVICE, "hipMemcpy (host to device)", device,
-            err);
-  /* from pageable memory the copy may return once staged: wait for the DMA */
-  if (!s) s = check(hipStreamSynchronize(0), MOE_EDEVICE, "hipStreamSynchronize", device, err);
-  return leave(prev, s, err);
+  return copy(device, dst, src, n, true, err);
 }
 
 #else /* no GPU backend */
