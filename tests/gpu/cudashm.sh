@@ -337,12 +337,15 @@ def bf16(a):
 
 mix = [Tensor("hidden_states", "BF16", bf16(rng.standard_normal((17, 1024)))),
        Tensor("router_logits", "FP32", rng.standard_normal((17, 8)).astype(np.float32))]
-for attempt in range(600):  # the repository loads after the port opens
-    code, msg = status_of(lambda: infer("mix_bf16", mix, {}))
-    if code == grpc.StatusCode.OK:
-        break
-    time.sleep(0.1)
-report(code == grpc.StatusCode.OK, f"moed serves mix_bf16 ({code.name} {msg})")
+qwen = [Tensor("hidden_states", "BF16", bf16(rng.standard_normal((33, 2048)))),
+        Tensor("router_logits", "FP32", rng.standard_normal((33, 128)).astype(np.float32))]
+for model, ins in (("mix_bf16", mix), ("qwen_int4", qwen)):
+    for attempt in range(1200):  # the repository loads after the port opens
+        code, msg = status_of(lambda: infer(model, ins, {}))
+        if code == grpc.StatusCode.OK:
+            break
+        time.sleep(0.1)
+    report(code == grpc.StatusCode.OK, f"moed serves {model} ({code.name} {msg})")
 md = parse(call("ServerMetadata", b""))
 ext = [e.decode() for e in md.get(3, [])]
 if not DRY:
@@ -370,40 +373,41 @@ try:
         ("fused_moe mix_bf16 T=512", "mix_bf16",
          [Tensor("hidden_states", "BF16", bf16(rng.standard_normal((512, 1024)))),
           Tensor("router_logits", "FP32", rng.standard_normal((512, 8)).astype(np.float32))], {}),
-        ("fused_moe qwen_int4 T=33", "qwen_int4",
-         [Tensor("hidden_states", "BF16", bf16(rng.standard_normal((33, 2048)))),
-          Tensor("router_logits", "FP32", rng.standard_normal((33, 128)).astype(np.float32))], {}),
+        ("fused_moe qwen_int4 T=33", "qwen_int4", qwen, {}),
     ]
     for what, model, ins, params in cases:
-        ref = infer(model, ins, params)
-        # inputs at 256-aligned offsets past a first gap (the offset honoured), outputs likewise
-        cin.fill(0x5A)
-        cout.fill(0xA5)
-        in_shm, off = {}, 4096
-        for t in ins:
-            cin.write(off, t.arr.tobytes())
-            in_shm[t.name] = ("cin", off)
-            off = align(off + t.arr.nbytes)
-        outs, off = [], 8192
-        for name, _, _, raw in ref:
-            outs.append((name, "cout", off, len(raw)))
-            off = align(off + len(raw))
-        got = infer(model, ins, params, in_shm=in_shm, outs=outs)
-        meta_ok = [(n, d, s) for n, d, s, _ in got] == [(n, d, s) for n, d, s, _ in ref]
-        same = all(cout.read(o, size) == raw for (_, _, o, size), (_, _, _, raw) in zip(outs, ref))
-        empty = all(len(raw) == 0 for *_, raw in got)
-        report(meta_ok and same and empty and len(ref) > 0,
-               f"{what}: inputs and {len(ref)} outputs in {K} shm bit-identical to raw contents"
-               f" (metadata {'same' if meta_ok else 'differs'}, bytes {'same' if same else 'DIFFER'},"
-               f" response {'carries no bytes' if empty else 'carries bytes'})")
-        # inputs from shm, outputs raw in the response
-        got = infer(model, ins, params, in_shm=in_shm)
-        report([g[3] for g in got] == [r[3] for r in ref], f"{what}: inputs in {K} shm, outputs raw: bit-identical")
-        # inputs raw, outputs into shm
-        cout.fill(0xA5)
-        got = infer(model, ins, params, outs=outs)
-        same = all(cout.read(o, size) == raw for (_, _, o, size), (_, _, _, raw) in zip(outs, ref))
-        report(same, f"{what}: inputs raw, outputs into {K} shm: bit-identical")
+        try:
+            ref = infer(model, ins, params)
+            # inputs at 256-aligned offsets past a first gap (the offset honoured), outputs likewise
+            cin.fill(0x5A)
+            cout.fill(0xA5)
+            in_shm, off = {}, 4096
+            for t in ins:
+                cin.write(off, t.arr.tobytes())
+                in_shm[t.name] = ("cin", off)
+                off = align(off + t.arr.nbytes)
+            outs, off = [], 8192
+            for name, _, _, raw in ref:
+                outs.append((name, "cout", off, len(raw)))
+                off = align(off + len(raw))
+            got = infer(model, ins, params, in_shm=in_shm, outs=outs)
+            meta_ok = [(n, d, s) for n, d, s, _ in got] == [(n, d, s) for n, d, s, _ in ref]
+            same = all(cout.read(o, size) == raw for (_, _, o, size), (_, _, _, raw) in zip(outs, ref))
+            empty = all(len(raw) == 0 for *_, raw in got)
+            report(meta_ok and same and empty and len(ref) > 0,
+                   f"{what}: inputs and {len(ref)} outputs in {K} shm bit-identical to raw contents"
+                   f" (metadata {'same' if meta_ok else 'differs'}, bytes {'same' if same else 'DIFFER'},"
+                   f" response {'carries no bytes' if empty else 'carries bytes'})")
+            # inputs from shm, outputs raw in the response
+            got = infer(model, ins, params, in_shm=in_shm)
+            report([g[3] for g in got] == [r[3] for r in ref], f"{what}: inputs in {K} shm, outputs raw: bit-identical")
+            # inputs raw, outputs into shm
+            cout.fill(0xA5)
+            got = infer(model, ins, params, outs=outs)
+            same = all(cout.read(o, size) == raw for (_, _, o, size), (_, _, _, raw) in zip(outs, ref))
+            report(same, f"{what}: inputs raw, outputs into {K} shm: bit-identical")
+        except grpc.RpcError as e:  # one case's failure is reported, the others still run
+            report(False, f"{what}: {e.code().name}: {e.details()}")
 
     # bounds, on every use
     x = Tensor("x", "FP32", rng.standard_normal((4, 256)).astype(np.float32))
@@ -487,6 +491,8 @@ try:
     except OSError:
         alive = False
     report(alive, "moed is still running")
+except (grpc.RpcError, SystemExit, Exception) as e:  # reported, the regions still freed
+    report(False, f"stopped early: {type(e).__name__}: {getattr(e, 'details', lambda: e)()}")
 finally:
     cin.close()
     cout.close()
