@@ -8,7 +8,10 @@
 # registration errors must get their status naming the field; unregistering
 # must leave the server serving. No tritonclient, no protobuf package: the
 # few messages are encoded by hand (grpcio only), as tests/gpu/moed_reload.sh does.
-#   tests/gpu/cudashm.sh BINDIR LOGDIR      (BINDIR: moed, moe-mkset)
+#   tests/gpu/cudashm.sh BINDIR LOGDIR
+# BINDIR: moed and moe-mkset, or tests/gpu/pack.sh's output (bin.tar.xz,
+# unpacked here, and lib/: on the library path of those two only, not of
+# this script's Python).
 # MOE_CUDASHM_DRY=1: a dry run without a GPU (moed --device cpu, POSIX
 # regions through the system extension in place of the device buffers): the
 # same requests, offsets, comparisons and errors, to check the script itself.
@@ -20,14 +23,25 @@ log=$(cd "$log" && pwd)
 work=$(mktemp -d)
 pid=""
 trap 'if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; fi; rm -rf "$work"' EXIT
+libs=${LD_LIBRARY_PATH:-}
+[ -d "$bin/lib" ] && libs=$bin/lib${libs:+:$libs}
+if [ -f "$bin/bin.tar.xz" ]; then
+  mkdir "$work/bin"
+  python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$bin/bin.tar.xz" "$work/bin"
+  chmod +x "$work/bin"/*
+  bin=$work/bin
+fi
+for b in moed moe-mkset; do
+  [ -x "$bin/$b" ] || { echo "cudashm.sh: $bin/$b missing (tests/gpu/pack.sh packs it)" >&2; exit 2; }
+done
 
-"$bin/moe-mkset" --out "$work/models/mix_bf16" --scheme bf16 --experts 8 --hidden 1024 --intermediate 512 \
+LD_LIBRARY_PATH=$libs "$bin/moe-mkset" --out "$work/models/mix_bf16" --scheme bf16 --experts 8 --hidden 1024 --intermediate 512 \
   --top-k 2 --seed 4 >/dev/null
-"$bin/moe-mkset" --out "$work/models/qwen_int4" --scheme wna16 --bits 4 --group-size 128 --experts 128 \
+LD_LIBRARY_PATH=$libs "$bin/moe-mkset" --out "$work/models/qwen_int4" --scheme wna16 --bits 4 --group-size 128 --experts 128 \
   --hidden 2048 --intermediate 768 --top-k 8 --seed 3 >/dev/null
 device=gpu
 [ "${MOE_CUDASHM_DRY:-0}" = 1 ] && device=cpu
-"$bin/moed" --device "$device" --model-repository "$work/models" --address 127.0.0.1 --grpc-port 0 \
+LD_LIBRARY_PATH=$libs "$bin/moed" --device "$device" --model-repository "$work/models" --address 127.0.0.1 --grpc-port 0 \
   --http-port -1 --rest-port 0 --port-file "$work/port" >"$log/moed-cudashm.log" 2>&1 &
 pid=$!
 for _ in $(seq 200); do [ -s "$work/port" ] && break; sleep 0.1; done
