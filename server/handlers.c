@@ -51,13 +51,15 @@ const char *moed_version_other(const char *v) { return (!v || !*v || strcmp(v, "
 /* ---- health and server metadata ------------------------------------------------------ */
 
 static void server_metadata(const moed_server *s, moed_request *req) {
-  /* the last one only while regions may be registered */
-  static char *extensions[] = {"model_repository", "statistics", "grpc_health", "moe_expert_store",
-                               "system_shared_memory"};
+  /* the last two only while regions may be registered, the CUDA one where
+   * one could open (a GPU build running on GPUs) */
+  static char *extensions[] = {"model_repository", "statistics",           "grpc_health",
+                               "moe_expert_store", "system_shared_memory", "cuda_shared_memory"};
   Inference__ServerMetadataResponse r = INFERENCE__SERVER_METADATA_RESPONSE__INIT;
   r.name = "moed";
   r.version = MOED_VERSION;
-  r.n_extensions = sizeof extensions / sizeof extensions[0] - !s->shm;
+  r.n_extensions =
+      sizeof extensions / sizeof extensions[0] - !s->shm - !(s->shm && moed_cuda_shm_gpus(s) > 0);
   r.extensions = extensions;
   moed_reply(req, &r.base);
 }
@@ -224,12 +226,12 @@ void moed_handle_request(moed_request *req, void *arg) {
   case MOED_M_REPOSITORY_INDEX: moed_handle_repository_index(s, req); break;
   case MOED_M_HEALTH_CHECK: health(s, req, false); break;
   case MOED_M_HEALTH_WATCH: health(s, req, true); break;
-  case MOED_M_SHM_REGISTER: moed_handle_shm_change(s, req, true); break;
-  case MOED_M_SHM_UNREGISTER: moed_handle_shm_change(s, req, false); break;
-  case MOED_M_SHM_STATUS: moed_handle_shm_status(s, req); break;
-  case MOED_M_CUDA_SHM_STATUS:
-  case MOED_M_CUDA_SHM_REGISTER:
-  case MOED_M_CUDA_SHM_UNREGISTER: moed_handle_cuda_shm(req); break;
+  case MOED_M_SHM_REGISTER: moed_handle_shm_change(s, req, true, MOED_SHM_SYSTEM); break;
+  case MOED_M_SHM_UNREGISTER: moed_handle_shm_change(s, req, false, MOED_SHM_SYSTEM); break;
+  case MOED_M_SHM_STATUS: moed_handle_shm_status(s, req, MOED_SHM_SYSTEM); break;
+  case MOED_M_CUDA_SHM_REGISTER: moed_handle_shm_change(s, req, true, MOED_SHM_CUDA); break;
+  case MOED_M_CUDA_SHM_UNREGISTER: moed_handle_shm_change(s, req, false, MOED_SHM_CUDA); break;
+  case MOED_M_CUDA_SHM_STATUS: moed_handle_shm_status(s, req, MOED_SHM_CUDA); break;
   case MOED_M_MODEL_INFER:
     infer(s, req);
     keep = true;

@@ -33,9 +33,12 @@ void moed_handle_model_statistics(moed_server *s, moed_request *req);
 void moed_handle_repository_index(moed_server *s, moed_request *req);
 void moed_handle_repository_change(moed_server *s, moed_request *req);
 
-/* handlers_shm.c: Triton's shared-memory extensions (reg: register, else unregister) */
-void moed_handle_shm_change(moed_server *s, moed_request *req, bool reg);
-void moed_handle_shm_status(moed_server *s, moed_request *req);
-void moed_handle_cuda_shm(moed_request *req);
+/* handlers_shm.c: Triton's shared-memory extensions, system or CUDA (kind)
+ * (reg: register, else unregister) */
+void moed_handle_shm_change(moed_server *s, moed_request *req, bool reg, moed_shm_kind kind);
+void moed_handle_shm_status(moed_server *s, moed_request *req, moed_shm_kind kind);
+/* The GPUs a CUDA region may be registered on (0..n-1); 0 in a build
+ * without a GPU backend or when moed runs on no GPU. */
+int moed_cuda_shm_gpus(const moed_server *s);
 
 #endif

@@ -17,6 +17,14 @@
 
 #define MOED_MAX_PARAMS 64
 
+/* A tensor's span in a shared-memory region: [offset, offset + size) of
+ * region (held by the request; NULL: none), checked when it was named and
+ * again at each copy. */
+typedef struct moed_shm_at {
+  const moed_shm_region *region;
+  uint64_t offset, size;
+} moed_shm_at;
+
 struct moed_infer_req {
   moed_request *req;
   grpc_slice flat;                   /* the message bytes; raw inputs point here */
@@ -38,15 +46,14 @@ struct moed_infer_req {
   grpc_status_code code; /* decode failure */
   char err[MOED_ERR_LEN];
   uint64_t bytes_in;
-  /* system shared memory (infer_shm.c): the regions the request uses (one
-   * reference each), inputs still to be copied out of a region (the bytes
-   * to copy; NULL: none), and where each requested output goes (NULL: in
-   * the response) with the room there */
+  /* shared memory (infer_shm.c): the regions the request uses (one
+   * reference each), inputs still to be copied out of a region (region
+   * NULL: none), and where each requested output goes (region NULL: in the
+   * response) with the room there */
   moed_shm_region *shm[2 * MOED_MAX_TENSORS];
   size_t n_shm;
-  const uint8_t *shm_in[MOED_MAX_TENSORS];
-  uint8_t *shm_out[MOED_MAX_TENSORS];
-  uint64_t shm_out_size[MOED_MAX_TENSORS];
+  moed_shm_at shm_in[MOED_MAX_TENSORS];
+  moed_shm_at shm_out[MOED_MAX_TENSORS];
 };
 
 /* ---- infer_shm.c ------------------------------------------------------------------------- */

@@ -1,5 +1,6 @@
-/* infer_shm: the tensors of one inference request that live in system
- * shared memory (Triton's extension; the regions are shm.c's). An input or
+/* infer_shm: the tensors of one inference request that live in shared
+ * memory, system or CUDA (Triton's extensions; the regions are shm.c's,
+ * which copies either kind to and from host memory). An input or
  * a requested output names a region in its parameters:
  *   shared_memory_region     string, a registered region
  *   shared_memory_offset     integer >= 0, bytes into the region (default 0)
@@ -64,9 +65,9 @@ static grpc_status_code shm_param(moed_infer_req *r, const char *what, const cha
   return GRPC_STATUS_OK;
 }
 
-/* The span ref names: its region held by r, *at its first byte. */
+/* The span ref names into *at, its region held by r. */
 static grpc_status_code shm_resolve(moed_infer_req *r, moed_server *srv, const char *what, const shm_ref *ref,
-                                    uint8_t **at) {
+                                    moed_shm_at *at) {
   if (!ref->region)
     return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT, "%s: parameters['%s'] given without '%s'", what,
                       ref->has_offset ? P_OFFSET : P_SIZE, P_REGION);
@@ -75,8 +76,7 @@ static grpc_status_code shm_resolve(moed_infer_req *r, moed_server *srv, const c
                       what, P_SIZE, P_REGION);
   if (!srv->shm)
     return moed_failf(r->err, GRPC_STATUS_FAILED_PRECONDITION,
-                      "%s: parameters['%s']: system shared memory is off (--shm-max-regions 0)", what,
-                      P_REGION);
+                      "%s: parameters['%s']: shared memory is off (--shm-max-regions 0)", what, P_REGION);
   if (!moed_model_name_ok(ref->region)) /* not echoed */
     return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT,
                       "%s: parameters['%s']: not a valid region name (%s)", what, P_REGION,
@@ -88,8 +88,8 @@ static grpc_status_code shm_resolve(moed_infer_req *r, moed_server *srv, const c
     return moed_failf(r->err, GRPC_STATUS_NOT_FOUND, "%s: parameters['%s']: no region '%s' is registered",
                       what, P_REGION, ref->region);
   r->shm[r->n_shm++] = g; /* released with r */
-  *at = moed_shm_span(g, (uint64_t)ref->offset, (uint64_t)ref->size);
-  if (!*at)
+  *at = (moed_shm_at){g, (uint64_t)ref->offset, (uint64_t)ref->size};
+  if (!moed_shm_span(g, at->offset, at->size))
     return moed_failf(
         r->err, GRPC_STATUS_INVALID_ARGUMENT,
         "%s: parameters['%s'] + ['%s']: %lld + %lld bytes run past the end of region '%s' (%llu bytes)", what,
@@ -104,11 +104,11 @@ typedef enum { SHM_INPUT, SHM_OUTPUT } shm_dir;
 #define WHAT_LEN 200
 
 /* The span that inputs[i] or outputs[i] (dir) of r->msg names in its
- * parameters, checked against its region (held by r): *at its first byte,
- * *size its byte size. OK with *used false: the tensor names none. what:
- * the tensor as messages name it. */
+ * parameters, checked against its region (held by r), into *at. OK with
+ * *used false: the tensor names none. what: the tensor as messages name
+ * it. */
 static grpc_status_code shm_span(moed_infer_req *r, moed_server *srv, shm_dir dir, size_t i,
-                                 char what[WHAT_LEN], bool *used, uint8_t **at, uint64_t *size) {
+                                 char what[WHAT_LEN], bool *used, moed_shm_at *at) {
   const Inference__ModelInferRequest *m = r->msg;
   const bool in = dir == SHM_INPUT;
   snprintf(what, WHAT_LEN, "%s[%zu] '%s'", in ? "inputs" : "outputs", i,
@@ -125,21 +125,19 @@ static grpc_status_code shm_span(moed_infer_req *r, moed_server *srv, shm_dir di
   }
   *used = ref.region || ref.has_offset || ref.has_size;
   if (!*used) return GRPC_STATUS_OK;
-  if ((code = shm_resolve(r, srv, what, &ref, at))) return code;
-  *size = (uint64_t)ref.size;
-  return GRPC_STATUS_OK;
+  return shm_resolve(r, srv, what, &ref, at);
 }
 
 /* Input i's bytes from r->shm_in[i] into memory of its own. */
 static grpc_status_code copy_input(moed_infer_req *r, size_t i, const char *name, moe_tensor *t) {
   if (t->nbytes && !(r->owned[i] = moed_hostmem_alloc(t->nbytes)))
     return moed_failf(r->err, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory for input '%s'", name);
-  if (t->nbytes && !moed_shm_copy(r->owned[i], r->shm_in[i], t->nbytes))
-    return moed_failf(
-        r->err, GRPC_STATUS_INVALID_ARGUMENT,
-        "inputs[%zu] '%s': its shared memory region is no longer backed (the object was truncated)", i, name);
+  char why[MOED_ERR_LEN];
+  grpc_status_code code =
+      t->nbytes ? moed_shm_read(r->shm_in[i].region, r->shm_in[i].offset, r->owned[i], t->nbytes, why) : 0;
+  if (code) return moed_failf(r->err, code, "inputs[%zu] '%s': %s", i, name, why);
   t->data = r->owned[i];
-  r->shm_in[i] = NULL;
+  r->shm_in[i].region = NULL;
   return GRPC_STATUS_OK;
 }
 
@@ -165,17 +163,16 @@ grpc_status_code moed_infer_shm_input(moed_infer_req *r, moed_server *srv, size_
                                       bool *used) {
   const Inference__ModelInferRequest__InferInputTensor *t = r->msg->inputs[i];
   char what[WHAT_LEN];
-  uint8_t *at = NULL;
-  uint64_t size = 0;
-  grpc_status_code code = shm_span(r, srv, SHM_INPUT, i, what, used, &at, &size);
+  moed_shm_at at = {0};
+  grpc_status_code code = shm_span(r, srv, SHM_INPUT, i, what, used, &at);
   if (code || !*used) return code;
   if (t->contents)
     return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT, "%s: contents given with parameters['%s']", what,
                       P_REGION);
-  if (size != out->nbytes)
+  if (at.size != out->nbytes)
     return moed_failf(r->err, GRPC_STATUS_INVALID_ARGUMENT,
                       "%s: parameters['%s'] = %lld, shape and %s need %zu bytes", what, P_SIZE,
-                      (long long)size, t->datatype, out->nbytes);
+                      (long long)at.size, t->datatype, out->nbytes);
   if (out->nbytes > COPY_AT_DECODE) {
     r->shm_in[i] = at; /* moed_infer_shm_inputs copies it on the worker */
     out->data = NULL;
@@ -190,7 +187,7 @@ grpc_status_code moed_infer_shm_outputs_decode(moed_infer_req *r, moed_server *s
   for (size_t k = 0; k < m->n_outputs && k < MOED_MAX_TENSORS; k++) {
     char what[WHAT_LEN];
     bool used = false;
-    grpc_status_code code = shm_span(r, srv, SHM_OUTPUT, k, what, &used, &r->shm_out[k], &r->shm_out_size[k]);
+    grpc_status_code code = shm_span(r, srv, SHM_OUTPUT, k, what, &used, &r->shm_out[k]);
     if (code) return code;
   }
   return GRPC_STATUS_OK;
@@ -198,7 +195,8 @@ grpc_status_code moed_infer_shm_outputs_decode(moed_infer_req *r, moed_server *s
 
 grpc_status_code moed_infer_shm_inputs(moed_infer_req *r) {
   for (size_t i = 0; i < r->n_in; i++) {
-    grpc_status_code code = r->shm_in[i] ? copy_input(r, i, r->in[i].name, &r->in[i].tensor) : GRPC_STATUS_OK;
+    grpc_status_code code =
+        r->shm_in[i].region ? copy_input(r, i, r->in[i].name, &r->in[i].tensor) : GRPC_STATUS_OK;
     if (code) return code;
   }
   return GRPC_STATUS_OK;
@@ -208,22 +206,21 @@ grpc_status_code moed_infer_shm_outputs(moed_infer_req *r, const moe_named_tenso
                                         size_t num_out, char *err) {
   const Inference__ModelInferRequest *m = r->msg;
   for (size_t k = 0; k < m->n_outputs && k < MOED_MAX_TENSORS; k++) {
-    if (!r->shm_out[k]) continue;
+    if (!r->shm_out[k].region) continue;
     const char *name = m->outputs[k]->name;
     size_t j = 0;
     while (j < num_out && strcmp(outs[j].name, name) != 0)
       j++;
     if (j == num_out) continue; /* the encoder names an output the model lacks */
     const size_t n = GRPC_SLICE_LENGTH(data[j]);
-    if (n > r->shm_out_size[k])
+    if (n > r->shm_out[k].size)
       return moed_failf(err, GRPC_STATUS_INVALID_ARGUMENT,
                         "outputs[%zu] '%s': parameters['%s'] = %llu bytes, the output needs %zu", k, name,
-                        P_SIZE, (unsigned long long)r->shm_out_size[k], n);
-    if (!moed_shm_copy(r->shm_out[k], GRPC_SLICE_START_PTR(data[j]), n))
-      return moed_failf(
-          err, GRPC_STATUS_INVALID_ARGUMENT,
-          "outputs[%zu] '%s': its shared memory region is no longer backed (the object was truncated)", k,
-          name);
+                        P_SIZE, (unsigned long long)r->shm_out[k].size, n);
+    char why[MOED_ERR_LEN];
+    grpc_status_code code =
+        moed_shm_write(r->shm_out[k].region, r->shm_out[k].offset, GRPC_SLICE_START_PTR(data[j]), n, why);
+    if (code) return moed_failf(err, code, "outputs[%zu] '%s': %s", k, name, why);
     grpc_slice_unref(data[j]);
     data[j] = grpc_empty_slice();
   }

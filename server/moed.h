@@ -156,7 +156,7 @@ typedef enum moed_method {
   MOED_M_SHM_STATUS, /* Triton's system shared-memory extension (shm.c) */
   MOED_M_SHM_REGISTER,
   MOED_M_SHM_UNREGISTER,
-  MOED_M_CUDA_SHM_STATUS, /* ... and its CUDA one: no region is ever registered */
+  MOED_M_CUDA_SHM_STATUS, /* ... and its CUDA one (CUDA IPC handles; GPU builds) */
   MOED_M_CUDA_SHM_REGISTER,
   MOED_M_CUDA_SHM_UNREGISTER,
   MOED_M_COUNT
@@ -379,15 +379,20 @@ size_t moed_repository_index(moed_repository *r, moed_index_entry **out);
 /* Stats of every loaded model; calls fn for each under the lock. */
 void moed_repository_foreach(moed_repository *r, void (*fn)(moed_model *m, void *arg), void *arg);
 
-/* ---- shm.c: system shared-memory regions (Triton's extension) ------------- */
+/* ---- shm.c: shared-memory regions (Triton's system and CUDA extensions) --- */
 
 /* The registry: region name -> a POSIX shared-memory object's bytes
- * [offset, offset + byte_size), mapped read/write at registration. At most
- * max regions; any thread (one mutex). A region is reference-counted: an
- * unregistered region leaves the registry at once, and its mapping lives
- * until the last request that acquired it lets it go. */
+ * [offset, offset + byte_size), mapped read/write at registration (a
+ * system region), or the first byte_size bytes of another process's device
+ * allocation, opened from its IPC handle (a CUDA region). One namespace of
+ * names for both kinds. At most max regions; any thread (one mutex). A
+ * region is reference-counted: an unregistered region leaves the registry
+ * at once, and its mapping lives until the last request that acquired it
+ * lets it go. */
 typedef struct moed_shm moed_shm;
 typedef struct moed_shm_region moed_shm_region;
+/* A region's kind; MOED_SHM_ANY: either, where unregister and status filter. */
+typedef enum moed_shm_kind { MOED_SHM_ANY = -1, MOED_SHM_SYSTEM, MOED_SHM_CUDA } moed_shm_kind;
 
 int moed_shm_create(int max_regions, moed_shm **out);
 /* Unregisters every region (mappings still acquired live on). */
@@ -398,25 +403,53 @@ void moed_shm_destroy(moed_shm *s);
  * object's end (INVALID_ARGUMENT), the registry full (RESOURCE_EXHAUSTED). */
 grpc_status_code moed_shm_register(moed_shm *s, const char *name, const char *key, uint64_t offset,
                                    uint64_t byte_size, char *err);
-/* Unregisters `name` (NULL or "": every region); a name not registered is
- * no error (Triton's rule: unregistering is idempotent). */
-void moed_shm_unregister(moed_shm *s, const char *name);
+/* A CUDA region: handle[handle_len] a cudaIpcMemHandle_t of another
+ * process's allocation, opened on GPU device_id (one of 0..gpus-1, the
+ * GPUs moed runs on). OK, or a failure naming the field: name (as above),
+ * raw_handle not 64 bytes, byte_size 0 or past the allocation, or the
+ * handle that does not open (INVALID_ARGUMENT); a build without a GPU
+ * backend (UNIMPLEMENTED); gpus 0: moed runs on no GPU
+ * (FAILED_PRECONDITION); device_id not one of them (INVALID_ARGUMENT);
+ * name taken, registry full (as above). */
+grpc_status_code moed_shm_register_cuda(moed_shm *s, const char *name, const uint8_t *handle,
+                                        size_t handle_len, int64_t device_id, uint64_t byte_size, int gpus,
+                                        char *err);
+/* Unregisters `name` (NULL or "": every region) of `kind`; a name not
+ * registered (or of the other kind) is no error (Triton's rule:
+ * unregistering is idempotent). */
+void moed_shm_unregister(moed_shm *s, moed_shm_kind kind, const char *name);
 typedef struct moed_shm_info {
+  moed_shm_kind kind;
   char name[128];
-  char key[256];
-  uint64_t offset, byte_size;
+  char key[256];   /* system */
+  uint64_t offset; /* system */
+  uint64_t byte_size;
+  int device_id; /* CUDA */
 } moed_shm_info;
-/* The regions registered now (only `name` unless NULL or ""), malloc'ed
- * into *out (free()); returns how many, or -1 when out of memory. */
-long moed_shm_status(moed_shm *s, const char *name, moed_shm_info **out);
+/* The regions of `kind` registered now (only `name` unless NULL or ""),
+ * malloc'ed into *out (free()); returns how many, or -1 when out of
+ * memory. */
+long moed_shm_status(moed_shm *s, moed_shm_kind kind, const char *name, moed_shm_info **out);
 /* The region registered as `name` with a reference for the caller; NULL
  * when there is none. */
 moed_shm_region *moed_shm_acquire(moed_shm *s, const char *name);
 void moed_shm_release(moed_shm_region *r);
 /* The region's bytes [offset, offset + size), or NULL when they are not
- * all within it (overflow-checked). */
+ * all within it (overflow-checked). A CUDA region's are device memory:
+ * only moed_shm_read and moed_shm_write touch them. */
 uint8_t *moed_shm_span(const moed_shm_region *r, uint64_t offset, uint64_t size);
 uint64_t moed_shm_byte_size(const moed_shm_region *r);
+moed_shm_kind moed_shm_region_kind(const moed_shm_region *r);
+/* n bytes from region r at offset into host memory dst (read), or from
+ * host memory src into r at offset (write), either kind; the span checked
+ * against r first (overflow-checked). OK, or the failure with
+ * why[MOED_ERR_LEN] (a phrase for a message naming the tensor): past the
+ * end, the object truncated (system; INVALID_ARGUMENT), the device copy
+ * failed (CUDA; INTERNAL). A write is in the region when it returns. */
+grpc_status_code moed_shm_read(const moed_shm_region *r, uint64_t offset, void *dst, size_t n,
+                               char why[MOED_ERR_LEN]);
+grpc_status_code moed_shm_write(const moed_shm_region *r, uint64_t offset, const void *src, size_t n,
+                                char why[MOED_ERR_LEN]);
 /* memcpy to or from a region's bytes; false when they are no longer backed
  * (the client shrank its object: the fault is caught, nothing is lost but
  * this copy). */

@@ -5,11 +5,13 @@
 #include <ctype.h>
 #include <http_parser.h>
 #include <math.h>
+#include <openssl/evp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "json_number.h"
+#include "moe/ipc.h"
 #include "rest_call.h"
 
 static void no_endpoint(moed_http_conn *c, const char *path) {
@@ -185,6 +187,50 @@ static bool json_u64(const cJSON *v, uint64_t *out) {
   return true;
 }
 
+#define B64_MAX 128 /* characters of base64 taken for a raw_handle (64 bytes are 88) */
+
+/* Base64 text (Triton's {"b64": ...}) into out[0..cap); its length, or -1
+ * when the text is not base64, is longer than B64_MAX or decodes to more
+ * than cap bytes. */
+static long b64_decode(const char *text, unsigned char *out, size_t cap) {
+  const size_t n = strlen(text);
+  if (n > B64_MAX) return -1;
+  unsigned char buf[B64_MAX / 4 * 3 + 3];
+  EVP_ENCODE_CTX *ctx = EVP_ENCODE_CTX_new();
+  int len = 0, tail = 0;
+  const bool ok = ctx && EVP_DecodeUpdate(ctx, buf, &len, (const unsigned char *)text, (int)n) >= 0 &&
+                  EVP_DecodeFinal(ctx, buf + len, &tail) == 1;
+  EVP_ENCODE_CTX_free(ctx);
+  if (!ok || (size_t)(len + tail) > cap) return -1;
+  memcpy(out, buf, (size_t)(len + tail));
+  return len + tail;
+}
+
+/* POST /v2/cudasharedmemory/region/NAME/register, Triton's body:
+ * {"raw_handle": {"b64": BASE64}, "device_id": N, "byte_size": N}. */
+static void cuda_register(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const char *name,
+                          const cJSON *j) {
+  const cJSON *h = cJSON_GetObjectItemCaseSensitive(j, "raw_handle");
+  const cJSON *b64 = cJSON_IsObject(h) ? cJSON_GetObjectItemCaseSensitive(h, "b64") : NULL;
+  unsigned char handle[MOE_IPC_HANDLE_BYTES + 1]; /* one more: a longer one is seen as such */
+  long len = cJSON_IsString(b64) ? b64_decode(b64->valuestring, handle, sizeof handle) : -1;
+  uint64_t device = 0, byte_size = 0;
+  if (len < 0)
+    return moed_http_respond_error(
+        c, 400, "raw_handle: missing, or not {\"b64\": base64 of a 64-byte CUDA IPC handle}");
+  if (!json_u64(cJSON_GetObjectItemCaseSensitive(j, "device_id"), &device) || device > INT32_MAX)
+    return moed_http_respond_error(c, 400, "device_id: not a non-negative integer (a GPU number)");
+  if (!json_u64(cJSON_GetObjectItemCaseSensitive(j, "byte_size"), &byte_size))
+    return moed_http_respond_error(c, 400, "byte_size: not a non-negative integer (at most 2^53)");
+  Inference__CudaSharedMemoryRegisterRequest m = INFERENCE__CUDA_SHARED_MEMORY_REGISTER_REQUEST__INIT;
+  m.name = (char *)name;
+  m.raw_handle.data = handle;
+  m.raw_handle.len = (size_t)len;
+  m.device_id = (int64_t)device;
+  m.byte_size = byte_size;
+  moed_rest_call(r, c, rq, MOED_M_CUDA_SHM_REGISTER, &m.base);
+}
+
 /* Triton's shared-memory extensions: /v2/{system,cuda}sharedmemory[/region/NAME]/status (GET),
  * .../register, .../unregister (POST), translated to the gRPC methods. */
 static void shared_memory(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const char *path,
@@ -223,15 +269,14 @@ static void shared_memory(moed_rest *r, moed_http_conn *c, moed_http_request *rq
     m.name = (char *)name;
     return moed_rest_call(r, c, rq, MOED_M_SHM_UNREGISTER, &m.base);
   }
-  if (cuda) { /* the handler refuses it, whatever the body */
-    Inference__CudaSharedMemoryRegisterRequest m = INFERENCE__CUDA_SHARED_MEMORY_REGISTER_REQUEST__INIT;
-    m.name = (char *)name;
-    return moed_rest_call(r, c, rq, MOED_M_CUDA_SHM_REGISTER, &m.base);
-  }
   char peer[320];
-  if (!moed_rest_allowed(c, rq, MOED_M_SHM_REGISTER, peer)) return;
+  if (!moed_rest_allowed(c, rq, cuda ? MOED_M_CUDA_SHM_REGISTER : MOED_M_SHM_REGISTER, peer)) return;
   cJSON *j;
   if (!body_object(c, rq, &j)) return;
+  if (cuda) {
+    cuda_register(r, c, rq, name, j);
+    return cJSON_Delete(j);
+  }
   Inference__SystemSharedMemoryRegisterRequest m = INFERENCE__SYSTEM_SHARED_MEMORY_REGISTER_REQUEST__INIT;
   const cJSON *key = cJSON_GetObjectItemCaseSensitive(j, "key");
   m.name = (char *)name;

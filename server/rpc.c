@@ -42,13 +42,14 @@ const method_desc moed_rpc_methods[MOED_M_COUNT] = {
                               .read_stream = true,
                               .paced = true,
                               .changes = true},
-    /* registering maps a node-local object: who did it is logged as for repository changes */
+    /* registering maps a node-local object or device buffer: who did it is
+     * logged as for repository changes */
     [MOED_M_SHM_STATUS] = {.path = KSERVE("SystemSharedMemoryStatus")},
     [MOED_M_SHM_REGISTER] = {.path = KSERVE("SystemSharedMemoryRegister"), .changes = true},
     [MOED_M_SHM_UNREGISTER] = {.path = KSERVE("SystemSharedMemoryUnregister"), .changes = true},
     [MOED_M_CUDA_SHM_STATUS] = {.path = KSERVE("CudaSharedMemoryStatus")},
-    [MOED_M_CUDA_SHM_REGISTER] = {.path = KSERVE("CudaSharedMemoryRegister")},
-    [MOED_M_CUDA_SHM_UNREGISTER] = {.path = KSERVE("CudaSharedMemoryUnregister")},
+    [MOED_M_CUDA_SHM_REGISTER] = {.path = KSERVE("CudaSharedMemoryRegister"), .changes = true},
+    [MOED_M_CUDA_SHM_UNREGISTER] = {.path = KSERVE("CudaSharedMemoryUnregister"), .changes = true},
 };
 #undef KSERVE
 

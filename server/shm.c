@@ -1,7 +1,10 @@
-/* shm: the system shared-memory regions of Triton's extension, and nothing
- * else: register (shm_open + mmap read/write), unregister, status, and the
- * references requests hold while they read inputs from a region or write
- * outputs into it (infer_shm.c).
+/* shm: the shared-memory regions of Triton's extensions, and nothing else:
+ * system regions (shm_open + mmap read/write) and CUDA ones (another
+ * process's device memory, opened from its IPC handle: moe/ipc.h), in one
+ * registry (one namespace of names, as Triton's), each of one kind:
+ * register, unregister, status, the references requests hold while they
+ * read inputs from a region or write outputs into it (infer_shm.c), and the
+ * copies between a region and host memory.
  *
  * The registry is a small array under one mutex (a lookup is a few string
  * compares; at most --shm-max-regions entries). Each region is reference
@@ -25,14 +28,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "moe/ipc.h"
 #include "moed.h"
 
 struct moed_shm_region {
   _Atomic int refs;
   moed_shm_info info;
-  void *map; /* the mapping: from `offset` rounded down to a page */
+  void *map; /* system: the mapping, from `offset` rounded down to a page; CUDA: the opened handle's */
   size_t map_len;
-  uint8_t *base; /* the region's first byte (map + offset's remainder) */
+  uint8_t *base; /* the region's first byte (system: map + offset's remainder; CUDA: device memory, map) */
 };
 
 struct moed_shm {
@@ -113,13 +117,19 @@ int moed_shm_create(int max_regions, moed_shm **out) {
 
 void moed_shm_release(moed_shm_region *r) {
   if (!r || atomic_fetch_sub(&r->refs, 1) != 1) return;
-  munmap(r->map, r->map_len);
+  if (r->info.kind == MOED_SHM_CUDA) {
+    moe_error e = {{0}};
+    if (moe_ipc_close(r->info.device_id, r->map, &e))
+      moed_log(MOED_LOG_WARN, "cuda_shm_close", "region %s: %s", r->info.name, e.msg);
+  } else {
+    munmap(r->map, r->map_len);
+  }
   free(r);
 }
 
 void moed_shm_destroy(moed_shm *s) {
   if (!s) return;
-  moed_shm_unregister(s, NULL);
+  moed_shm_unregister(s, MOED_SHM_ANY, NULL);
   pthread_mutex_destroy(&s->mu);
   free(s->r);
   free(s);
@@ -175,6 +185,7 @@ static grpc_status_code map_region(const char *name, const char *key, uint64_t o
   }
   r->base = (uint8_t *)r->map + (offset - start);
   atomic_init(&r->refs, 1); /* the registry's */
+  r->info.kind = MOED_SHM_SYSTEM;
   snprintf(r->info.name, sizeof r->info.name, "%s", name);
   snprintf(r->info.key, sizeof r->info.key, "%s", key);
   r->info.offset = offset;
@@ -185,47 +196,105 @@ out:
   return code;
 }
 
-grpc_status_code moed_shm_register(moed_shm *s, const char *name, const char *key, uint64_t offset,
-                                   uint64_t byte_size, char *err) {
-  if (!moed_model_name_ok(name))
-    return moed_failf(err, GRPC_STATUS_INVALID_ARGUMENT, "name: not a valid region name (%s)",
-                      MOED_MODEL_NAME_RULE);
-  if (!key_ok(key))
-    return moed_failf(err, GRPC_STATUS_INVALID_ARGUMENT, "key: not a valid shared memory key (%s)",
-                      MOED_SHM_KEY_RULE);
-  if (byte_size == 0) return moed_failf(err, GRPC_STATUS_INVALID_ARGUMENT, "byte_size: must be > 0");
-  pthread_mutex_lock(&s->mu);
-  const bool taken = find_locked(s, name) >= 0, full = s->n >= s->max;
-  pthread_mutex_unlock(&s->mu);
-  if (taken)
-    return moed_failf(err, GRPC_STATUS_ALREADY_EXISTS, "name: region '%s' is already registered", name);
-  if (full)
-    return moed_failf(err, GRPC_STATUS_RESOURCE_EXHAUSTED,
-                      "name: %d regions are registered, the most --shm-max-regions allows", s->max);
-  moed_shm_region *r = NULL;
-  grpc_status_code code = map_region(name, key, offset, byte_size, &r, err);
-  if (code) return code;
-  /* mapped outside the lock; a racing registration of the same name may win */
+/* Whether `name` may be registered now: taken (by a region of either
+ * kind) or the registry full fail. With r, r is registered under the same
+ * lock (a racing registration of the same name may have won since the
+ * check before mapping). */
+static grpc_status_code admit(moed_shm *s, const char *name, moed_shm_region *r, char *err) {
+  grpc_status_code code = GRPC_STATUS_OK;
   pthread_mutex_lock(&s->mu);
   if (find_locked(s, name) >= 0)
     code = moed_failf(err, GRPC_STATUS_ALREADY_EXISTS, "name: region '%s' is already registered", name);
   else if (s->n >= s->max)
     code = moed_failf(err, GRPC_STATUS_RESOURCE_EXHAUSTED,
                       "name: %d regions are registered, the most --shm-max-regions allows", s->max);
-  else
+  else if (r)
     s->r[s->n++] = r;
   pthread_mutex_unlock(&s->mu);
-  if (code) moed_shm_release(r);
   return code;
 }
 
-void moed_shm_unregister(moed_shm *s, const char *name) {
+/* The checks of both kinds before anything is opened (name, byte_size, the name free and room left). */
+static grpc_status_code precheck(moed_shm *s, const char *name, uint64_t byte_size, char *err) {
+  if (!moed_model_name_ok(name))
+    return moed_failf(err, GRPC_STATUS_INVALID_ARGUMENT, "name: not a valid region name (%s)",
+                      MOED_MODEL_NAME_RULE);
+  if (byte_size == 0) return moed_failf(err, GRPC_STATUS_INVALID_ARGUMENT, "byte_size: must be > 0");
+  return admit(s, name, NULL, err);
+}
+
+grpc_status_code moed_shm_register(moed_shm *s, const char *name, const char *key, uint64_t offset,
+                                   uint64_t byte_size, char *err) {
+  grpc_status_code code = precheck(s, name, byte_size, err);
+  if (code) return code;
+  if (!key_ok(key))
+    return moed_failf(err, GRPC_STATUS_INVALID_ARGUMENT, "key: not a valid shared memory key (%s)",
+                      MOED_SHM_KEY_RULE);
+  moed_shm_region *r = NULL;
+  if ((code = map_region(name, key, offset, byte_size, &r, err))) return code;
+  if ((code = admit(s, name, r, err))) moed_shm_release(r); /* mapped outside the lock */
+  return code;
+}
+
+grpc_status_code moed_shm_register_cuda(moed_shm *s, const char *name, const uint8_t *handle,
+                                        size_t handle_len, int64_t device_id, uint64_t byte_size, int gpus,
+                                        char *err) {
+  grpc_status_code code = precheck(s, name, byte_size, err);
+  if (code) return code;
+  if (handle_len != MOE_IPC_HANDLE_BYTES)
+    return moed_failf(err, GRPC_STATUS_INVALID_ARGUMENT,
+                      "raw_handle: %zu bytes, a CUDA IPC handle (cudaIpcMemHandle_t) has %d", handle_len,
+                      MOE_IPC_HANDLE_BYTES);
+  if (!moe_ipc_supported())
+    return moed_failf(err, GRPC_STATUS_UNIMPLEMENTED,
+                      "CUDA shared memory needs a GPU build of moed (this one has no GPU backend): register "
+                      "the tensors' host memory with SystemSharedMemoryRegister instead");
+  if (gpus <= 0)
+    return moed_failf(err, GRPC_STATUS_FAILED_PRECONDITION,
+                      "device_id: moed runs on no GPU (--device cpu, or no GPU found at start): register the "
+                      "tensors' host memory with SystemSharedMemoryRegister instead");
+  if (device_id < 0 || device_id >= gpus)
+    return moed_failf(err, GRPC_STATUS_INVALID_ARGUMENT, "device_id: %lld is not a GPU moed runs on (0..%d)",
+                      (long long)device_id, gpus - 1);
+  moed_shm_region *r = calloc(1, sizeof *r);
+  if (!r) return moed_failf(err, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory");
+  moe_error e = {{0}};
+  void *p = NULL;
+  size_t len = 0;
+  moe_status st = moe_ipc_open((int)device_id, handle, &p, &len, &e);
+  if (st) {
+    free(r);
+    return moed_failf(err, st == MOE_EINVAL ? GRPC_STATUS_INVALID_ARGUMENT : GRPC_STATUS_INTERNAL,
+                      "raw_handle: cannot open it on GPU %lld: %s", (long long)device_id, e.msg);
+  }
+  r->map = r->base = p;
+  r->map_len = len;
+  atomic_init(&r->refs, 1); /* the registry's */
+  r->info.kind = MOED_SHM_CUDA;
+  r->info.device_id = (int)device_id;
+  r->info.byte_size = byte_size;
+  snprintf(r->info.name, sizeof r->info.name, "%s", name);
+  if (byte_size > len)
+    code = moed_failf(err, GRPC_STATUS_INVALID_ARGUMENT,
+                      "byte_size: %llu is past the end of the allocation the handle names (%zu bytes)",
+                      (unsigned long long)byte_size, len);
+  if (code || (code = admit(s, name, r, err))) moed_shm_release(r); /* opened outside the lock */
+  return code;
+}
+
+/* Whether region r is one that an unregister or status of `kind` and `name` (NULL or "": any) means. */
+static bool named(const moed_shm_region *r, moed_shm_kind kind, const char *name) {
+  return (kind == MOED_SHM_ANY || r->info.kind == kind) &&
+         (!name || !*name || strcmp(r->info.name, name) == 0);
+}
+
+void moed_shm_unregister(moed_shm *s, moed_shm_kind kind, const char *name) {
   moed_shm_region *gone[64];
   for (;;) { /* in rounds: references are dropped outside the lock (munmap) */
     size_t n = 0;
     pthread_mutex_lock(&s->mu);
     for (int i = 0; i < s->n && n < sizeof gone / sizeof gone[0];) {
-      if (name && *name && strcmp(s->r[i]->info.name, name) != 0) {
+      if (!named(s->r[i], kind, name)) {
         i++;
         continue;
       }
@@ -240,12 +309,12 @@ void moed_shm_unregister(moed_shm *s, const char *name) {
   }
 }
 
-long moed_shm_status(moed_shm *s, const char *name, moed_shm_info **out) {
+long moed_shm_status(moed_shm *s, moed_shm_kind kind, const char *name, moed_shm_info **out) {
   pthread_mutex_lock(&s->mu);
   moed_shm_info *v = malloc((s->n ? (size_t)s->n : 1) * sizeof *v);
   long n = 0;
   for (int i = 0; v && i < s->n; i++)
-    if (!name || !*name || strcmp(s->r[i]->info.name, name) == 0) v[n++] = s->r[i]->info;
+    if (named(s->r[i], kind, name)) v[n++] = s->r[i]->info;
   pthread_mutex_unlock(&s->mu);
   *out = v;
   return v ? n : -1;
@@ -268,3 +337,42 @@ uint8_t *moed_shm_span(const moed_shm_region *r, uint64_t offset, uint64_t size)
 }
 
 uint64_t moed_shm_byte_size(const moed_shm_region *r) { return r->info.byte_size; }
+
+moed_shm_kind moed_shm_region_kind(const moed_shm_region *r) { return r->info.kind; }
+
+/* One copy between region r's [offset, offset + n) and host memory at
+ * `host` (to_region: host -> region), bounds checked again here. */
+static grpc_status_code region_copy(const moed_shm_region *r, uint64_t offset, void *host, size_t n,
+                                    bool to_region, char why[MOED_ERR_LEN]) {
+  uint8_t *at = moed_shm_span(r, offset, n);
+  if (!at) {
+    snprintf(why, MOED_ERR_LEN, "bytes [%llu, +%zu) run past the end of region '%s' (%llu bytes)",
+             (unsigned long long)offset, n, r->info.name, (unsigned long long)r->info.byte_size);
+    return GRPC_STATUS_INVALID_ARGUMENT;
+  }
+  if (n == 0) return GRPC_STATUS_OK;
+  if (r->info.kind == MOED_SHM_CUDA) {
+    moe_error e = {{0}};
+    moe_status st = to_region ? moe_ipc_write(r->info.device_id, at, host, n, &e)
+                              : moe_ipc_read(r->info.device_id, host, at, n, &e);
+    if (st)
+      snprintf(why, MOED_ERR_LEN, "the copy %s CUDA shared memory region '%.128s' failed: %.400s",
+               to_region ? "into" : "from", r->info.name, e.msg);
+    return st ? GRPC_STATUS_INTERNAL : GRPC_STATUS_OK;
+  }
+  if (!(to_region ? moed_shm_copy(at, host, n) : moed_shm_copy(host, at, n))) {
+    snprintf(why, MOED_ERR_LEN, "its shared memory region is no longer backed (the object was truncated)");
+    return GRPC_STATUS_INVALID_ARGUMENT;
+  }
+  return GRPC_STATUS_OK;
+}
+
+grpc_status_code moed_shm_read(const moed_shm_region *r, uint64_t offset, void *dst, size_t n,
+                               char why[MOED_ERR_LEN]) {
+  return region_copy(r, offset, dst, n, false, why);
+}
+
+grpc_status_code moed_shm_write(const moed_shm_region *r, uint64_t offset, const void *src, size_t n,
+                                char why[MOED_ERR_LEN]) {
+  return region_copy(r, offset, (void *)src, n, true, why);
+}

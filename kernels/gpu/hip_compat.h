@@ -37,6 +37,7 @@
 #else
 #include <cuda_runtime_api.h>
 #endif
+#include <stdint.h>
 
 typedef cudaError_t hipError_t;
 typedef cudaStream_t hipStream_t;
@@ -83,6 +84,34 @@ typedef struct cudaDeviceProp hipDeviceProp_t;
 #define hipEventRecord cudaEventRecord
 #define hipEventSynchronize cudaEventSynchronize
 #define hipEventElapsedTime cudaEventElapsedTime
+
+/* Another process's device memory (kernels/gpu/ipc.c). */
+typedef cudaIpcMemHandle_t hipIpcMemHandle_t;
+typedef void *hipDeviceptr_t;
+#define hipIpcOpenMemHandle cudaIpcOpenMemHandle
+#define hipIpcCloseMemHandle cudaIpcCloseMemHandle
+#define hipIpcMemLazyEnablePeerAccess cudaIpcMemLazyEnablePeerAccess
+#define hipErrorNotSupported cudaErrorNotSupported
+#define hipErrorInvalidValue cudaErrorInvalidValue
+/* The runtime API has no counterpart of HIP's hipMemGetAddressRange: the
+ * driver's cuMemGetAddressRange, looked up through the runtime (moe links
+ * cudart alone, not libcuda). */
+static inline hipError_t hipMemGetAddressRange(hipDeviceptr_t *base, size_t *size, hipDeviceptr_t p) {
+  typedef int (*range_fn)(unsigned long long *, size_t *, unsigned long long); /* CUresult (CUDA_SUCCESS 0) */
+  void *fn = NULL;
+  enum cudaDriverEntryPointQueryResult q;
+#if CUDART_VERSION >= 12050
+  cudaError_t e = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &q);
+#else
+  cudaError_t e = cudaGetDriverEntryPoint("cuMemGetAddressRange", &fn, cudaEnableDefault, &q);
+#endif
+  if (e != cudaSuccess) return e;
+  if (!fn || q != cudaDriverEntryPointSuccess) return cudaErrorNotSupported;
+  unsigned long long b = 0;
+  if (((range_fn)fn)(&b, size, (unsigned long long)(uintptr_t)p) != 0) return cudaErrorInvalidValue;
+  *base = (hipDeviceptr_t)(uintptr_t)b;
+  return cudaSuccess;
+}
 
 #define MOE_SHFL_XOR(v, m) __shfl_xor_sync(0xFFFFFFFFu, (v), (m))
 #define MOE_VENDOR "cuda"

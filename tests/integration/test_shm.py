@@ -7,6 +7,8 @@ to the same request with raw contents; each error names its field; a region
 unregistered while a request uses it stays mapped until that request ends.
 
 env: MOED (server binary), MOE_MKSET (expert-set writer)."""
+import base64
+import ctypes
 import os
 import subprocess
 import sys
@@ -227,11 +229,7 @@ def test_errors(cli, ch, hout):
     t.parameters["shared_memory_byte_size"].string_param = "512"
     expect(lambda: infer_pb(ch, req), C.INVALID_ARGUMENT, ["shared_memory_byte_size", "integer"],
            "a byte size that is a string")
-    # CUDA shared memory: none, ever
-    expect(lambda: cli.register_cuda_shared_memory("g", b"\0" * 64, 0, 64), C.UNIMPLEMENTED,
-           ["SystemSharedMemoryRegister"], "CudaSharedMemoryRegister")
-    check(len(cli.get_cuda_shared_memory_status().regions) == 0, "CudaSharedMemoryStatus: no regions")
-    check(code_of(lambda: cli.unregister_cuda_shared_memory())[0] == C.OK, "CudaSharedMemoryUnregister: nothing to do")
+    test_cuda_refused(cli, ch)
     # a client that shrinks its object under a registered region: the copy's
     # fault is that request's error, the server goes on
     h = region("tr", 1 << 18, "_tr")
@@ -257,6 +255,54 @@ def test_errors(cli, ch, hout):
     cli.unregister_system_shared_memory("extra")
     check("extra" not in cli.get_system_shared_memory_status().regions, "unregister one region")
     check(code_of(lambda: cli.unregister_system_shared_memory("never"))[0] == C.OK, "unregister an unknown name: OK")
+
+
+def b64(raw):
+    """A raw handle as tritonclient takes it (base64; its gRPC client decodes it)."""
+    return base64.b64encode(raw)
+
+
+def cuda_unavailable():
+    """The status and words a well-formed CudaSharedMemoryRegister gets from
+    this moed, which opens no CUDA IPC handle: a build without a GPU backend
+    (the op library says so) UNIMPLEMENTED, a GPU build on a machine without
+    a GPU FAILED_PRECONDITION (tests/gpu/cudashm.sh covers one with)."""
+    if not ctypes.CDLL(os.environ["MOE_LIB"]).moe_ipc_supported():
+        return C.UNIMPLEMENTED, ["no GPU backend", "SystemSharedMemoryRegister"]
+    return C.FAILED_PRECONDITION, ["device_id", "no GPU"]
+
+
+def test_cuda_refused(cli, ch):
+    """CUDA shared memory on a moed that opens no CUDA IPC handle: each field
+    checked first and named, then the precise refusal; the system regions
+    (one registry, one namespace) untouched by the CUDA methods."""
+    h = b"\1" * 64
+    expect(lambda: cli.register_cuda_shared_memory("g", b64(h[:63]), 0, 64), C.INVALID_ARGUMENT,
+           ["raw_handle", "63 bytes", "64"], "CUDA register: a handle of 63 bytes")
+    req = pb.CudaSharedMemoryRegisterRequest(name="g", device_id=0, byte_size=64)  # no handle at all
+    expect(lambda: ch.unary_unary("/inference.GRPCInferenceService/CudaSharedMemoryRegister",
+                                  request_serializer=pb.CudaSharedMemoryRegisterRequest.SerializeToString,
+                                  response_deserializer=pb.CudaSharedMemoryRegisterResponse.FromString)(req),
+           C.INVALID_ARGUMENT, ["raw_handle", "0 bytes"], "CUDA register: no handle")
+    expect(lambda: cli.register_cuda_shared_memory("g", b64(h), 0, 0), C.INVALID_ARGUMENT, ["byte_size"],
+           "CUDA register: 0 bytes")
+    expect(lambda: cli.register_cuda_shared_memory("bad name", b64(h), 0, 64), C.INVALID_ARGUMENT, ["name"],
+           "CUDA register: a name with a space")
+    expect(lambda: cli.register_cuda_shared_memory("in", b64(h), 0, 64), C.ALREADY_EXISTS, ["name", "in"],
+           "CUDA register: a system region's name (one namespace)")
+    code, words = cuda_unavailable()
+    expect(lambda: cli.register_cuda_shared_memory("g", b64(h), 0, 64), code, words,
+           "CUDA register: a well-formed request, no GPU to open it on")
+    check(len(cli.get_cuda_shared_memory_status().regions) == 0, "CudaSharedMemoryStatus: no regions")
+    expect(lambda: cli.get_cuda_shared_memory_status("in"), C.NOT_FOUND, ["CUDA", "in"],
+           "CudaSharedMemoryStatus of a system region's name: not a CUDA region")
+    check(code_of(lambda: cli.unregister_cuda_shared_memory())[0] == C.OK, "CudaSharedMemoryUnregister: nothing to do")
+    check(code_of(lambda: cli.unregister_cuda_shared_memory("in"))[0] == C.OK,
+          "CudaSharedMemoryUnregister of a system region's name: OK ...")
+    check(set(cli.get_system_shared_memory_status().regions) == {"in", "out"},
+          "... and the system regions are all still registered")
+    check("cuda_shared_memory" not in cli.get_server_metadata().extensions,
+          "ServerMetadata does not list cuda_shared_memory")
 
 
 def test_expert_set(cli, ch):
@@ -356,8 +402,18 @@ def test_rest(rest_port, ch):
         cli.unregister_system_shared_memory("rin")
         check([e["name"] for e in cli.get_system_shared_memory_status()] == ["rout"], "REST unregister one")
         check(cli.get_cuda_shared_memory_status() == [], "REST CUDA status: none")
-        expect_http(lambda: cli.register_cuda_shared_memory("g", b"\0" * 64, 0, 64), 501,
-                    "SystemSharedMemoryRegister", "REST CUDA register")
+        h = base64.b64encode(b"\1" * 64).decode()
+        expect_http(lambda: cli.register_cuda_shared_memory("g", h[:-4], 0, 64), 400, "raw_handle",
+                    "REST CUDA register: a handle of 63 bytes")
+        expect_http(lambda: cli.register_cuda_shared_memory("g", "not base64!", 0, 64), 400, "raw_handle",
+                    "REST CUDA register: a handle that is not base64")
+        expect_http(lambda: cli.register_cuda_shared_memory("g", h, -1, 64), 400, "device_id",
+                    "REST CUDA register: a negative device_id")
+        expect_http(lambda: cli.register_cuda_shared_memory("g", h, 0, 0), 400, "byte_size",
+                    "REST CUDA register: 0 bytes")
+        code, words = cuda_unavailable()
+        expect_http(lambda: cli.register_cuda_shared_memory("g", h, 0, 64),
+                    501 if code == C.UNIMPLEMENTED else 400, words[0], "REST CUDA register: no GPU to open it on")
         cli.unregister_system_shared_memory()
         check(cli.get_system_shared_memory_status() == [], "REST unregister all")
     finally:

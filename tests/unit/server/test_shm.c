@@ -1,10 +1,12 @@
-/* shm.c, the system shared-memory registry: registration errors (each
- * status and the field it names), spans at and past a region's end
- * (overflow included) with the offset inside the object honoured, the
- * region limit, status, a region that outlives its unregistration while
- * held, and a copy from an object truncated under its region failing
- * instead of killing the process. Each test makes its own POSIX object.
- * Also the region sizes a request declares, read off the wire. */
+/* shm.c, the shared-memory registry: registration errors (each status and
+ * the field it names), spans at and past a region's end (overflow
+ * included) with the offset inside the object honoured, the region limit,
+ * status, a region that outlives its unregistration while held, a copy
+ * from an object truncated under its region failing instead of killing
+ * the process, and the reads and writes of a region checked at each use.
+ * CUDA regions: what is refused before a handle is opened (a build without
+ * a GPU backend opens none). Each test makes its own POSIX object. Also
+ * the region sizes a request declares, read off the wire. */
 #include <check.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -14,6 +16,7 @@
 #include <unistd.h>
 
 #include "kserve_wire.h"
+#include "moe/ipc.h"
 #include "moed.h"
 
 static char key[64];
@@ -51,7 +54,9 @@ START_TEST(register_errors_name_the_field) {
   ck_assert_int_eq(moed_shm_register(s, "a", key, 0, 64, err), GRPC_STATUS_ALREADY_EXISTS);
   ck_assert_int_eq(moed_shm_register(s, "b", key, 0, 64, err), GRPC_STATUS_OK);
   ck_assert_int_eq(moed_shm_register(s, "c", key, 0, 64, err), GRPC_STATUS_RESOURCE_EXHAUSTED);
-  moed_shm_unregister(s, "b");
+  moed_shm_unregister(s, MOED_SHM_CUDA, "b"); /* another kind's name: nothing */
+  ck_assert_int_eq(moed_shm_register(s, "c", key, 0, 64, err), GRPC_STATUS_RESOURCE_EXHAUSTED);
+  moed_shm_unregister(s, MOED_SHM_SYSTEM, "b");
   ck_assert_int_eq(moed_shm_register(s, "c", key, 0, 64, err), GRPC_STATUS_OK);
   moed_shm_destroy(s);
 }
@@ -94,19 +99,27 @@ START_TEST(status_lists_regions) {
   ck_assert_int_eq(moed_shm_register(s, "x", key, 0, 16, err), GRPC_STATUS_OK);
   ck_assert_int_eq(moed_shm_register(s, "y", key + 1, 64, 32, err), GRPC_STATUS_OK); /* the key without '/' */
   moed_shm_info *v;
-  ck_assert_int_eq(moed_shm_status(s, "", &v), 2);
+  ck_assert_int_eq(moed_shm_status(s, MOED_SHM_SYSTEM, "", &v), 2);
   free(v);
-  ck_assert_int_eq(moed_shm_status(s, "y", &v), 1);
+  ck_assert_int_eq(moed_shm_status(s, MOED_SHM_CUDA, "", &v), 0); /* the other kind lists none */
+  free(v);
+  ck_assert_int_eq(moed_shm_status(s, MOED_SHM_CUDA, "y", &v), 0);
+  free(v);
+  ck_assert_int_eq(moed_shm_status(s, MOED_SHM_SYSTEM, "y", &v), 1);
+  ck_assert_int_eq(v[0].kind, MOED_SHM_SYSTEM);
   ck_assert_str_eq(v[0].name, "y");
   ck_assert_str_eq(v[0].key, key + 1);
   ck_assert_uint_eq(v[0].offset, 64);
   ck_assert_uint_eq(v[0].byte_size, 32);
   free(v);
-  ck_assert_int_eq(moed_shm_status(s, "z", &v), 0);
+  ck_assert_int_eq(moed_shm_status(s, MOED_SHM_SYSTEM, "z", &v), 0);
   free(v);
-  moed_shm_unregister(s, "never"); /* no error, nothing changes */
-  moed_shm_unregister(s, "");
-  ck_assert_int_eq(moed_shm_status(s, NULL, &v), 0);
+  moed_shm_unregister(s, MOED_SHM_SYSTEM, "never"); /* no error, nothing changes */
+  moed_shm_unregister(s, MOED_SHM_CUDA, "");        /* every CUDA region: none */
+  ck_assert_int_eq(moed_shm_status(s, MOED_SHM_ANY, NULL, &v), 2);
+  free(v);
+  moed_shm_unregister(s, MOED_SHM_SYSTEM, "");
+  ck_assert_int_eq(moed_shm_status(s, MOED_SHM_ANY, NULL, &v), 0);
   free(v);
   moed_shm_destroy(s);
 }
@@ -119,7 +132,7 @@ START_TEST(held_region_outlives_unregister) {
   ck_assert_int_eq(moed_shm_create(4, &s), 0);
   ck_assert_int_eq(moed_shm_register(s, "h", key, 0, 4096, err), GRPC_STATUS_OK);
   moed_shm_region *r = moed_shm_acquire(s, "h");
-  moed_shm_unregister(s, "h");
+  moed_shm_unregister(s, MOED_SHM_SYSTEM, "h");
   ck_assert_ptr_null(moed_shm_acquire(s, "h")); /* the name is gone at once */
   uint8_t *p = moed_shm_span(r, 4000, 96);      /* ... the mapping is not */
   memset(p, 7, 96);
@@ -145,7 +158,87 @@ START_TEST(truncated_object_fails_the_copy) {
   ck_assert(!moed_shm_copy(buf, moed_shm_span(r, 0, sizeof buf), sizeof buf));
   ck_assert(!moed_shm_copy(moed_shm_span(r, 4096, 8), buf, 8));
   ck_assert(moed_shm_copy(buf, buf + 8, 8)); /* other copies are untouched */
+  char why[MOED_ERR_LEN];
+  ck_assert_int_eq(moed_shm_read(r, 0, buf, 8, why),
+                   GRPC_STATUS_INVALID_ARGUMENT); /* through the region API */
+  ck_assert_ptr_nonnull(strstr(why, "no longer backed"));
   moed_shm_release(r);
+  moed_shm_destroy(s);
+}
+END_TEST
+
+/* moed_shm_read / moed_shm_write: the span checked at each use, overflow
+ * included, before any byte moves. */
+START_TEST(reads_and_writes_are_bounded) {
+  object(4096);
+  moed_shm *s;
+  char err[MOED_ERR_LEN], why[MOED_ERR_LEN];
+  ck_assert_int_eq(moed_shm_create(4, &s), 0);
+  ck_assert_int_eq(moed_shm_register(s, "w", key, 64, 256, err), GRPC_STATUS_OK);
+  moed_shm_region *r = moed_shm_acquire(s, "w");
+  ck_assert_int_eq(moed_shm_region_kind(r), MOED_SHM_SYSTEM);
+  uint8_t buf[300], got[300];
+  for (int i = 0; i < 300; i++)
+    buf[i] = (uint8_t)(i * 7 + 1);
+  ck_assert_int_eq(moed_shm_write(r, 200, buf, 56, why), GRPC_STATUS_OK); /* to the last byte */
+  ck_assert_int_eq(moed_shm_read(r, 200, got, 56, why), GRPC_STATUS_OK);
+  ck_assert_int_eq(memcmp(got, buf, 56), 0);
+  memset(got, 0, sizeof got);
+  ck_assert_int_eq(moed_shm_write(r, 200, buf, 57, why), GRPC_STATUS_INVALID_ARGUMENT);
+  ck_assert_ptr_nonnull(strstr(why, "past the end of region 'w' (256 bytes)"));
+  ck_assert_int_eq(moed_shm_read(r, 0, got, 257, why), GRPC_STATUS_INVALID_ARGUMENT);
+  ck_assert_int_eq(moed_shm_read(r, UINT64_MAX - 2, got, 8, why), GRPC_STATUS_INVALID_ARGUMENT); /* wraps */
+  ck_assert_int_eq(moed_shm_read(r, 257, got, 0, why), GRPC_STATUS_INVALID_ARGUMENT);
+  ck_assert_int_eq(moed_shm_read(r, 256, got, 0, why), GRPC_STATUS_OK); /* empty, at the end */
+  for (int i = 0; i < 300; i++)                                         /* the refused copies moved nothing */
+    ck_assert_uint_eq(got[i], 0);
+  int fd = shm_open(key, O_RDONLY, 0); /* the write went to the object at offset 64 + 200 */
+  ck_assert_int_eq(pread(fd, got, 56, 64 + 200), 56);
+  close(fd);
+  ck_assert_int_eq(memcmp(got, buf, 56), 0);
+  moed_shm_release(r);
+  moed_shm_destroy(s);
+}
+END_TEST
+
+/* A CUDA region's registration: every field checked before a handle is
+ * opened, each failure naming it; names shared with system regions. This
+ * build opens no handle unless it has a GPU backend: then UNIMPLEMENTED;
+ * with one, moed running on no GPU is FAILED_PRECONDITION and a GPU it
+ * does not run on INVALID_ARGUMENT. */
+START_TEST(cuda_register_refusals) {
+  object(4096);
+  moed_shm *s;
+  char err[MOED_ERR_LEN];
+  uint8_t h[MOE_IPC_HANDLE_BYTES + 1] = {0};
+  ck_assert_int_eq(moed_shm_create(4, &s), 0);
+  ck_assert_int_eq(moed_shm_register(s, "sys", key, 0, 64, err), GRPC_STATUS_OK);
+  ck_assert_int_eq(moed_shm_register_cuda(s, "a b", h, 64, 0, 64, 1, err), GRPC_STATUS_INVALID_ARGUMENT);
+  ck_assert_ptr_nonnull(strstr(err, "name:"));
+  ck_assert_int_eq(moed_shm_register_cuda(s, "g", h, 63, 0, 64, 1, err), GRPC_STATUS_INVALID_ARGUMENT);
+  ck_assert_ptr_nonnull(strstr(err, "raw_handle: 63 bytes"));
+  ck_assert_int_eq(moed_shm_register_cuda(s, "g", h, 65, 0, 64, 1, err), GRPC_STATUS_INVALID_ARGUMENT);
+  ck_assert_ptr_nonnull(strstr(err, "raw_handle:"));
+  ck_assert_int_eq(moed_shm_register_cuda(s, "g", NULL, 0, 0, 64, 1, err), GRPC_STATUS_INVALID_ARGUMENT);
+  ck_assert_int_eq(moed_shm_register_cuda(s, "g", h, 64, 0, 0, 1, err), GRPC_STATUS_INVALID_ARGUMENT);
+  ck_assert_ptr_nonnull(strstr(err, "byte_size:"));
+  ck_assert_int_eq(moed_shm_register_cuda(s, "sys", h, 64, 0, 64, 1, err), GRPC_STATUS_ALREADY_EXISTS);
+  ck_assert_ptr_nonnull(strstr(err, "name: region 'sys'"));
+  if (!moe_ipc_supported()) {
+    ck_assert_int_eq(moed_shm_register_cuda(s, "g", h, 64, 0, 64, 1, err), GRPC_STATUS_UNIMPLEMENTED);
+    ck_assert_ptr_nonnull(strstr(err, "no GPU backend"));
+  } else {
+    ck_assert_int_eq(moed_shm_register_cuda(s, "g", h, 64, 0, 64, 0, err), GRPC_STATUS_FAILED_PRECONDITION);
+    ck_assert_ptr_nonnull(strstr(err, "device_id:"));
+    ck_assert_int_eq(moed_shm_register_cuda(s, "g", h, 64, 2, 64, 2, err), GRPC_STATUS_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(err, "device_id: 2"));
+    ck_assert_int_eq(moed_shm_register_cuda(s, "g", h, 64, -1, 64, 2, err), GRPC_STATUS_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(err, "device_id: -1"));
+  }
+  moed_shm_info *v;
+  ck_assert_int_eq(moed_shm_status(s, MOED_SHM_CUDA, NULL, &v), 0); /* nothing half-registered */
+  free(v);
+  ck_assert_ptr_null(moed_shm_acquire(s, "g"));
   moed_shm_destroy(s);
 }
 END_TEST
@@ -215,6 +308,8 @@ int main(void) {
   tcase_add_test(tc, status_lists_regions);
   tcase_add_test(tc, held_region_outlives_unregister);
   tcase_add_test(tc, truncated_object_fails_the_copy);
+  tcase_add_test(tc, reads_and_writes_are_bounded);
+  tcase_add_test(tc, cuda_register_refusals);
   tcase_add_test(tc, input_sizes_read_off_the_wire);
   suite_add_tcase(su, tc);
   SRunner *sr = srunner_create(su);
