@@ -134,14 +134,17 @@ void moed_kserve_string(const uint8_t *p, size_t n, bool prefix, moed_kserve_str
   moed_wire_iter it = moed_wire_begin(p, n, prefix);
   moed_wire_field f;
   out[0] = 0;
-  while (moed_wire_next(&it, &f)) { /* the first such field; other fields skipped */
+  /* the last such field, as protobuf-c (any protobuf parser) decodes a
+   * string given twice: the first one would let a message name a cheap op
+   * here and an expert set when decoded (the inline fast path's choice) */
+  while (moed_wire_next(&it, &f)) {
     if (f.number != (uint32_t)field || f.type != MOED_WIRE_LEN) continue;
+    out[0] = 0;
     /* one holding a NUL is left out: cut there it would name something else */
     if (f.len < size && (!prefix || f.at + f.len < n) && !memchr(p + f.at, 0, f.len)) {
       memcpy(out, p + f.at, f.len);
       out[f.len] = 0;
     }
-    return;
   }
 }
 

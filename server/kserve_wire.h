@@ -69,10 +69,10 @@ typedef enum moed_kserve_string_field {
   MOED_KSERVE_MODEL_NAME = 1, /* ModelInferRequest.model_name */
   MOED_KSERVE_ID = 3,         /* ModelInferRequest.id */
 } moed_kserve_string_field;
-/* The first such field of the message p[0..n) (prefix: its first bytes
- * only, as moed_wire_begin) into out[0..size) ("" when there is none, it
- * does not fit, it may be cut, it holds a NUL, or the bytes before it are
- * malformed). */
+/* The last such field of the message p[0..n) (protobuf's rule for a field
+ * given twice; prefix: of its first bytes only, as moed_wire_begin) into
+ * out[0..size) ("" when there is none, it does not fit, it may be cut, or
+ * it holds a NUL; of a malformed message, the last one before the fault). */
 void moed_kserve_string(const uint8_t *p, size_t n, bool prefix, moed_kserve_string_field field, char *out,
                         size_t size);
 /* The integer value of request parameter `key` in the message p[0..n)
