@@ -6,21 +6,38 @@ before their fix; each names the defect).
   weights run on the gRPC thread) chose by the first one: a message naming
   a cheap op first and an expert set last ran the expert set's fused_moe on
   the one gRPC thread, and every other call, probes included, waited for it.
+- REST JSON bodies with bytes after the value (`{...} junk`) were taken
+  (cJSON stops at the value's end); a shape dimension past 2^53 was read
+  as a double (inexact) and answered as `2.305843009213694e+18`.
+- An unknown REST path with another method than GET was 405 "this endpoint
+  takes GET" (as was POST on a model's unknown action); Triton's trace and
+  logging extensions (tritonclient's get/update_trace_settings and
+  get/update_log_settings) were 404 over REST and "unknown method" over
+  gRPC: now 501 / UNIMPLEMENTED naming the extension; other unknown gRPC
+  methods are named.
+- A gRPC input with typed contents in two fields (fp32_contents and
+  int_contents) ran on one of them, the other dropped silently.
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
+import json
 import os
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import numpy as np
+import tritonclient.grpc as tc
+import tritonclient.http as th
 from tritonclient.grpc import service_pb2 as pb
+from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, os.path.dirname(__file__))
 from moed_process import check, moed, run_tests  # noqa: E402
 from test_fused_moe import mkset  # noqa: E402
-from test_server import make_req, raw_unary  # noqa: E402
+from test_server import code_of, infer_pb, make_req, raw_unary  # noqa: E402
 
 SC = grpc.StatusCode
 
@@ -75,5 +92,84 @@ def test_model_name_twice(tmp):
         ch.close()
 
 
+def rest(port, method, path, body=b""):
+    """(HTTP status, body text) of one request to the REST port."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body or None, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_rest_strict(tmp):
+    x = {"name": "x", "datatype": "FP32", "shape": [2, 64], "data": [0.5] * 128}
+    body = json.dumps({"inputs": [x], "parameters": {"format": "mxfp4"}}).encode()
+    with moed(tmp) as (_, _g, _h):
+        port = _.rest_port
+        check(rest(port, "POST", "/v2/models/quant.mx/infer", body)[0] == 200, "REST infer OK")
+        for what, path, b in (("infer", "/v2/models/quant.mx/infer", body + b" junk"),
+                              ("two objects", "/v2/models/quant.mx/infer", body + body),
+                              ("load", "/v2/repository/models/quant.mx/load", b"{} junk")):
+            status, text = rest(port, "POST", path, b)
+            at = b.rfind(b"junk") if b.endswith(b"junk") else len(body)  # where the bytes after the value begin
+            check(status == 400 and f"malformed JSON at byte {at}" in text,
+                  f"{what}: bytes after the JSON value: 400 naming where ({status} {text})")
+        status, text = rest(port, "POST", "/v2/models/quant.mx/infer", b"{\"inputs\": []}  \r\n")
+        check(status == 400 and "malformed" not in text, f"whitespace after the JSON value is no error ({text})")
+        big = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [0, 2**62], "data": []}],
+                          "parameters": {"format": "mxfp4"}}).encode()
+        status, text = rest(port, "POST", "/v2/models/quant.mx/infer", big)
+        check(status == 400 and "shape[1]" in text and "2^53" in text,
+              f"a dimension past 2^53 (inexact in JSON): 400 naming it ({status} {text})")
+        for method, path, want in (("POST", "/v2/nothing", 404), ("DELETE", "/v2/nothing", 404),
+                                   ("POST", "/v2/models/quant.mx/bogus", 404),
+                                   ("GET", "/v2/repository/bogus", 404),
+                                   ("POST", "/v2/models/quant.mx/config", 405), ("DELETE", "/v2", 405),
+                                   ("GET", "/v2/repository/index", 405),
+                                   ("GET", "/v2/trace/setting", 501), ("POST", "/v2/trace/setting", 501),
+                                   ("GET", "/v2/models/quant.mx/trace/setting", 501),
+                                   ("GET", "/v2/logging", 501), ("POST", "/v2/logging", 501)):
+            status, text = rest(port, method, path, b"{}" if method == "POST" else b"")
+            named = {404: "no such endpoint", 405: "take", 501: "extension is not implemented by moed"}[want]
+            check(status == want and named in text, f"{method} {path}: {want} ({status} {text})")
+        hc = th.InferenceServerClient(f"127.0.0.1:{port}")
+        for name, fn in (("get_trace_settings", hc.get_trace_settings), ("get_log_settings", hc.get_log_settings),
+                         ("update_log_settings", lambda: hc.update_log_settings({"log_verbose_level": 1}))):
+            try:
+                fn()
+                got = "no error"
+            except InferenceServerException as e:
+                got = f"{e.status()} {e.message()}"
+            check(got.startswith("501 ") and "not implemented" in got, f"tritonclient.http {name}: 501 ({got})")
+        hc.close()
+
+
+def test_grpc_precise(tmp):
+    with moed(tmp) as (_, port, _h):
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        gc = tc.InferenceServerClient(f"127.0.0.1:{port}")
+        for name, fn, ext in (("get_trace_settings", gc.get_trace_settings, "trace"),
+                              ("update_trace_settings", lambda: gc.update_trace_settings("quant.mx", {}), "trace"),
+                              ("get_log_settings", gc.get_log_settings, "logging"),
+                              ("update_log_settings", lambda: gc.update_log_settings({}), "logging")):
+            code, msg = code_of(fn)
+            check(code == SC.UNIMPLEMENTED and msg.startswith(f"{ext}: Triton's {ext} extension is not implemented"),
+                  f"tritonclient.grpc {name}: UNIMPLEMENTED naming the extension ({code} {msg})")
+        code, msg = code_of(lambda: raw_unary(ch, "/inference.GRPCInferenceService/Nope")(b"", timeout=10))
+        check(code == SC.UNIMPLEMENTED and msg == "unknown method /inference.GRPCInferenceService/Nope",
+              f"an unknown method is named ({code} {msg})")
+        r = make_req("quant.mx", [("x", "FP32", [2, 64], b"")], {"format": "mxfp4"})
+        del r.raw_input_contents[:]
+        r.inputs[0].contents.fp32_contents.extend([0.5] * 128)
+        check(code_of(lambda: infer_pb(ch, r))[0] == SC.OK, "fp32_contents alone: OK")
+        r.inputs[0].contents.int_contents.extend([7] * 5)
+        code, msg = code_of(lambda: infer_pb(ch, r))
+        check(code == SC.INVALID_ARGUMENT and "inputs[0] 'x': contents other than contents.fp32_contents" in msg,
+              f"fp32_contents and int_contents: INVALID_ARGUMENT naming them ({code} {msg})")
+        gc.close()
+        ch.close()
+
+
 if __name__ == "__main__":
-    run_tests(test_model_name_twice)
+    run_tests(test_model_name_twice, test_rest_strict, test_grpc_precise)
