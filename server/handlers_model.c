@@ -282,6 +282,13 @@ void moed_handle_model_statistics(moed_server *s, moed_request *req) {
     moed_reply_error(req, GRPC_STATUS_NOT_FOUND, "name: model '%s' not found", o.only);
     goto done;
   }
+  /* as metadata and config answer it: another version's statistics are
+   * not version 1's (without a name every model's are asked for) */
+  if (o.only && moed_version_other(in->version)) {
+    moed_reply_error(req, GRPC_STATUS_NOT_FOUND, "version: model '%s' has no version '%s'", o.only,
+                     moed_version_shown(in->version));
+    goto done;
+  }
   for (size_t i = 0; i < o.n; i++)
     pv[i] = &o.v[i];
   Inference__ModelStatisticsResponse r = INFERENCE__MODEL_STATISTICS_RESPONSE__INIT;

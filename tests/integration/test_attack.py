@@ -17,6 +17,8 @@ before their fix; each names the defect).
   methods are named.
 - A gRPC input with typed contents in two fields (fp32_contents and
   int_contents) ran on one of them, the other dropped silently.
+- ModelStatistics for a version moed does not have answered version 1's
+  statistics (metadata and config answer NOT_FOUND naming the version).
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import json
@@ -133,6 +135,8 @@ def test_rest_strict(tmp):
             status, text = rest(port, method, path, b"{}" if method == "POST" else b"")
             named = {404: "no such endpoint", 405: "take", 501: "extension is not implemented by moed"}[want]
             check(status == want and named in text, f"{method} {path}: {want} ({status} {text})")
+        status, text = rest(port, "GET", "/v2/models/quant.mx/versions/2/stats")
+        check(status == 404 and "no version '2'" in text, f"REST statistics of version 2: 404 ({status} {text})")
         hc = th.InferenceServerClient(f"127.0.0.1:{port}")
         for name, fn in (("get_trace_settings", hc.get_trace_settings), ("get_log_settings", hc.get_log_settings),
                          ("update_log_settings", lambda: hc.update_log_settings({"log_verbose_level": 1}))):
@@ -167,6 +171,10 @@ def test_grpc_precise(tmp):
         code, msg = code_of(lambda: infer_pb(ch, r))
         check(code == SC.INVALID_ARGUMENT and "inputs[0] 'x': contents other than contents.fp32_contents" in msg,
               f"fp32_contents and int_contents: INVALID_ARGUMENT naming them ({code} {msg})")
+        check(code_of(lambda: gc.get_inference_statistics("quant.mx", "1"))[0] == SC.OK, "statistics of version 1: OK")
+        code, msg = code_of(lambda: gc.get_inference_statistics("quant.mx", "2"))
+        check(code == SC.NOT_FOUND and msg == "version: model 'quant.mx' has no version '2'",
+              f"statistics of version 2: NOT_FOUND naming it ({code} {msg})")
         gc.close()
         ch.close()
 
