@@ -19,6 +19,9 @@ before their fix; each names the defect).
   int_contents) ran on one of them, the other dropped silently.
 - ModelStatistics for a version moed does not have answered version 1's
   statistics (metadata and config answer NOT_FOUND naming the version).
+- Loads of one expert set at once (two workers each running one): the
+  first wrote its log line from the set after inserting it, and the second
+  had meanwhile replaced and freed it (heap-use-after-free under ASan).
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import json
@@ -179,5 +182,32 @@ def test_grpc_precise(tmp):
         ch.close()
 
 
+def test_concurrent_loads(tmp):
+    repo = os.path.join(tmp, "repo-loads")
+    mkset(f"{repo}/loaded", "bf16")
+    # more workers than cores: a worker is preempted between its insert and its log line
+    with moed(tmp, "--model-repository", repo, "--workers", "8") as (p, port, _h):
+        req = pb.RepositoryModelLoadRequest(model_name="loaded").SerializeToString()
+        codes = []
+
+        def loader():
+            ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+            load = raw_unary(ch, "/inference.GRPCInferenceService/RepositoryModelLoad")
+            for _ in range(60):
+                codes.append(code_of(lambda: load(req, timeout=60))[0])
+            ch.close()
+
+        threads = [threading.Thread(target=loader) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        check(codes.count(SC.OK) == len(codes), f"{len(codes)} loads of one set at once: every one OK "
+              f"({sorted(set(c.name for c in codes))})")
+        up = p.poll() is None
+        check(up, "moed still up after them")
+        check(up and tc.InferenceServerClient(f"127.0.0.1:{port}").is_model_ready("loaded"), "the set is ready")
+
+
 if __name__ == "__main__":
-    run_tests(test_model_name_twice, test_rest_strict, test_grpc_precise)
+    run_tests(test_model_name_twice, test_rest_strict, test_grpc_precise, test_concurrent_loads)
