@@ -22,6 +22,9 @@ before their fix; each names the defect).
 - Loads of one expert set at once (two workers each running one): the
   first wrote its log line from the set after inserting it, and the second
   had meanwhile replaced and freed it (heap-use-after-free under ASan).
+- ModelStatistics answered with the names of the models it read, packed
+  after the repository's lock was dropped: an unload in between freed the
+  name (heap-use-after-free under ASan).
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import json
@@ -209,5 +212,44 @@ def test_concurrent_loads(tmp):
         check(up and tc.InferenceServerClient(f"127.0.0.1:{port}").is_model_ready("loaded"), "the set is ready")
 
 
+def test_statistics_during_unloads(tmp):
+    repo = os.path.join(tmp, "repo-stats")
+    for k in range(4):
+        mkset(f"{repo}/churn{k}", "bf16")
+    with moed(tmp, "--model-repository", repo, "--workers", "8") as (p, port, _h):
+        stop = threading.Event()
+        codes = []
+
+        def churn(k):
+            ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+            load = raw_unary(ch, "/inference.GRPCInferenceService/RepositoryModelLoad")
+            unload = raw_unary(ch, "/inference.GRPCInferenceService/RepositoryModelUnload")
+            while not stop.is_set():
+                unload(pb.RepositoryModelUnloadRequest(model_name=f"churn{k}").SerializeToString(), timeout=60)
+                load(pb.RepositoryModelLoadRequest(model_name=f"churn{k}").SerializeToString(), timeout=60)
+            ch.close()
+
+        def stats():
+            ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+            call = raw_unary(ch, "/inference.GRPCInferenceService/ModelStatistics")
+            while not stop.is_set():
+                codes.append(code_of(lambda: call(b"", timeout=60))[0])
+            ch.close()
+
+        threads = [threading.Thread(target=churn, args=(k,)) for k in range(4)] + \
+            [threading.Thread(target=stats) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(4)
+        stop.set()
+        for t in threads:
+            t.join()
+        check(len(codes) > 0 and codes.count(SC.OK) == len(codes),
+              f"{len(codes)} ModelStatistics while sets are unloaded and loaded: every one OK "
+              f"({sorted(set(c.name for c in codes))})")
+        check(p.poll() is None, "moed still up after them")
+
+
 if __name__ == "__main__":
-    run_tests(test_model_name_twice, test_rest_strict, test_grpc_precise, test_concurrent_loads)
+    run_tests(test_model_name_twice, test_rest_strict, test_grpc_precise, test_concurrent_loads,
+              test_statistics_during_unloads)
