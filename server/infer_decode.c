@@ -77,9 +77,10 @@ static grpc_status_code unpack_message(moed_infer_req *r) {
   moed_kserve_split_raw(p, n, rest, &rest_len, r->raw, &n_raw);
   r->n_raw = n_raw;
   char field[96];
-  if (moed_kserve_nul_field(rest, rest_len, field, sizeof field)) {
+  const char *fault = moed_kserve_bad_field(rest, rest_len, field, sizeof field);
+  if (fault) {
     free(rest);
-    return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "%s: contains a NUL byte", field);
+    return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "%s: %s", field, fault);
   }
   r->msg = inference__model_infer_request__unpack(NULL, rest_len, rest);
   free(rest);

@@ -25,6 +25,11 @@ before their fix; each names the defect).
 - ModelStatistics answered with the names of the models it read, packed
   after the repository's lock was dropped: an unload in between freed the
   name (heap-use-after-free under ASan).
+- A request string that is not UTF-8 (an id, a parameter's value) was
+  taken and echoed into the answer (the id, an error message naming the
+  value): proto3 strings are UTF-8, so stock clients' protobuf refused the
+  answer ("Exception deserializing response") and their stream ended. Now
+  refused as a NUL is, naming the field.
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import json
@@ -250,6 +255,45 @@ def test_statistics_during_unloads(tmp):
         check(p.poll() is None, "moed still up after them")
 
 
+def with_bytes(req, placeholder, raw):
+    """req serialized with its string `placeholder` replaced by the bytes `raw` (as long: every
+    enclosing length stays right)."""
+    b = req.SerializeToString()
+    assert b.count(placeholder.encode()) == 1 and len(raw) == len(placeholder)
+    return b.replace(placeholder.encode(), raw)
+
+
+def test_not_utf8(tmp):
+    with moed(tmp) as (_, port, _h):
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        good = make_req("quant.mx", [("x", "FP32", [2, 64], bytes(512))], {"format": "mxfp4"})
+        good.id = "ok"
+        good = good.SerializeToString()
+        base = make_req("quant.mx", [("x", "FP32", [2, 64], bytes(512))], {"format": "mxfp4"})
+        base.id = "IDVALUE"
+        bad_id = with_bytes(base, "IDVALUE", b"a\xffbcdef")
+        base = make_req("quant.mx", [("x", "FP32", [2, 64], bytes(512))], {"format": "FORMATVALUE"})
+        base.id = "p"
+        bad_param = with_bytes(base, "FORMATVALUE", b"mxfp4\xc3(abcd")
+        infer = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                               response_deserializer=pb.ModelInferResponse.FromString)
+        for what, msg, field in (("id", bad_id, "id"), ("a parameter's value", bad_param,
+                                                         "parameters[0].value.string_param")):
+            code, text = code_of(lambda: infer(msg, timeout=30))
+            check(code == SC.INVALID_ARGUMENT and text == f"{field}: not valid UTF-8",
+                  f"ModelInfer: {what} not UTF-8 refused naming it ({code} {text})")
+        stream = ch.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                  response_deserializer=pb.ModelStreamInferResponse.FromString)
+        try:
+            got = sorted((r.infer_response.id, r.error_message) for r in stream(iter([bad_id, good, bad_param]),
+                                                                                   timeout=30))
+        except grpc.RpcError as e:
+            got = f"{e.code()} {e.details()}"
+        check(got == [("", "id: not valid UTF-8"), ("ok", ""), ("p", "parameters[0].value.string_param: not valid UTF-8")],
+              f"a stream: each refusal parses and names its field, the stream goes on ({got})")
+        ch.close()
+
+
 if __name__ == "__main__":
     run_tests(test_model_name_twice, test_rest_strict, test_grpc_precise, test_concurrent_loads,
-              test_statistics_during_unloads)
+              test_statistics_during_unloads, test_not_utf8)
