@@ -34,9 +34,11 @@ void moed_reply_error(moed_request *req, grpc_status_code code, const char *fmt,
 void *moed_unpack(moed_request *req, const ProtobufCMessageDescriptor *d) {
   grpc_slice sl = moed_rpc_flatten(req->payload);
   char field[96];
-  if (moed_wire_nul_string(d, GRPC_SLICE_START_PTR(sl), GRPC_SLICE_LENGTH(sl), field, sizeof field)) {
+  const char *fault =
+      moed_wire_bad_string(d, GRPC_SLICE_START_PTR(sl), GRPC_SLICE_LENGTH(sl), field, sizeof field);
+  if (fault) {
     grpc_slice_unref(sl);
-    moed_reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "%s: contains a NUL byte", field);
+    moed_reply_error(req, GRPC_STATUS_INVALID_ARGUMENT, "%s: %s", field, fault);
     return NULL;
   }
   ProtobufCMessage *m = protobuf_c_message_unpack(d, NULL, GRPC_SLICE_LENGTH(sl), GRPC_SLICE_START_PTR(sl));

@@ -187,6 +187,9 @@ typedef struct stats_out {
   Inference__InferBatchStatistics *bs, **pbs; /* MOED_BATCH_SIZES per model */
   Inference__StatisticDuration *bd;           /* 3 per batch statistic */
   moed_batch_snapshot *snap;                  /* MOED_BATCH_SIZES, reused per model */
+  /* each model's name: the model may be unloaded (and freed) once the
+   * repository's lock is dropped, before the answer is packed */
+  char (*names)[sizeof((moed_model *)0)->name];
   size_t n, cap;
 } stats_out;
 
@@ -205,7 +208,8 @@ static void collect_stats(moed_model *m, void *arg) {
   Inference__StatisticDuration *d = &o->d[o->n * 6];
   inference__model_statistics__init(ms);
   inference__infer_statistics__init(is);
-  ms->name = m->name;
+  memcpy(o->names[o->n], m->name, sizeof o->names[o->n]);
+  ms->name = o->names[o->n];
   ms->version = "1";
   /* the count first: every time read after it includes at least its requests */
   const uint64_t ok = atomic_load(&st->success_count);
@@ -272,14 +276,22 @@ void moed_handle_model_statistics(moed_server *s, moed_request *req) {
   o.pbs = calloc(o.cap * MOED_BATCH_SIZES, sizeof *o.pbs);
   o.bd = calloc(o.cap * MOED_BATCH_SIZES * 3, sizeof *o.bd);
   o.snap = calloc(MOED_BATCH_SIZES, sizeof *o.snap);
+  o.names = calloc(o.cap, sizeof *o.names);
   Inference__ModelStatistics **pv = calloc(o.cap, sizeof *pv);
-  if (!o.v || !o.is || !o.d || !o.bs || !o.pbs || !o.bd || !o.snap || !pv) {
+  if (!o.v || !o.is || !o.d || !o.bs || !o.pbs || !o.bd || !o.snap || !o.names || !pv) {
     moed_reply_error(req, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory");
     goto done;
   }
   moed_repository_foreach(s->repo, collect_stats, &o);
   if (o.only && o.n == 0) {
     moed_reply_error(req, GRPC_STATUS_NOT_FOUND, "name: model '%s' not found", o.only);
+    goto done;
+  }
+  /* as metadata and config answer it: another version's statistics are
+   * not version 1's (without a name every model's are asked for) */
+  if (o.only && moed_version_other(in->version)) {
+    moed_reply_error(req, GRPC_STATUS_NOT_FOUND, "version: model '%s' has no version '%s'", o.only,
+                     moed_version_shown(in->version));
     goto done;
   }
   for (size_t i = 0; i < o.n; i++)
@@ -297,5 +309,6 @@ done:
   free(o.pbs);
   free(o.bd);
   free(o.snap);
+  free(o.names);
   protobuf_c_message_free_unpacked(&in->base, NULL);
 }

@@ -77,9 +77,10 @@ static grpc_status_code unpack_message(moed_infer_req *r) {
   moed_kserve_split_raw(p, n, rest, &rest_len, r->raw, &n_raw);
   r->n_raw = n_raw;
   char field[96];
-  if (moed_kserve_nul_field(rest, rest_len, field, sizeof field)) {
+  const char *fault = moed_kserve_bad_field(rest, rest_len, field, sizeof field);
+  if (fault) {
     free(rest);
-    return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "%s: contains a NUL byte", field);
+    return fail(r, GRPC_STATUS_INVALID_ARGUMENT, "%s: %s", field, fault);
   }
   r->msg = inference__model_infer_request__unpack(NULL, rest_len, rest);
   free(rest);
@@ -152,6 +153,13 @@ static grpc_status_code check_shape(moed_infer_req *c, const moed_config *cfg, s
   return GRPC_STATUS_OK;
 }
 
+/* Elements in a tensor's typed contents, of every type (0: none or NULL). */
+static size_t contents_count(const Inference__InferTensorContents *tc) {
+  return tc ? tc->n_bool_contents + tc->n_int_contents + tc->n_int64_contents + tc->n_uint_contents +
+                  tc->n_uint64_contents + tc->n_fp32_contents + tc->n_fp64_contents + tc->n_bytes_contents
+            : 0;
+}
+
 /* The typed `contents` of input i, converted to the storage type. */
 static grpc_status_code typed_contents(moed_infer_req *c, size_t i,
                                        const Inference__ModelInferRequest__InferInputTensor *t,
@@ -178,6 +186,12 @@ static grpc_status_code typed_contents(moed_infer_req *c, size_t i,
                 "inputs[%zu] '%s': %s has no typed contents; use raw_input_contents", i, t->name,
                 t->datatype);
   }
+  /* elements in another typed field would be silently dropped */
+  if (contents_count(tc) != have)
+    return fail(
+        c, GRPC_STATUS_INVALID_ARGUMENT,
+        "inputs[%zu] '%s': contents other than contents.%s given (a %s input's elements go there only)", i,
+        t->name, field, t->datatype);
   if (have != numel)
     return fail(c, GRPC_STATUS_INVALID_ARGUMENT,
                 "inputs[%zu] '%s': contents.%s has %zu elements, shape needs %zu", i, t->name, field, have,
@@ -213,13 +227,6 @@ static grpc_status_code typed_contents(moed_infer_req *c, size_t i,
   }
   }
   return GRPC_STATUS_OK;
-}
-
-/* Elements in a tensor's typed contents, of every type (0: none or NULL). */
-static size_t contents_count(const Inference__InferTensorContents *tc) {
-  return tc ? tc->n_bool_contents + tc->n_int_contents + tc->n_int64_contents + tc->n_uint_contents +
-                  tc->n_uint64_contents + tc->n_fp32_contents + tc->n_fp64_contents + tc->n_bytes_contents
-            : 0;
 }
 
 static grpc_status_code decode_inputs(moed_infer_req *c, moed_server *srv) {

@@ -113,3 +113,17 @@ size_t moed_json_nul_at(const char *text, size_t len) {
   }
   return len;
 }
+
+cJSON *moed_json_parse_whole(const char *text, size_t len, size_t *bad_at) {
+  const char *end = NULL;
+  cJSON *j = cJSON_ParseWithLengthOpts(text, len, &end, false);
+  if (!end || end < text || end > text + len) end = text; /* cJSON gave no position */
+  if (j) {
+    while (end < text + len && (*end == ' ' || *end == '\t' || *end == '\n' || *end == '\r'))
+      end++;
+    if (end == text + len) return j;
+    cJSON_Delete(j);
+  }
+  *bad_at = (size_t)(end - text);
+  return NULL;
+}

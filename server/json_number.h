@@ -24,6 +24,12 @@ char *moed_json_nonfinite_in(const char *text, size_t len, bool *oom);
  * looked at). */
 size_t moed_json_nul_at(const char *text, size_t len);
 
+/* text[0, len) parsed as one JSON value with nothing but whitespace after
+ * it (cJSON stops at the value's end and ignores the rest: `{...} junk` or
+ * two objects back to back would be taken). NULL when malformed, *bad_at
+ * then the byte offset where it is. */
+cJSON *moed_json_parse_whole(const char *text, size_t len, size_t *bad_at);
+
 /* A data element that moed_json_nonfinite_in wrote for NaN: true and *v NaN. */
 bool moed_json_nonfinite_value(const cJSON *e, double *v);
 

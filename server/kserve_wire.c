@@ -55,6 +55,8 @@ static size_t put_len_header(uint8_t *p, uint32_t field, uint64_t len) {
   return n + put_varint(p + n, len);
 }
 
+static const char *string_fault(const uint8_t *s, size_t n);
+
 /* ---- the field iterator ------------------------------------------------------------------ */
 
 moed_wire_iter moed_wire_begin(const uint8_t *p, size_t n, bool prefix) {
@@ -134,14 +136,18 @@ void moed_kserve_string(const uint8_t *p, size_t n, bool prefix, moed_kserve_str
   moed_wire_iter it = moed_wire_begin(p, n, prefix);
   moed_wire_field f;
   out[0] = 0;
-  while (moed_wire_next(&it, &f)) { /* the first such field; other fields skipped */
+  /* the last such field, as protobuf-c (any protobuf parser) decodes a
+   * string given twice: the first one would let a message name a cheap op
+   * here and an expert set when decoded (the inline fast path's choice) */
+  while (moed_wire_next(&it, &f)) {
     if (f.number != (uint32_t)field || f.type != MOED_WIRE_LEN) continue;
-    /* one holding a NUL is left out: cut there it would name something else */
-    if (f.len < size && (!prefix || f.at + f.len < n) && !memchr(p + f.at, 0, f.len)) {
+    out[0] = 0;
+    /* one holding a NUL is left out (cut there it would name something
+     * else), and one not UTF-8 (echoed, it would make the answer unparseable) */
+    if (f.len < size && (!prefix || f.at + f.len < n) && !string_fault(p + f.at, f.len)) {
       memcpy(out, p + f.at, f.len);
       out[f.len] = 0;
     }
-    return;
   }
 }
 
@@ -205,11 +211,52 @@ bool moed_kserve_input_param_sum(const uint8_t *p, size_t n, const char *key, ui
   return !it.bad;
 }
 
-/* The walk of moed_wire_nul_string below: p[0..n) as a message of d, its
+/* Whether s[0..n) is UTF-8 as protobuf requires of a string: no overlong
+ * forms, no surrogates, nothing past U+10FFFF. */
+static bool utf8_ok(const uint8_t *s, size_t n) {
+  for (size_t i = 0; i < n;) {
+    const uint8_t c = s[i];
+    size_t len;
+    uint32_t cp, min;
+    if (c < 0x80) {
+      i++;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      len = 2, cp = c & 0x1F, min = 0x80;
+    } else if ((c & 0xF0) == 0xE0) {
+      len = 3, cp = c & 0x0F, min = 0x800;
+    } else if ((c & 0xF8) == 0xF0) {
+      len = 4, cp = c & 0x07, min = 0x10000;
+    } else {
+      return false;
+    }
+    if (n - i < len) return false;
+    for (size_t k = 1; k < len; k++) {
+      if ((s[i + k] & 0xC0) != 0x80) return false;
+      cp = cp << 6 | (s[i + k] & 0x3F);
+    }
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += len;
+  }
+  return true;
+}
+
+/* Why string s[0..n) cannot be taken as it is, or NULL. */
+static const char *string_fault(const uint8_t *s, size_t n) {
+  if (memchr(s, 0, n)) return "contains a NUL byte";
+  /* proto3 strings are UTF-8: echoed into an answer (an id, an error
+   * message) it would make the answer one that stock clients' protobuf
+   * refuses to parse ("Exception deserializing response"), ending their
+   * stream */
+  if (!utf8_ok(s, n)) return "not valid UTF-8";
+  return NULL;
+}
+
+/* The walk of moed_wire_bad_string below: p[0..n) as a message of d, its
  * path so far in field[0..used); depth bounds the recursion (the KServe
  * messages nest 4 deep: request, tensor, parameter map entry, parameter). */
-static bool nul_walk(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t n, char *field,
-                     size_t size, size_t used, int depth) {
+static const char *bad_walk(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t n, char *field,
+                            size_t size, size_t used, int depth) {
   size_t seen[64] = {0}; /* per field of d: repeated values seen so far (their index) */
   moed_wire_iter it = moed_wire_begin(p, n, false);
   moed_wire_field f;
@@ -218,29 +265,29 @@ static bool nul_walk(const ProtobufCMessageDescriptor *d, const uint8_t *p, size
     if (!fd || f.type != MOED_WIRE_LEN) continue;
     const size_t i = (size_t)(fd - d->fields);
     const size_t k = i < 64 ? seen[i]++ : 0;
-    const bool str = fd->type == PROTOBUF_C_TYPE_STRING,
-               sub = fd->type == PROTOBUF_C_TYPE_MESSAGE && depth < 8;
-    if (!(str && memchr(p + f.at, 0, f.len)) && !sub) continue;
+    const char *fault = fd->type == PROTOBUF_C_TYPE_STRING ? string_fault(p + f.at, f.len) : NULL;
+    const bool sub = fd->type == PROTOBUF_C_TYPE_MESSAGE && depth < 8;
+    if (!fault && !sub) continue;
     int w = fd->label == PROTOBUF_C_LABEL_REPEATED
                 ? snprintf(field + used, size - used, "%s%s[%zu]", used ? "." : "", fd->name, k)
                 : snprintf(field + used, size - used, "%s%s", used ? "." : "", fd->name);
     const size_t at = w < 0 || (size_t)w >= size - used ? size - 1 : used + (size_t)w;
-    if (str) return true;
-    if (nul_walk(fd->descriptor, p + f.at, f.len, field, size, at, depth + 1)) return true;
+    if (fault) return fault;
+    if ((fault = bad_walk(fd->descriptor, p + f.at, f.len, field, size, at, depth + 1))) return fault;
     field[used] = 0;
   }
-  return false;
+  return NULL;
 }
 
-bool moed_wire_nul_string(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t n, char *field,
-                          size_t size) {
-  if (!size) return false;
+const char *moed_wire_bad_string(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t n, char *field,
+                                 size_t size) {
+  if (!size) return NULL;
   field[0] = 0;
-  return nul_walk(d, p, n, field, size, 0, 0);
+  return bad_walk(d, p, n, field, size, 0, 0);
 }
 
-bool moed_kserve_nul_field(const uint8_t *p, size_t n, char *field, size_t size) {
-  return moed_wire_nul_string(&inference__model_infer_request__descriptor, p, n, field, size);
+const char *moed_kserve_bad_field(const uint8_t *p, size_t n, char *field, size_t size) {
+  return moed_wire_bad_string(&inference__model_infer_request__descriptor, p, n, field, size);
 }
 
 size_t moed_kserve_raw_at(const uint8_t *p, size_t n) {

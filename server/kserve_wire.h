@@ -48,13 +48,15 @@ moed_wire_iter moed_wire_begin(const uint8_t *p, size_t n, bool prefix);
 /* The next field into *f; false at the end, or at malformed bytes (bad set). */
 bool moed_wire_next(moed_wire_iter *it, moed_wire_field *f);
 
-/* Whether any string field of the message p[0..n) of type d, nested
- * messages included, holds a NUL byte (protobuf-c cuts a string at it, so
- * "good\0x" would name set "good"): every request moed unpacks is checked,
- * and refused naming the field, whose path (parameters[0].key) goes to
- * field[0..size). Malformed bytes stop the walk (the unpack refuses them). */
-bool moed_wire_nul_string(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t n, char *field,
-                          size_t size);
+/* Why a string field of the message p[0..n) of type d, nested messages
+ * included, cannot be taken ("contains a NUL byte": protobuf-c cuts a
+ * string at it, so "good\0x" would name set "good"; "not valid UTF-8":
+ * proto3 strings are UTF-8, and one echoed into an answer would make it
+ * unparseable), or NULL: every request moed unpacks is checked, and refused
+ * naming the field, whose path (parameters[0].key) goes to field[0..size).
+ * Malformed bytes stop the walk (the unpack refuses them). */
+const char *moed_wire_bad_string(const ProtobufCMessageDescriptor *d, const uint8_t *p, size_t n, char *field,
+                                 size_t size);
 
 /* ---- ModelInferRequest ------------------------------------------------------------------ */
 
@@ -69,10 +71,10 @@ typedef enum moed_kserve_string_field {
   MOED_KSERVE_MODEL_NAME = 1, /* ModelInferRequest.model_name */
   MOED_KSERVE_ID = 3,         /* ModelInferRequest.id */
 } moed_kserve_string_field;
-/* The first such field of the message p[0..n) (prefix: its first bytes
- * only, as moed_wire_begin) into out[0..size) ("" when there is none, it
- * does not fit, it may be cut, it holds a NUL, or the bytes before it are
- * malformed). */
+/* The last such field of the message p[0..n) (protobuf's rule for a field
+ * given twice; prefix: of its first bytes only, as moed_wire_begin) into
+ * out[0..size) ("" when there is none, it does not fit, it may be cut, or
+ * it holds a NUL; of a malformed message, the last one before the fault). */
 void moed_kserve_string(const uint8_t *p, size_t n, bool prefix, moed_kserve_string_field field, char *out,
                         size_t size);
 /* The integer value of request parameter `key` in the message p[0..n)
@@ -84,12 +86,10 @@ int64_t moed_kserve_int_param(const uint8_t *p, size_t n, bool prefix, const cha
  * integer parameter `key`, without unpacking it; once over cap, cap + 1.
  * false: a value that is not an integer >= 0, or malformed bytes. */
 bool moed_kserve_input_param_sum(const uint8_t *p, size_t n, const char *key, uint64_t cap, uint64_t *sum);
-/* Whether a string field of the ModelInferRequest p[0..n) (model_name,
+/* moed_wire_bad_string of the ModelInferRequest p[0..n) (model_name,
  * model_version, id, a tensor's name or datatype, a parameter's key or
- * string value, at any depth) holds a NUL byte: protobuf-c would cut the
- * string there, and "a\0b" would then name model "a". The field's path
- * (inputs[0].parameters[1].key) goes to field. */
-bool moed_kserve_nul_field(const uint8_t *p, size_t n, char *field, size_t size);
+ * string value, at any depth: "a\0b" would name model "a"). */
+const char *moed_kserve_bad_field(const uint8_t *p, size_t n, char *field, size_t size);
 /* Where the data of the first raw_input_contents starts in a message whose
  * first bytes are p[0..n); 0: not within them. */
 size_t moed_kserve_raw_at(const uint8_t *p, size_t n);

@@ -123,6 +123,10 @@ void moed_budget_release(_Atomic size_t *held, size_t n);
 grpc_status_code moed_status_from_moe(moe_status s);
 /* The HTTP status the REST port answers a gRPC status with. */
 int moed_http_status_from_grpc(grpc_status_code code);
+/* Triton's protocol extensions moed does not implement, by their gRPC
+ * method (TraceSetting) or REST path segment (trace): why, for an
+ * UNIMPLEMENTED (HTTP 501) answer naming the extension; NULL for others. */
+const char *moed_extension_unimplemented(const char *name);
 
 /* Room for a failure's message (it names the offending field). */
 #define MOED_ERR_LEN 600

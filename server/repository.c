@@ -185,6 +185,13 @@ moe_status moed_repository_add(moed_repository *r, moe_expert_set *set, bool rep
     moe_expert_set_destroy(set);
     return moe_fail(err, MOE_ENOMEM, "out of memory");
   }
+  /* what the log line says, read while m is ours: once inserted and the
+   * lock dropped, a concurrent load of the same name may replace and free
+   * it (two workers each loading it) */
+  char loaded[256];
+  snprintf(loaded, sizeof loaded, "%s: %lld experts, H=%lld I=%lld, %s", m->name,
+           (long long)set->cfg.num_experts, (long long)set->cfg.hidden_size,
+           (long long)set->cfg.intermediate_size, moe_scheme_names[set->cfg.scheme]);
   pthread_mutex_lock(&r->mu);
   size_t i = find_locked(r, set->name);
   moe_status s = MOE_OK;
@@ -197,9 +204,7 @@ moe_status moed_repository_add(moed_repository *r, moe_expert_set *set, bool rep
     model_free(m);
     return s;
   }
-  moed_log(MOED_LOG_INFO, "model_loaded", "%s: %lld experts, H=%lld I=%lld, %s", m->name,
-           (long long)set->cfg.num_experts, (long long)set->cfg.hidden_size,
-           (long long)set->cfg.intermediate_size, moe_scheme_names[set->cfg.scheme]);
+  moed_log(MOED_LOG_INFO, "model_loaded", "%s", loaded);
   return MOE_OK;
 }
 

@@ -210,9 +210,10 @@ static bool build_input(infer_build *b, const moed_config *cfg, size_t i, const 
   size_t rank = 0, numel = 1;
   for (const cJSON *e = shape->child; e; e = e->next, rank++) {
     if (rank == MOE_MAX_DIMS) return bad(b, "inputs[%zu] '%s': rank exceeds %d", i, nm, MOE_MAX_DIMS);
+    /* a JSON number is a double: past 2^53 the dimension read need not be the one written */
     if (!cJSON_IsNumber(e) || e->valuedouble != floor(e->valuedouble) || e->valuedouble < 0 ||
-        e->valuedouble > (double)INT64_MAX / 2)
-      return bad(b, "inputs[%zu] '%s': shape[%zu] is not a non-negative integer", i, nm, rank);
+        e->valuedouble > 9007199254740992.0)
+      return bad(b, "inputs[%zu] '%s': shape[%zu] is not a non-negative integer (at most 2^53)", i, nm, rank);
     b->shapes[i][rank] = (int64_t)e->valuedouble;
     if (!moe_mul_size(numel, (size_t)b->shapes[i][rank], &numel))
       return bad(b, "inputs[%zu] '%s': shape overflows", i, nm);
@@ -409,10 +410,9 @@ static grpc_byte_buffer *infer_message(const moed_config *cfg, const char *body,
     return NULL;
   }
   const char *text = nonfinite ? nonfinite : body;
-  cJSON *j = cJSON_ParseWithLength(text, json_len);
+  size_t off;
+  cJSON *j = moed_json_parse_whole(text, json_len, &off);
   if (!j) {
-    const char *at = cJSON_GetErrorPtr();
-    const size_t off = at && at >= text && at <= text + json_len ? (size_t)(at - text) : 0;
     free(nonfinite);
     moed_failf(why, 0, "request: malformed JSON at byte %zu", off);
     return NULL;
@@ -514,8 +514,11 @@ void moed_rest_answer_infer(rest_call *k, const Inference__ModelInferResponse *m
     }
     cJSON_AddStringToObject(o, "name", t->name);
     cJSON_AddStringToObject(o, "datatype", t->datatype);
-    for (size_t d = 0; d < t->n_shape; d++)
-      cJSON_AddItemToArray(shape, cJSON_CreateNumber((double)t->shape[d]));
+    for (size_t d = 0; d < t->n_shape; d++) { /* exact: as a double, 2^61 would print 2.305843009213694e+18 */
+      char dim[24];
+      snprintf(dim, sizeof dim, "%lld", (long long)t->shape[d]);
+      cJSON_AddItemToArray(shape, cJSON_CreateRaw(dim));
+    }
     cJSON_AddItemToObject(o, "shape", shape);
     if (output_shm(k, t->name)) {
       /* its bytes are in the region it named: the metadata alone, as Triton answers */

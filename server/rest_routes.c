@@ -70,10 +70,17 @@ static bool body_object(moed_http_conn *c, const moed_http_request *rq, cJSON **
     moed_http_respond_error(c, 400, why);
     return false;
   }
-  *out = cJSON_ParseWithLength(rq->body, rq->body_len);
+  size_t bad_at;
+  *out = moed_json_parse_whole(rq->body, rq->body_len, &bad_at);
+  if (!*out) {
+    char why[64];
+    snprintf(why, sizeof why, "request: malformed JSON at byte %zu", bad_at);
+    moed_http_respond_error(c, 400, why);
+    return false;
+  }
   if (!cJSON_IsObject(*out)) {
     cJSON_Delete(*out);
-    moed_http_respond_error(c, 400, "request: malformed JSON (an object expected)");
+    moed_http_respond_error(c, 400, "request: not a JSON object");
     return false;
   }
   return true;
@@ -86,6 +93,7 @@ static void repository(moed_rest *r, moed_http_conn *c, moed_http_request *rq, c
                       (!strcmp(seg[4], "load") || !strcmp(seg[4], "unload"));
   char peer[320];
   if (!index && !change) return no_endpoint(c, path);
+  if (rq->method != HTTP_POST) return moed_http_respond_error(c, 405, "the repository endpoints take POST");
   if (!moed_rest_allowed(c, rq,
                          index                     ? MOED_M_REPOSITORY_INDEX
                          : !strcmp(seg[4], "load") ? MOED_M_REPOSITORY_LOAD
@@ -139,13 +147,14 @@ static void model(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const 
     version = seg[at + 1];
     at += 2;
   }
+  if (n == at + 2 && !strcmp(seg[at], "trace") && !strcmp(seg[at + 1], "setting"))
+    return moed_http_respond_error(c, 501, moed_extension_unimplemented("trace"));
   if (n == at + 1)
     action = seg[at];
   else if (n != at)
     return no_endpoint(c, path);
   bool post = !strcmp(action, "infer");
-  if (rq->method != (post ? HTTP_POST : HTTP_GET))
-    return moed_http_respond_error(c, 405, post ? "infer takes POST" : "this endpoint takes GET");
+  if (post && rq->method != HTTP_POST) return moed_http_respond_error(c, 405, "infer takes POST");
   if (post) return moed_rest_infer(r, c, rq, name, version);
   /* the GETs on a model: each a request message of (name, version) */
   static const struct {
@@ -160,6 +169,7 @@ static void model(moed_rest *r, moed_http_conn *c, moed_http_request *rq, const 
   };
   for (size_t i = 0; i < sizeof gets / sizeof gets[0]; i++) {
     if (strcmp(action, gets[i].action)) continue;
+    if (rq->method != HTTP_GET) return moed_http_respond_error(c, 405, "this endpoint takes GET");
     union {
       ProtobufCMessage base;
       Inference__ModelMetadataRequest a;
@@ -308,27 +318,34 @@ void moed_rest_on_request(moed_http_conn *c, moed_http_request *rq, void *arg) {
   if (n == 0 || n > 8 || strcmp(seg[0], "v2") != 0) return no_endpoint(c, path);
   bool get = rq->method == HTTP_GET;
   if (n >= 2 && !strcmp(seg[1], "repository")) {
-    if (rq->method != HTTP_POST) return moed_http_respond_error(c, 405, "the repository endpoints take POST");
     return repository(r, c, rq, path, seg, n);
   }
   if (n >= 3 && !strcmp(seg[1], "models") && !(n == 3 && !strcmp(seg[2], "stats")))
     return model(r, c, rq, path, seg, n);
   if (n >= 3 && (!strcmp(seg[1], "systemsharedmemory") || !strcmp(seg[1], "cudasharedmemory")))
     return shared_memory(r, c, rq, path, seg, n);
+  /* Triton's /v2/trace/setting and /v2/logging, whatever the method */
+  const char *ext = (n == 3 && !strcmp(seg[1], "trace") && !strcmp(seg[2], "setting")) ||
+                            (n == 2 && !strcmp(seg[1], "logging"))
+                        ? moed_extension_unimplemented(seg[1])
+                        : NULL;
+  if (ext) return moed_http_respond_error(c, 501, ext);
+  const bool live = n == 3 && !strcmp(seg[1], "health") && !strcmp(seg[2], "live"),
+             ready = n == 3 && !strcmp(seg[1], "health") && !strcmp(seg[2], "ready"),
+             stats = n == 3 && !strcmp(seg[1], "models"); /* /v2/models/stats: every model's */
+  if (n != 1 && !live && !ready && !stats) return no_endpoint(c, path);
   if (!get) return moed_http_respond_error(c, 405, "this endpoint takes GET");
-  if (n == 1) {
-    Inference__ServerMetadataRequest m = INFERENCE__SERVER_METADATA_REQUEST__INIT;
-    moed_rest_call(r, c, rq, MOED_M_SERVER_METADATA, &m.base);
-  } else if (n == 3 && !strcmp(seg[1], "health") && !strcmp(seg[2], "live")) {
+  if (live) {
     Inference__ServerLiveRequest m = INFERENCE__SERVER_LIVE_REQUEST__INIT;
     moed_rest_call(r, c, rq, MOED_M_SERVER_LIVE, &m.base);
-  } else if (n == 3 && !strcmp(seg[1], "health") && !strcmp(seg[2], "ready")) {
+  } else if (ready) {
     Inference__ServerReadyRequest m = INFERENCE__SERVER_READY_REQUEST__INIT;
     moed_rest_call(r, c, rq, MOED_M_SERVER_READY, &m.base);
-  } else if (n == 3 && !strcmp(seg[1], "models")) { /* /v2/models/stats: every model's */
+  } else if (stats) {
     Inference__ModelStatisticsRequest m = INFERENCE__MODEL_STATISTICS_REQUEST__INIT;
     moed_rest_call(r, c, rq, MOED_M_MODEL_STATISTICS, &m.base);
   } else {
-    no_endpoint(c, path);
+    Inference__ServerMetadataRequest m = INFERENCE__SERVER_METADATA_REQUEST__INIT;
+    moed_rest_call(r, c, rq, MOED_M_SERVER_METADATA, &m.base);
   }
 }

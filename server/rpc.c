@@ -240,20 +240,45 @@ static void on_accept(moed_rpc_server *s, accept_slot *slot, bool ok) {
   moed_rpc_handoff(s, r, payload, held); /* the creation reference travels with it */
 }
 
+/* Why method path p[0..n) is answered UNIMPLEMENTED, into why[0..size): a
+ * Triton method moed does not implement says so; any other is named when
+ * it is short and printable (the client's bytes: never a forged line). */
+static void unknown_method(const char *p, size_t n, char *why, size_t size) {
+  static const char svc[] = "/inference.GRPCInferenceService/";
+  char name[64];
+  const size_t k = sizeof svc - 1;
+  if (n > k && n - k < sizeof name && !memcmp(p, svc, k)) {
+    memcpy(name, p + k, n - k);
+    name[n - k] = 0;
+    const char *ext = moed_extension_unimplemented(name);
+    if (ext) {
+      snprintf(why, size, "%s", ext);
+      return;
+    }
+  }
+  bool shown = n <= 128;
+  for (size_t i = 0; shown && i < n; i++)
+    shown = p[i] > ' ' && p[i] < 0x7f;
+  snprintf(why, size, "unknown method%s%.*s", shown ? " " : "", shown ? (int)n : 0, p);
+}
+
 static void on_generic(moed_rpc_server *s, bool ok) {
   generic_slot *g = &s->generic;
   grpc_call *call = g->call;
+  char why[256];
+  unknown_method((const char *)GRPC_SLICE_START_PTR(g->details.method), GRPC_SLICE_LENGTH(g->details.method),
+                 why, sizeof why);
   grpc_call_details_destroy(&g->details);
   grpc_metadata_array_destroy(&g->md);
   if (!ok) return;
   arm_generic(s);
   moed_rpc *r = moed_rpc_new(s, call, MOED_M_COUNT, gpr_inf_future(GPR_CLOCK_REALTIME));
   if (!r) {
-    grpc_call_cancel_with_status(call, GRPC_STATUS_UNIMPLEMENTED, "unknown method", NULL);
+    grpc_call_cancel_with_status(call, GRPC_STATUS_UNIMPLEMENTED, why, NULL);
     grpc_call_unref(call);
     return;
   }
-  moed_rpc_finish(r, GRPC_STATUS_UNIMPLEMENTED, "unknown method", NULL);
+  moed_rpc_finish(r, GRPC_STATUS_UNIMPLEMENTED, why, NULL);
 }
 
 static void *cq_thread(void *arg) {

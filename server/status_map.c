@@ -75,3 +75,24 @@ void moed_msg_relative(char *msg, size_t cap, const char *dir, const char *label
   out[o] = 0;
   memcpy(msg, out, o + 1);
 }
+
+/* Stock clients call these (tritonclient's get/update_trace_settings and
+ * get/update_log_settings): answered as what they are, not as an unknown
+ * method or path. */
+static const struct {
+  const char *method, *segment, *why;
+} UNIMPLEMENTED[] = {
+    {"TraceSetting", "trace",
+     "trace: Triton's trace extension is not implemented by moed (ModelStatistics and /metrics time each "
+     "phase of a request)"},
+    {"LogSettings", "logging",
+     "logging: Triton's logging extension is not implemented by moed (its log is set at start: --log-level, "
+     "--log-json)"},
+};
+
+const char *moed_extension_unimplemented(const char *name) {
+  for (size_t i = 0; i < sizeof UNIMPLEMENTED / sizeof UNIMPLEMENTED[0]; i++)
+    if (!strcmp(name, UNIMPLEMENTED[i].method) || !strcmp(name, UNIMPLEMENTED[i].segment))
+      return UNIMPLEMENTED[i].why;
+  return NULL;
+}

@@ -361,8 +361,10 @@ static void upload_message(moed_upload *u, const uint8_t *data, size_t len, bool
     return;
   }
   char field[96];
-  if (moed_wire_nul_string(&moe__v1__upload_request__descriptor, data, len, field, sizeof field)) {
-    upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "%s: contains a NUL byte", field);
+  const char *fault =
+      moed_wire_bad_string(&moe__v1__upload_request__descriptor, data, len, field, sizeof field);
+  if (fault) {
+    upload_fail(u, GRPC_STATUS_INVALID_ARGUMENT, "%s: %s", field, fault);
     return;
   }
   Moe__V1__UploadRequest *m = moe__v1__upload_request__unpack(NULL, len, data);
