@@ -475,7 +475,8 @@ try:
         except Exception:
             ok = False
         report(ok, f"REST status ({s} {t})")
-        s, t = rest("POST", "/v2/cudasharedmemory/region/r1/register",
+        # a name not taken: the name is checked before the handle (the statuses' order, docs/server.md)
+        s, t = rest("POST", "/v2/cudasharedmemory/region/r9/register",
                     {"raw_handle": {"b64": base64.b64encode(cout.handle[:60]).decode()}, "device_id": 0, "byte_size": 64})
         report(s == 400 and "raw_handle" in t, f"REST register a 60-byte handle: 400 naming raw_handle ({s} {t})")
         s, t = rest("POST", "/v2/cudasharedmemory/region/r1/unregister", {})
