@@ -266,8 +266,14 @@ def cuda_unavailable():
     """The status and words a well-formed CudaSharedMemoryRegister gets from
     this moed, which opens no CUDA IPC handle: a build without a GPU backend
     (the op library says so) UNIMPLEMENTED, a GPU build on a machine without
-    a GPU FAILED_PRECONDITION (tests/gpu/cudashm.sh covers one with)."""
-    if not ctypes.CDLL(os.environ["MOE_LIB"]).moe_ipc_supported():
+    a GPU FAILED_PRECONDITION (tests/gpu/cudashm.sh covers one with). The
+    build is moed's own (MOED_GPU_BACKEND from CMake), not MOE_LIB's: a
+    sanitizer build's MOE_LIB is a plain build's library, which can have a
+    GPU backend where the sanitized moed has none."""
+    gpu = os.environ.get("MOED_GPU_BACKEND")
+    if gpu is None:  # run by hand: the library's answer
+        gpu = "CUDA" if ctypes.CDLL(os.environ["MOE_LIB"]).moe_ipc_supported() else "none"
+    if gpu == "none":
         return C.UNIMPLEMENTED, ["no GPU backend", "SystemSharedMemoryRegister"]
     return C.FAILED_PRECONDITION, ["device_id", "no GPU"]
 
