@@ -91,6 +91,19 @@ def long_call(f, tokens, timeout=600):
     return f.future(req_of(4 * tokens), timeout=timeout)
 
 
+BLOCKER_TOKENS = 65536
+
+
+def blocker(f, http_port):
+    """A call that keeps moed's one worker busy until the test ends it
+    (cancels it, or a drain stops it); its future, once it runs. 65536
+    tokens: tens of seconds on a fast machine, minutes under a sanitizer, and
+    never sized from a timed call (a load that lifts between the timing and
+    the call made such a blocker end before the test looked). The op stops
+    at its next work item once nobody waits for it (infer_run.c)."""
+    return busy_worker(http_port, f.future(req_of(BLOCKER_TOKENS), timeout=3600), "the blocker runs on the one worker")
+
+
 def busy_worker(http_port, call, what="the long call runs on the one worker"):
     """Waits until `call`, a long call just sent (its future, or its REST
     connection), runs on moed's one worker; returns it."""

@@ -9,7 +9,7 @@ ModelStatistics, and every answer is bit-identical to the same request
 run alone. A request held that way is answered at its `timeout`
 (DEADLINE_EXCEEDED) and leaves the batcher when its call is cancelled,
 while the worker is still busy; held requests merge into one execution
-once the worker is free; and a SIGTERM drain answers the held requests
+once the worker is free (the blocker ahead of them cancelled); and a SIGTERM drain answers the held requests
 (a drain that lets them run: OK; one whose timeout stops the work:
 every call answered, moed exits within the bound).
 
@@ -27,7 +27,7 @@ import tritonclient.grpc as tc
 sys.path.insert(0, os.path.dirname(__file__))
 from moed_process import check, exit_with_summary, moed, print_log_tail  # noqa: E402
 import test_server as ts  # noqa: E402
-from long_call import bigset_repo, busy_worker, calibrate, call_fn, channel, req_of, wait_metric  # noqa: E402
+from long_call import bigset_repo, blocker, call_fn, channel, req_of, wait_metric  # noqa: E402
 from test_server import code_of  # noqa: E402
 
 SC = grpc.StatusCode
@@ -94,29 +94,28 @@ def test_held(tmp, repo):
     with moed(tmp, "--model-repository", repo, "--workers", "1", "--max-queue-delay-us", "0") as (_, port, http_port):
         f = call_fn(channel(port))
         ref = alone(f, [1, 4, 5])
-        tokens = calibrate(f, 4.0)[0]
-        blocker = busy_worker(http_port, f.future(req_of(tokens), timeout=300))
-        queued = f.future(req_of(1, seed=1), timeout=300)  # nothing waits: it goes to the device queue
+        busy = blocker(f, http_port)
+        queued = f.future(req_of(1, seed=1), timeout=3600)  # nothing waits: it goes to the device queue
         wait_metric(http_port, QUEUED, 1, "the first request waits in the device queue")
         t0 = time.monotonic()
-        expiring = f.future(req_of(1, seed=2, params={"timeout": 500_000}), timeout=300)
+        expiring = f.future(req_of(1, seed=2, params={"timeout": 500_000}), timeout=3600)
         wait_metric(http_port, HELD, 1, "the next is held in the batcher (delay 0, worker busy, queue not empty)")
         code, msg = code_of(expiring.result)
         t = time.monotonic() - t0
-        check(code == SC.DEADLINE_EXCEEDED and "parameters['timeout']" in msg and not blocker.done(),
+        check(code == SC.DEADLINE_EXCEEDED and "parameters['timeout']" in msg and not busy.done(),
               f"a held request past its timeout (0.5 s): DEADLINE_EXCEEDED in {t:.2f}s, the worker still busy "
               f"({code} {msg})")
         wait_metric(http_port, HELD, 0, "the expired request left the batcher")
-        cancelled = f.future(req_of(1, seed=3), timeout=300)
+        cancelled = f.future(req_of(1, seed=3), timeout=3600)
         wait_metric(http_port, HELD, 1, "a request held")
         cancelled.cancel()
         wait_metric(http_port, HELD, 0, "a cancelled held request leaves the batcher at once")
-        check(not blocker.done(), "... while the worker is still busy")
+        check(not busy.done(), "... while the worker is still busy")
         sizes0, _ = batch_sizes(port)
-        late = [f.future(req_of(1, seed=s), timeout=300) for s in (4, 5)]
+        late = [f.future(req_of(1, seed=s), timeout=3600) for s in (4, 5)]
         wait_metric(http_port, HELD, 2, "two requests held in one open batch")
-        code, msg = code_of(blocker.result)
-        check(code == SC.OK, f"the long call answered ({code} {msg})")
+        check(not busy.done(), "... the worker still busy with the blocker")
+        busy.cancel()  # the worker stops it at its next work item and takes the queue
         for name, fut, s in (("queued", queued, 1), ("held 4", late[0], 4), ("held 5", late[1], 5)):
             code, msg = code_of(fut.result)
             check(code == SC.OK and outputs(fut.result()) == ref[s],
@@ -128,26 +127,33 @@ def test_held(tmp, repo):
 
 
 def test_drain_held(tmp, repo):
-    """SIGTERM with held batches: a drain long enough runs them (OK); one
-    whose timeout passes first answers every call and exits in bound."""
+    """SIGTERM with held batches: a drain long enough runs them (OK) once
+    the blocker ahead of them is cancelled; one whose timeout passes first
+    answers every call and exits in bound."""
     for drain_s, want in ((60.0, {SC.OK}), (0.5, {SC.OK, SC.UNAVAILABLE})):
         with moed(tmp, "--model-repository", repo, "--workers", "1", "--max-queue-delay-us", "0",
                   "--drain-timeout", str(drain_s), exit_check=None) as (p, port, http_port):
             f = call_fn(channel(port))
             ref = alone(f, [7, 8])
-            tokens = calibrate(f, 2.0 if drain_s > 1 else 8.0)[0]
-            blocker = busy_worker(http_port, f.future(req_of(tokens), timeout=300))
-            queued = f.future(req_of(1, seed=6), timeout=300)
+            busy = blocker(f, http_port)
+            queued = f.future(req_of(1, seed=6), timeout=3600)
             wait_metric(http_port, QUEUED, 1, "one request in the device queue")
-            held = [f.future(req_of(1, seed=s), timeout=300) for s in (7, 8)]
+            held = [f.future(req_of(1, seed=s), timeout=3600) for s in (7, 8)]
             wait_metric(http_port, HELD, 2, "two requests held in the batcher")
             t0 = time.monotonic()
             p.send_signal(signal.SIGTERM)
+            if drain_s > 1:  # once draining, the worker is let go: the drain runs what is queued and held
+                wait_metric(http_port, "moed_ready ", 0, f"drain {drain_s}s: not ready")
+                check(not busy.done(), f"drain {drain_s}s: the blocker still running when the drain began")
+                busy.cancel()
             rc = p.wait(timeout=120)
             t = time.monotonic() - t0
             check(rc == 0 and t < drain_s + 3.0, f"drain {drain_s}s: exit {rc} in {t:.2f}s")
-            codes = [code_of(fut.result)[0] for fut in [blocker, queued] + held]
+            codes = [code_of(fut.result)[0] for fut in [queued] + held]
             check(all(c in want for c in codes), f"drain {drain_s}s: every call answered, {want} ({codes})")
+            code = SC.CANCELLED if busy.cancelled() else code_of(busy.result)[0]
+            check(code == (SC.CANCELLED if drain_s > 1 else SC.UNAVAILABLE),
+                  f"drain {drain_s}s: the blocker cancelled, or stopped by the drain timeout ({code})")
             for fut, s in zip(held, (7, 8)):
                 if code_of(fut.result)[0] == SC.OK:
                     check(outputs(fut.result()) == ref[s], f"drain {drain_s}s: held request {s} bit-identical")
