@@ -43,6 +43,9 @@ static const char usage[] =
     "                            (CPU backend; MOED_INLINE_BYTES, default 65536; 0 = always hand off)\n"
     "  --handshake-timeout SEC   a connection that has not sent its gRPC handshake (HTTP: its whole\n"
     "                            request) within SEC is closed (MOED_HANDSHAKE_TIMEOUT, default 10)\n"
+    "  --http-body-min-rate N    an HTTP request body slower than N bytes/s on average, past a first\n"
+    "                            --handshake-timeout, is cut off (MOED_HTTP_BODY_MIN_RATE, default\n"
+    "                            65536; 0 = only the pause between reads is bounded)\n"
     "  --idle-timeout SEC        a gRPC connection without calls for SEC is closed; keepalive pings find\n"
     "                            dead peers (MOED_IDLE_TIMEOUT, default 300)\n"
     "  --max-connection-age SEC  a gRPC connection older than SEC gets GOAWAY (clients reconnect for new\n"
@@ -145,6 +148,7 @@ enum {
   OPT_LOAD_MODEL,
   OPT_POLL_SECS,
   OPT_HANDSHAKE,
+  OPT_BODY_RATE,
   OPT_IDLE,
   OPT_HTTP_CONNS,
   OPT_STREAM_BUF,
@@ -196,6 +200,7 @@ static const struct option options[] = {
     {"inline-bytes", required_argument, NULL, OPT_INLINE},
     {"device", required_argument, NULL, OPT_DEVICE},
     {"handshake-timeout", required_argument, NULL, OPT_HANDSHAKE},
+    {"http-body-min-rate", required_argument, NULL, OPT_BODY_RATE},
     {"idle-timeout", required_argument, NULL, OPT_IDLE},
     {"http-max-connections", required_argument, NULL, OPT_HTTP_CONNS},
     {"stream-buffer-bytes", required_argument, NULL, OPT_STREAM_BUF},
@@ -377,6 +382,9 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
     break;
   case OPT_INLINE: ok = parse_i64(v, 0, 1 << 30, &n) && (c->inline_bytes = (size_t)n, true); break;
   case OPT_HANDSHAKE: ok = parse_i64(v, 1, 3600, &n) && (c->handshake_timeout_s = (int)n, true); break;
+  case OPT_BODY_RATE:
+    ok = parse_i64(v, 0, INT32_MAX, &n) && (c->http_body_min_rate = (uint64_t)n, true);
+    break;
   case OPT_IDLE: ok = parse_i64(v, 1, 86400 * 7, &n) && (c->idle_timeout_s = (int)n, true); break;
   case OPT_CONN_AGE:
     ok = parse_i64(v, 0, INT32_MAX / 1000, &n) && (c->max_connection_age_s = (int)n, true);
@@ -449,6 +457,7 @@ static const struct {
     {"MOED_MAX_BATCH_TOKENS", OPT_BATCH_TOKENS},
     {"MOED_MAX_QUEUE_DELAY_US", OPT_QUEUE_DELAY},
     {"MOED_HANDSHAKE_TIMEOUT", OPT_HANDSHAKE},
+    {"MOED_HTTP_BODY_MIN_RATE", OPT_BODY_RATE},
     {"MOED_IDLE_TIMEOUT", OPT_IDLE},
     {"MOED_FD_RESERVE", OPT_FD_RESERVE},
     {"MOED_MAX_CONNECTION_AGE", OPT_CONN_AGE},
@@ -489,6 +498,7 @@ int moed_config_parse(moed_config *c, int argc, char **argv) {
       .max_upload_bytes = (size_t)64 << 30,
       .inline_bytes = 65536,
       .handshake_timeout_s = 10,
+      .http_body_min_rate = 65536,
       .idle_timeout_s = 300,
       .http_max_connections = 256,
       .fd_reserve = 64,

@@ -8,7 +8,8 @@
  *
  * Deadlines (slowloris): a request's line and headers must arrive within
  * --handshake-timeout of its first byte, and its body may pause at most as
- * long between two reads; a keep-alive connection waits --idle-timeout for
+ * long between two reads and must average --http-body-min-rate after a
+ * first --handshake-timeout; a keep-alive connection waits --idle-timeout for
  * its next request. While the handler works (the answer may come from a
  * worker), no deadline runs: the answer has its own bounds. One request at
  * a time per connection: bytes of a pipelined next request are held (up to
@@ -74,6 +75,22 @@ static void on_deadline(uv_timer_t *t) {
 
 void moed_http_conn_arm(moed_http_conn *c, int seconds) {
   uv_timer_start(&c->timer, on_deadline, (uint64_t)seconds * 1000, 0);
+}
+
+/* Without the rate a body sent a byte every few seconds holds its
+ * connection, and its share of the body budget, for as long as the body is
+ * long (slowloris' body variant, "R.U.D.Y."): the pause alone bounds nothing. */
+void moed_http_conn_arm_body(moed_http_conn *c) {
+  const moed_config *cfg = c->l->o.cfg;
+  uint64_t ms = (uint64_t)cfg->handshake_timeout_s * 1000;
+  if (cfg->http_body_min_rate > 0) {
+    /* body_len <= --max-message-bytes (< 2^31): the product stays far from 2^64 */
+    const uint64_t allowed = ms + (uint64_t)c->rq.body_len * 1000 / cfg->http_body_min_rate;
+    const uint64_t spent = uv_now(c->timer.loop) - c->body_t0_ms;
+    const uint64_t left = allowed > spent ? allowed - spent : 0;
+    if (left < ms) ms = left;
+  }
+  uv_timer_start(&c->timer, on_deadline, ms, 0);
 }
 
 static void on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf);

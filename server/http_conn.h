@@ -46,7 +46,8 @@ struct moed_http_conn {
   http_parser parser;
   moed_http_request rq;
   size_t body_cap;
-  bool in_request; /* its first byte came: the deadline is the request's, not the idle one */
+  uint64_t body_t0_ms; /* when its headers were whole (uv_now): the body's rate is counted from here */
+  bool in_request;     /* its first byte came: the deadline is the request's, not the idle one */
   bool url_long, too_large, in_body;
   char hname[40]; /* the header name arriving (a read may end inside it); longer: none moed reads */
   size_t hname_len;
@@ -91,6 +92,10 @@ typedef struct write_req {
 void moed_http_conn_close(moed_http_conn *c);
 /* The deadline: c closes in `seconds` unless re-armed or stopped. */
 void moed_http_conn_arm(moed_http_conn *c, int seconds);
+/* The deadline while a body arrives: the next read within
+ * --handshake-timeout, and the body so far at --http-body-min-rate on
+ * average after a first --handshake-timeout. */
+void moed_http_conn_arm_body(moed_http_conn *c);
 /* Stops reading the socket (held bytes at HELD_MAX, or a refusal). */
 void moed_http_conn_pause(moed_http_conn *c);
 /* Bytes from the client (plain, or decrypted): parsed, or held while a

@@ -157,6 +157,7 @@ static int on_headers_complete(http_parser *p) {
     return -1;
   c->unauthorized[0] = 0;
   c->in_body = true;
+  c->body_t0_ms = uv_now(c->timer.loop);
   if (c->expect_continue && p->content_length > 0) { /* the client waits for this before its body */
     static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
     moed_http_send_now(c, cont, sizeof cont - 1);
@@ -248,8 +249,8 @@ void moed_http_feed(moed_http_conn *c, const char *data, size_t n) {
     return fail_request(c, 400, why);
   }
   if (!c->busy) {
-    if (c->in_body && !c->probation) /* the body is coming: the next read has as long */
-      moed_http_conn_arm(c, c->l->o.cfg->handshake_timeout_s);
+    if (c->in_body && !c->probation) /* the body is coming: the next read has as long, at the rate */
+      moed_http_conn_arm_body(c);
     return;
   }
   uv_timer_stop(&c->timer);

@@ -50,31 +50,32 @@ typedef struct moed_config {
   double drain_timeout_s;       /* SIGTERM: wait for in-flight work */
   int log_level;                /* 0 error, 1 warn, 2 info, 3 debug */
   bool log_json;
-  const char *port_file;         /* write "grpc_port http_port" once bound (tests) */
-  size_t cache_bytes;            /* inline-weight device cache; 0 = off */
-  bool cache_host;               /* also cache on host backends (they read in place) */
-  int64_t max_batch_tokens;      /* rows merged per batch; 0 = no batching */
-  int64_t max_queue_delay_us;    /* longest wait for a batch to fill */
-  size_t max_upload_bytes;       /* ExpertStore: tensor bytes per upload */
-  size_t inline_bytes;           /* unbatched requests up to this size run on the CQ thread (host backends) */
-  int handshake_timeout_s;       /* gRPC handshake / whole HTTP request, else the connection is closed */
-  int idle_timeout_s;            /* gRPC connection without calls: closed */
-  int max_connection_age_s;      /* gRPC connection older: GOAWAY (0 = none) */
-  int connection_age_grace_s;    /* ... then closed this much later */
-  int http_max_connections;      /* open HTTP connections; beyond: closed at accept */
-  int fd_reserve;                /* descriptors kept from connections (fd_budget.c) */
-  size_t stream_buffer_bytes;    /* unsent responses of one stream; beyond: its reads pause */
-  size_t response_buffer_bytes;  /* of all streams; beyond: a stream holding some is ended */
-  const char *tls_cert;          /* PEM chain for the gRPC and HTTP ports (NULL: plaintext) */
-  const char *tls_key;           /* its private key */
-  const char *tls_client_ca;     /* CA bundle client certificates are verified against */
-  int tls_client_auth;           /* MOED_CLIENT_AUTH_* */
-  bool http_port_plaintext;      /* the metrics/health port stays plain under --tls-cert */
-  const char *auth_tokens;       /* "NAME ROLE TOKEN" lines (auth.c); NULL: no authorization */
-  bool auth_health_exempt;       /* health RPCs and the HTTP port's probes need no token */
-  bool auth_metrics_exempt;      /* the HTTP port's /metrics needs no token */
-  int max_uploads;               /* uploads in progress at once; beyond: RESOURCE_EXHAUSTED */
-  size_t upload_budget_bytes;    /* tensor bytes of all uploads in progress together */
+  const char *port_file;        /* write "grpc_port http_port" once bound (tests) */
+  size_t cache_bytes;           /* inline-weight device cache; 0 = off */
+  bool cache_host;              /* also cache on host backends (they read in place) */
+  int64_t max_batch_tokens;     /* rows merged per batch; 0 = no batching */
+  int64_t max_queue_delay_us;   /* longest wait for a batch to fill */
+  size_t max_upload_bytes;      /* ExpertStore: tensor bytes per upload */
+  size_t inline_bytes;          /* unbatched requests up to this size run on the CQ thread (host backends) */
+  int handshake_timeout_s;      /* gRPC handshake / whole HTTP request, else the connection is closed */
+  uint64_t http_body_min_rate;  /* bytes/s an HTTP body keeps on average past its first handshake_timeout_s */
+  int idle_timeout_s;           /* gRPC connection without calls: closed */
+  int max_connection_age_s;     /* gRPC connection older: GOAWAY (0 = none) */
+  int connection_age_grace_s;   /* ... then closed this much later */
+  int http_max_connections;     /* open HTTP connections; beyond: closed at accept */
+  int fd_reserve;               /* descriptors kept from connections (fd_budget.c) */
+  size_t stream_buffer_bytes;   /* unsent responses of one stream; beyond: its reads pause */
+  size_t response_buffer_bytes; /* of all streams; beyond: a stream holding some is ended */
+  const char *tls_cert;         /* PEM chain for the gRPC and HTTP ports (NULL: plaintext) */
+  const char *tls_key;          /* its private key */
+  const char *tls_client_ca;    /* CA bundle client certificates are verified against */
+  int tls_client_auth;          /* MOED_CLIENT_AUTH_* */
+  bool http_port_plaintext;     /* the metrics/health port stays plain under --tls-cert */
+  const char *auth_tokens;      /* "NAME ROLE TOKEN" lines (auth.c); NULL: no authorization */
+  bool auth_health_exempt;      /* health RPCs and the HTTP port's probes need no token */
+  bool auth_metrics_exempt;     /* the HTTP port's /metrics needs no token */
+  int max_uploads;              /* uploads in progress at once; beyond: RESOURCE_EXHAUSTED */
+  size_t upload_budget_bytes;   /* tensor bytes of all uploads in progress together */
   size_t http_body_budget_bytes; /* request body bytes held by all HTTP connections together */
   size_t grpc_body_budget_bytes; /* gRPC request message bytes held by all calls together */
   int shm_max_regions;           /* system shared-memory regions registered at once; 0: extension off */

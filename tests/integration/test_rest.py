@@ -11,6 +11,7 @@ env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import http.client
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -380,6 +381,23 @@ def test_limits(port):
     got = s.recv(4096)
     s.close()
     check(got == b"" and 0.5 < time.monotonic() - t0 < 5, "a half-sent request: closed after the timeout")
+    # a body trickled a byte every 0.3 s (each pause under the 1 s timeout): cut off at the body's
+    # rate (--http-body-min-rate, 64 KiB/s by default, after a first --handshake-timeout), not after
+    # the 300 s its 1000 bytes would take
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+    t0, closed, sent = time.monotonic(), None, 0
+    while closed is None and time.monotonic() - t0 < 15:
+        try:
+            if select.select([s], [], [], 0.3)[0] and s.recv(4096) == b"":
+                closed = time.monotonic() - t0
+            else:
+                sent += s.send(b"x")
+        except OSError:
+            closed = time.monotonic() - t0
+    s.close()
+    check(closed is not None and 0.8 < closed < 3.5 and sent < 20,
+          f"a trickled body: closed at its rate's deadline ({closed} s, {sent} bytes sent)")
 
 
 def test_drain(tmp):
