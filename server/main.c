@@ -124,6 +124,8 @@ static void on_signal(uv_signal_t *h, int signum) {
     start_exit_watchdog(a->cfg.drain_timeout_s);
     atomic_store(&a->srv.ready, false);
     atomic_store(&a->srv.draining, true);
+    /* no request joins a held batch any more: waiting out its delay would only lengthen the drain */
+    moed_batcher_flush_all(a->srv.batcher);
     moed_health_changed(&a->srv);
     a->stage = 1;
     a->stage_deadline_ns = moed_now_ns() + (uint64_t)(a->cfg.drain_timeout_s * 1e9);

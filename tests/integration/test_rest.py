@@ -27,6 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, os.path.dirname(__file__))
 from moed_process import check, exit_with_summary, moed, print_log_tail  # noqa: E402
+from long_call import wait_metric  # noqa: E402
 
 MKSET = os.environ["MOE_MKSET"]
 HIDDEN, EXPERTS = 128, 8
@@ -401,24 +402,28 @@ def test_limits(port):
 
 
 def test_drain(tmp):
-    """SIGTERM with a REST request in flight (held by the batcher's 1 s delay):
-    it is answered, new inference is refused 503, readiness is false, exit 0."""
-    with moed(tmp, "--max-queue-delay-us", "1000000", exit_check=None) as (p, _, _):
+    """SIGTERM with a REST request in flight (held by the batcher's 30 s
+    delay): new inference is refused 503, readiness is false, the held
+    batch runs at once (nothing can join it any more) and is answered, exit 0."""
+    with moed(tmp, "--max-queue-delay-us", "30000000", exit_check=None) as (p, _, http_port):
         h = th.InferenceServerClient(f"127.0.0.1:{p.rest_port}")
         a = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
         ii = th.InferInput("x", [4, 64], "FP32")
         ii.set_data_from_numpy(a)
         fut = h.async_infer("quant.mx", [ii], parameters={"format": "mxfp4"})
-        time.sleep(0.3)
+        wait_metric(http_port, "moed_batcher_requests ", 1, "draining: the request held by the batcher's delay")
+        t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        wait_metric(http_port, "moed_ready ", 0, "draining: not ready")
         ready, _, _ = raw(p.rest_port, "GET", "/v2/health/ready")
         body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]})
         status, msg = error_of(p.rest_port, "POST", "/v2/models/quant.per_tensor/infer", body.encode())
         r = fut.get_result()
+        t = time.monotonic() - t0
         check(ready == 400 and status == 503 and "shutting down" in msg,
               f"draining: not ready, new inference 503 ({ready}, {status} {msg})")
-        check(r.as_numpy("q").shape == (4, 32), "draining: the request in flight is answered")
+        check(r.as_numpy("q").shape == (4, 32) and t < 10,
+              f"draining: the held request answered at the drain, not at its 30 s delay ({t:.2f}s)")
         check(p.wait(timeout=30) == 0, "draining: exit 0")
 
 
