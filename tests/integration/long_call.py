@@ -1,9 +1,9 @@
 """What the integration tests that keep moed's one worker busy share (not a
 test itself: ctest runs test_*.py; test_stop.py and test_rest_gone.py import
 it): the expert set `bigset`, whose fused_moe call takes seconds on the CPU
-backend, a call sized from a first timed one, the long call that occupies
-the worker while a test acts behind it, and waits on /metrics (for a
-state, not a time)."""
+backend, a call sized from a first timed one (for bounds that scale with
+the machine), the blocker that occupies the worker until the test ends it,
+and waits on /metrics (for a state, not a time)."""
 import os
 import time
 import urllib.request
@@ -49,9 +49,10 @@ def calibrate(f, seconds=6.0):
     and its time. Linear in tokens, but fixed costs (first touch of the
     weights, a loaded machine) make a small call's rate an underestimate:
     the call grows until it takes two thirds of `seconds`."""
-    code, msg, t = timed(lambda: f(req_of(256), timeout=120))
+    # 16 tokens first: 256 took 20-50 s under a loaded sanitizer build
+    code, msg, t = timed(lambda: f(req_of(16), timeout=300))
     check(code == SC.OK, f"calibration call OK ({code} {msg})")
-    tokens = min(65536, max(256, int(256 * seconds / max(t, 1e-3))))
+    tokens = min(65536, max(16, int(16 * seconds / max(t, 1e-3))))
     for _ in range(3):
         code, msg, full = timed(lambda: f(req_of(tokens), timeout=300))
         if code != SC.OK or full >= seconds * 2 / 3 or tokens >= 65536:
@@ -86,22 +87,26 @@ def bigset_repo(tmp):
     return repo
 
 
-def long_call(f, tokens, timeout=600):
-    """A gRPC call 4x the calibrated one (>= 16 s where the calibration ran); its future."""
-    return f.future(req_of(4 * tokens), timeout=timeout)
-
-
 BLOCKER_TOKENS = 65536
+_blocker_req = []
 
 
-def blocker(f, http_port):
+def blocker_req():
+    """The blocker's request (built once: 66 MiB)."""
+    if not _blocker_req:
+        _blocker_req.append(req_of(BLOCKER_TOKENS, seed=99))
+    return _blocker_req[0]
+
+
+def blocker(f, http_port, timeout=3600):
     """A call that keeps moed's one worker busy until the test ends it
-    (cancels it, or a drain stops it); its future, once it runs. 65536
-    tokens: tens of seconds on a fast machine, minutes under a sanitizer, and
-    never sized from a timed call (a load that lifts between the timing and
-    the call made such a blocker end before the test looked). The op stops
-    at its next work item once nobody waits for it (infer_run.c)."""
-    return busy_worker(http_port, f.future(req_of(BLOCKER_TOKENS), timeout=3600), "the blocker runs on the one worker")
+    (cancels it, its deadline, or a drain stops it); its future, once it
+    runs. 65536 tokens: tens of seconds on a fast machine, minutes under a
+    sanitizer, and never sized from a timed call (a load that lifts between
+    the timing and the call made such a blocker end before the test
+    looked). The op stops at its next work item once nobody waits for it
+    (infer_run.c)."""
+    return busy_worker(http_port, f.future(blocker_req(), timeout=timeout), "the blocker runs on the one worker")
 
 
 def busy_worker(http_port, call, what="the long call runs on the one worker"):

@@ -35,8 +35,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from moed_process import check, exit_with_summary, moed, print_log_tail  # noqa: E402
 import test_server as ts  # noqa: E402
-from long_call import (EXPERTS, HIDDEN, bigset_repo, busy_worker, calibrate, call_fn, channel,  # noqa: E402
-                       long_call, metric_values, req_of, timed, wait_metric)
+from long_call import (BLOCKER_TOKENS, EXPERTS, HIDDEN, bigset_repo, blocker, busy_worker, calibrate,  # noqa: E402
+                       call_fn, channel, metric_values, req_of, timed, wait_metric)
 
 SC = grpc.StatusCode
 QUEUE = "moed_device_queue_jobs{"
@@ -143,8 +143,8 @@ def test_queued_and_running(tmp, repo):
               "--max-batch-tokens", "0") as (p, port, http_port):  # no batching: one job per request
         rest = p.rest_port
         f = call_fn(channel(port))
-        tokens, full = calibrate(f)
-        blocker = busy_worker(http_port, long_call(f, tokens))
+        full = calibrate(f)[1]
+        busy = blocker(f, http_port)
         fail0 = sum(metric_values(http_port, FAILED))
 
         # three clients that leave: a close, a reset, a keep-alive half-close
@@ -163,7 +163,7 @@ def test_queued_and_running(tmp, repo):
         wait_metric(http_port, ABANDONED, n, "each counted as abandoned on the REST port")
         check(leavers[2].ended(), "the half-closed keep-alive client gets no answer: the connection ends")
         leavers[2].close()
-        check(not blocker.done(), "the long call still runs: the queue was emptied by the sweep, not the worker")
+        check(not busy.done(), "the long call still runs: the queue was emptied by the sweep, not the worker")
 
         # live callers fill the queue the leavers left: a keep-alive one, one that half-closes after a last
         # request (Connection: close), and a pipeline of two whose last says close, then half-closed
@@ -180,7 +180,7 @@ def test_queued_and_running(tmp, repo):
         check(status == 503, f"a fourth call while three live ones are queued: 503 ({status})")
         check(sum(metric_values(http_port, QUEUE)) == n and sum(metric_values(http_port, ABANDONED)) == n,
               "the half-closed clients that said Connection: close are not taken as gone")
-        check(blocker.cancel(), "the long call cancelled (stopped at its next work item: the worker runs the live calls)")
+        check(busy.cancel(), "the long call cancelled (stopped at its next work item: the worker runs the live calls)")
         for name, s, seeds in (("keep-alive", keep, [(2, 20)]), ("half-closed", last, [(3, 21)]),
                                ("pipelined, half-closed", pipe, [(1, 22), (2, 23)])):
             for rows, seed in seeds:
@@ -192,7 +192,7 @@ def test_queued_and_running(tmp, repo):
             s.close()
 
         # the running call: its REST client leaves, the worker is free at once
-        run = busy_worker(http_port, Client(rest, rest_request(rest, tokens, seed=30)), "a long REST call runs")
+        run = busy_worker(http_port, Client(rest, rest_request(rest, BLOCKER_TOKENS, seed=30)), "a long REST call runs")
         t0 = time.monotonic()
         run.close()
         wait_metric(http_port, "moed_batches_in_flight ", 0, "the running call stops when its client leaves",
@@ -211,10 +211,10 @@ def test_queued_and_running(tmp, repo):
         st = rest_stats(rest)
         check(int(st["inference_stats"]["fail"]["count"]) == fail0 + n + 2 + 1 + 1,
               f"ModelStatistics counts the same failures ({st['inference_stats']['fail']})")
-    return tokens, full
+    return full
 
 
-def test_merged_batch(tmp, repo, tokens):
+def test_merged_batch(tmp, repo):
     """Issue 11: a merged batch queued behind the long call loses the rows of
     REST clients that left before it runs; the live rows' bytes are those of
     each request alone."""
@@ -222,7 +222,7 @@ def test_merged_batch(tmp, repo, tokens):
               "--max-queue-delay-us", "300000") as (p, port, http_port):
         rest = p.rest_port
         f = call_fn(channel(port))
-        blocker = busy_worker(http_port, long_call(f, tokens))
+        busy = blocker(f, http_port)
         # four requests in one open batch (300 ms), then one job queued behind the long call
         rows = {40: 2, 41: 1, 42: 3, 43: 4}  # seed: rows; 41 and 43 leave (5 rows), 40 and 42 stay (5 rows)
         conns = {seed: Client(rest, rest_request(rest, r, seed)) for seed, r in rows.items()}
@@ -232,7 +232,7 @@ def test_merged_batch(tmp, repo, tokens):
         conns.pop(43).reset()
         wait_metric(http_port, ABANDONED, 2, "two of the batch's clients left")
         check(sum(metric_values(http_port, QUEUE)) == 1, "the job stays queued for its live requests")
-        blocker.cancel()
+        busy.cancel()
         for seed, s in conns.items():
             status, out = s.response()
             check(status == 200 and out == alone(port, rows[seed], seed),
@@ -245,7 +245,7 @@ def test_merged_batch(tmp, repo, tokens):
         wait_metric(http_port, QUEUE, 0, "nothing left queued")
 
 
-def test_tls(tmp, repo, tokens, full):
+def test_tls(tmp, repo, full):
     """The same over TLS (the REST port with --tls-cert: http_conn.c decrypts
     what arrives while a request is in work): a close and a reset leave the
     queue, a half-close after a Connection: close request is answered, and
@@ -259,7 +259,7 @@ def test_tls(tmp, repo, tokens, full):
               "--http-port-plaintext") as (p, port, http_port):
         rest = p.rest_port
         tls = ssl.create_default_context(cafile=pem("ca1.pem"))
-        blocker = busy_worker(http_port, Client(rest, rest_request(rest, 4 * tokens, seed=1), tls=tls),
+        blocker = busy_worker(http_port, Client(rest, rest_request(rest, BLOCKER_TOKENS, seed=1), tls=tls),
                               "TLS: the long REST call runs on the one worker")
         gone = [Client(rest, rest_request(rest, 1, seed=2 + k), tls=tls) for k in range(2)]
         last = Client(rest, rest_request(rest, 2, seed=4, close=True), tls=tls)
@@ -292,9 +292,9 @@ def alone_tls(port, pem, tokens, seed):
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         repo = bigset_repo(tmp)
-        tokens, full = test_queued_and_running(tmp, repo)
-        test_merged_batch(tmp, repo, tokens)
-        test_tls(tmp, repo, tokens, full)
+        full = test_queued_and_running(tmp, repo)
+        test_merged_batch(tmp, repo)
+        test_tls(tmp, repo, full)
         print_log_tail(tmp)
     exit_with_summary()
 
