@@ -38,8 +38,11 @@ LEVELS = 4
 
 def perf_analyzer(port, model, *args, protocol="grpc", levels=LEVELS):
     env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(PA_DIR, "nvidia", "cuda_runtime", "lib"))
+    # what is tested is that perf_analyzer works against moed, not how steady a shared CI machine is:
+    # its stability check off (as Triton's own CI does), which at 50% failed a loaded run ("Failed
+    # to obtain stable measurement within 20 measurement windows")
     cmd = [PA, "-i", protocol, "-u", f"127.0.0.1:{port}", "-m", model, "--concurrency-range", f"1:{levels}",
-           "--measurement-interval", "300", "--max-trials", "20", "--stability-percentage", "50", *args]
+           "--measurement-interval", "300", "--max-trials", "20", "--stability-percentage", "9999", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
 
