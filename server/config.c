@@ -89,6 +89,9 @@ static const char usage[] =
     "  --grpc-body-budget-bytes N  gRPC request message bytes held by all calls together until each\n"
     "                            request is answered; a message that would pass it: RESOURCE_EXHAUSTED\n"
     "                            (MOED_GRPC_BODY_BUDGET_BYTES, default 2 GiB)\n"
+    "  --grpc-memory-bytes N     memory gRPC core may hold for all connections together (messages being\n"
+    "                            received included); near it, its streams are reset and reads slow\n"
+    "                            (MOED_GRPC_MEMORY_BYTES, default --grpc-body-budget-bytes + 1 GiB)\n"
     "  --shm-max-regions N      system shared-memory regions registered at once (MOED_SHM_MAX_REGIONS,\n"
     "                            default 64; 0 = the extension off)\n"
     "  --log-level LEVEL         error|warn|info|debug (MOED_LOG_LEVEL, default info)\n"
@@ -169,6 +172,7 @@ enum {
   OPT_UPLOAD_BUDGET,
   OPT_HTTP_BODY_BUDGET,
   OPT_GRPC_BODY_BUDGET,
+  OPT_GRPC_MEMORY,
   OPT_ALLOW_GPU_METRICS,
   OPT_SHM_MAX_REGIONS,
 };
@@ -220,6 +224,7 @@ static const struct option options[] = {
     {"upload-budget-bytes", required_argument, NULL, OPT_UPLOAD_BUDGET},
     {"http-body-budget-bytes", required_argument, NULL, OPT_HTTP_BODY_BUDGET},
     {"grpc-body-budget-bytes", required_argument, NULL, OPT_GRPC_BODY_BUDGET},
+    {"grpc-memory-bytes", required_argument, NULL, OPT_GRPC_MEMORY},
     {"shm-max-regions", required_argument, NULL, OPT_SHM_MAX_REGIONS},
     {"help", no_argument, NULL, OPT_HELP},
     /* Triton's spellings (usage) */
@@ -421,6 +426,9 @@ static bool apply(moed_config *c, int opt, const char *v, const char *src) {
   case OPT_HTTP_BODY_BUDGET:
     ok = parse_i64(v, 1, INT64_MAX, &n) && (c->http_body_budget_bytes = (size_t)n, true);
     break;
+  case OPT_GRPC_MEMORY:
+    ok = parse_i64(v, 1 << 20, INT64_MAX, &n) && (c->grpc_memory_bytes = (size_t)n, true);
+    break;
   case OPT_GRPC_BODY_BUDGET:
     ok = parse_i64(v, 1, INT64_MAX, &n) && (c->grpc_body_budget_bytes = (size_t)n, true);
     break;
@@ -473,6 +481,7 @@ static const struct {
     {"MOED_UPLOAD_BUDGET_BYTES", OPT_UPLOAD_BUDGET},
     {"MOED_HTTP_BODY_BUDGET_BYTES", OPT_HTTP_BODY_BUDGET},
     {"MOED_GRPC_BODY_BUDGET_BYTES", OPT_GRPC_BODY_BUDGET},
+    {"MOED_GRPC_MEMORY_BYTES", OPT_GRPC_MEMORY},
     {"MOED_SHM_MAX_REGIONS", OPT_SHM_MAX_REGIONS},
 };
 

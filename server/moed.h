@@ -78,6 +78,7 @@ typedef struct moed_config {
   size_t upload_budget_bytes;   /* tensor bytes of all uploads in progress together */
   size_t http_body_budget_bytes; /* request body bytes held by all HTTP connections together */
   size_t grpc_body_budget_bytes; /* gRPC request message bytes held by all calls together */
+  size_t grpc_memory_bytes;      /* gRPC core's resource quota; 0: grpc_body_budget_bytes + 1 GiB */
   int shm_max_regions;           /* system shared-memory regions registered at once; 0: extension off */
 } moed_config;
 

@@ -11,6 +11,12 @@ the rest (issue 13).
   --grpc-body-budget-bytes: a message past what is left is RESOURCE_EXHAUSTED
   naming the flag, the bytes are given back when each request is answered
   (moed_grpc_request_bytes), and the probes pass.
+- Messages still arriving are bounded by gRPC core's resource quota
+  (--grpc-memory-bytes): HTTP/2 streams that each announce a 512 MiB
+  message and send 16 MiB of it, never the rest (40 of them buffered
+  640 MiB before the quota; 2.6 GiB at 64 MiB each), are reset once moed's
+  memory nears the quota, its RSS stays within it, and health and a call
+  are still answered.
 
 env: MOED, MOEC, MOE_LIB."""
 import os
@@ -20,6 +26,9 @@ import threading
 import time
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -185,5 +194,77 @@ def test_grpc_body_budget(tmp):
             ch.close()
 
 
+def rss_mib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(ln.split()[1]) // 1024 for ln in f if ln.startswith("VmRSS"))
+
+
+def partial_streams(port, pid, conns, streams, each, seconds):
+    """`conns` HTTP/2 connections, each with `streams` ModelInfer streams
+    that announce a 512 MiB message and send `each` bytes of it, as fast as
+    flow control lets them, never the rest (raw h2: grpcio sends whole
+    messages). Returns (MiB sent, streams reset by moed, moed's peak RSS MiB)."""
+    live, reset, peak = [], 0, 0
+    for _ in range(conns):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        h = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        h.initiate_connection()
+        sent = {}
+        for _ in range(streams):
+            sid = h.get_next_available_stream_id()
+            h.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":authority", "moed"),
+                                 (":path", "/inference.GRPCInferenceService/ModelInfer"),
+                                 ("content-type", "application/grpc"), ("te", "trailers")])
+            h.send_data(sid, b"\0" + (512 << 20).to_bytes(4, "big"))  # uncompressed, 512 MiB
+            sent[sid] = 0
+        sock.sendall(h.data_to_send())
+        sock.setblocking(False)
+        live.append((sock, h, sent))
+    chunk, total, t0 = bytes(16384), 0, time.monotonic()
+    while time.monotonic() - t0 < seconds and any(any(n < each for n in sent.values()) for _, _, sent in live):
+        for sock, h, sent in live:
+            try:
+                for ev in h.receive_data(sock.recv(1 << 20)):
+                    if isinstance(ev, h2.events.StreamReset):
+                        reset += 1
+                        sent.pop(ev.stream_id, None)
+            except (BlockingIOError, ConnectionError):
+                pass
+            for sid in list(sent):
+                while sent[sid] < each and min(h.local_flow_control_window(sid), h.max_outbound_frame_size) >= len(chunk):
+                    h.send_data(sid, chunk)
+                    sent[sid] += len(chunk)
+                    total += len(chunk)
+            try:
+                sock.setblocking(True)
+                sock.sendall(h.data_to_send())
+                sock.setblocking(False)
+            except OSError:
+                pass
+        peak = max(peak, rss_mib(pid))
+        time.sleep(0.02)
+    peak = max(peak, rss_mib(pid))
+    for sock, _, _ in live:
+        sock.close()
+    return total >> 20, reset, peak
+
+
+def test_grpc_memory_quota(tmp):
+    quota = 64
+    with moed(tmp, "--grpc-memory-bytes", str(quota << 20)) as (p, g, h):
+        rss0 = rss_mib(p.pid)
+        sent, reset, peak = partial_streams(g, p.pid, 2, 20, 16 << 20, 30)
+        check(reset > 0 and peak - rss0 < 2 * quota,
+              f"40 streams of partial 16 MiB messages: {reset} reset by moed, RSS {rss0} -> {peak} MiB at most "
+              f"(quota {quota} MiB; {sent} MiB sent)")
+        check(health(g) == SERVING, "gRPC health passes after it")
+        ch = grpc.insecure_channel(f"127.0.0.1:{g}")
+        try:
+            code, msg = code_of(lambda: infer_pb(ch, request(16), timeout=30))
+            check(code == SC.OK, f"a call is answered after it ({code} {msg})")
+        finally:
+            ch.close()
+
+
 if __name__ == "__main__":
-    run_tests(test_metrics_port_flood, test_grpc_body_budget)
+    run_tests(test_metrics_port_flood, test_grpc_body_budget, test_grpc_memory_quota)
