@@ -254,9 +254,12 @@ def test_grpc_memory_quota(tmp):
     with moed(tmp, "--grpc-memory-bytes", str(quota << 20)) as (p, g, h):
         rss0 = rss_mib(p.pid)
         sent, reset, peak = partial_streams(g, p.pid, 2, 20, 16 << 20, 30)
-        check(reset > 0 and peak - rss0 < 2 * quota,
+        # AddressSanitizer keeps freed blocks in its quarantine (256 MiB) and adds its shadow: 343 MiB
+        # measured; unbounded, all 640 MiB are taken in
+        bound = 2 * quota + (384 if os.environ.get("MOE_SANITIZED") else 0)
+        check(reset > 0 and sent < 640 and peak - rss0 < bound,
               f"40 streams of partial 16 MiB messages: {reset} reset by moed, RSS {rss0} -> {peak} MiB at most "
-              f"(quota {quota} MiB; {sent} MiB sent)")
+              f"(< {bound}; quota {quota} MiB; {sent} of 640 MiB sent)")
         check(health(g) == SERVING, "gRPC health passes after it")
         ch = grpc.insecure_channel(f"127.0.0.1:{g}")
         try:
