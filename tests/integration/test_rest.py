@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, os.path.dirname(__file__))
 from moed_process import check, exit_with_summary, moed, print_log_tail  # noqa: E402
-from long_call import wait_metric  # noqa: E402
+from long_call import bigset_repo, blocker, call_fn, channel, wait_metric  # noqa: E402
 
 MKSET = os.environ["MOE_MKSET"]
 HIDDEN, EXPERTS = 128, 8
@@ -402,10 +402,15 @@ def test_limits(port):
 
 
 def test_drain(tmp):
-    """SIGTERM with a REST request in flight (held by the batcher's 30 s
-    delay): new inference is refused 503, readiness is false, the held
-    batch runs at once (nothing can join it any more) and is answered, exit 0."""
-    with moed(tmp, "--max-queue-delay-us", "30000000", exit_check=None) as (p, _, http_port):
+    """SIGTERM with a REST request held by the batcher's 30 s delay while
+    the one worker runs a blocker: the held batch goes to the device queue
+    at once (nothing can join it any more), readiness is false and new
+    inference is refused 503 while the drain waits; once the blocker is
+    cancelled the held request is answered, long before its delay, exit 0."""
+    with moed(tmp, "--model-repository", bigset_repo(os.path.join(tmp, "drain")), "--workers", "1",
+              "--max-queue-delay-us", "30000000",
+              exit_check=None) as (p, port, http_port):
+        busy = blocker(call_fn(channel(port)), http_port)
         h = th.InferenceServerClient(f"127.0.0.1:{p.rest_port}")
         a = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
         ii = th.InferInput("x", [4, 64], "FP32")
@@ -415,15 +420,18 @@ def test_drain(tmp):
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
         wait_metric(http_port, "moed_ready ", 0, "draining: not ready")
+        wait_metric(http_port, "moed_batcher_requests ", 0, "draining: the held batch left the batcher at the signal")
+        wait_metric(http_port, "moed_device_queue_jobs{", 1, "... for the device queue, behind the blocker")
         ready, _, _ = raw(p.rest_port, "GET", "/v2/health/ready")
         body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]})
         status, msg = error_of(p.rest_port, "POST", "/v2/models/quant.per_tensor/infer", body.encode())
-        r = fut.get_result()
-        t = time.monotonic() - t0
         check(ready == 400 and status == 503 and "shutting down" in msg,
               f"draining: not ready, new inference 503 ({ready}, {status} {msg})")
+        busy.cancel()
+        r = fut.get_result()
+        t = time.monotonic() - t0
         check(r.as_numpy("q").shape == (4, 32) and t < 10,
-              f"draining: the held request answered at the drain, not at its 30 s delay ({t:.2f}s)")
+              f"draining: the held request answered once the worker is free, not at its 30 s delay ({t:.2f}s)")
         check(p.wait(timeout=30) == 0, "draining: exit 0")
 
 
