@@ -338,7 +338,8 @@ static void render_metrics(moed_http *h, wbuf *b) {
   moed_http_foreach_listener(http_accepted, b);
   wb_printf(b, "# HELP moed_http_connections_closed_total HTTP connections closed by moed: over "
                "--http-max-connections at accept (refused), a request begun but not whole within "
-               "--handshake-timeout or a body below --http-body-min-rate (timeout), no request within "
+               "--handshake-timeout, a body or an answer below --http-body-min-rate or stalled (timeout), no "
+               "request within "
                "--idle-timeout (idle), a failed TLS "
                "handshake (tls).\n"
                "# TYPE moed_http_connections_closed_total counter\n");

@@ -57,7 +57,9 @@ void moed_http_respond(moed_http_conn *c, int code, const char *ctype, const cha
   if (moed_http_send_answer(c, wr, bufs, (unsigned)nbody + 1) != 0) {
     moed_http_write_free(wr);
     moed_http_conn_close(c);
+    return;
   }
+  moed_http_conn_watch_write(c);
 }
 
 void moed_http_respond_copy(moed_http_conn *c, int code, const char *ctype, const char *body, size_t len) {

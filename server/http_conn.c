@@ -93,6 +93,39 @@ void moed_http_conn_arm_body(moed_http_conn *c) {
   uv_timer_start(&c->timer, on_deadline, ms, 0);
 }
 
+/* The slow reader's side of the same: a client that sends requests and
+ * never reads their answers would hold each answer (up to
+ * --max-message-bytes) and its connection for good; libuv's write never
+ * completes, so progress is read off the stream's write queue. */
+static void on_write_check(uv_timer_t *t) {
+  moed_http_conn *c = t->data;
+  const moed_config *cfg = c->l->o.cfg;
+  const size_t left = uv_stream_get_write_queue_size((uv_stream_t *)&c->tcp);
+  const uint64_t now = uv_now(t->loop), grace = (uint64_t)cfg->handshake_timeout_s * 1000;
+  if (left < c->write_left) {
+    c->write_left = left;
+    c->write_seen_ms = now;
+  }
+  if (!left) return; /* taken whole: the write's callback comes next */
+  const uint64_t taken = c->write_queued - c->write_left;
+  const bool stalled = now - c->write_seen_ms > grace;
+  const bool slow =
+      cfg->http_body_min_rate > 0 && now - c->write_t0_ms > grace + taken * 1000 / cfg->http_body_min_rate;
+  if (stalled || slow) {
+    c->l->n.timeouts++;
+    moed_http_conn_close(c); /* the queued write is cancelled: its callback frees the answer */
+  }
+}
+
+void moed_http_conn_watch_write(moed_http_conn *c) {
+  if (c->sink || c->closing) return;
+  c->write_queued = c->write_left = uv_stream_get_write_queue_size((uv_stream_t *)&c->tcp);
+  if (!c->write_queued) return; /* the socket took it at once */
+  c->write_t0_ms = c->write_seen_ms = uv_now(c->timer.loop);
+  const uint64_t every = (uint64_t)c->l->o.cfg->handshake_timeout_s * 1000 / 4;
+  uv_timer_start(&c->timer, on_write_check, every ? every : 1, every ? every : 1);
+}
+
 static void on_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf);
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 

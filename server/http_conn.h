@@ -47,7 +47,11 @@ struct moed_http_conn {
   moed_http_request rq;
   size_t body_cap;
   uint64_t body_t0_ms; /* when its headers were whole (uv_now): the body's rate is counted from here */
-  bool in_request;     /* its first byte came: the deadline is the request's, not the idle one */
+  /* an answer the socket has not taken whole: when it was queued, its bytes
+   * then, and when the client last took some (moed_http_conn_watch_write) */
+  uint64_t write_t0_ms, write_seen_ms;
+  size_t write_queued, write_left;
+  bool in_request; /* its first byte came: the deadline is the request's, not the idle one */
   bool url_long, too_large, in_body;
   char hname[40]; /* the header name arriving (a read may end inside it); longer: none moed reads */
   size_t hname_len;
@@ -96,6 +100,11 @@ void moed_http_conn_arm(moed_http_conn *c, int seconds);
  * --handshake-timeout, and the body so far at --http-body-min-rate on
  * average after a first --handshake-timeout. */
 void moed_http_conn_arm_body(moed_http_conn *c);
+/* After an answer is queued: while the socket has not taken it whole, the
+ * client must read something every --handshake-timeout and the answer at
+ * --http-body-min-rate on average after a first --handshake-timeout, else
+ * the connection is closed (and the answer freed). */
+void moed_http_conn_watch_write(moed_http_conn *c);
 /* Stops reading the socket (held bytes at HELD_MAX, or a refusal). */
 void moed_http_conn_pause(moed_http_conn *c);
 /* Bytes from the client (plain, or decrypted): parsed, or held while a

@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, os.path.dirname(__file__))
 from moed_process import check, exit_with_summary, moed, print_log_tail  # noqa: E402
-from long_call import bigset_repo, blocker, call_fn, channel, wait_metric  # noqa: E402
+from long_call import bigset_repo, blocker, call_fn, channel, metric_values, wait_metric  # noqa: E402
 
 MKSET = os.environ["MOE_MKSET"]
 HIDDEN, EXPERTS = 128, 8
@@ -329,7 +329,7 @@ def test_errors(port):
     check(status == 400 and "force" in msg, f"unload with an unknown parameter: 400 naming it ({status} {msg})")
 
 
-def test_limits(port):
+def test_limits(port, side):
     # a body over --max-message-bytes: 413 as soon as its length is known, before the body
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
     s.sendall(b"POST /v2/models/quant.per_tensor/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n")
@@ -399,6 +399,23 @@ def test_limits(port):
     s.close()
     check(closed is not None and 0.8 < closed < 3.5 and sent < 20,
           f"a trickled body: closed at its rate's deadline ({closed} s, {sent} bytes sent)")
+    # a client that never reads its answer (8 MiB of JSON codes): closed once it has taken nothing for
+    # --handshake-timeout (1 s), the answer freed, not held for as long as the client stays
+    timeouts = 'moed_http_connections_closed_total{port="rest",reason="timeout"}'
+    before = sum(metric_values(side, timeouts))
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    x = np.zeros((1024, 2048), np.float32)
+    head = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape),
+                                   "parameters": {"binary_data_size": x.nbytes}}]}).encode()
+    s.sendall(f"POST /v2/models/quant.per_tensor/infer HTTP/1.1\r\nHost: x\r\nInference-Header-Content-Length: "
+              f"{len(head)}\r\nContent-Length: {len(head) + x.nbytes}\r\n\r\n".encode() + head + x.tobytes())
+    t0 = time.monotonic()
+    wait_metric(side, timeouts, before + 1, "a client that never reads its answer: its connection closed")
+    t = time.monotonic() - t0
+    s.close()
+    check(t < 10, f"... within a few --handshake-timeout of the answer ({t:.2f}s)")
 
 
 def test_drain(tmp):
@@ -451,7 +468,7 @@ def main():
             test_infer(h, g)
             test_nonfinite_json(h, g, p.rest_port)
             test_errors(p.rest_port)
-            test_limits(p.rest_port)
+            test_limits(p.rest_port, side)
             status, _, _ = raw(side, "GET", "/v2/health/ready")
             check(status == 200, "the side port's probes still answer")
         test_drain(tmp)
