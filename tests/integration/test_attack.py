@@ -30,6 +30,11 @@ before their fix; each names the defect).
   value): proto3 strings are UTF-8, so stock clients' protobuf refused the
   answer ("Exception deserializing response") and their stream ended. Now
   refused as a NUL is, naming the field.
+- RepositoryModelUnload (gRPC and REST) of a name that is not a valid
+  model name ('../x', one with a newline, 300 characters) was NOT_FOUND
+  echoing the name whole ("model 'a\nb' is not loaded"), where every other
+  RPC taking a name (the load included) refuses it as INVALID_ARGUMENT
+  naming the field, without echoing it (server.md's validation table).
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import json
@@ -294,6 +299,25 @@ def test_not_utf8(tmp):
         ch.close()
 
 
+def test_unload_name(tmp):
+    with moed(tmp) as (p, port, _h):
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        unload = raw_unary(ch, "/inference.GRPCInferenceService/RepositoryModelUnload")
+        for name, path in (("../x", "..%2Fx"), ("a\nb", "a%0Ab"), ("q" * 300, "q" * 300)):
+            code, msg = code_of(lambda: unload(pb.RepositoryModelUnloadRequest(model_name=name).SerializeToString(),
+                                               timeout=30))
+            check(code == SC.INVALID_ARGUMENT and msg.startswith("model_name: not a valid model name") and
+                  name not in msg, f"unload of {name[:12]!r}: INVALID_ARGUMENT naming the field, not echoing it "
+                  f"({code} {msg[:80]!r})")
+            status, text = rest(p.rest_port, "POST", f"/v2/repository/models/{path}/unload", b"{}")
+            check(status == 400 and "model_name: not a valid model name" in text and name not in text,
+                  f"REST unload of {name[:12]!r}: 400 naming the field ({status} {text[:80]!r})")
+        code, msg = code_of(lambda: unload(pb.RepositoryModelUnloadRequest(model_name="nothere").SerializeToString(),
+                                           timeout=30))
+        check(code == SC.NOT_FOUND and msg == "model 'nothere' is not loaded", f"a valid name not loaded: NOT_FOUND ({msg})")
+        ch.close()
+
+
 if __name__ == "__main__":
     run_tests(test_model_name_twice, test_rest_strict, test_grpc_precise, test_concurrent_loads,
-              test_statistics_during_unloads, test_not_utf8)
+              test_statistics_during_unloads, test_not_utf8, test_unload_name)
