@@ -35,6 +35,10 @@ before their fix; each names the defect).
   echoing the name whole ("model 'a\nb' is not loaded"), where every other
   RPC taking a name (the load included) refuses it as INVALID_ARGUMENT
   naming the field, without echoing it (server.md's validation table).
+- An ExpertStore upload whose client sends its header and then nothing
+  (no deadline, its connection alive) held its --max-uploads slot and its
+  budget bytes for good: --max-uploads such clients stopped every upload.
+  Now ended with DEADLINE_EXCEEDED after --idle-timeout without a message.
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import json
@@ -54,7 +58,7 @@ from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, os.path.dirname(__file__))
 from moed_process import check, moed, run_tests  # noqa: E402
-from test_fused_moe import mkset  # noqa: E402
+from test_fused_moe import mkset, upload_msgs  # noqa: E402
 from test_server import code_of, infer_pb, make_req, raw_unary  # noqa: E402
 
 SC = grpc.StatusCode
@@ -318,6 +322,42 @@ def test_unload_name(tmp):
         ch.close()
 
 
+def test_upload_stalled(tmp):
+    cfg = '{"num_experts": 8, "hidden_size": 128, "intermediate_size": 64}'
+    n = 8 * 64 * 128 * 2
+    msgs = upload_msgs(("stalled", cfg, False), [("w2", "bf16", [8, 64, 128], n, bytes(n))], chunk=4096)
+    with moed(tmp, "--max-uploads", "1", "--idle-timeout", "2") as (p, port, _h):
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        up = ch.stream_unary("/moe.v1.ExpertStore/Upload", request_serializer=lambda b: b,
+                             response_deserializer=lambda b: b)
+        release = threading.Event()
+
+        def stall():  # the header and a tensor's first chunk, then nothing
+            yield msgs[0]
+            yield msgs[1]
+            release.wait(60)
+        t = time.monotonic()
+        stalled = up.future(stall())  # no deadline, as an attacker sets none
+        time.sleep(0.5)
+        code, msg = code_of(lambda: up(iter(msgs), timeout=30))
+        check(code == SC.RESOURCE_EXHAUSTED, f"while it is in progress, another upload is refused ({code})")
+        try:
+            code, msg = code_of(lambda: stalled.result(timeout=15))
+        except grpc.FutureTimeoutError:
+            code, msg = None, "still in progress after 15 s"
+            stalled.cancel()
+        waited = time.monotonic() - t
+        release.set()
+        check(code == SC.DEADLINE_EXCEEDED and "upload: no message for --idle-timeout (2 s)" == msg and waited < 10,
+              f"an upload without a message for --idle-timeout is ended, naming the flag ({code} {msg}, "
+              f"after {waited:.1f} s)")
+        code, msg = code_of(lambda: up(iter(msgs), timeout=30))
+        check(code == SC.INVALID_ARGUMENT and "w13" in msg,
+              f"its slot is free again: the next upload is admitted (fails its set check: {code} {msg})")
+        check(p.poll() is None, "moed still up")
+        ch.close()
+
+
 if __name__ == "__main__":
     run_tests(test_model_name_twice, test_rest_strict, test_grpc_precise, test_concurrent_loads,
-              test_statistics_during_unloads, test_not_utf8, test_unload_name)
+              test_statistics_during_unloads, test_not_utf8, test_unload_name, test_upload_stalled)
