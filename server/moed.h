@@ -226,6 +226,9 @@ void moed_rpc_destroy(moed_rpc_server *s);
  * final status. Thread-safe; consumes the request's reference. `msg` NULL
  * or a human message naming the offending field. */
 void moed_rpc_finish(moed_rpc *r, grpc_status_code code, const char *msg, grpc_byte_buffer *response);
+/* Ends the call now with `code` and why (thread-safe): a stream the server
+ * gives up on; the pending read completes as if the client had left. */
+void moed_rpc_end(moed_rpc *r, grpc_status_code code, const char *why);
 /* Streams: queues one message (sent in order, one write at a time). */
 void moed_rpc_stream_write(moed_rpc *r, grpc_byte_buffer *message);
 /* Streams: one request's work is done (pairs with each hand-off); when the

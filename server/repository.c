@@ -209,11 +209,15 @@ moe_status moed_repository_add(moed_repository *r, moe_expert_set *set, bool rep
 }
 
 moe_status moed_repository_unload(moed_repository *r, const char *name, moe_error *err) {
+  /* refused as a load refuses it: no such name can be loaded, and one that
+   * is not valid is not echoed (it may hold a newline, or run long) */
+  if (!moed_model_name_ok(name))
+    return moe_fail(err, MOE_EINVAL, "model_name: not a valid model name (%s)", MOED_MODEL_NAME_RULE);
   pthread_mutex_lock(&r->mu);
-  size_t i = find_locked(r, name ? name : "");
+  size_t i = find_locked(r, name);
   if (i == r->count) {
     pthread_mutex_unlock(&r->mu);
-    return moe_fail(err, MOE_ENOTFOUND, "model '%s' is not loaded", name ? name : "");
+    return moe_fail(err, MOE_ENOTFOUND, "model '%s' is not loaded", name);
   }
   if (r->models[i]->builtin) {
     pthread_mutex_unlock(&r->mu);

@@ -187,23 +187,25 @@ void moed_rpc_finish(moed_rpc *r, grpc_status_code code, const char *msg, grpc_b
   moed_rpc_release(r);
 }
 
-/* Ends stream r with RESOURCE_EXHAUSTED and why, unless it is ending
- * already: what it still sends is dropped, and a final batch started by a
- * write in flight (before the cancel takes) carries this status, not OK;
- * then the loop's sweep answers the stream's queued work. */
-static void end_exhausted(moed_rpc *r, const char *why) {
+/* Ends call r with `code` and why, unless it is ending already: what it
+ * still sends is dropped, and a final batch started by a write in flight
+ * (before the cancel takes) carries this status, not OK; it is marked
+ * cancelled first, so that the read the cancel completes is taken for the
+ * client's leaving (an upload is not committed), and the loop's sweep
+ * answers the stream's queued work. */
+void moed_rpc_end(moed_rpc *r, grpc_status_code code, const char *why) {
   pthread_mutex_lock(&r->mu);
   const bool first = !r->finishing;
   if (first) {
     r->finishing = true;
-    r->fin_code = GRPC_STATUS_RESOURCE_EXHAUSTED;
+    r->fin_code = code;
     grpc_slice_unref(r->fin_details);
     r->fin_details = grpc_slice_from_copied_string(why);
   }
   pthread_mutex_unlock(&r->mu);
   if (!first) return;
-  grpc_call_cancel_with_status(r->call, GRPC_STATUS_RESOURCE_EXHAUSTED, why, NULL);
   moed_rpc_mark_cancelled(r);
+  if (r->call) grpc_call_cancel_with_status(r->call, code, why, NULL);
 }
 
 void moed_rpc_stream_write(moed_rpc *r, grpc_byte_buffer *message) {
@@ -219,7 +221,7 @@ void moed_rpc_stream_write(moed_rpc *r, grpc_byte_buffer *message) {
     pthread_mutex_unlock(&r->mu);
     free(m);
     grpc_byte_buffer_destroy(message);
-    if (over) end_exhausted(r, why);
+    if (over) moed_rpc_end(r, GRPC_STATUS_RESOURCE_EXHAUSTED, why);
     return;
   }
   m->next = NULL;
@@ -299,7 +301,7 @@ void moed_rpc_on_recv(moed_rpc *r, bool ok) {
   if (bb && moed_rpc_claim(r->srv, grpc_byte_buffer_length(bb), why) != GRPC_STATUS_OK) {
     grpc_byte_buffer_destroy(bb);
     bb = NULL;
-    end_exhausted(r, why);
+    moed_rpc_end(r, GRPC_STATUS_RESOURCE_EXHAUSTED, why);
   } else if (bb) {
     held = grpc_byte_buffer_length(bb);
   }

@@ -11,7 +11,10 @@
  *
  * File writes block, so every message is processed on libuv's thread pool;
  * the stream is paced (the next message is read once this one is written),
- * which bounds memory to one chunk per upload. */
+ * which bounds memory to one chunk per upload. An upload whose client sends
+ * nothing for --idle-timeout is ended (DEADLINE_EXCEEDED): each holds one of
+ * --max-uploads and its bytes of the budget, which a client that stalls
+ * (without a deadline, with its connection kept alive) held for good. */
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -41,6 +44,8 @@ typedef struct moed_upload {
   moed_rpc *rpc;
   uv_work_t work;
   moed_request *cur; /* the message being processed */
+  uv_timer_t idle;   /* with a call: runs while the next message is awaited */
+  bool idle_expired; /* it fired: the call was ended for it */
 
   bool have_header;
   char name[128];
@@ -354,7 +359,10 @@ static void commit(moed_upload *u) {
  * went away instead): the state machine's one entry. */
 static void upload_message(moed_upload *u, const uint8_t *data, size_t len, bool cancelled) {
   if (!data) {
-    if (cancelled)
+    if (u->idle_expired)
+      upload_fail(u, GRPC_STATUS_DEADLINE_EXCEEDED, "upload: no message for --idle-timeout (%d s)",
+                  u->srv->cfg->idle_timeout_s);
+    else if (cancelled)
       upload_fail(u, GRPC_STATUS_CANCELLED, "upload cancelled");
     else
       commit(u);
@@ -392,6 +400,18 @@ static void upload_work(uv_work_t *w) {
   grpc_slice_unref(s);
 }
 
+/* The client sent nothing for --idle-timeout: the call ends, and the read
+ * it completes (as a cancelled one) frees the upload (loop). */
+static void on_idle(uv_timer_t *t) {
+  moed_upload *u = t->data;
+  char why[128];
+  snprintf(why, sizeof why, "upload: no message for --idle-timeout (%d s)", u->srv->cfg->idle_timeout_s);
+  u->idle_expired = true;
+  moed_rpc_end(u->rpc, GRPC_STATUS_DEADLINE_EXCEEDED, why);
+}
+
+static void upload_closed(uv_handle_t *h) { free(h->data); }
+
 /* A new upload in s->uploads (rpc: its call, NULL for none); NULL: out of memory. */
 static moed_upload *upload_new(moed_server *s, moed_rpc *rpc) {
   moed_upload *u = calloc(1, sizeof *u);
@@ -405,6 +425,11 @@ static moed_upload *upload_new(moed_server *s, moed_rpc *rpc) {
   u->rpc = rpc;
   u->fd = -1;
   u->work.data = u;
+  if (rpc) { /* on the loop; does not keep it running */
+    uv_timer_init(s->loop, &u->idle);
+    uv_unref((uv_handle_t *)&u->idle);
+    u->idle.data = u;
+  }
   pthread_mutex_lock(&names_mu);
   u->next = s->uploads;
   s->uploads = u;
@@ -426,7 +451,10 @@ static void upload_free(moed_server *s, moed_upload *u) {
   if (u->hash) XXH3_freeState(u->hash);
   if (u->tensor_hash) XXH3_freeState(u->tensor_hash);
   free(u->config_json);
-  free(u);
+  if (u->rpc)
+    uv_close((uv_handle_t *)&u->idle, upload_closed);
+  else
+    free(u);
 }
 
 static void upload_after(uv_work_t *w, int status) {
@@ -443,6 +471,7 @@ static void upload_after(uv_work_t *w, int status) {
     u->response = NULL;
     upload_free(u->srv, u);
   } else {
+    uv_timer_start(&u->idle, on_idle, (uint64_t)u->srv->cfg->idle_timeout_s * 1000, 0);
     moed_rpc_read_next(rpc);
     moed_rpc_stream_done(rpc);
   }
@@ -474,6 +503,7 @@ void moed_upload_handle(moed_server *s, moed_request *req) {
       return;
     }
   }
+  if (u->rpc) uv_timer_stop(&u->idle);
   u->cur = req;
   if (uv_queue_work(s->loop, &u->work, upload_work, upload_after) != 0) {
     upload_fail(u, GRPC_STATUS_INTERNAL, "cannot queue the upload work");

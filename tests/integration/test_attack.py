@@ -30,6 +30,15 @@ before their fix; each names the defect).
   value): proto3 strings are UTF-8, so stock clients' protobuf refused the
   answer ("Exception deserializing response") and their stream ended. Now
   refused as a NUL is, naming the field.
+- RepositoryModelUnload (gRPC and REST) of a name that is not a valid
+  model name ('../x', one with a newline, 300 characters) was NOT_FOUND
+  echoing the name whole ("model 'a\nb' is not loaded"), where every other
+  RPC taking a name (the load included) refuses it as INVALID_ARGUMENT
+  naming the field, without echoing it (server.md's validation table).
+- An ExpertStore upload whose client sends its header and then nothing
+  (no deadline, its connection alive) held its --max-uploads slot and its
+  budget bytes for good: --max-uploads such clients stopped every upload.
+  Now ended with DEADLINE_EXCEEDED after --idle-timeout without a message.
 
 env: MOED, MOEC, MOE_LIB, MOE_MKSET."""
 import json
@@ -49,7 +58,7 @@ from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, os.path.dirname(__file__))
 from moed_process import check, moed, run_tests  # noqa: E402
-from test_fused_moe import mkset  # noqa: E402
+from test_fused_moe import mkset, upload_msgs  # noqa: E402
 from test_server import code_of, infer_pb, make_req, raw_unary  # noqa: E402
 
 SC = grpc.StatusCode
@@ -294,6 +303,61 @@ def test_not_utf8(tmp):
         ch.close()
 
 
+def test_unload_name(tmp):
+    with moed(tmp) as (p, port, _h):
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        unload = raw_unary(ch, "/inference.GRPCInferenceService/RepositoryModelUnload")
+        for name, path in (("../x", "..%2Fx"), ("a\nb", "a%0Ab"), ("q" * 300, "q" * 300)):
+            code, msg = code_of(lambda: unload(pb.RepositoryModelUnloadRequest(model_name=name).SerializeToString(),
+                                               timeout=30))
+            check(code == SC.INVALID_ARGUMENT and msg.startswith("model_name: not a valid model name") and
+                  name not in msg, f"unload of {name[:12]!r}: INVALID_ARGUMENT naming the field, not echoing it "
+                  f"({code} {msg[:80]!r})")
+            status, text = rest(p.rest_port, "POST", f"/v2/repository/models/{path}/unload", b"{}")
+            check(status == 400 and "model_name: not a valid model name" in text and name not in text,
+                  f"REST unload of {name[:12]!r}: 400 naming the field ({status} {text[:80]!r})")
+        code, msg = code_of(lambda: unload(pb.RepositoryModelUnloadRequest(model_name="nothere").SerializeToString(),
+                                           timeout=30))
+        check(code == SC.NOT_FOUND and msg == "model 'nothere' is not loaded", f"a valid name not loaded: NOT_FOUND ({msg})")
+        ch.close()
+
+
+def test_upload_stalled(tmp):
+    cfg = '{"num_experts": 8, "hidden_size": 128, "intermediate_size": 64}'
+    n = 8 * 64 * 128 * 2
+    msgs = upload_msgs(("stalled", cfg, False), [("w2", "bf16", [8, 64, 128], n, bytes(n))], chunk=4096)
+    with moed(tmp, "--max-uploads", "1", "--idle-timeout", "2") as (p, port, _h):
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        up = ch.stream_unary("/moe.v1.ExpertStore/Upload", request_serializer=lambda b: b,
+                             response_deserializer=lambda b: b)
+        release = threading.Event()
+
+        def stall():  # the header and a tensor's first chunk, then nothing
+            yield msgs[0]
+            yield msgs[1]
+            release.wait(60)
+        t = time.monotonic()
+        stalled = up.future(stall())  # no deadline, as an attacker sets none
+        time.sleep(0.5)
+        code, msg = code_of(lambda: up(iter(msgs), timeout=30))
+        check(code == SC.RESOURCE_EXHAUSTED, f"while it is in progress, another upload is refused ({code})")
+        try:
+            code, msg = code_of(lambda: stalled.result(timeout=15))
+        except grpc.FutureTimeoutError:
+            code, msg = None, "still in progress after 15 s"
+            stalled.cancel()
+        waited = time.monotonic() - t
+        release.set()
+        check(code == SC.DEADLINE_EXCEEDED and "upload: no message for --idle-timeout (2 s)" == msg and waited < 10,
+              f"an upload without a message for --idle-timeout is ended, naming the flag ({code} {msg}, "
+              f"after {waited:.1f} s)")
+        code, msg = code_of(lambda: up(iter(msgs), timeout=30))
+        check(code == SC.INVALID_ARGUMENT and "w13" in msg,
+              f"its slot is free again: the next upload is admitted (fails its set check: {code} {msg})")
+        check(p.poll() is None, "moed still up")
+        ch.close()
+
+
 if __name__ == "__main__":
     run_tests(test_model_name_twice, test_rest_strict, test_grpc_precise, test_concurrent_loads,
-              test_statistics_during_unloads, test_not_utf8)
+              test_statistics_during_unloads, test_not_utf8, test_unload_name, test_upload_stalled)
