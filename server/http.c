@@ -338,10 +338,8 @@ static void render_metrics(moed_http *h, wbuf *b) {
   moed_http_foreach_listener(http_accepted, b);
   wb_printf(b, "# HELP moed_http_connections_closed_total HTTP connections closed by moed: over "
                "--http-max-connections at accept (refused), a request begun but not whole within "
-               "--handshake-timeout, a body or an answer below --http-body-min-rate or stalled (timeout), no "
-               "request within "
-               "--idle-timeout (idle), a failed TLS "
-               "handshake (tls).\n"
+               "--handshake-timeout, a body or an answer below --http-body-min-rate or stalled (timeout), "
+               "no request within --idle-timeout (idle), a failed TLS handshake (tls).\n"
                "# TYPE moed_http_connections_closed_total counter\n");
   moed_http_foreach_listener(http_closed, b);
   wb_printf(b, "# HELP moed_http_requests_abandoned_total Requests in work whose client closed or reset its "

@@ -77,20 +77,25 @@ void moed_http_conn_arm(moed_http_conn *c, int seconds) {
   uv_timer_start(&c->timer, on_deadline, (uint64_t)seconds * 1000, 0);
 }
 
+/* The rate rule of bodies and answers alike: ms left before `bytes` moved
+ * since t0_ms fall below --http-body-min-rate on average after a first
+ * --handshake-timeout (0: behind already; UINT64_MAX: no rate set).
+ * bytes <= --max-message-bytes (< 2^31): the product stays far from 2^64. */
+static uint64_t rate_left_ms(const moed_config *cfg, uint64_t t0_ms, uint64_t bytes, uint64_t now) {
+  if (!cfg->http_body_min_rate) return UINT64_MAX;
+  const uint64_t allowed = (uint64_t)cfg->handshake_timeout_s * 1000 + bytes * 1000 / cfg->http_body_min_rate;
+  const uint64_t spent = now - t0_ms;
+  return allowed > spent ? allowed - spent : 0;
+}
+
 /* Without the rate a body sent a byte every few seconds holds its
  * connection, and its share of the body budget, for as long as the body is
  * long (slowloris' body variant, "R.U.D.Y."): the pause alone bounds nothing. */
 void moed_http_conn_arm_body(moed_http_conn *c) {
   const moed_config *cfg = c->l->o.cfg;
-  uint64_t ms = (uint64_t)cfg->handshake_timeout_s * 1000;
-  if (cfg->http_body_min_rate > 0) {
-    /* body_len <= --max-message-bytes (< 2^31): the product stays far from 2^64 */
-    const uint64_t allowed = ms + (uint64_t)c->rq.body_len * 1000 / cfg->http_body_min_rate;
-    const uint64_t spent = uv_now(c->timer.loop) - c->body_t0_ms;
-    const uint64_t left = allowed > spent ? allowed - spent : 0;
-    if (left < ms) ms = left;
-  }
-  uv_timer_start(&c->timer, on_deadline, ms, 0);
+  const uint64_t pause = (uint64_t)cfg->handshake_timeout_s * 1000;
+  const uint64_t left = rate_left_ms(cfg, c->body_t0_ms, c->rq.body_len, uv_now(c->timer.loop));
+  uv_timer_start(&c->timer, on_deadline, left < pause ? left : pause, 0);
 }
 
 /* The slow reader's side of the same: a client that sends requests and
@@ -107,11 +112,8 @@ static void on_write_check(uv_timer_t *t) {
     c->write_seen_ms = now;
   }
   if (!left) return; /* taken whole: the write's callback comes next */
-  const uint64_t taken = c->write_queued - c->write_left;
   const bool stalled = now - c->write_seen_ms > grace;
-  const bool slow =
-      cfg->http_body_min_rate > 0 && now - c->write_t0_ms > grace + taken * 1000 / cfg->http_body_min_rate;
-  if (stalled || slow) {
+  if (stalled || !rate_left_ms(cfg, c->write_t0_ms, c->write_queued - c->write_left, now)) {
     c->l->n.timeouts++;
     moed_http_conn_close(c); /* the queued write is cancelled: its callback frees the answer */
   }

@@ -347,6 +347,9 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
     const char *key;
     int value;
   } ints[] = {
+      {GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max_msg},
+      {GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max_msg},
+      {GRPC_ARG_ALLOW_REUSEPORT, 0}, /* a second moed on the same port must fail, not share */
       {GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, cfg->handshake_timeout_s * 1000},
       {GRPC_ARG_MAX_CONNECTION_IDLE_MS, idle_ms},
       {GRPC_ARG_KEEPALIVE_TIME_MS, idle_ms},
@@ -354,13 +357,6 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
       {GRPC_ARG_MAX_CONNECTION_AGE_MS, age_ms},
       {GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, cfg->connection_age_grace_s * 1000},
   };
-  grpc_arg args[4 + sizeof ints / sizeof ints[0]];
-  memset(args, 0, sizeof args);
-  for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
-    args[4 + i].type = GRPC_ARG_INTEGER;
-    args[4 + i].key = (char *)ints[i].key;
-    args[4 + i].value.integer = ints[i].value;
-  }
   /* Without a quota gRPC core reads every stream's message for as long as
    * the message says it is long: 40 streams that each announce 512 MiB and
    * send 64 MiB held 2.6 GiB (measured), --grpc-body-budget-bytes counting
@@ -374,19 +370,17 @@ int moed_rpc_start(const moed_config *cfg, uv_loop_t *loop, moed_request_fn on_r
                                  : cfg->grpc_body_budget_bytes + headroom;
   grpc_resource_quota *quota = grpc_resource_quota_create("moed");
   grpc_resource_quota_resize(quota, quota_bytes);
-  args[3].type = GRPC_ARG_POINTER;
-  args[3].key = (char *)GRPC_ARG_RESOURCE_QUOTA;
-  args[3].value.pointer.p = quota;
-  args[3].value.pointer.vtable = grpc_resource_quota_arg_vtable();
-  args[0].type = GRPC_ARG_INTEGER;
-  args[0].key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-  args[0].value.integer = max_msg;
-  args[1].type = GRPC_ARG_INTEGER;
-  args[1].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
-  args[1].value.integer = max_msg;
-  args[2].type = GRPC_ARG_INTEGER;
-  args[2].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
-  args[2].value.integer = 0; /* a second moed on the same port must fail, not share */
+  grpc_arg args[1 + sizeof ints / sizeof ints[0]];
+  memset(args, 0, sizeof args);
+  args[0].type = GRPC_ARG_POINTER;
+  args[0].key = (char *)GRPC_ARG_RESOURCE_QUOTA;
+  args[0].value.pointer.p = quota;
+  args[0].value.pointer.vtable = grpc_resource_quota_arg_vtable();
+  for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) {
+    args[1 + i].type = GRPC_ARG_INTEGER;
+    args[1 + i].key = (char *)ints[i].key;
+    args[1 + i].value.integer = ints[i].value;
+  }
   grpc_channel_args chargs = {sizeof args / sizeof args[0], args};
 
   s->server = grpc_server_create(&chargs, NULL);

@@ -138,7 +138,9 @@ def test_deadline_and_cancel(tmp, repo):
         code, msg, t = timed(lambda: f(small, timeout=60))
         check(code == SC.OK and t < full / 3, f"next call answered in {t:.2f}s (< {full / 3:.2f}s: the op was stopped)")
         # Triton's `timeout` request parameter (microseconds, no gRPC deadline): the same
-        timeout_req = req_of(BLOCKER_TOKENS, seed=99, params={"timeout": int(full / 6 * 1e6)})
+        timeout_req = ts.pb.ModelInferRequest()
+        timeout_req.CopyFrom(blocker_req())  # not built twice: 66 MiB
+        timeout_req.parameters["timeout"].int64_param = int(full / 6 * 1e6)
         code, msg, t = timed(lambda: f(timeout_req, timeout=120))
         check(code == SC.DEADLINE_EXCEEDED and t < full / 2,
               f"long call past parameters['timeout']: DEADLINE_EXCEEDED in {t:.2f}s ({code} {msg})")
