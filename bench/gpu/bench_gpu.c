@@ -346,7 +346,8 @@ static void tune_cell(moe_backend *b, rot_arg *ra, const char *layer, int64_t E,
   int used[TC_CONFIGS], best = -1; /* used: 0 not run (scheme), 1 one run (pruned), else the median's runs */
   for (int c = 0; c < TC_CONFIGS; c++) {
     used[c] = 0;
-    if (int4 && c == TC_WIDE) continue; /* packed codes never take it (fused_moe_tc.hip) */
+    /* packed codes never take the wide tile, and tall is the large one for them (fused_moe_tc.hip) */
+    if (int4 && (c == TC_WIDE || c == TC_TALL)) continue;
     setenv("MOE_GPU_FUSED_TILE", moe_tc_config_names[c], 1);
     /* a configuration 1.5x slower than the untuned one in a single run is not timed further */
     t[c] = time_cell(b, ra, &used[c], 1.5 * untuned);
@@ -428,9 +429,13 @@ static void bench_fused(moe_backend *b, double copy_gbs, double mm_tflops, doubl
   const char *device = moe_gpu_device_name(b);
   if (tune) {
     setenv("MOE_GPU_TC_TUNED", "0", 1); /* "time (us)" is then the untuned choice's */
-    fprintf(stderr,
-            "\n| layer | scheme | T | slots per expert | untuned (us) | small | medium | wide | large | "
-            "pick |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    fprintf(stderr, "\n| layer | scheme | T | slots per expert | untuned (us) |");
+    for (int c = 0; c < TC_CONFIGS; c++)
+      fprintf(stderr, " %s |", moe_tc_config_names[c]);
+    fprintf(stderr, " pick |\n|---|---|---|---|---|");
+    for (int c = 0; c <= TC_CONFIGS; c++)
+      fprintf(stderr, "---|");
+    fprintf(stderr, "\n");
     fprintf(tune, "/* Tuned tile configurations of the tensor-core fused_moe (fused_moe_tc.hip's\n"
                   " * Tuned rows; the last row ends the table). Written by\n"
                   " * `moe-bench-gpu --fused --tune FILE` on the device it names; the rows\n"

@@ -1014,7 +1014,7 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   /* The tensor-core path serves every shape and scheme it can (a property
    * of the set and the device, never of the call); its tile height (and
    * the portable path's) is a launch choice from the batch only: results
-   * do not depend on it. MOE_GPU_FUSED_TILE=small|medium|wide|large
+   * do not depend on it. MOE_GPU_FUSED_TILE=small|medium|wide|large|tall
    * forces one tensor-core configuration (tests compare them bit for bit). */
   const bool tc = moe_gpu_fused_tc(b, cfg);
   const int64_t avg = n64 / (el < n64 ? el : n64);
@@ -1023,9 +1023,16 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
     for (int i = 0; i < TC_CONFIGS; i++)
       if (!strcmp(force, moe_tc_config_names[i])) tc_config = i;
   const bool fp8 = cfg->scheme == MOE_SCHEME_FP8, blockwise = fp8 && cfg->weight_scale == MOE_WSCALE_BLOCK;
-  if (fp8 && tc_config == TC_LARGE) tc_config = TC_WIDE; /* fp8's largest tile (moe_tc_choose) */
-  const int bm = tc ? moe_tc_rows(tc_config) : avg < 4 ? 1 : 8;
-  const int64_t max_tiles = (n64 + bm - 1) / bm + (el < n64 ? el : n64);
+  if (fp8 && tc_config >= TC_LARGE) tc_config = TC_WIDE; /* fp8's largest tile (moe_tc_choose) */
+  /* the bulk path's tiles are taller than the large configuration's (moe_tc_bulk_rows) */
+  bool bulk = tc && moe_tc_bulk(b, cfg, tc_config);
+  int bm = bulk ? moe_tc_bulk_rows(tc_config) : tc ? moe_tc_rows(tc_config) : avg < 4 ? 1 : 8;
+  int64_t max_tiles = (n64 + bm - 1) / bm + (el < n64 ? el : n64);
+  if (bulk && max_tiles * bm > 0x7FFFFFFF) { /* its K-major buffers' rows are int: the generic kernel */
+    bulk = false;
+    bm = moe_tc_rows(tc_config);
+    max_tiles = (n64 + bm - 1) / bm + (el < n64 ? el : n64);
+  }
   Plan p;
   const size_t o_ids = p.take(args->route ? (size_t)n : 0, 4), o_w = p.take(args->route ? (size_t)n : 0, 4);
   const bool multi = n >= ALIGN_MULTI_MIN && el <= ALIGN_SMEM_EXPERTS;
@@ -1035,10 +1042,10 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
                                   4);
   const size_t o_tiles = p.take((size_t)max_tiles, sizeof(int4));
   const size_t o_ntiles = p.take(1, 4), o_sorted = p.take((size_t)n, 4);
-  /* the bulk path's K-major buffers have a row per tile row (128 per tile) */
-  const bool bulk = tc && moe_tc_bulk(b, cfg, tc_config) && max_tiles * bm <= 0x7FFFFFFF;
+  /* the bulk path's K-major buffers have a row per tile row (bm per tile) */
   const size_t rows_a = bulk ? (size_t)max_tiles * (size_t)bm : (size_t)n;
   const size_t o_xk = p.take(bulk ? rows_a * (size_t)hidden : 0, 2);
+  const size_t o_next = p.take(bulk ? 2 : 0, 4);
   const size_t o_a = p.take(rows_a * (size_t)inter, 2), o_y = p.take((size_t)n * (size_t)hidden, 2);
   /* a split down GEMM's segment sums (moe_tc_split) */
   const int split = tc && !bulk ? moe_tc_split(cfg) : 1;
@@ -1172,6 +1179,9 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
     t2.out = y_buf;
     if (bulk) {
       t1.cap = t2.cap = (int)rows_a;
+      t1.bt = t2.bt = bm;
+      t1.next = (int *)(ws + o_next);
+      t2.next = t1.next + 1;
       if ((s = moe_tc_gather(b, (int)max_tiles, t1, (uint16_t *)(ws + o_xk), err))) return s;
       t1.x = ws + o_xk;
     }

@@ -150,7 +150,8 @@ hipError_t pdl_launch(bool pdl, void (*k)(P...), dim3 grid, dim3 block, size_t s
 /* Tile configurations of the tensor-core GEMM (token rows per tile BT):
  * a launch choice from the batch only; every one computes each output
  * element with the same instruction sequence (fused_moe_tc.hip's header). */
-int moe_tc_rows(int config); /* BT of a configuration */
+int moe_tc_rows(int config);      /* BT of a configuration */
+int moe_tc_bulk_rows(int config); /* BT of the bulk path (moe_tc_bulk) in a configuration */
 /* The configuration for a batch of `avg` slots per routed expert on b:
  * the tuned table's where it has the device and set (fused_moe_tuned.h),
  * else a default by weight kind (measured on the H200: bench/RESULTS.md) */
@@ -177,6 +178,9 @@ struct TcArgs {
   uint16_t *out;
   int cap;     /* the bulk path (moe_tc_bulk): rows of the K-major buffers (phase 1's x and out, phase 2's x);
                 * 0: the generic kernel, row-major buffers */
+  int bt;      /* the bulk path: rows per tile (moe_tc_bulk_rows) */
+  int *next;   /* the bulk path: the persistent kernel's item counter (zeroed by moe_tc_gather: phase 1's
+                * and, at next[1], phase 2's) */
   int split;   /* K segments (moe_tc_split; 1 for phase 1 and the bulk path) */
   int slots;   /* split > 1: rows of each segment's part */
   float *part; /* split > 1: the segments' fp32 sums [split][slots][hidden], no routing weight */

@@ -84,7 +84,7 @@ size_t moe_tc_packed_bytes(const moe_expert_config *cfg, int slot) {
   return 0;
 }
 
-const char *const moe_tc_config_names[TC_CONFIGS] = {"small", "medium", "wide", "large"};
+const char *const moe_tc_config_names[TC_CONFIGS] = {"small", "medium", "wide", "large", "tall"};
 
 extern "C" moe_status moe_gpu_fused_pack(moe_backend *b, const moe_expert_set *set,
                                          void *const src[MOE_EXPERT_TENSOR_COUNT],
@@ -334,6 +334,14 @@ __device__ __forceinline__ void wgmma(float (&d)[N / 8][4], const uint32_t (&a)[
                  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
                  "%56, %57, %58, %59, %60, %61, %62, %63}",
                  "{%64, %65, %66, %67}, %68", "%69, %68", MOE_D16(0), MOE_D16(4), MOE_D16(8), MOE_D16(12));
+  else if constexpr (N == 136) /* the bulk path's tallest tiles */
+    MOE_WGMMA_SD("m64n136k16",
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+                 "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
+                 "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
+                 "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67}",
+                 "{%68, %69, %70, %71}, %72", "%73, %72", MOE_D16(0), MOE_D16(4), MOE_D16(8), MOE_D16(12),
+                 MOE_D4(16));
   else
     static_assert(N == 8, "no wgmma shape for this tile");
 }
@@ -540,13 +548,15 @@ enum { M_SMALL_GROUPS, M_FP4, M_SCALE16, M_SCALE32, M_RUNTIME };
  * tiles are mostly one expert's) sweep every strip, tiles fastest, so a
  * wave of blocks shares a few strips and one expert's tokens in L2
  * instead of streaming every expert's tokens once per strip. */
-__device__ __forceinline__ void block_order(int &ti, int &strip) {
-  const long long pid = (long long)blockIdx.y * gridDim.x + blockIdx.x,
-                  in_group = (long long)RASTER * gridDim.y;
-  const int first = (int)(pid / in_group) * RASTER, nm = (int)gridDim.x;
+__device__ __forceinline__ void item_order(long long pid, int nm, int strips, int &ti, int &strip) {
+  const long long in_group = (long long)RASTER * strips;
+  const int first = (int)(pid / in_group) * RASTER;
   const int gsz = nm - first < RASTER ? nm - first : RASTER;
   ti = first + (int)(pid % in_group % gsz);
   strip = (int)(pid % in_group / gsz);
+}
+__device__ __forceinline__ void block_order(int &ti, int &strip) {
+  item_order((long long)blockIdx.y * gridDim.x + blockIdx.x, (int)gridDim.x, (int)gridDim.y, ti, strip);
 }
 
 /* Element (row pos, column col) of a K-major buffer with `cap` rows: [K /
@@ -1273,8 +1283,14 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
  * products are the generic kernel's wgmma on the same operands in the
  * same K order (batch invariance: identical bits, test_gpu's tile test). */
 namespace bulk {
-constexpr int BT = 128, BN = 256, CONSUMERS = 4, THREADS = 128 * CONSUMERS + 32;
-constexpr int B = BT * KB * 2, A = BN * KB * 2, STAGE = B + A, STAGES = 4, BYTES = STAGES * STAGE + 1024;
+constexpr int BN = 256, CONSUMERS = 4, THREADS = 128 * CONSUMERS + 32, A = BN * KB * 2, STAGES = 4;
+/* the tile heights (token rows): the large configuration's 128, the tall
+ * one's 136 (TC_TALL: an expert with 129-136 slots in one item instead of
+ * two; the tuner picks it where that pays) */
+constexpr int BT_LARGE = 128, BT_TALL = 136, BT_MAX = BT_TALL;
+template <int BT> struct Rows {
+  static constexpr int B = BT * KB * 2, STAGE = B + A, BYTES = STAGES * STAGE + 1024;
+};
 } // namespace bulk
 
 #if defined(MOE_TC_WGMMA)
@@ -1317,16 +1333,19 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t b
  * every output element is still one accumulator taking the same k16
  * products in the same order (the tile test compares the widths). */
 __device__ __forceinline__ int bulk_cols(int rows) {
-  return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : 128;
+  return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : rows <= 128 ? 128 : bulk::BT_TALL;
 }
 
 /* The block's products and epilogue on consumer warp `warp` with N token
- * columns (the copying warp copied N rows of each stage's token tile). */
-template <int N, int ACT>
+ * columns (the copying warp copied N rows of each stage's token tile);
+ * g0: the ring's stage count before this item (the persistent kernel's
+ * ring runs on across items). */
+template <int N, int ACT, int BT>
 __device__ __forceinline__ void bulk_item(const TcArgs &a, uint8_t *smem, uint64_t *full, uint64_t *empty,
-                                          int nkb, int n0, int ti, int rows, const int *slot_of,
+                                          int g0, int nkb, int n0, int ti, int rows, const int *slot_of,
                                           const float *tw_of, int e) {
   using namespace bulk;
+  constexpr int B = Rows<BT>::B, STAGE = Rows<BT>::STAGE;
   const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
   float acc[N / 8][4];
 #pragma unroll
@@ -1340,8 +1359,8 @@ __device__ __forceinline__ void bulk_item(const TcArgs &a, uint8_t *smem, uint64
   const uint64_t db = wgmma_desc(smem_addr(smem)),
                  da = wgmma_desc(smem_addr(smem) + B + (warp >> 2) * 64 * 128);
   for (int kb = 0; kb < nkb; kb++) {
-    const int s = kb % STAGES;
-    mbar_wait(&full[s], (kb / STAGES) & 1);
+    const int g = g0 + kb, s = g % STAGES;
+    mbar_wait(&full[s], (g / STAGES) & 1);
     const uint32_t so = (uint32_t)(s * STAGE) >> 4;
     wgmma_fence();
 #pragma unroll
@@ -1349,63 +1368,122 @@ __device__ __forceinline__ void bulk_item(const TcArgs &a, uint8_t *smem, uint64
       wgmma<N, ACT, true>(acc, none, da + so + ks * 2, db + so + ks * 2);
     wgmma_commit();
     wgmma_wait<1>(); /* the previous stage's products are done: hand it back */
-    if (kb > 0 && lane == 0) mbar_arrive(&empty[(kb - 1) % STAGES]);
+    if (kb > 0 && lane == 0) mbar_arrive(&empty[(g - 1) % STAGES]);
   }
   wgmma_wait<0>();
   fence_acc(acc);
-  pdl_next();
+  if (lane == 0) mbar_arrive(&empty[(g0 + nkb - 1) % STAGES]); /* the last stage too: the ring runs on */
   const int mt = n0 / 16 + warp;
   if (mt < a.n / 16) store_tile<ACT, true>(a, acc, mt, lane, rows, ti * BT, slot_of, tw_of, -1, e);
 }
+
+/* bulk_item at the item's token width (bulk_cols) */
+template <int ACT, int BT>
+__device__ __forceinline__ void bulk_any(const TcArgs &a, uint8_t *smem, uint64_t *full, uint64_t *empty,
+                                         int g0, int nkb, int n0, int ti, int rows, const int *slot_of,
+                                         const float *tw_of, int e) {
+  switch (bulk_cols(rows)) {
+  case 16: bulk_item<16, ACT, BT>(a, smem, full, empty, g0, nkb, n0, ti, rows, slot_of, tw_of, e); break;
+  case 32: bulk_item<32, ACT, BT>(a, smem, full, empty, g0, nkb, n0, ti, rows, slot_of, tw_of, e); break;
+  case 64: bulk_item<64, ACT, BT>(a, smem, full, empty, g0, nkb, n0, ti, rows, slot_of, tw_of, e); break;
+  case 128: bulk_item<128, ACT, BT>(a, smem, full, empty, g0, nkb, n0, ti, rows, slot_of, tw_of, e); break;
+  default:
+    if constexpr (BT > 128)
+      bulk_item<BT, ACT, BT>(a, smem, full, empty, g0, nkb, n0, ti, rows, slot_of, tw_of, e);
+    break;
+  }
+}
+
+/* One item's stages, issued by the copying thread from the ring's stage
+ * count g0 on (waiting for each slot's previous use to be handed back). */
+template <int BT>
+__device__ __forceinline__ void bulk_copy_item(const TcArgs &a, uint8_t *smem, uint64_t *full,
+                                               uint64_t *empty, int g0, int nkb, int n0, int ti, int e,
+                                               int cols) {
+  using namespace bulk;
+  constexpr int B = Rows<BT>::B, STAGE = Rows<BT>::STAGE;
+  const int N = a.n;
+  const uint32_t a_bytes = (uint32_t)((N - n0 < BN ? N - n0 : BN) * KB * 2),
+                 b_bytes = (uint32_t)(cols * KB * 2);
+  const uint8_t *wa = a.w + ((size_t)e * nkb * N + n0) * KB * 2, *xb = (const uint8_t *)a.x + (size_t)ti * B;
+  for (int kb = 0; kb < nkb; kb++) {
+    const int g = g0 + kb, s = g % STAGES;
+    if (g >= STAGES) mbar_wait(&empty[s], (g / STAGES - 1) & 1);
+    uint8_t *sb = smem + s * STAGE;
+    mbar_expect(&full[s], a_bytes + b_bytes);
+    bulk_copy(sb, xb + (size_t)kb * a.cap * KB * 2, b_bytes, &full[s]);
+    bulk_copy(sb + B, wa + (size_t)kb * N * KB * 2, a_bytes, &full[s]);
+  }
+}
 #endif
 
-template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_bulk(TcArgs a) {
+/* The persistent bulk kernel: one block per SM taking (tile, strip)
+ * items from a counter (a.next, zeroed by gather_rows) in block_order's
+ * order, so the next item's first stages are copied while this item's
+ * epilogue runs and no block waits for a launch. The counter only
+ * schedules: each item's products and their order are tc_gemm_bulk's.
+ * The copying warp publishes each item (its tile, strip and slot lists)
+ * in one of two item buffers (item_full); the consumers hand a buffer back
+ * after its epilogue (item_empty). */
+template <int ACT, int BT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_bulk(TcArgs a) {
 #if defined(MOE_TC_WGMMA)
   using namespace bulk;
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  __shared__ uint64_t full[STAGES], empty[STAGES];
-  __shared__ int slot_of[BT];
-  __shared__ float tw_of[BT]; /* as in tc_gemm */
+  __shared__ uint64_t full[STAGES], empty[STAGES], item_full[2], item_empty[2];
+  __shared__ int4 item[2]; /* ti (-1: no more), strip, expert, rows */
+  __shared__ int slot_of[2][BT];
+  __shared__ float tw_of[2][BT];
   uint8_t *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  int ti, strip;
-  block_order(ti, strip);
-  pdl_wait();
-  if (ti >= *a.ntiles) return;
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int4 tile = a.tiles[ti];
-  const int e = tile.x, row0 = tile.y, rows = tile.z;
-  const int N = a.n, nkb = a.k / KB, n0 = strip * BN, cols = bulk_cols(rows);
   if (tid < STAGES) {
     mbar_init(&full[tid], 1);
     mbar_init(&empty[tid], 4 * CONSUMERS);
   }
-  for (int i = tid; i < BT; i += THREADS)
-    load_slot(a, row0, rows, i, slot_of, tw_of);
+  if (tid < 2) {
+    mbar_init(&item_full[tid], 32);
+    mbar_init(&item_empty[tid], 128 * CONSUMERS);
+  }
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   __syncthreads();
-
-  if (warp == 4 * CONSUMERS) { /* the copying warp: one thread issues every stage */
-    if (lane == 0) {
-      const uint32_t a_bytes = (uint32_t)((N - n0 < BN ? N - n0 : BN) * KB * 2),
-                     b_bytes = (uint32_t)(cols * KB * 2);
-      const uint8_t *wa = a.w + ((size_t)e * nkb * N + n0) * KB * 2,
-                    *xb = (const uint8_t *)a.x + (size_t)ti * B;
-      for (int kb = 0; kb < nkb; kb++) {
-        const int s = kb % STAGES;
-        if (kb >= STAGES) mbar_wait(&empty[s], (kb / STAGES - 1) & 1);
-        uint8_t *sb = smem + s * STAGE;
-        mbar_expect(&full[s], a_bytes + b_bytes);
-        bulk_copy(sb, xb + (size_t)kb * a.cap * KB * 2, b_bytes, &full[s]);
-        bulk_copy(sb + B, wa + (size_t)kb * N * KB * 2, a_bytes, &full[s]);
+  pdl_wait();
+  const int nkb = a.k / KB, strips = (a.n + BN - 1) / BN;
+  if (warp == 4 * CONSUMERS) { /* the copying warp */
+    const int nt = *a.ntiles;
+    const long long total = (long long)nt * strips;
+    int g = 0;
+    for (int it = 0;; it++) {
+      const int buf = it & 1;
+      int pid = 0;
+      if (lane == 0) pid = atomicAdd(a.next, 1);
+      pid = __shfl_sync(0xffffffffu, pid, 0);
+      if (it >= 2) mbar_wait(&item_empty[buf], (it / 2 - 1) & 1);
+      if (pid >= total) {
+        if (lane == 0) item[buf] = make_int4(-1, 0, 0, 0);
+        pdl_next(); /* the next kernel may launch: only the last items' products and stores are left */
+        mbar_arrive(&item_full[buf]);
+        return;
       }
+      int ti, strip;
+      item_order(pid, nt, strips, ti, strip);
+      const int4 tile = a.tiles[ti];
+      for (int i = lane; i < BT; i += 32)
+        load_slot(a, tile.y, tile.z, i, slot_of[buf], tw_of[buf]);
+      if (lane == 0) item[buf] = make_int4(ti, strip, tile.x, tile.z);
+      mbar_arrive(&item_full[buf]);
+      if (lane == 0)
+        bulk_copy_item<BT>(a, smem, full, empty, g, nkb, strip * BN, ti, tile.x, bulk_cols(tile.z));
+      g += nkb;
     }
-    return;
   }
-  switch (cols) {
-  case 16: bulk_item<16, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e); break;
-  case 32: bulk_item<32, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e); break;
-  case 64: bulk_item<64, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e); break;
-  default: bulk_item<128, ACT>(a, smem, full, empty, nkb, n0, ti, rows, slot_of, tw_of, e); break;
+  int g = 0;
+  for (int it = 0;; it++) {
+    const int buf = it & 1;
+    mbar_wait(&item_full[buf], (it / 2) & 1);
+    const int4 m = item[buf];
+    if (m.x < 0) return;
+    bulk_any<ACT, BT>(a, smem, full, empty, g, nkb, m.y * BN, m.x, m.w, slot_of[buf], tw_of[buf], m.z);
+    g += nkb;
+    mbar_arrive(&item_empty[buf]);
   }
 #else
   (void)a; /* moe_tc_bulk is false off sm_90a */
@@ -1421,8 +1499,9 @@ template <int ACT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_b
  * T = 1024: one half-empty 128-row tile per expert). One block per (tile,
  * KB columns), 16 bytes per thread and step. */
 __global__ void gather_rows(TcArgs a, uint16_t *xk) {
-  constexpr int BT = bulk::BT;
+  const int BT = a.bt;
   pdl_wait();
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 2) a.next[threadIdx.x] = 0; /* both GEMMs' items */
   const int ti = (int)blockIdx.x;
   if (ti >= *a.ntiles) return;
   const int4 tile = a.tiles[ti];
@@ -1631,19 +1710,25 @@ moe_status launch_act(moe_backend *b, int act, int config, int max_tiles, const 
                        : launch_cfg<W, A_F16>(b, config, max_tiles, a, err);
 }
 
-template <int ACT> moe_status launch_bulk(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err) {
+template <int ACT, int BT>
+moe_status launch_bulk(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err) {
+  constexpr int BYTES = bulk::Rows<BT>::BYTES;
   static bool attr_set[64]; /* as in launch */
   const int dev = b->device;
   if (dev < 0 || dev >= 64 || !attr_set[dev]) {
     moe_status s = moe_gpu_check(
-        cudaFuncSetAttribute(tc_gemm_bulk<ACT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bulk::BYTES),
+        cudaFuncSetAttribute(tc_gemm_bulk<ACT, BT>, cudaFuncAttributeMaxDynamicSharedMemorySize, BYTES),
         "fused_moe tensor-core smem", err);
     if (s) return s;
     if (dev >= 0 && dev < 64) attr_set[dev] = true;
   }
-  const dim3 grid((unsigned)max_tiles, (unsigned)((a.n + bulk::BN - 1) / bulk::BN)); /* as tc_gemm's */
-  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), tc_gemm_bulk<ACT>, grid, dim3(bulk::THREADS), bulk::BYTES,
-                                  moe_gpu_stream(b), a),
+  /* one block per SM (fewer with MOE_GPU_BULK_BLOCKS: tests run many items per block) */
+  long long blocks = moe_gpu_sm_count(b), items = (long long)max_tiles * ((a.n + bulk::BN - 1) / bulk::BN);
+  if (const char *cap = getenv("MOE_GPU_BULK_BLOCKS"))
+    if (atoi(cap) > 0 && atoi(cap) < blocks) blocks = atoi(cap);
+  if (items < blocks) blocks = items;
+  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), tc_gemm_bulk<ACT, BT>, dim3((unsigned)blocks),
+                                  dim3(bulk::THREADS), BYTES, moe_gpu_stream(b), a),
                        "fused_moe tensor-core gemm", err);
 }
 
@@ -1783,9 +1868,11 @@ unsigned blocks_for(size_t items, moe_backend *b) {
 } // namespace
 
 int moe_tc_rows(int config) {
-  static const int rows[TC_CONFIGS] = {CfgS::BT, CfgM::BT, CfgW::BT, CfgL::BT};
+  /* tall: the large tile where the bulk path does not run (moe_tc_bulk) */
+  static const int rows[TC_CONFIGS] = {CfgS::BT, CfgM::BT, CfgW::BT, CfgL::BT, CfgL::BT};
   return rows[config];
 }
+int moe_tc_bulk_rows(int config) { return config == TC_TALL ? bulk::BT_TALL : bulk::BT_LARGE; }
 
 /* A row of the tuned table (fused_moe_tuned.h, written by `moe-bench-gpu
  * --tune`): on device `device`, for sets of this shape and weight kind and
@@ -1820,11 +1907,11 @@ extern "C" int moe_tc_untuned(moe_scheme scheme, int bits, int64_t avg) {
    * The 128 x 64 tile pays for 16-bit weights only: with int4/int8 its
    * two warpgroups per block leave too few warps for the dequantization. */
   static const int64_t upto[TW_KINDS][TC_CONFIGS] = {
-      /* TW_16 */ {4, 16, 48, INT64_MAX},
-      /* TW_INT4 */ {4, 48, 0, INT64_MAX},
-      /* TW_INT8 */ {4, 48, 0, INT64_MAX},
-      /* TW_FP4 */ {4, 48, 0, INT64_MAX},
-      /* TW_FP8 */ {16, 64, INT64_MAX, 0}, /* the wide tile is its largest (launch_packed) */
+      /* TW_16 */ {4, 16, 48, INT64_MAX, 0}, /* tall: only where the tuner found it faster */
+      /* TW_INT4 */ {4, 48, 0, INT64_MAX, 0},
+      /* TW_INT8 */ {4, 48, 0, INT64_MAX, 0},
+      /* TW_FP4 */ {4, 48, 0, INT64_MAX, 0},
+      /* TW_FP8 */ {16, 64, INT64_MAX, 0, 0}, /* the wide tile is its largest (launch_packed) */
   };
   for (int c = 0; c < TC_CONFIGS; c++)
     if (avg <= upto[w][c]) return c;
@@ -1849,7 +1936,7 @@ int moe_tc_split(const moe_expert_config *cfg) {
 bool moe_tc_bulk(moe_backend *b, const moe_expert_config *cfg, int config) {
 #if defined(MOE_TC_SM90A)
   const char *off = getenv("MOE_GPU_TC_BULK"); /* 0: the generic kernel (tests compare the two) */
-  return moe_gpu_cc_major(b) == 9 && tc_wkind(cfg) == TW_16 && config == TC_LARGE &&
+  return moe_gpu_cc_major(b) == 9 && tc_wkind(cfg) == TW_16 && (config == TC_LARGE || config == TC_TALL) &&
          !(off && !strcmp(off, "0"));
 #else
   (void)b, (void)cfg, (void)config;
@@ -1942,9 +2029,13 @@ moe_status moe_tc_pack(moe_backend *b, const moe_expert_config *cfg, const moe_d
 
 moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, int config, int max_tiles,
                        const TcArgs &a, moe_error *err) {
-  if (a.cap)
-    return act == A_BF16 ? launch_bulk<A_BF16>(b, max_tiles, a, err)
-                         : launch_bulk<A_F16>(b, max_tiles, a, err);
+  if (a.cap) {
+    if (a.bt == bulk::BT_TALL)
+      return act == A_BF16 ? launch_bulk<A_BF16, bulk::BT_TALL>(b, max_tiles, a, err)
+                           : launch_bulk<A_F16, bulk::BT_TALL>(b, max_tiles, a, err);
+    return act == A_BF16 ? launch_bulk<A_BF16, bulk::BT_LARGE>(b, max_tiles, a, err)
+                         : launch_bulk<A_F16, bulk::BT_LARGE>(b, max_tiles, a, err);
+  }
   switch (tc_wkind(cfg)) {
   case TW_INT4: return launch_act<TW_INT4>(b, act, config, max_tiles, a, err);
   case TW_INT8: return launch_act<TW_INT8>(b, act, config, max_tiles, a, err);
@@ -1961,6 +2052,7 @@ moe_status moe_tc_gemm(moe_backend *b, const moe_expert_config *cfg, int act, in
 #else /* AMD: no tensor-core path yet (the portable GEMM serves every shape) */
 
 int moe_tc_rows(int config) { return 8; }
+int moe_tc_bulk_rows(int config) { return 8; }
 int moe_tc_choose(moe_backend *b, const moe_expert_config *cfg, int64_t avg) { return TC_SMALL; }
 extern "C" int moe_tc_untuned(moe_scheme scheme, int bits, int64_t avg) { return TC_SMALL; }
 int moe_tc_split(const moe_expert_config *cfg) { return 1; }

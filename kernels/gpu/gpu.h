@@ -78,8 +78,8 @@ moe_status moe_gpu_inline_packed(moe_backend *b, const moe_expert_set *set,
 /* Tile configurations of fused_moe's tensor-core GEMM (fused_moe_gpu.h),
  * by name: MOE_GPU_FUSED_TILE=<name> forces one, and the bench's tuner
  * (moe-bench-gpu --tune) times each. */
-enum { TC_SMALL, TC_MEDIUM, TC_WIDE, TC_LARGE, TC_CONFIGS };
-extern const char *const moe_tc_config_names[TC_CONFIGS]; /* small, medium, wide, large */
+enum { TC_SMALL, TC_MEDIUM, TC_WIDE, TC_LARGE, TC_TALL, TC_CONFIGS };
+extern const char *const moe_tc_config_names[TC_CONFIGS]; /* small, medium, wide, large, tall */
 /* The configuration an untuned set of `scheme` (wna16: `bits`) takes at
  * `avg` slots per routed expert (the tuner writes rows that differ from it) */
 int moe_tc_untuned(moe_scheme scheme, int bits, int64_t avg);

@@ -1177,32 +1177,41 @@ END_TEST
  * service) gives the same bits for the same batch, so a token's result
  * cannot depend on the configuration its batch size selects; the large
  * tile twice, with the bulk kernel (16-bit weights on sm_90a) and with
- * the generic one (MOE_GPU_TC_BULK=0), and the bulk one again on
- * misaligned buffers. Shapes the path does not take
- * ignore the variables and pass trivially. */
+ * the generic one (MOE_GPU_TC_BULK=0), the bulk one again on
+ * misaligned buffers and on two persistent blocks that take many items
+ * each (MOE_GPU_BULK_BLOCKS: the stage ring and the item buffers wrap
+ * around many times); the tall tile (136 rows on the bulk path: 16-bit
+ * sets get ~133 slots per expert, so some of their items are 129-136
+ * rows wide) likewise. Shapes the path does not take ignore the variables
+ * and pass trivially. */
 START_TEST(fused_tile_configs) {
   const size_t picks[] = {0,  1,  4,  5,  7,  12, 13, 14,
                           19, 20, 23, 25, 28, 29, 32}; /* bf16, fp16, int4 g128, g128 zp, g32 zp, g16, int8
                                                           g128, g64 zp, split K, odd KB, mxfp4 + bias, bf16 +
                                                           bias, fp8 block, fp8 block 48x128, fp8 static */
-  static const char *const configs[] = {"small", "medium", "wide", "large", "large", "large"};
-  static const char *const bulk[] = {"1", "1", "1", "1", "0", "1"};
-  /* the last run misaligns the buffers: gather_rows' scalar loads */
-  static const size_t misalign[] = {0, 0, 0, 0, 0, 4};
+  static const char *const configs[] = {"small", "medium", "wide", "large", "large",
+                                        "large", "large",  "tall", "tall"};
+  static const char *const bulk[] = {"1", "1", "1", "1", "0", "1", "1", "1", "1"};
+  static const char *const blocks[] = {"0", "0", "0", "0", "0", "0", "2", "0", "3"};
+  /* the sixth run misaligns the buffers: gather_rows' scalar loads */
+  static const size_t misalign[] = {0, 0, 0, 0, 0, 4, 0, 0, 0};
   char label[200];
   for (size_t pi = 0; pi < sizeof picks / sizeof picks[0]; pi++) {
     const fm_case *c = &fm_cases[picks[pi]];
     fm_model m;
     fm_make(&m, c, (moe_activation)(pi % MOE_ACT_COUNT), FM_EXPERTS);
     fm_tokens tk;
-    fm_tokens_make(&tk, c, quick ? 37 : 150, FM_EXPERTS);
+    const bool w16 = c->scheme == MOE_SCHEME_BF16 || c->scheme == MOE_SCHEME_FP16;
+    fm_tokens_make(&tk, c, w16 ? 400 : quick ? 37 : 150, FM_EXPERTS);
     uint16_t *first = NULL;
     for (size_t k = 0; k < sizeof configs / sizeof configs[0]; k++) {
       setenv("MOE_GPU_FUSED_TILE", configs[k], 1);
       setenv("MOE_GPU_TC_BULK", bulk[k], 1);
+      setenv("MOE_GPU_BULK_BLOCKS", blocks[k], 1);
       uint16_t *r, *g;
-      snprintf(label, sizeof label, "tile config %s (MOE_GPU_TC_BULK=%s, misaligned %zu) %s", configs[k],
-               bulk[k], misalign[k], c->name);
+      snprintf(label, sizeof label,
+               "tile config %s (MOE_GPU_TC_BULK=%s, MOE_GPU_BULK_BLOCKS=%s, misaligned %zu) %s", configs[k],
+               bulk[k], blocks[k], misalign[k], c->name);
       fm_run(&m, NULL, &tk, misalign[k], label, &r, &g);
       fm_compare(c, r, g, (size_t)(tk.T * c->hidden), label, NULL, NULL);
       free(r);
@@ -1217,6 +1226,7 @@ START_TEST(fused_tile_configs) {
     }
     unsetenv("MOE_GPU_FUSED_TILE");
     unsetenv("MOE_GPU_TC_BULK");
+    unsetenv("MOE_GPU_BULK_BLOCKS");
     free(first);
     fm_tokens_free(&tk);
     fm_free(&m);
