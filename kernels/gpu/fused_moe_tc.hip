@@ -589,7 +589,11 @@ __device__ __forceinline__ int file_row(const TcArgs &a, int mt, int lane, int h
   return a.activation == MOE_ACT_SWIGLU_OAI ? 2 * u + h : h * a.inter + u;
 }
 
-template <int ACT, bool KMAJOR, int NT>
+/* FN: the activation when the caller knows it (-1: a.activation); FULL:
+ * every token column of the tile is one of its rows (no check per
+ * element). Both only take branches out of the bulk kernel's epilogue,
+ * which runs while the tensor cores idle. */
+template <int ACT, bool KMAJOR, int NT, int FN = -1, bool FULL = false>
 __device__ __forceinline__ void store_tile(const TcArgs &a, const float (&acc)[NT][4], int mt, int lane,
                                            int rows, int row, const int *slot_of, const float *tw_of, int seg,
                                            int e) {
@@ -619,9 +623,9 @@ __device__ __forceinline__ void store_tile(const TcArgs &a, const float (&acc)[N
     for (int j = 0; j < NT; j++)
 #pragma unroll
       for (int q = 0; q < 2; q++)
-        if (j * 8 + tok0 + q < rows) {
-          const float v =
-              activate<ACT>(a.activation, act_round<ACT>(acc[j][q] + b0), act_round<ACT>(acc[j][2 + q] + b1));
+        if (FULL || j * 8 + tok0 + q < rows) {
+          const float v = activate<ACT>(FN >= 0 ? FN : a.activation, act_round<ACT>(acc[j][q] + b0),
+                                        act_round<ACT>(acc[j][2 + q] + b1));
           a.out[o1[q] + (size_t)j * step1] = to16<ACT>(v);
         }
     return;
@@ -632,7 +636,7 @@ __device__ __forceinline__ void store_tile(const TcArgs &a, const float (&acc)[N
 #pragma unroll
     for (int q = 0; q < 2; q++) {
       const int tok = j * 8 + tok0 + q;
-      if (tok >= rows) continue;
+      if (!FULL && tok >= rows) continue;
       const int slot = slot_of[tok];
       if (seg >= 0) {
         float *p = a.part + ((size_t)seg * (size_t)a.slots + (size_t)slot) * (size_t)a.hidden + (size_t)h;
@@ -1374,7 +1378,23 @@ __device__ __forceinline__ void bulk_item(const TcArgs &a, uint8_t *smem, uint64
   fence_acc(acc);
   if (lane == 0) mbar_arrive(&empty[(g0 + nkb - 1) % STAGES]); /* the last stage too: the ring runs on */
   const int mt = n0 / 16 + warp;
-  if (mt < a.n / 16) store_tile<ACT, true>(a, acc, mt, lane, rows, ti * BT, slot_of, tw_of, -1, e);
+  if (mt >= a.n / 16) return;
+  /* silu's gate_up and full items (most at large T) without the checks per element */
+  const bool silu = a.phase == 1 && a.activation == MOE_ACT_SILU;
+  if constexpr (N >= 128) {
+    if (rows == N) {
+      if (silu)
+        store_tile<ACT, true, N / 8, MOE_ACT_SILU, true>(a, acc, mt, lane, rows, ti * BT, slot_of, tw_of, -1,
+                                                         e);
+      else
+        store_tile<ACT, true, N / 8, -1, true>(a, acc, mt, lane, rows, ti * BT, slot_of, tw_of, -1, e);
+      return;
+    }
+  }
+  if (silu)
+    store_tile<ACT, true, N / 8, MOE_ACT_SILU>(a, acc, mt, lane, rows, ti * BT, slot_of, tw_of, -1, e);
+  else
+    store_tile<ACT, true, N / 8>(a, acc, mt, lane, rows, ti * BT, slot_of, tw_of, -1, e);
 }
 
 /* bulk_item at the item's token width (bulk_cols) */
