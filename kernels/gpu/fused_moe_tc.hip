@@ -48,7 +48,8 @@
  * Grid: x = the tile list, y = the weight strips; blocks run in groups of
  * RASTER tiles x every strip (tiles fastest), so the tiles of one expert
  * that share a weight strip run together and hit L2. Blocks past the tile
- * count the align step wrote return at once.
+ * count the align step wrote return at once. (The bulk kernel takes the
+ * same (tile, strip) order from a counter, one block per SM.)
  *
  * Pipeline (sm_90a): a stage's wgmma group stays in flight while the next
  * stage is dequantized and issued (wgmma.wait_group 1), so a stage slot is
@@ -1291,7 +1292,7 @@ constexpr int BN = 256, CONSUMERS = 4, THREADS = 128 * CONSUMERS + 32, A = BN * 
 /* the tile heights (token rows): the large configuration's 128, the tall
  * one's 136 (TC_TALL: an expert with 129-136 slots in one item instead of
  * two; the tuner picks it where that pays) */
-constexpr int BT_LARGE = 128, BT_TALL = 136, BT_MAX = BT_TALL;
+constexpr int BT_LARGE = 128, BT_TALL = 136;
 template <int BT> struct Rows {
   static constexpr int B = BT * KB * 2, STAGE = B + A, BYTES = STAGES * STAGE + 1024;
 };
@@ -1441,7 +1442,9 @@ __device__ __forceinline__ void bulk_copy_item(const TcArgs &a, uint8_t *smem, u
  * items from a counter (a.next, zeroed by gather_rows) in block_order's
  * order, so the next item's first stages are copied while this item's
  * epilogue runs and no block waits for a launch. The counter only
- * schedules: each item's products and their order are tc_gemm_bulk's.
+ * schedules: an item's products and their order do not depend on the
+ * block that runs it or on what it ran before (bulk_item starts its
+ * accumulators at 0).
  * The copying warp publishes each item (its tile, strip and slot lists)
  * in one of two item buffers (item_full); the consumers hand a buffer back
  * after its epilogue (item_empty). */
