@@ -1098,7 +1098,16 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   const bool pdl = moe_gpu_pdl(b);
   const int off = (int)cfg->expert_offset;
   moe_status s = MOE_OK;
-  if (multi) {
+  /* decode with 16-bit weights on the tensor cores: no align kernel, gate_up
+   * aligns for itself (TcArgs.ids): Qwen3-30B-A3B bf16 T=1 -7%, a call
+   * without weights -20%. The packed-code kernels took 2-4% longer with the
+   * code in them (their decode loop is issue-bound; bench/RESULTS.md,
+   * sixteenth pass), so they keep the align kernel. */
+  const bool tiny =
+      tc && !bulk && n <= 32 && (cfg->scheme == MOE_SCHEME_BF16 || cfg->scheme == MOE_SCHEME_FP16);
+  if (tiny)
+    ; /* tiny_align in gate_up */
+  else if (multi) {
     s = moe_gpu_check(pdl_launch(pdl, align_multi_count, dim3(ALIGN_MULTI), dim3(ALIGN_MULTI_THREADS), 0, st,
                                  ids, (int)n, (int)el, off, scratch),
                       "fused_moe align count", err);
@@ -1170,6 +1179,12 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
         t.bias_dt = (int)args->set->t[bs].dtype;
       }
       t.phase = m + 1;
+    }
+    if (tiny) {
+      t1.ids = ids;
+      t1.nids = (int)n;
+      t1.el = (int)el;
+      t1.offset = off;
     }
     t1.x = x;
     t1.x_vec = aligned16(x);

@@ -174,6 +174,12 @@ struct TcArgs {
   int inter, hidden, top_k, activation;
   const int *sorted, *ntiles;
   const int4 *tiles;
+  /* gate_up of a batch of at most 32 slots (tensor-core decode tiles,
+   * 16-bit weights): no align kernel; every block derives its tile from the ids and
+   * block 0 writes sorted, tiles and ntiles for down (tiny_align). NULL:
+   * the align kernel wrote them. */
+  const int32_t *ids;
+  int nids, el, offset;
   const float *tw;
   uint16_t *out;
   int cap;     /* the bulk path (moe_tc_bulk): rows of the K-major buffers (phase 1's x and out, phase 2's x);

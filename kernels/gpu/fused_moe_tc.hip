@@ -653,12 +653,62 @@ __device__ __forceinline__ void store_tile(const TcArgs &a, const float (&acc)[N
 
 /* The tile's slots (-1 past its count) and, for phase 2, their routing
  * weights: read once before the main loop, for the epilogue. */
-__device__ __forceinline__ int load_slot(const TcArgs &a, int row0, int rows, int i, int *slot_of,
-                                         float *tw_of) {
-  const int slot = i < rows ? a.sorted[row0 + i] : -1;
+__device__ __forceinline__ int load_slot(const TcArgs &a, const int *sorted, int row0, int rows, int i,
+                                         int *slot_of, float *tw_of) {
+  const int slot = i < rows ? sorted[row0 + i] : -1;
   slot_of[i] = slot;
   if (a.phase == 2) tw_of[i] = slot < 0 ? 0.0f : a.tw[slot];
   return slot;
+}
+
+/* The align step for a batch of at most 32 slots (TcArgs.ids), run by
+ * warp 0 of every gate_up block instead of an align kernel (a launch and
+ * its wait are most of it at decode). The same tile list as the align
+ * kernel's: local experts ascending, each expert's slots in tiles of bm
+ * rows from its first row (the exclusive sum of the smaller experts'
+ * counts); within an expert the slots go in slot order (the align kernel
+ * places them in any order: a slot's results do not depend on its row).
+ * Writes this block's tile, the tile count and the tile's slots (sorted,
+ * indexed from the tile's first row) to shared memory; block 0 also
+ * writes sorted, tiles and ntiles for down. Lane j holds slot j. */
+__device__ __forceinline__ void tiny_align(const TcArgs &a, int ti, int bm, bool first_block, int4 *s_tile,
+                                           int *s_ntiles, int *s_sorted) {
+  const int lane = (int)threadIdx.x & 31;
+  int le = lane < a.nids ? a.ids[lane] - a.offset : -1;
+  if (le >= a.el) le = -1;
+  const bool held = le >= 0;
+  int before = 0, same_before = 0, cnt = 0; /* held slots of smaller experts; of this one, earlier; all */
+  for (int j = 0; j < 32; j++) {
+    const int lj = __shfl_sync(0xFFFFFFFFu, le, j);
+    if (held && lj >= 0) {
+      before += lj < le;
+      cnt += lj == le;
+      same_before += lj == le && j < lane;
+    }
+  }
+  const bool lead = held && same_before == 0; /* the expert's first slot speaks for it */
+  const int ntl = lead ? (cnt + bm - 1) / bm : 0;
+  int tstart = 0, total = 0; /* this expert's first tile; all tiles */
+  for (int j = 0; j < 32; j++) {
+    const int lj = __shfl_sync(0xFFFFFFFFu, le, j), nj = __shfl_sync(0xFFFFFFFFu, ntl, j);
+    total += nj;
+    tstart += held && lj < le ? nj : 0;
+  }
+  if (first_block) { /* the workspace's lists (const for the GEMMs that read them) */
+    if (held) const_cast<int *>(a.sorted)[before + same_before] = lane;
+    for (int t = 0; t < ntl; t++)
+      const_cast<int4 *>(a.tiles)[tstart + t] = make_int4(le, before + t * bm, min(bm, cnt - t * bm), 0);
+    if (lane == 0) *const_cast<int *>(a.ntiles) = total;
+  }
+  if (lane == 0) *s_ntiles = total;
+  if (lead && ti >= tstart && ti < tstart + ntl)
+    *s_tile = make_int4(le, before + (ti - tstart) * bm, min(bm, cnt - (ti - tstart) * bm), 0);
+  __syncwarp();
+  if (ti < total) {
+    const int4 t = *s_tile;
+    const int r = before + same_before - t.y;
+    if (held && le == t.x && r >= 0 && r < t.z) s_sorted[r] = lane;
+  }
 }
 
 /* SPLIT: the down GEMM in K segments (moe_tc_split; a kernel of its own so
@@ -684,9 +734,21 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
   int ti, strip;
   block_order(ti, strip);
   pdl_wait();
-  if (ti >= *a.ntiles) return;
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int4 tile = a.tiles[ti];
+  int4 tile;
+  const int *sorted = a.sorted; /* the tile's slots at sorted[row0 ..] */
+  if (W == TW_16 && a.ids) {    /* decode: no align kernel ran (tiny_align: 16-bit weights only) */
+    __shared__ int4 s_tile;
+    __shared__ int s_ntiles, s_sorted[BT];
+    if (warp == 0) tiny_align(a, ti, BT, blockIdx.x == 0 && blockIdx.y == 0, &s_tile, &s_ntiles, s_sorted);
+    __syncthreads();
+    if (ti >= s_ntiles) return;
+    tile = s_tile;
+    sorted = s_sorted - tile.y;
+  } else {
+    if (ti >= *a.ntiles) return;
+    tile = a.tiles[ti];
+  }
   const int e = tile.x, row0 = tile.y, rows = tile.z;
   /* this block's K segment (moe_tc_split: a.split > 1 for phase 2 only):
    * KB blocks kbs .. kbs + nkb_seg with accumulators of its own, folded by
@@ -701,7 +763,7 @@ __global__ void __launch_bounds__(C::THREADS, C::MINB) tc_gemm(TcArgs a) {
   const int n0 = strip * BN;
   const int mt = n0 / 16 + warp; /* this warp's 16-row block */
   for (int i = tid; i < BT; i += THREADS) {
-    const int slot = load_slot(a, row0, rows, i, slot_of, tw_of);
+    const int slot = load_slot(a, sorted, row0, rows, i, slot_of, tw_of);
     src_row[i] = i >= rows ? -1 : a.phase == 1 && (!FP8 || a.xtok) ? slot / a.top_k : row0 + i;
   }
   /* token rows past the tile's count are zero in every stage: written once
@@ -1490,7 +1552,7 @@ template <int ACT, int BT> __global__ void __launch_bounds__(bulk::THREADS, 1) t
       item_order(pid, nt, strips, ti, strip);
       const int4 tile = a.tiles[ti];
       for (int i = lane; i < BT; i += 32)
-        load_slot(a, tile.y, tile.z, i, slot_of[buf], tw_of[buf]);
+        load_slot(a, a.sorted, tile.y, tile.z, i, slot_of[buf], tw_of[buf]);
       if (lane == 0) item[buf] = make_int4(ti, strip, tile.x, tile.z);
       mbar_arrive(&item_full[buf]);
       if (lane == 0)
