@@ -409,6 +409,10 @@ def test_drain(tmp):
                 pass
         t = threading.Thread(target=consume, daemon=True)
         t.start()
+        for _ in range(200):  # the Watch's first answer (SERVING) before anything else happens
+            if statuses:
+                break
+            time.sleep(0.05)
         big = np.ones((4096, 4096), np.float32)
         req = make_req("quant.per_token", [("x", "FP32", list(big.shape), big.tobytes())], {"out_dtype": "int8"})
         f = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer",
