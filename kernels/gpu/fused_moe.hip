@@ -1108,19 +1108,19 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   if (tiny)
     ; /* tiny_align in gate_up */
   else if (multi) {
-    s = moe_gpu_check(pdl_launch(pdl, align_multi_count, dim3(ALIGN_MULTI), dim3(ALIGN_MULTI_THREADS), 0, st,
-                                 ids, (int)n, (int)el, off, scratch),
+    s = moe_gpu_check(pdl_launch(pdl, 1, align_multi_count, dim3(ALIGN_MULTI), dim3(ALIGN_MULTI_THREADS), 0,
+                                 st, ids, (int)n, (int)el, off, scratch),
                       "fused_moe align count", err);
     if (!s)
-      s = moe_gpu_check(pdl_launch(pdl, align_multi_scan, dim3(1), dim3(ALIGN_THREADS), 0, st, scratch,
+      s = moe_gpu_check(pdl_launch(pdl, 1, align_multi_scan, dim3(1), dim3(ALIGN_THREADS), 0, st, scratch,
                                    ALIGN_MULTI, (int)el, bm, (int4 *)(ws + o_tiles), ntiles),
                         "fused_moe align scan", err);
     if (!s)
-      s = moe_gpu_check(pdl_launch(pdl, align_multi_place, dim3(ALIGN_MULTI), dim3(ALIGN_MULTI_THREADS), 0,
+      s = moe_gpu_check(pdl_launch(pdl, 1, align_multi_place, dim3(ALIGN_MULTI), dim3(ALIGN_MULTI_THREADS), 0,
                                    st, ids, (int)n, (int)el, off, (const int *)scratch, sorted),
                         "fused_moe align place", err);
   } else
-    s = moe_gpu_check(pdl_launch(pdl, el <= ALIGN_SMEM_EXPERTS ? align_kernel<true> : align_kernel<false>,
+    s = moe_gpu_check(pdl_launch(pdl, 1, el <= ALIGN_SMEM_EXPERTS ? align_kernel<true> : align_kernel<false>,
                                  dim3(1), dim3(at), 0, st, ids, (int)n, (int)el, off, bm, scratch,
                                  (int4 *)(ws + o_tiles), ntiles, sorted),
                       "fused_moe align", err);
@@ -1295,7 +1295,7 @@ extern "C" moe_status moe_gpu_fused_moe(moe_backend *b, moe_call *c, moe_error *
   const int64_t gx = ((hidden + 7) / 8 + MOE_GPU_BLOCK - 1) / MOE_GPU_BLOCK,
                 want = (int64_t)moe_gpu_sm_count(b) * 16 / gx;
   const int64_t gy = want < 1 ? 1 : want > tokens ? tokens : want > 65535 ? 65535 : want;
-  return moe_gpu_check(pdl_launch(pdl, args->act == MOE_BF16 ? sum_kernel<A_BF16> : sum_kernel<A_F16>,
+  return moe_gpu_check(pdl_launch(pdl, 1, args->act == MOE_BF16 ? sum_kernel<A_BF16> : sum_kernel<A_F16>,
                                   dim3((unsigned)gx, (unsigned)gy), dim3(MOE_GPU_BLOCK), 0, st,
                                   (const uint16_t *)y_buf, (const float *)(ws + o_part), split, tw, ids,
                                   (int)tokens, (int)k, (int)hidden, (int)cfg->expert_offset, (int)el, vec,

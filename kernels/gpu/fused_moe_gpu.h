@@ -121,25 +121,36 @@ __device__ __forceinline__ void pdl_next() {
 }
 /* Whether b's launches overlap this way (sm_90+, not turned off). */
 bool moe_gpu_pdl(moe_backend *b);
-/* k<<<grid, block, smem, st>>>(args...), overlapping the kernel before it when pdl. */
+/* k<<<grid, block, smem, st>>>(args...), overlapping the kernel before it
+ * when pdl, in clusters of `cluster` blocks along x (NVIDIA; 1: none). */
 template <typename... P, typename... A>
-hipError_t pdl_launch(bool pdl, void (*k)(P...), dim3 grid, dim3 block, size_t smem, hipStream_t st,
-                      A &&...args) {
+hipError_t pdl_launch(bool pdl, unsigned cluster, void (*k)(P...), dim3 grid, dim3 block, size_t smem,
+                      hipStream_t st, A &&...args) {
 #if defined(MOE_GPU_CUDA)
-  if (pdl) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
+  if (pdl || cluster > 1) {
+    cudaLaunchAttribute attr[2];
+    unsigned n = 0;
+    if (pdl) {
+      attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[n++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (cluster > 1) {
+      attr[n].id = cudaLaunchAttributeClusterDimension;
+      attr[n].val.clusterDim.x = cluster;
+      attr[n].val.clusterDim.y = 1;
+      attr[n++].val.clusterDim.z = 1;
+    }
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = st;
     cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cfg.numAttrs = n;
     return cudaLaunchKernelEx(&cfg, k, static_cast<A &&>(args)...);
   }
 #endif
+  (void)cluster;
   (void)pdl;
   k<<<grid, block, smem, st>>>(static_cast<A &&>(args)...);
   return hipGetLastError();

@@ -1364,15 +1364,37 @@ template <int BT> struct Rows {
 __device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }
+/* CLUSTER: what the other block of a cluster wrote before its arrival is
+ * visible after. BOUNDED: a wait that depends on the other block traps
+ * after 10 s (a launch error instead of a hung device: the clusters are
+ * new and their protocol has no other watchdog) */
+template <bool CLUSTER = false, bool BOUNDED = false>
 __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
   uint32_t done;
-  do
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-  while (!done);
+  [[maybe_unused]] uint64_t t0 = 0;
+  do {
+    if constexpr (CLUSTER)
+      asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], "
+                   "%2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                   : "=r"(done)
+                   : "r"(smem_addr(bar)), "r"(parity)
+                   : "memory");
+    else
+      asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, "
+                   "0, p;\n}\n"
+                   : "=r"(done)
+                   : "r"(smem_addr(bar)), "r"(parity)
+                   : "memory");
+    if constexpr (BOUNDED)
+      if (!done) {
+        uint64_t now;
+        asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(now));
+        if (!t0)
+          t0 = now;
+        else if (now - t0 > 10000000000ull)
+          __trap();
+      }
+  } while (!done);
 }
 __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
@@ -1389,6 +1411,49 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t b
           smem_addr(dst)),
       "l"(src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
+}
+/* bulk_copy into the same offset of both blocks of a cluster of two, counted
+ * on each one's bar at the same offset */
+__device__ __forceinline__ void bulk_copy_pair(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], "
+               "[%1], %2, [%3], %4;\n" ::"r"(smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar)), "h"((uint16_t)3)
+               : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+/* p's address in the other block of a cluster of two */
+__device__ __forceinline__ uint32_t peer(const void *p) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+               : "=r"(r)
+               : "r"(smem_addr(p)), "r"(cluster_rank() ^ 1));
+  return r;
+}
+/* an arrival on the other block's bar; PUBLISH: what this thread wrote
+ * before (into that block's shared memory) is visible to its waiters (a
+ * cluster-scope release: two memory barriers). A stage's release needs no
+ * fence: its reads were wgmma's, complete at wgmma.wait_group */
+template <bool PUBLISH = false> __device__ __forceinline__ void mbar_arrive_peer(uint64_t *bar) {
+  if constexpr (PUBLISH)
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(peer(bar))
+                 : "memory");
+  else
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(peer(bar)) : "memory");
+}
+/* a stage's products are done in this block: it may be refilled, in a
+ * cluster of two only once the other block's are too (both copying
+ * threads write into both blocks' stage) */
+template <int CL> __device__ __forceinline__ void release_stage(uint64_t *bar) {
+  mbar_arrive(bar);
+  if constexpr (CL > 1) mbar_arrive_peer(bar);
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
+                   : "memory");
 }
 #endif
 
@@ -1407,7 +1472,7 @@ __device__ __forceinline__ int bulk_cols(int rows) {
  * columns (the copying warp copied N rows of each stage's token tile);
  * g0: the ring's stage count before this item (the persistent kernel's
  * ring runs on across items). */
-template <int N, int ACT, int BT>
+template <int N, int ACT, int BT, int CL>
 __device__ __forceinline__ void bulk_item(const TcArgs &a, uint8_t *smem, uint64_t *full, uint64_t *empty,
                                           int g0, int nkb, int n0, int ti, int rows, const int *slot_of,
                                           const float *tw_of, int e) {
@@ -1427,7 +1492,7 @@ __device__ __forceinline__ void bulk_item(const TcArgs &a, uint8_t *smem, uint64
                  da = wgmma_desc(smem_addr(smem) + B + (warp >> 2) * 64 * 128);
   for (int kb = 0; kb < nkb; kb++) {
     const int g = g0 + kb, s = g % STAGES;
-    mbar_wait(&full[s], (g / STAGES) & 1);
+    mbar_wait<false, (CL > 1)>(&full[s], (g / STAGES) & 1);
     const uint32_t so = (uint32_t)(s * STAGE) >> 4;
     wgmma_fence();
 #pragma unroll
@@ -1435,11 +1500,12 @@ __device__ __forceinline__ void bulk_item(const TcArgs &a, uint8_t *smem, uint64
       wgmma<N, ACT, true>(acc, none, da + so + ks * 2, db + so + ks * 2);
     wgmma_commit();
     wgmma_wait<1>(); /* the previous stage's products are done: hand it back */
-    if (kb > 0 && lane == 0) mbar_arrive(&empty[(g - 1) % STAGES]);
+    if (kb > 0 && lane == 0) release_stage<CL>(&empty[(g - 1) % STAGES]);
   }
   wgmma_wait<0>();
   fence_acc(acc);
-  if (lane == 0) mbar_arrive(&empty[(g0 + nkb - 1) % STAGES]); /* the last stage too: the ring runs on */
+  if (lane == 0)
+    release_stage<CL>(&empty[(g0 + nkb - 1) % STAGES]); /* the last stage too: the ring runs on */
   const int mt = n0 / 16 + warp;
   if (mt >= a.n / 16) return;
   /* silu's gate_up and full items (most at large T) without the checks per element */
@@ -1461,28 +1527,32 @@ __device__ __forceinline__ void bulk_item(const TcArgs &a, uint8_t *smem, uint64
 }
 
 /* bulk_item at the item's token width (bulk_cols) */
-template <int ACT, int BT>
+template <int ACT, int BT, int CL>
 __device__ __forceinline__ void bulk_any(const TcArgs &a, uint8_t *smem, uint64_t *full, uint64_t *empty,
                                          int g0, int nkb, int n0, int ti, int rows, const int *slot_of,
                                          const float *tw_of, int e) {
   switch (bulk_cols(rows)) {
-  case 16: bulk_item<16, ACT, BT>(a, smem, full, empty, g0, nkb, n0, ti, rows, slot_of, tw_of, e); break;
-  case 32: bulk_item<32, ACT, BT>(a, smem, full, empty, g0, nkb, n0, ti, rows, slot_of, tw_of, e); break;
-  case 64: bulk_item<64, ACT, BT>(a, smem, full, empty, g0, nkb, n0, ti, rows, slot_of, tw_of, e); break;
-  case 128: bulk_item<128, ACT, BT>(a, smem, full, empty, g0, nkb, n0, ti, rows, slot_of, tw_of, e); break;
+  case 16: bulk_item<16, ACT, BT, CL>(a, smem, full, empty, g0, nkb, n0, ti, rows, slot_of, tw_of, e); break;
+  case 32: bulk_item<32, ACT, BT, CL>(a, smem, full, empty, g0, nkb, n0, ti, rows, slot_of, tw_of, e); break;
+  case 64: bulk_item<64, ACT, BT, CL>(a, smem, full, empty, g0, nkb, n0, ti, rows, slot_of, tw_of, e); break;
+  case 128:
+    bulk_item<128, ACT, BT, CL>(a, smem, full, empty, g0, nkb, n0, ti, rows, slot_of, tw_of, e);
+    break;
   default:
     if constexpr (BT > 128)
-      bulk_item<BT, ACT, BT>(a, smem, full, empty, g0, nkb, n0, ti, rows, slot_of, tw_of, e);
+      bulk_item<BT, ACT, BT, CL>(a, smem, full, empty, g0, nkb, n0, ti, rows, slot_of, tw_of, e);
     break;
   }
 }
 
 /* One item's stages, issued by the copying thread from the ring's stage
- * count g0 on (waiting for each slot's previous use to be handed back). */
-template <int BT>
+ * count g0 on (waiting for each slot's previous use to be handed back). In
+ * a cluster of two (CL 2: the same tile, two strips) each copying thread
+ * copies half of the token rows into both blocks. */
+template <int BT, int CL>
 __device__ __forceinline__ void bulk_copy_item(const TcArgs &a, uint8_t *smem, uint64_t *full,
                                                uint64_t *empty, int g0, int nkb, int n0, int ti, int e,
-                                               int cols) {
+                                               int cols, uint32_t rank) {
   using namespace bulk;
   constexpr int B = Rows<BT>::B, STAGE = Rows<BT>::STAGE;
   const int N = a.n;
@@ -1491,10 +1561,14 @@ __device__ __forceinline__ void bulk_copy_item(const TcArgs &a, uint8_t *smem, u
   const uint8_t *wa = a.w + ((size_t)e * nkb * N + n0) * KB * 2, *xb = (const uint8_t *)a.x + (size_t)ti * B;
   for (int kb = 0; kb < nkb; kb++) {
     const int g = g0 + kb, s = g % STAGES;
-    if (g >= STAGES) mbar_wait(&empty[s], (g / STAGES - 1) & 1);
+    if (g >= STAGES) mbar_wait<false, (CL > 1)>(&empty[s], (g / STAGES - 1) & 1);
     uint8_t *sb = smem + s * STAGE;
     mbar_expect(&full[s], a_bytes + b_bytes);
-    bulk_copy(sb, xb + (size_t)kb * a.cap * KB * 2, b_bytes, &full[s]);
+    const uint8_t *src = xb + (size_t)kb * a.cap * KB * 2;
+    if constexpr (CL > 1) /* halves of >= 8 rows: multiples of 1 KB */
+      bulk_copy_pair(sb + rank * (b_bytes / 2), src + rank * (b_bytes / 2), b_bytes / 2, &full[s]);
+    else
+      bulk_copy(sb, src, b_bytes, &full[s]);
     bulk_copy(sb + B, wa + (size_t)kb * N * KB * 2, a_bytes, &full[s]);
   }
 }
@@ -1509,67 +1583,98 @@ __device__ __forceinline__ void bulk_copy_item(const TcArgs &a, uint8_t *smem, u
  * accumulators at 0).
  * The copying warp publishes each item (its tile, strip and slot lists)
  * in one of two item buffers (item_full); the consumers hand a buffer back
- * after its epilogue (item_empty). */
-template <int ACT, int BT> __global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_bulk(TcArgs a) {
+ * after its epilogue (item_empty).
+ * CL 2: clusters of two blocks take (tile, strip pair) items, block r the
+ * strip 2 p + r, and each token stage is read from L2 once for both (half
+ * by each copying thread, multicast): a sixth less L2 traffic, which
+ * bounds the large GEMMs of small experts (bench/RESULTS.md, sixteenth
+ * pass). Block 0 takes the items from the counter and passes each to
+ * block 1 (pid_box, pid_full). The products are the same. */
+template <int ACT, int BT, int CL>
+__global__ void __launch_bounds__(bulk::THREADS, 1) tc_gemm_bulk(TcArgs a) {
 #if defined(MOE_TC_WGMMA)
   using namespace bulk;
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  __shared__ uint64_t full[STAGES], empty[STAGES], item_full[2], item_empty[2];
+  __shared__ uint64_t full[STAGES], empty[STAGES], item_full[2], item_empty[2], pid_full[2];
   __shared__ int4 item[2]; /* ti (-1: no more), strip, expert, rows */
+  __shared__ int pid_box[2];
   __shared__ int slot_of[2][BT];
   __shared__ float tw_of[2][BT];
   uint8_t *smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid < STAGES) {
     mbar_init(&full[tid], 1);
-    mbar_init(&empty[tid], 4 * CONSUMERS);
+    mbar_init(&empty[tid], 4 * CONSUMERS * CL);
   }
   if (tid < 2) {
     mbar_init(&item_full[tid], 32);
     mbar_init(&item_empty[tid], 128 * CONSUMERS);
+    mbar_init(&pid_full[tid], 1);
   }
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  __syncthreads();
+  if constexpr (CL > 1)
+    cluster_sync(); /* the other block's barriers exist before any arrival on them */
+  else
+    __syncthreads();
   pdl_wait();
-  const int nkb = a.k / KB, strips = (a.n + BN - 1) / BN;
+  const uint32_t rank = CL > 1 ? cluster_rank() : 0;
+  const int nkb = a.k / KB, strips = (a.n + BN - 1) / BN / CL;
   if (warp == 4 * CONSUMERS) { /* the copying warp */
     const int nt = *a.ntiles;
     const long long total = (long long)nt * strips;
     int g = 0;
     for (int it = 0;; it++) {
       const int buf = it & 1;
+      /* CL 2: block 1 has read pid_box[buf] for item it - 2 before block 0's
+       * consumers are done with that item (they need block 1's copies) */
+      if (CL > 1 && it >= 2) mbar_wait(&item_empty[buf], (it / 2 - 1) & 1);
       int pid = 0;
-      if (lane == 0) pid = atomicAdd(a.next, 1);
+      if (lane == 0) {
+        if (rank == 0) {
+          pid = atomicAdd(a.next, 1);
+          if constexpr (CL > 1) {
+            asm volatile("st.shared::cluster.u32 [%0], %1;\n" ::"r"(peer(&pid_box[buf])), "r"(pid)
+                         : "memory");
+            mbar_arrive_peer<true>(&pid_full[buf]);
+          }
+        } else {
+          mbar_wait<true, true>(&pid_full[buf], (it / 2) & 1);
+          pid = *(volatile int *)&pid_box[buf];
+        }
+      }
       pid = __shfl_sync(0xffffffffu, pid, 0);
-      if (it >= 2) mbar_wait(&item_empty[buf], (it / 2 - 1) & 1);
+      if (CL == 1 && it >= 2) mbar_wait(&item_empty[buf], (it / 2 - 1) & 1); /* the counter's latency first */
       if (pid >= total) {
         if (lane == 0) item[buf] = make_int4(-1, 0, 0, 0);
         pdl_next(); /* the next kernel may launch: only the last items' products and stores are left */
         mbar_arrive(&item_full[buf]);
-        return;
+        break;
       }
       int ti, strip;
       item_order(pid, nt, strips, ti, strip);
+      strip = strip * CL + (int)rank;
       const int4 tile = a.tiles[ti];
       for (int i = lane; i < BT; i += 32)
         load_slot(a, a.sorted, tile.y, tile.z, i, slot_of[buf], tw_of[buf]);
       if (lane == 0) item[buf] = make_int4(ti, strip, tile.x, tile.z);
       mbar_arrive(&item_full[buf]);
       if (lane == 0)
-        bulk_copy_item<BT>(a, smem, full, empty, g, nkb, strip * BN, ti, tile.x, bulk_cols(tile.z));
+        bulk_copy_item<BT, CL>(a, smem, full, empty, g, nkb, strip * BN, ti, tile.x, bulk_cols(tile.z), rank);
       g += nkb;
     }
+  } else {
+    int g = 0;
+    for (int it = 0;; it++) {
+      const int buf = it & 1;
+      mbar_wait(&item_full[buf], (it / 2) & 1);
+      const int4 m = item[buf];
+      if (m.x < 0) break;
+      bulk_any<ACT, BT, CL>(a, smem, full, empty, g, nkb, m.y * BN, m.x, m.w, slot_of[buf], tw_of[buf], m.z);
+      g += nkb;
+      mbar_arrive(&item_empty[buf]);
+    }
   }
-  int g = 0;
-  for (int it = 0;; it++) {
-    const int buf = it & 1;
-    mbar_wait(&item_full[buf], (it / 2) & 1);
-    const int4 m = item[buf];
-    if (m.x < 0) return;
-    bulk_any<ACT, BT>(a, smem, full, empty, g, nkb, m.y * BN, m.x, m.w, slot_of[buf], tw_of[buf], m.z);
-    g += nkb;
-    mbar_arrive(&item_empty[buf]);
-  }
+  if constexpr (CL > 1) cluster_sync(); /* no block leaves while the other may still arrive on its barriers */
 #else
   (void)a; /* moe_tc_bulk is false off sm_90a */
 #endif
@@ -1745,7 +1850,7 @@ moe_status launch(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err
   }
   /* tiles x strips (x K segments) */
   const dim3 grid((unsigned)max_tiles, (unsigned)((a.n + C::BN - 1) / C::BN * a.split));
-  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), tc_gemm<W, ACT, C, SPLIT, FB>, grid, dim3(C::THREADS),
+  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), 1, tc_gemm<W, ACT, C, SPLIT, FB>, grid, dim3(C::THREADS),
                                   S::BYTES, moe_gpu_stream(b), a),
                        "fused_moe tensor-core gemm", err);
 }
@@ -1795,26 +1900,64 @@ moe_status launch_act(moe_backend *b, int act, int config, int max_tiles, const 
                        : launch_cfg<W, A_F16>(b, config, max_tiles, a, err);
 }
 
-template <int ACT, int BT>
-moe_status launch_bulk(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err) {
+/* Clusters of two sharing the token stages where the strips pair up
+ * (every layer of bench/RESULTS.md), with MOE_GPU_BULK_CLUSTER=1 only:
+ * written without a GPU at hand and not yet run on one
+ * (docs/gpu-kernels.md), so not the default. */
+static int bulk_cluster(const TcArgs &a) {
+  const char *env = getenv("MOE_GPU_BULK_CLUSTER");
+  return (a.n + bulk::BN - 1) / bulk::BN % 2 == 0 && env && !strcmp(env, "1") ? 2 : 1;
+}
+
+template <int ACT, int BT, int CL>
+moe_status launch_bulk_cl(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err) {
   constexpr int BYTES = bulk::Rows<BT>::BYTES;
-  static bool attr_set[64]; /* as in launch */
+  static bool attr_set[64];  /* as in launch */
+  static int max_blocks[64]; /* blocks of this kernel resident at once (clusters that fit, x CL) */
   const int dev = b->device;
   if (dev < 0 || dev >= 64 || !attr_set[dev]) {
     moe_status s = moe_gpu_check(
-        cudaFuncSetAttribute(tc_gemm_bulk<ACT, BT>, cudaFuncAttributeMaxDynamicSharedMemorySize, BYTES),
+        cudaFuncSetAttribute(tc_gemm_bulk<ACT, BT, CL>, cudaFuncAttributeMaxDynamicSharedMemorySize, BYTES),
         "fused_moe tensor-core smem", err);
     if (s) return s;
-    if (dev >= 0 && dev < 64) attr_set[dev] = true;
+    int fit = moe_gpu_sm_count(b) / CL;
+    if (CL > 1) {
+      cudaLaunchAttribute attr;
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = CL;
+      attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3((unsigned)(fit * CL));
+      cfg.blockDim = dim3(bulk::THREADS);
+      cfg.dynamicSmemBytes = BYTES;
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      s = moe_gpu_check(cudaOccupancyMaxActiveClusters(&fit, tc_gemm_bulk<ACT, BT, CL>, &cfg),
+                        "fused_moe tensor-core clusters", err);
+      if (s) return s;
+    }
+    if (dev >= 0 && dev < 64) {
+      max_blocks[dev] = fit * CL;
+      attr_set[dev] = true;
+    }
   }
   /* one block per SM (fewer with MOE_GPU_BULK_BLOCKS: tests run many items per block) */
-  long long blocks = moe_gpu_sm_count(b), items = (long long)max_tiles * ((a.n + bulk::BN - 1) / bulk::BN);
+  long long blocks = dev >= 0 && dev < 64 ? max_blocks[dev] : moe_gpu_sm_count(b),
+            items = (long long)max_tiles * ((a.n + bulk::BN - 1) / bulk::BN);
   if (const char *cap = getenv("MOE_GPU_BULK_BLOCKS"))
     if (atoi(cap) > 0 && atoi(cap) < blocks) blocks = atoi(cap);
   if (items < blocks) blocks = items;
-  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), tc_gemm_bulk<ACT, BT>, dim3((unsigned)blocks),
-                                  dim3(bulk::THREADS), BYTES, moe_gpu_stream(b), a),
+  blocks = blocks / CL * CL; /* whole clusters: items come in CL strips each */
+  if (blocks < CL) blocks = CL;
+  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), (unsigned)CL, tc_gemm_bulk<ACT, BT, CL>,
+                                  dim3((unsigned)blocks), dim3(bulk::THREADS), BYTES, moe_gpu_stream(b), a),
                        "fused_moe tensor-core gemm", err);
+}
+
+template <int ACT, int BT>
+moe_status launch_bulk(moe_backend *b, int max_tiles, const TcArgs &a, moe_error *err) {
+  return bulk_cluster(a) > 1 ? launch_bulk_cl<ACT, BT, 2>(b, max_tiles, a, err)
+                             : launch_bulk_cl<ACT, BT, 1>(b, max_tiles, a, err);
 }
 
 /* Two fp32 values as e4m3fn codes (RNE, subnormals, saturated to +-448, NaN
@@ -2042,20 +2185,20 @@ moe_status moe_tc_fp8_act(moe_backend *b, int act, int max_tiles, const TcArgs &
   /* 8-byte loads where every row is 8-byte aligned (K % 128 == 0) */
   const bool vec = ((uintptr_t)x & 7) == 0;
   moe_status s = moe_gpu_check(
-      pdl_launch(moe_gpu_pdl(b),
+      pdl_launch(moe_gpu_pdl(b), 1,
                  act == A_BF16 ? (vec ? fp8_act_kernel<A_BF16, true> : fp8_act_kernel<A_BF16, false>)
                                : (vec ? fp8_act_kernel<A_F16, true> : fp8_act_kernel<A_F16, false>),
                  dim3(blocks, per_row), dim3(256), 0, moe_gpu_stream(b), a, x, static_scale, exact, xq,
                  tokens, xs_tok),
       "fused_moe fp8 activations", err);
   if (s || !tokens) return s;
-  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), fp8_scale_slots, dim3((unsigned)max_tiles), dim3(256), 0,
+  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), 1, fp8_scale_slots, dim3((unsigned)max_tiles), dim3(256), 0,
                                   moe_gpu_stream(b), a, (const float *)xs_tok, tokens),
                        "fused_moe fp8 activation scales", err);
 }
 
 moe_status moe_tc_gather(moe_backend *b, int max_tiles, const TcArgs &a, uint16_t *xk, moe_error *err) {
-  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), gather_rows,
+  return moe_gpu_check(pdl_launch(moe_gpu_pdl(b), 1, gather_rows,
                                   dim3((unsigned)max_tiles, (unsigned)(a.k / KB)), dim3(256), 0,
                                   moe_gpu_stream(b), a, xk),
                        "fused_moe row gather", err);

@@ -1182,19 +1182,22 @@ END_TEST
  * each (MOE_GPU_BULK_BLOCKS: the stage ring and the item buffers wrap
  * around many times); the tall tile (136 rows on the bulk path: 16-bit
  * sets get ~133 slots per expert, so some of their items are 129-136
- * rows wide) likewise. Shapes the path does not take ignore the variables
- * and pass trivially. */
+ * rows wide) likewise. The last three runs take clusters of two blocks
+ * for GEMMs with an even strip count (MOE_GPU_BULK_CLUSTER=1: bf16's down,
+ * fp16's gate_up), one of them on a single cluster. Shapes the path does
+ * not take ignore the variables and pass trivially. */
 START_TEST(fused_tile_configs) {
   const size_t picks[] = {0,  1,  4,  5,  7,  12, 13, 14,
                           19, 20, 23, 25, 28, 29, 32}; /* bf16, fp16, int4 g128, g128 zp, g32 zp, g16, int8
                                                           g128, g64 zp, split K, odd KB, mxfp4 + bias, bf16 +
                                                           bias, fp8 block, fp8 block 48x128, fp8 static */
-  static const char *const configs[] = {"small", "medium", "wide", "large", "large",
-                                        "large", "large",  "tall", "tall"};
-  static const char *const bulk[] = {"1", "1", "1", "1", "0", "1", "1", "1", "1"};
-  static const char *const blocks[] = {"0", "0", "0", "0", "0", "0", "2", "0", "3"};
+  static const char *const configs[] = {"small", "medium", "wide", "large", "large", "large",
+                                        "large", "tall",   "tall", "large", "large", "tall"};
+  static const char *const bulk[] = {"1", "1", "1", "1", "0", "1", "1", "1", "1", "1", "1", "1"};
+  static const char *const blocks[] = {"0", "0", "0", "0", "0", "0", "2", "0", "3", "0", "3", "0"};
+  static const char *const cluster[] = {"0", "0", "0", "0", "0", "0", "0", "0", "0", "1", "1", "1"};
   /* the sixth run misaligns the buffers: gather_rows' scalar loads */
-  static const size_t misalign[] = {0, 0, 0, 0, 0, 4, 0, 0, 0};
+  static const size_t misalign[] = {0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0};
   char label[200];
   for (size_t pi = 0; pi < sizeof picks / sizeof picks[0]; pi++) {
     const fm_case *c = &fm_cases[picks[pi]];
@@ -1208,10 +1211,13 @@ START_TEST(fused_tile_configs) {
       setenv("MOE_GPU_FUSED_TILE", configs[k], 1);
       setenv("MOE_GPU_TC_BULK", bulk[k], 1);
       setenv("MOE_GPU_BULK_BLOCKS", blocks[k], 1);
+      setenv("MOE_GPU_BULK_CLUSTER", cluster[k], 1);
       uint16_t *r, *g;
-      snprintf(label, sizeof label,
-               "tile config %s (MOE_GPU_TC_BULK=%s, MOE_GPU_BULK_BLOCKS=%s, misaligned %zu) %s", configs[k],
-               bulk[k], blocks[k], misalign[k], c->name);
+      snprintf(
+          label, sizeof label,
+          "tile config %s (MOE_GPU_TC_BULK=%s, MOE_GPU_BULK_BLOCKS=%s, MOE_GPU_BULK_CLUSTER=%s, misaligned "
+          "%zu) %s",
+          configs[k], bulk[k], blocks[k], cluster[k], misalign[k], c->name);
       fm_run(&m, NULL, &tk, misalign[k], label, &r, &g);
       fm_compare(c, r, g, (size_t)(tk.T * c->hidden), label, NULL, NULL);
       free(r);
@@ -1227,6 +1233,7 @@ START_TEST(fused_tile_configs) {
     unsetenv("MOE_GPU_FUSED_TILE");
     unsetenv("MOE_GPU_TC_BULK");
     unsetenv("MOE_GPU_BULK_BLOCKS");
+    unsetenv("MOE_GPU_BULK_CLUSTER");
     free(first);
     fm_tokens_free(&tk);
     fm_free(&m);
