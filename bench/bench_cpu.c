@@ -61,8 +61,9 @@ static uint64_t mix(uint64_t z) {
   return z ^ (z >> 31);
 }
 
+/* as moed's expert sets are allocated (huge pages for large buffers) */
 static void *xalloc(size_t n) {
-  void *p = aligned_alloc(64, (n + 63) & ~(size_t)63);
+  void *p = moe_host_alloc((n + 63) & ~(size_t)63, 64);
   if (!p) {
     fprintf(stderr, "out of memory (%zu bytes)\n", n);
     exit(1);

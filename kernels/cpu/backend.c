@@ -97,7 +97,7 @@ static moe_status cpu_alloc(moe_backend *b, size_t n, void **out) {
   (void)b;
   size_t rounded = (n + 63) & ~(size_t)63;
   if (rounded < n) return MOE_EOVERFLOW;
-  *out = aligned_alloc(64, rounded ? rounded : 64);
+  *out = moe_host_alloc(rounded ? rounded : 64, 64); /* inline weights cached here: huge pages */
   return *out ? MOE_OK : MOE_ENOMEM;
 }
 

@@ -20,6 +20,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "moe/backend.h"
 #include "moe/ops.h"
 #include "moe/safetensors.h"
 
@@ -369,12 +370,12 @@ moe_status moe_safetensors_open(const char *path, moe_safetensors **out, moe_err
   }
   const size_t size = (size_t)sb.st_size;
   /* page-aligned, as a mapping was: tensors keep the alignment the file
-   * gives them, and device copies may pin whole pages */
+   * gives them, and device copies may pin whole pages; huge pages for
+   * large files (moe_host_alloc) */
   const long page = sysconf(_SC_PAGESIZE);
-  void *mem = NULL;
-  const int rc = posix_memalign(&mem, page > 0 ? (size_t)page : 4096, size);
-  if (rc != 0) {
-    s = moe_fail(err, MOE_ENOMEM, "%s: out of memory for %zu bytes: %s", path, size, strerror(rc));
+  void *mem = moe_host_alloc(size, page > 0 ? (size_t)page : 4096);
+  if (!mem) {
+    s = moe_fail(err, MOE_ENOMEM, "%s: out of memory for %zu bytes", path, size);
     goto fail;
   }
   buf = mem;

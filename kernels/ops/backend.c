@@ -3,8 +3,21 @@
  * points of a build without a GPU backend. */
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 
 #include "backend_impl.h"
+
+void *moe_host_alloc(size_t nbytes, size_t align) {
+  if (!align || (align & (align - 1))) return NULL;
+  const bool huge = nbytes >= MOE_HOST_HUGE_PAGE;
+  if (huge && align < MOE_HOST_HUGE_PAGE) align = MOE_HOST_HUGE_PAGE;
+  if (align < sizeof(void *)) align = sizeof(void *); /* posix_memalign's least */
+  void *p = NULL;
+  if (posix_memalign(&p, align, nbytes ? nbytes : 1) != 0) return NULL;
+  /* the whole huge pages of the block; a refusal (no THP) leaves it as it is */
+  if (huge) (void)madvise(p, nbytes / MOE_HOST_HUGE_PAGE * MOE_HOST_HUGE_PAGE, MADV_HUGEPAGE);
+  return p;
+}
 
 moe_status moe_backend_open(int device, int cpu_threads, moe_backend **out, moe_error *err) {
   if (device == MOE_BACKEND_HOST) return moe_backend_cpu_create(cpu_threads, out, err);
