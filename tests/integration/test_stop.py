@@ -74,7 +74,11 @@ def test_priority(f, full, http_port):
     for fut in futs:
         code, msg = code_of(fut.result)
         check(code == SC.OK, f"priority case answered OK ({code} {msg})")
-    check(done == ["high", "big-high", "default", "low1", "low2"],
+    # high and big-high run back to back on the one worker, ~1 ms apart: their answers
+    # (two models, two streams) can reach the client's callbacks in either order on a
+    # loaded machine (a CI run saw big-high first), so the order checked between them
+    # is the level's; FIFO within a level is checked on low1 and low2
+    check(set(done[:2]) == {"high", "big-high"} and done[2:] == ["default", "low1", "low2"],
           f"queued requests leave by priority level, FIFO within one ({done})")
 
 
