@@ -232,6 +232,8 @@ typedef struct fused_ctx {
   float *y;           /* [tokens * k, hidden]: act(routed expert output), rows by slot */
   moe_x_range *xr;    /* direct13: [tokens] the range of each row of xf */
   moe_x_range *ar;    /* direct2: [tokens * k] the range of each row of a */
+  float *xo,
+      *ao; /* direct13 / direct2 with a dot_x_ordered format: xf's / a's rows in its order; else NULL */
   work_item *items1, *items2;
   int64_t n_items1, n_items2;
   moe_weight_dequant_fn *dequant13, *dequant2; /* the strips' dequantization */
@@ -333,7 +335,7 @@ static void gate_up_item(const fused_ctx *f, const work_item *it, float *strip, 
     src.xr = MOE_X_RANGE_EMPTY; /* joined with each row's below */
     for (int m = 0; m < mr; m++) {
       const int64_t tl = f->order[p + m] / f->top_k;
-      x[m] = f->xf + (size_t)tl * ld;
+      x[m] = (src.direct && f->xo ? f->xo : f->xf) + (size_t)tl * ld;
       if (src.direct) src.xr = moe_x_range_join(src.xr, f->xr[tl]);
       if (!w->scaled) continue;
       if (w->act_scales) { /* static: the expert's scale (one block: per_tensor) */
@@ -413,7 +415,7 @@ static void down_item(const fused_ctx *f, const work_item *it, float *strip, flo
     const float *x[MR];
     src.xr = MOE_X_RANGE_EMPTY; /* joined with each row's below */
     for (int m = 0; m < mr; m++) {
-      x[m] = f->a + (size_t)(p + m) * ld;
+      x[m] = (src.direct && f->ao ? f->ao : f->a) + (size_t)(p + m) * ld;
       sc.sx[m] = f->as + (size_t)(p + m) * (size_t)l->blocks;
       if (src.direct) src.xr = moe_x_range_join(src.xr, f->ar[p + m]);
     }
@@ -450,6 +452,7 @@ static void convert_token(const fused_ctx *f, int64_t tl) {
       f->xs[tl * l->blocks + b] = moe_cpu_fp8_quant_group(blk, (size_t)l->len, 0.0f, f->w13.exact_division);
   }
   if (f->direct13) f->xr[tl] = moe_weight_x_range(row, l->stride, f->act);
+  if (f->xo) moe_weight_order_x(f->xo + (size_t)tl * (size_t)l->stride, row, l->stride);
 }
 
 /* out = act(sum over k of y_k) in fp32, k in the order given; experts held
@@ -548,13 +551,14 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
   f.dequant2 = vector && f.w2.fmt->dequant_fast ? f.w2.fmt->dequant_fast : f.w2.fmt->dequant;
   f.direct13 = vector && f.w13.fmt->dot && moe_weight_vector_ok(&f.w13) && f.kx.blocks == 1;
   f.direct2 = vector && f.w2.fmt->dot && moe_weight_vector_ok(&f.w2) && f.ka.blocks == 1;
+  const bool order13 = f.direct13 && f.w13.fmt->dot_x_ordered, order2 = f.direct2 && f.w2.fmt->dot_x_ordered;
 
   /* chunk: tokens whose activation buffers fit MOE_FUSED_CHUNK_BYTES (at least one) */
   size_t per_slot, per_token;
-  if (!moe_add_size((size_t)(f.ka.stride + f.ka.blocks), (size_t)f.hidden, &per_slot) ||
+  if (!moe_add_size((size_t)(f.ka.stride * (order2 ? 2 : 1) + f.ka.blocks), (size_t)f.hidden, &per_slot) ||
       !moe_mul_size(per_slot, 4, &per_slot) || !moe_add_size(per_slot, 16, &per_slot) ||
       !moe_mul_size(per_slot, (size_t)k, &per_token) ||
-      !moe_add_size(per_token, (size_t)(f.kx.stride + f.kx.blocks) * 4, &per_token))
+      !moe_add_size(per_token, (size_t)(f.kx.stride * (order13 ? 2 : 1) + f.kx.blocks) * 4, &per_token))
     return moe_fail(err, MOE_EOVERFLOW, "fused_moe: workspace size overflows");
   int64_t chunk = (int64_t)(MOE_FUSED_CHUNK_BYTES / per_token);
   if (chunk < 1) chunk = 1;
@@ -588,6 +592,8 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
   const size_t o_y = ws_take(&p, chunk_slots * (size_t)f.hidden, sizeof(float));
   const size_t o_xr = ws_take(&p, (size_t)chunk, sizeof(moe_x_range));
   const size_t o_ar = ws_take(&p, chunk_slots, sizeof(moe_x_range));
+  const size_t o_xo = ws_take(&p, order13 ? (size_t)chunk * (size_t)f.kx.stride : 0, sizeof(float));
+  const size_t o_ao = ws_take(&p, order2 ? chunk_slots * (size_t)f.ka.stride : 0, sizeof(float));
   const size_t o_items1 = ws_take(&p, ne * (size_t)((f.inter + HALF - 1) / HALF), sizeof(work_item));
   const size_t o_items2 = ws_take(&p, ne * (size_t)((f.hidden + STRIP - 1) / STRIP), sizeof(work_item));
   const size_t o_threads = ws_take(&p, (size_t)threads, per_thread);
@@ -606,6 +612,8 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
   f.y = ws_at(ws, o_y);
   f.xr = ws_at(ws, o_xr);
   f.ar = ws_at(ws, o_ar);
+  f.xo = order13 ? ws_at(ws, o_xo) : NULL;
+  f.ao = order2 ? ws_at(ws, o_ao) : NULL;
   f.items1 = ws_at(ws, o_items1);
   f.items2 = ws_at(ws, o_items2);
   unsigned char *thread_ws = ws + o_threads;
@@ -646,8 +654,11 @@ moe_status moe_cpu_fused_moe(moe_backend *b, moe_call *c, moe_error *err) {
       }
       if (f.direct2) { /* rows of a are complete only now */
 #pragma omp for schedule(static)
-        for (int64_t q = 0; q < f.start[f.local_experts]; q++)
-          f.ar[q] = moe_weight_x_range(f.a + (size_t)q * (size_t)f.ka.stride, f.inter, f.act);
+        for (int64_t q = 0; q < f.start[f.local_experts]; q++) {
+          const float *row = f.a + (size_t)q * (size_t)f.ka.stride;
+          f.ar[q] = moe_weight_x_range(row, f.inter, f.act);
+          if (f.ao) moe_weight_order_x(f.ao + (size_t)q * (size_t)f.ka.stride, row, f.ka.stride);
+        }
       }
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < f.n_items2; i++)

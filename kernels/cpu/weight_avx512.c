@@ -182,12 +182,12 @@ V512_INLINE __m512 row_chunk(enum decoder dec, moe_dtype act, const row_dec *d, 
 /* The dot kernel's int4/mxfp4 chunks in a permuted lane order that makes
  * the nibble spread one broadcast and one shift: 8 bytes broadcast to every
  * 64-bit lane put the low 4 bytes in the even 32-bit lanes and the high 4
- * in the odd ones, so physical lane p takes nibble perm[p] (p / 2 of the
- * low bytes for even p, 8 + p / 2 of the high ones for odd p) after a
- * shift by 4 * (p / 2). The token rows are loaded in the same order and
- * the accumulators put back at the end: each logical lane still sums its
+ * in the odd ones, so physical lane p takes nibble moe_weight_x_order[p]
+ * (p / 2 of the low bytes for even p, 8 + p / 2 of the high ones for odd
+ * p) after a shift by 4 * (p / 2). The token rows come in the same order
+ * (the format's dot_x_ordered: the pipeline orders each row once) and the
+ * accumulators are put back at the end: each logical lane still sums its
  * columns in the same order, so the bits do not move. */
-static const int32_t perm[LANES] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
 static const int32_t perm_inv[LANES] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
 
 V512_INLINE __m512 chunk_permuted(const row_dec *d, int64_t j, int64_t valid) {
@@ -210,13 +210,13 @@ V512_INLINE float lanes_sum(__m512 a) {
 
 /* The accumulation of one chunk: a product, then a sum (two roundings, as
  * the pipeline's C lanes), per token row and weight row; `fused`: one
- * fused multiply-add, where row_dec.fuse proved each product exact. */
-V512_INLINE void dot_chunk(__m512 acc[DOT_TOKENS][DOT_ROWS], const __m512 *w, int mr, bool permuted,
-                           bool fused, const float *const *x, int64_t j) {
+ * fused multiply-add, where row_dec.fuse proved each product exact. The
+ * token rows' lanes are in the weights' order already (dot_x_ordered). */
+V512_INLINE void dot_chunk(__m512 acc[DOT_TOKENS][DOT_ROWS], const __m512 *w, int mr, bool fused,
+                           const float *const *x, int64_t j) {
 #pragma GCC unroll 4
   for (int t = 0; t < mr; t++) {
-    __m512 xv = _mm512_loadu_ps(x[t] + j);
-    if (permuted) xv = _mm512_permutexvar_ps(_mm512_loadu_si512(perm), xv);
+    const __m512 xv = _mm512_loadu_ps(x[t] + j);
 #pragma GCC unroll 4
     for (int r = 0; r < DOT_ROWS; r++)
       acc[t][r] = fused ? _mm512_fmadd_ps(xv, w[r], acc[t][r]) /* the product exact: the same bits */
@@ -242,7 +242,7 @@ V512_INLINE void dot_group(const moe_weight_matrix *m, enum decoder dec, moe_dty
 #pragma GCC unroll 4
     for (int r = 0; r < DOT_ROWS; r++)
       w[r] = permuted ? chunk_permuted(&d[r], j, LANES) : row_chunk(dec, act, &d[r], j, LANES);
-    dot_chunk(acc, w, mr, permuted, fused, x, j);
+    dot_chunk(acc, w, mr, fused, x, j);
   }
 }
 
@@ -335,7 +335,7 @@ V512_INLINE void dot_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtyp
     const int64_t valid = m->cols - full;
     __mmask16 keep = 0; /* the physical lanes of the valid columns */
     for (int p = 0; p < LANES; p++)
-      keep |= (__mmask16)((permuted ? perm[p] : p) < valid) << p;
+      keep |= (__mmask16)((permuted ? moe_weight_x_order[p] : p) < valid) << p;
     __m512 w[DOT_ROWS];
 #pragma GCC unroll 4
     for (int r = 0; r < DOT_ROWS; r++) {
@@ -343,7 +343,7 @@ V512_INLINE void dot_rows(const moe_weight_matrix *m, enum decoder dec, moe_dtyp
       w[r] = _mm512_maskz_mov_ps(keep, permuted ? chunk_permuted(&d[r], full, valid)
                                                 : row_chunk(dec, act, &d[r], full, valid));
     }
-    dot_chunk(acc, w, mr, permuted, false, x, full);
+    dot_chunk(acc, w, mr, false, x, full);
   }
 #pragma GCC unroll 4
   for (int t = 0; t < mr; t++)

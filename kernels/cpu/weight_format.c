@@ -196,16 +196,24 @@ static MOE_CPU_HOT void dequant_fp8(const moe_weight_matrix *m, int64_t e, int64
 /* ---- the table ------------------------------------------------------------------ */
 
 static const moe_weight_format format_bf16 = {"bf16", dequant_bf16, moe_dequant_bf16_avx512,
-                                              moe_dot_bf16_avx512};
+                                              moe_dot_bf16_avx512, false};
 static const moe_weight_format format_fp16 = {"fp16", dequant_fp16, moe_dequant_fp16_avx512,
-                                              moe_dot_fp16_avx512};
+                                              moe_dot_fp16_avx512, false};
 static const moe_weight_format format_int4 = {"wna16 int4", dequant_int4, moe_dequant_int4_avx512,
-                                              moe_dot_int4_avx512};
+                                              moe_dot_int4_avx512, true};
 static const moe_weight_format format_int8 = {"wna16 int8", dequant_int8, moe_dequant_int8_avx512,
-                                              moe_dot_int8_avx512};
+                                              moe_dot_int8_avx512, false};
 static const moe_weight_format format_mxfp4 = {"mxfp4", dequant_mxfp4, moe_dequant_mxfp4_avx512,
-                                               moe_dot_mxfp4_avx512};
-static const moe_weight_format format_fp8 = {"fp8 e4m3fn", dequant_fp8, NULL, NULL};
+                                               moe_dot_mxfp4_avx512, true};
+static const moe_weight_format format_fp8 = {"fp8 e4m3fn", dequant_fp8, NULL, NULL, false};
+
+const int32_t moe_weight_x_order[MOE_WEIGHT_LANES] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
+
+void moe_weight_order_x(float *dst, const float *src, int64_t kp) {
+  for (int64_t c = 0; c < kp; c += MOE_WEIGHT_LANES)
+    for (int p = 0; p < MOE_WEIGHT_LANES; p++)
+      dst[c + p] = src[c + moe_weight_x_order[p]];
+}
 
 void moe_weight_matrix_init(const moe_expert_set *set, moe_expert_tensor which, moe_dtype act,
                             moe_weight_matrix *m) {

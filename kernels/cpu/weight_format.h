@@ -132,7 +132,21 @@ struct moe_weight_format {
    * the group's multiply-adds are fused, with the same bits. */
   void (*dot)(const moe_weight_matrix *m, int64_t e, const int64_t *rows, int mr, const float *const *x,
               moe_x_range xr, int64_t kp, float *out);
+  /* dot takes its token rows with each 16-column chunk in moe_weight_x_order
+   * (made once per row by moe_weight_order_x): the order its decoder yields
+   * the weights in, so no chunk of x is shuffled per weight row block */
+  bool dot_x_ordered;
 };
+
+/* Physical lane p of a chunk holds column moe_weight_x_order[p] where a
+ * format's dot_x_ordered says so: the int4 and mxfp4 decoders spread 8
+ * bytes of codes with one broadcast and one shift, which puts the low
+ * nibbles' columns 0-7 in the even lanes and the high ones' 8-15 in the
+ * odd lanes (kernels/cpu/weight_avx512.c). */
+extern const int32_t moe_weight_x_order[MOE_WEIGHT_LANES];
+/* dst[c * 16 + p] = src[c * 16 + moe_weight_x_order[p]] for kp columns (a
+ * multiple of 16); a permutation, so the values and ranges stay the same. */
+void moe_weight_order_x(float *dst, const float *src, int64_t kp);
 
 /* Whether every 16-column chunk of m's rows lies in one scale group (the
  * vector decoders take one group's scale and zero point per chunk). */

@@ -107,8 +107,11 @@ static void check_matrix(const moe_weight_matrix *m, const char *what) {
    * exact), 2 and 3 scaled by 2^60 and 2^-60 toward fp32's overflow and
    * underflow (fp16 rows become infinite at 2^60: not fused) */
   float *x = calloc((size_t)MOE_WEIGHT_DOT_TOKENS * (size_t)kp, sizeof(float));
+  /* the rows as the dot takes them: in its lane order where it asks (dot_x_ordered) */
+  float *xo = calloc((size_t)MOE_WEIGHT_DOT_TOKENS * (size_t)kp, sizeof(float));
   ck_assert_ptr_nonnull(x);
-  const float *xr[MOE_WEIGHT_DOT_TOKENS];
+  ck_assert_ptr_nonnull(xo);
+  const float *xr[MOE_WEIGHT_DOT_TOKENS], *xd[MOE_WEIGHT_DOT_TOKENS];
   float out[MOE_WEIGHT_DOT_TOKENS * MOE_WEIGHT_DOT_ROWS];
   for (int variant = 0; variant < 4; variant++) {
     const float mul = variant == 2 ? 0x1p60f : variant == 3 ? 0x1p-60f : 1.0f;
@@ -119,6 +122,11 @@ static void check_matrix(const moe_weight_matrix *m, const char *what) {
         x[(size_t)t * (size_t)kp + (size_t)j] = variant ? moe_round_to(v, m->act) : v;
       }
       xr[t] = x + (size_t)t * (size_t)kp;
+      xd[t] = xr[t];
+      if (m->fmt->dot_x_ordered) {
+        moe_weight_order_x(xo + (size_t)t * (size_t)kp, xr[t], kp);
+        xd[t] = xo + (size_t)t * (size_t)kp;
+      }
       range[t] = moe_weight_x_range(xr[t], kp, m->act);
       ck_assert_msg(range[t].exact == (variant == 1 || variant == 3 || (variant == 2 && m->act == MOE_BF16)),
                     "%s: token row %d of variant %d: exact %d", what, t, variant, range[t].exact);
@@ -131,7 +139,7 @@ static void check_matrix(const moe_weight_matrix *m, const char *what) {
         moe_x_range joined = range[0];
         for (int t = 1; t < mr; t++)
           joined = moe_x_range_join(joined, range[t]);
-        m->fmt->dot(m, 0, rr, mr, xr, joined, kp, out);
+        m->fmt->dot(m, 0, rr, mr, xd, joined, kp, out);
         for (int t = 0; t < mr; t++)
           for (int r = 0; r < MOE_WEIGHT_DOT_ROWS; r++) {
             float a[LANES] = {0}, b[8], c[4];
@@ -154,6 +162,7 @@ static void check_matrix(const moe_weight_matrix *m, const char *what) {
     }
   }
   free(x);
+  free(xo);
   free(ref);
   free(vec);
 }
