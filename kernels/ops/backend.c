@@ -1,6 +1,7 @@
 /* The public backend API over the interface every backend fills: opening by
  * device, lifetime, accessors and the memory wrappers; and the GPU entry
  * points of a build without a GPU backend. */
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -9,6 +10,10 @@
 
 void *moe_host_alloc(size_t nbytes, size_t align) {
   if (!align || (align & (align - 1))) return NULL;
+  /* no object may span more than PTRDIFF_MAX bytes (pointer differences inside
+   * it must be defined); refusing here also keeps sanitizing allocators, which
+   * abort on impossible sizes rather than return an error, out of it */
+  if (nbytes > (size_t)PTRDIFF_MAX - MOE_HOST_HUGE_PAGE) return NULL;
   const bool huge = nbytes >= MOE_HOST_HUGE_PAGE;
   if (huge && align < MOE_HOST_HUGE_PAGE) align = MOE_HOST_HUGE_PAGE;
   if (align < sizeof(void *)) align = sizeof(void *); /* posix_memalign's least */

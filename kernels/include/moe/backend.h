@@ -58,7 +58,7 @@ bool moe_backend_is_host(const moe_backend *b);
  * streaming expert weights from DRAM misses the TLB less (bench/RESULTS.md:
  * the CPU's int4 decode from DRAM 8% faster). The expert-set loader, the
  * host backend's memory and the benches take theirs from here. NULL when
- * out of memory or for a bad `align`. */
+ * out of memory, for a bad `align` or a size beyond PTRDIFF_MAX. */
 #define MOE_HOST_HUGE_PAGE ((size_t)2 << 20)
 void *moe_host_alloc(size_t nbytes, size_t align);
 /* Memory of this backend; host memory for the host backend. */
