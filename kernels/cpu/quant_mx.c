@@ -4,7 +4,8 @@
  * independent, so any thread split gives the same bits. Where the CPU has
  * AVX-512 or AVX2 (moe_cpu_quant_isa), a tile of fp16/bf16 input is
  * quantized by intrinsics (amaxes, scales, codes); fp32 input, other CPUs
- * and the reference switch take the C below. */
+ * and the reference switch take the C below. dequant in AVX-512 lanes where
+ * the CPU has them (dequant_avx512.c), else the C below. */
 #include <immintrin.h>
 #include <string.h>
 
@@ -361,8 +362,12 @@ ALWAYS_INLINE void dequant_blocks_dtype(bool fp4, const float *value, const uint
 }
 
 MOE_CPU_HOT static void dequant_blocks(const moe_mx_args *a, const float *value, const uint8_t *q,
-                                       const uint8_t *scales, size_t b0, size_t b1, void *y) {
+                                       const uint8_t *scales, moe_cpu_isa isa, size_t b0, size_t b1,
+                                       void *y) {
   const bool fp4 = a->qdtype == MOE_FP4_E2M1;
+  if (isa >= MOE_CPU_ISA_AVX512 &&
+      moe_cpu_dequant_mx_avx512(q, scales, value, &a->fmt, b0, b1, a->out_dtype, y))
+    return;
   switch (a->out_dtype) {
   case MOE_F16:
     if (fp4)
@@ -396,10 +401,11 @@ moe_status moe_cpu_dequant_mx(moe_backend *b, moe_call *c, moe_error *err) {
   float value[256];
   for (int code = 0; code < (a->qdtype == MOE_FP4_E2M1 ? 16 : 256); code++)
     value[code] = moe_narrow_to_f32((uint8_t)code, &a->fmt);
+  const moe_cpu_isa isa = moe_cpu_quant_isa(); /* read once per call */
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long g = 0; g < groups; g++) {
     size_t b0 = (size_t)g * GROUP, b1 = b0 + GROUP < blocks ? b0 + GROUP : blocks;
-    dequant_blocks(a, value, q, scales, b0, b1, y);
+    dequant_blocks(a, value, q, scales, isa, b0, b1, y);
   }
   return MOE_OK;
 }

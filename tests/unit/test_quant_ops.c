@@ -271,6 +271,88 @@ START_TEST(dequant_per_tensor_rounds_to_out_dtype) {
 }
 END_TEST
 
+/* The dequant ops' lanes (dequant_avx512.c) against the C loops (the
+ * reference switch), byte for byte. dequant.mx: every code of each format
+ * with every scale byte (0xFF, NaN, too): 256 rows, row r a run of every
+ * code (fp8: 8 blocks of codes 0..255; fp4: 16 blocks of bytes 0..255, every
+ * pair of nibbles), block b scaled by byte (r + b) mod 256. dequant.per_tensor:
+ * every code, in a count that leaves a tail of 13 for the C loop, with
+ * scales (finite, > 0: the op's rule) that are powers of two, odd values,
+ * subnormal, and large enough that products overflow to inf, for each
+ * in_dtype (its NaN codes included). Each to fp32, fp16 and bf16. */
+static void expect_same_as_c_path(const char *op, moe_named_tensor *in, size_t nin, moe_param *p, size_t np,
+                                  const char *what) {
+  moe_named_tensor *out[2];
+  size_t nout[2];
+  moe_error err;
+  for (int ref = 0; ref < 2; ref++) {
+    moe_cpu_set_reference_kernels(ref == 1);
+    ck_assert_msg(run(op, in, nin, p, np, &out[ref], &nout[ref], &err) == MOE_OK, "%s: %s: %s", op, what,
+                  err.msg);
+  }
+  moe_cpu_set_reference_kernels(false);
+  ck_assert_msg(out[0][0].tensor.nbytes == out[1][0].tensor.nbytes &&
+                    memcmp(out[0][0].tensor.data, out[1][0].tensor.data, out[1][0].tensor.nbytes) == 0,
+                "%s: %s differs from the C path", op, what);
+  for (int ref = 0; ref < 2; ref++)
+    moe_outputs_free(out[ref], nout[ref]);
+}
+
+START_TEST(dequant_vector_matches_c_path) {
+  static const char *const outs[3] = {"fp32", "fp16", "bf16"};
+  enum { ROWS = 256, K8 = 256, K4 = 512 };
+  static uint8_t q[ROWS * K8], s8[ROWS * (K8 / 32)], s4[ROWS * (K4 / 32)];
+  for (int r = 0; r < ROWS; r++) {
+    for (int j = 0; j < K8; j++)
+      q[r * K8 + j] = (uint8_t)j;
+    for (int b = 0; b < K8 / 32; b++)
+      s8[r * (K8 / 32) + b] = (uint8_t)(r + b);
+    for (int b = 0; b < K4 / 32; b++)
+      s4[r * (K4 / 32) + b] = (uint8_t)(r + b);
+  }
+  static const char *const formats[3] = {"mxfp8_e4m3fn", "mxfp8_e5m2", "mxfp4"};
+  for (int f = 0; f < 3; f++) {
+    const bool fp4 = f == 2;
+    const int64_t k = fp4 ? K4 : K8;
+    int64_t qs[2] = {ROWS, fp4 ? K4 / 2 : K8}, ss[2] = {ROWS, k / 32};
+    moe_named_tensor in[2] = {tensor("q", MOE_UINT8, q, sizeof q, 2, qs),
+                              tensor("scales", MOE_UINT8, fp4 ? s4 : s8, (size_t)(ROWS * k / 32), 2, ss)};
+    for (int o = 0; o < 3; o++) {
+      moe_param p[2] = {pstr("format", formats[f]), pstr("out_dtype", outs[o])};
+      char what[64];
+      snprintf(what, sizeof what, "%s to %s", formats[f], outs[o]);
+      expect_same_as_c_path("dequant.mx", in, 2, p, 2, what);
+    }
+  }
+  enum { N = 3 * 256 + 13 };
+  uint8_t codes[N];
+  for (int i = 0; i < N; i++)
+    codes[i] = (uint8_t)(i * 7 + i / 256); /* every code, not in order */
+  float scales[320];
+  int ns = 0;
+  for (int e = -149; e <= 127; e += 3)
+    scales[ns++] = ldexpf(1.0f, e);
+  const float odd[] = {0.1f,    1.0f / 3.0f, 3.0f,   7.5e-3f, 1.17549421e-38f, 1e-45f,
+                       3.4e38f, 65504.0f,    448.0f, 1e30f,   2.2e-5f,         6.1e-5f};
+  for (size_t i = 0; i < sizeof odd / sizeof odd[0]; i++)
+    scales[ns++] = odd[i];
+  while (ns < 320)
+    scales[ns] = (float)ns * 0.0173f + 1e-3f, ns++;
+  static const char *const ins[3] = {"fp8_e4m3fn", "fp8_e4m3fnuz", "int8"};
+  int64_t qs[1] = {N}, one[1] = {1};
+  for (int d = 0; d < 3; d++)
+    for (int o = 0; o < 3; o++)
+      for (int si = 0; si < ns; si++) {
+        moe_named_tensor in[2] = {tensor("q", d == 2 ? MOE_INT8 : MOE_UINT8, codes, N, 1, qs),
+                                  tensor("scale", MOE_F32, &scales[si], sizeof(float), 1, one)};
+        moe_param p[2] = {pstr("in_dtype", ins[d]), pstr("out_dtype", outs[o])};
+        char what[96];
+        snprintf(what, sizeof what, "%s to %s, scale %a", ins[d], outs[o], (double)scales[si]);
+        expect_same_as_c_path("dequant.per_tensor", in, 2, p, 2, what);
+      }
+}
+END_TEST
+
 /* ---- bad input ---------------------------------------------------------------------- */
 
 START_TEST(bad_inputs_are_named) {
@@ -651,6 +733,7 @@ int main(void) {
   tcase_add_test(tc, quant_mx_vector_front_matches_c_path);
   tcase_add_test(tc, scaled_quant_lower_levels_match);
   tcase_add_test(tc, dequant_per_tensor_rounds_to_out_dtype);
+  tcase_add_test(tc, dequant_vector_matches_c_path);
   tcase_add_test(tc, bad_inputs_are_named);
   tcase_add_test(tc, unknown_op_is_not_found);
   tcase_add_test(tc, large_calls_match_their_slices);
