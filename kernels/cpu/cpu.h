@@ -159,12 +159,14 @@ size_t moe_cpu_amax_units_avx512(const void *x, moe_dtype xt, size_t units, size
  * leading multiple of 64 of n elements, that count returned (needs
  * MOE_CPU_ISA_AVX512_VBMI); and dequant.mx's blocks [b0, b1) of q (fp4:
  * 16 bytes a block, else 32) with their e8m0 scales, value[code] x scale
- * rounded to yt (F32, F16 or BF16) at y[32 b ..] (needs MOE_CPU_ISA_AVX512).
+ * rounded to yt (F32, F16 or BF16) at y[32 b ..] (needs MOE_CPU_ISA_AVX512;
+ * `vbmi`: the CPU has VBMI too).
  * value: the format's code values (16 for fp4, else 256) by moe_narrow_to_f32;
  * false (nothing done) for a format whose NaN/inf codes it does not place. */
 size_t moe_cpu_lut16_avx512(const uint8_t *q, const uint16_t lut[256], size_t n, uint16_t *y);
 bool moe_cpu_dequant_mx_avx512(const uint8_t *q, const uint8_t *scales, const float *value,
-                               const moe_narrow_fmt *fmt, size_t b0, size_t b1, moe_dtype yt, void *y);
+                               const moe_narrow_fmt *fmt, bool vbmi, size_t b0, size_t b1, moe_dtype yt,
+                               void *y);
 
 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                   const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,

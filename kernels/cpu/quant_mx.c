@@ -366,7 +366,8 @@ MOE_CPU_HOT static void dequant_blocks(const moe_mx_args *a, const float *value,
                                        void *y) {
   const bool fp4 = a->qdtype == MOE_FP4_E2M1;
   if (isa >= MOE_CPU_ISA_AVX512 &&
-      moe_cpu_dequant_mx_avx512(q, scales, value, &a->fmt, b0, b1, a->out_dtype, y))
+      moe_cpu_dequant_mx_avx512(q, scales, value, &a->fmt, isa >= MOE_CPU_ISA_AVX512_VBMI, b0, b1,
+                                a->out_dtype, y))
     return;
   switch (a->out_dtype) {
   case MOE_F16:
