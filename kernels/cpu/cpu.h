@@ -100,7 +100,10 @@ void moe_cpu_set_stream_min(size_t bytes);
  * the caller's own stores come after them. Return that count per unit (0
  * for a format they do not encode); the caller's C loop takes the rest.
  * g == 32 (quant.mx's blocks): every element, AVX-512 in pairs of units (a
- * step each) where `units` is even (else 0), AVX2 a unit a step. */
+ * step each) where `units` is even (else 0), AVX2 a unit a step. AVX-512
+ * also encodes fp4 e2m1 (quant.mx's mxfp4) of fp16/bf16 input at g == 32:
+ * two codes a byte, low nibble first, q[i / 2] (MOE_SCALED_FP4; a NaN
+ * encodes as the max finite value: quant.mx zeroes those blocks). */
 typedef size_t (*moe_cpu_scaled_lanes)(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                        const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,
                                        moe_cpu_ahead ahead, bool stream, uint8_t *q);
@@ -113,7 +116,7 @@ size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t units, s
  * is given (int8: -128). -1: a format they do not encode (e4m3 shapes only:
  * 8-bit codes, 3 mantissa bits, no inf codes; e5m2 is not a scaled op's
  * output). */
-enum { MOE_SCALED_INT8, MOE_SCALED_FP8_NEG_ZERO, MOE_SCALED_FP8_NO_NEG_ZERO };
+enum { MOE_SCALED_INT8, MOE_SCALED_FP8_NEG_ZERO, MOE_SCALED_FP8_NO_NEG_ZERO, MOE_SCALED_FP4 };
 static inline int moe_cpu_scaled_kind(bool int8, const moe_narrow_fmt *fmt, float *hi, float *lo) {
   if (int8) {
     *hi = 127.0f;

@@ -104,6 +104,14 @@ VBMI ALWAYS_INLINE void step64(const void *x, moe_dtype xt, size_t i, const __m5
     c[k] = code16(v[k], mul[k / 2], out, exact, L);
   __m512i b = _mm512_mask_blend_epi64(0xF0, _mm512_permutex2var_epi8(c[0], L->order, c[1]),
                                       _mm512_permutex2var_epi8(c[2], L->order, c[3]));
+  if (out ==
+      MOE_SCALED_FP4) { /* the sign to bit 3 (a 16-bit shift moves each byte's bit 7 there), then
+                         * each byte pair into one byte, low nibble first; -0 kept, as every MX format */
+    b = _mm512_ternarylogic_epi32(b, _mm512_srli_epi16(sign, 4), _mm512_set1_epi8(0x08), 0xF8);
+    const __m256i packed = _mm512_cvtepi16_epi8(_mm512_or_si512(b, _mm512_srli_epi16(b, 4)));
+    _mm256_storeu_si256((__m256i *)(q + i / 2), packed);
+    return;
+  }
   if (fp8) {
     const __m512i mag = b;
     b = _mm512_ternarylogic_epi32(mag, sign, _mm512_set1_epi8((char)0x80), 0xF8); /* mag | (sign & 0x80) */
@@ -165,7 +173,13 @@ VBMI size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t uni
                                          moe_cpu_ahead ahead, bool stream, uint8_t *q) {
   lanes L;
   float hi, lo;
-  const int out = moe_cpu_scaled_kind(int8, fmt, &hi, &lo);
+  int out = moe_cpu_scaled_kind(int8, fmt, &hi, &lo);
+  const bool fp4 = out < 0 && !int8 && fmt->bits == 4 && fmt->mbits == 1 && !fmt->inf_codes;
+  if (fp4) { /* e2m1 (quant.mx's mxfp4): no NaN code; NaN blocks are zeroed by the caller */
+    if (g != 32 || (xt != MOE_BF16 && xt != MOE_F16)) return 0;
+    out = MOE_SCALED_FP4;
+    hi = lo = fmt->max_finite;
+  }
   if (out < 0) return 0;
   L.hi = _mm512_set1_ps(hi);
   L.nan = _mm512_set1_ps(lo);
@@ -174,6 +188,7 @@ VBMI size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t uni
   L.sign_idx = _mm512_loadu_si512(sign_idx);
   /* one straight loop per (input dtype, output kind) */
 #define ENCODE(XT, OUT) encode_loop(x, XT, units, g, s, r, OUT, exact, &L, ahead, stream, q)
+  if (fp4) return xt == MOE_BF16 ? ENCODE(MOE_BF16, MOE_SCALED_FP4) : ENCODE(MOE_F16, MOE_SCALED_FP4);
   MOE_CPU_SCALED_DISPATCH(xt, out, ENCODE)
 #undef ENCODE
 }

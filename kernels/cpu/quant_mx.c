@@ -268,10 +268,11 @@ ALWAYS_INLINE void quant_tile(const void *x, moe_dtype xt, size_t b0, size_t nb,
   }
 }
 
-/* mxfp8 e4m3fn of 16-bit input with RNE, where the CPU has VBMI: RUN blocks'
+/* mxfp8 e4m3fn and mxfp4 of 16-bit input with RNE, where the CPU has VBMI: RUN blocks'
  * amaxes and scales a tile at a time (as above), then their codes by the
  * scaled ops' lane encoder (cpu.h moe_cpu_scaled_lanes, g = 32: two blocks a
- * 64-element step, packed by vpermt2b and stored 64 bytes at once; the same
+ * 64-element step, packed by vpermt2b and stored 64 bytes at once, fp4's
+ * byte pairs folded into 32; the same
  * cvt(x * factor), RNE, saturating, -0 kept), one call for the run so that
  * its set-up is paid once per RUN blocks. Blocks of NaN/inf (factor 0, codes
  * NaN) are zeroed after, as above. nb even (cpu.h: the encoder's g = 32).
@@ -290,9 +291,10 @@ V512 static void quant_run_pairs(const uint16_t *h, moe_dtype xt, size_t b0, siz
   }
   moe_cpu_encode_scaled_avx512(h, xt, nb, BLOCK, mult, mult, false, false, fmt,
                                (moe_cpu_ahead){MOE_CPU_PREFETCH, false}, false, q);
+  const size_t cb = fmt->bits == 4 ? BLOCK / 2 : BLOCK; /* code bytes a block */
   if (non_finite)
     for (size_t b = 0; b < nb; b++)
-      if (scales[b0 + b] == 0xFF) memset(q + b * BLOCK, 0, BLOCK);
+      if (scales[b0 + b] == 0xFF) memset(q + b * cb, 0, cb);
 }
 
 /* Blocks [b0, b1); `pairs`: by quant_run_pairs. */
@@ -305,7 +307,7 @@ MOE_CPU_HOT static void quant_blocks(const moe_tensor *x, const moe_mx_args *a, 
     const size_t even = b0 + ((b1 - b0) & ~(size_t)1);
     for (size_t t = b0; t < even; t += RUN)
       quant_run_pairs((const uint16_t *)x->data + t * BLOCK, x->dtype, t, even - t < RUN ? even - t : RUN, a,
-                      &fmt, q + t * BLOCK, scales);
+                      &fmt, q + t * (fmt.bits == 4 ? BLOCK / 2 : BLOCK), scales);
     b0 = even;
   }
   for (size_t t = b0; t < b1; t += TILE) {
@@ -328,9 +330,9 @@ moe_status moe_cpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err) {
   uint8_t *q = c->out[0].tensor.data, *scales = c->out[1].tensor.data;
   const moe_cpu_isa isa = moe_cpu_quant_isa(); /* read once per call */
   float hi, lo;
-  const bool pairs = isa >= MOE_CPU_ISA_AVX512_VBMI && (x->dtype == MOE_BF16 || x->dtype == MOE_F16) &&
-                     a->qdtype != MOE_FP4_E2M1 && !a->half_up &&
-                     moe_cpu_scaled_kind(false, &a->fmt, &hi, &lo) == MOE_SCALED_FP8_NEG_ZERO;
+  const bool pairs =
+      isa >= MOE_CPU_ISA_AVX512_VBMI && (x->dtype == MOE_BF16 || x->dtype == MOE_F16) && !a->half_up &&
+      (a->qdtype == MOE_FP4_E2M1 || moe_cpu_scaled_kind(false, &a->fmt, &hi, &lo) == MOE_SCALED_FP8_NEG_ZERO);
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long g = 0; g < groups; g++) {
     size_t b0 = (size_t)g * GROUP, b1 = b0 + GROUP < blocks ? b0 + GROUP : blocks;
