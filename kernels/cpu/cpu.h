@@ -113,15 +113,20 @@ size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t units, s
 /* The lane encoders' output kinds, and the kind for int8 / fmt with the
  * fp32 bounds they clamp to before rounding: *hi the largest finite value
  * (int8: 127), *lo the value of magnitude code max_mag + 1, whose code NaN
- * is given (int8: -128). -1: a format they do not encode (e4m3 shapes only:
- * 8-bit codes, 3 mantissa bits, no inf codes; e5m2 is not a scaled op's
- * output). */
+ * is given (int8: -128; fp4: its max finite value, since e2m1 has no NaN
+ * code: quant.mx zeroes NaN blocks). -1: a format they do not encode (e4m3
+ * shapes and e2m1 only: no inf codes; e5m2 is not a scaled op's output).
+ * fp4 is the AVX-512 encoder's alone, at g == 32 of fp16/bf16 input. */
 enum { MOE_SCALED_INT8, MOE_SCALED_FP8_NEG_ZERO, MOE_SCALED_FP8_NO_NEG_ZERO, MOE_SCALED_FP4 };
 static inline int moe_cpu_scaled_kind(bool int8, const moe_narrow_fmt *fmt, float *hi, float *lo) {
   if (int8) {
     *hi = 127.0f;
     *lo = -128.0f;
     return MOE_SCALED_INT8;
+  }
+  if (fmt->bits == 4 && fmt->mbits == 1 && !fmt->inf_codes) {
+    *hi = *lo = fmt->max_finite;
+    return MOE_SCALED_FP4;
   }
   if (fmt->bits != 8 || fmt->mbits != 3 || fmt->inf_codes) return -1;
   const int c = fmt->max_mag + 1; /* N: code max_mag + 1's value on the format's grid */
@@ -158,18 +163,34 @@ typedef size_t (*moe_cpu_amax_lanes)(const void *x, moe_dtype xt, size_t units, 
 size_t moe_cpu_amax_units_avx512(const void *x, moe_dtype xt, size_t units, size_t g, moe_cpu_ahead ahead,
                                  float *amax);
 
-/* The dequant ops' lanes (dequant_avx512.c): y[i] = lut[q[i]] for the
- * leading multiple of 64 of n elements, that count returned (needs
- * MOE_CPU_ISA_AVX512_VBMI); and dequant.mx's blocks [b0, b1) of q (fp4:
- * 16 bytes a block, else 32) with their e8m0 scales, value[code] x scale
- * rounded to yt (F32, F16 or BF16) at y[32 b ..] (needs MOE_CPU_ISA_AVX512;
- * `vbmi`: the CPU has VBMI too).
- * value: the format's code values (16 for fp4, else 256) by moe_narrow_to_f32;
- * false (nothing done) for a format whose NaN/inf codes it does not place. */
-size_t moe_cpu_lut16_avx512(const uint8_t *q, const uint16_t lut[256], size_t n, uint16_t *y);
-bool moe_cpu_dequant_mx_avx512(const uint8_t *q, const uint8_t *scales, const float *value,
-                               const moe_narrow_fmt *fmt, bool vbmi, size_t b0, size_t b1, moe_dtype yt,
-                               void *y);
+/* The dequant ops' lanes (dequant_avx512.c). What they need of a call is
+ * built once per call, before the threads split it (a 256-entry table's byte
+ * planes, the fp8 decode's and the exponent add's bounds), and read by every
+ * chunk. */
+typedef struct moe_cpu_dequant_plan {
+  uint8_t lo[256], hi[256]; /* 16-bit outputs by code, as two byte planes */
+  int shift, special;       /* mx fp8 lane decode: 23 - mbits, the least magnitude taken from the table */
+  float unbias;             /* 2^(127 - bias) */
+  int kmin, kmax;           /* mx fp8 -> bf16: the block exponents the add takes */
+  bool bf16_add;            /* mx fp8 -> bf16 by the exponent add (VBMI) */
+} moe_cpu_dequant_plan;
+/* dequant.per_tensor's table of finished outputs as the plan's planes. */
+void moe_cpu_lut16_plan(const uint16_t table[256], moe_cpu_dequant_plan *p);
+/* y[i] = the planes' output of q[i] for the leading multiple of 64 of n
+ * elements, that count returned (needs MOE_CPU_ISA_AVX512_VBMI). */
+size_t moe_cpu_lut16_avx512(const uint8_t *q, const moe_cpu_dequant_plan *p, size_t n, uint16_t *y);
+/* dequant.mx's plan for format fmt to yt (`vbmi`: the CPU has VBMI too);
+ * value: the format's code values (16 for fp4, else 256) by
+ * moe_narrow_to_f32. false: a format whose NaN/inf codes the lanes do not
+ * place (the C loops take the call). */
+bool moe_cpu_dequant_mx_plan(const moe_narrow_fmt *fmt, const float *value, moe_dtype yt, bool vbmi,
+                             moe_cpu_dequant_plan *p);
+/* dequant.mx's blocks [b0, b1) of q (fp4: 16 bytes a block, else 32) with
+ * their e8m0 scales: value[code] x scale rounded to yt (F32, F16 or BF16)
+ * at y[32 b ..] (needs MOE_CPU_ISA_AVX512). */
+void moe_cpu_dequant_mx_avx512(const uint8_t *q, const uint8_t *scales, const float *value,
+                               const moe_narrow_fmt *fmt, const moe_cpu_dequant_plan *p, size_t b0, size_t b1,
+                               moe_dtype yt, void *y);
 
 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t units, size_t g, const float *s,
                                   const float *r, bool exact, bool int8, const moe_narrow_fmt *fmt,

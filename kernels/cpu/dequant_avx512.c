@@ -61,22 +61,23 @@ V512 ALWAYS_INLINE __m512i half_bits(__m512 v, moe_dtype yt) {
       INTERLEAVE_8(32 * (h) + 24), INTERLEAVE_8(32 * (h) + 28)
 static const uint8_t interleave[2][64] = {{INTERLEAVE_32(0)}, {INTERLEAVE_32(1)}};
 
-/* A table of 256 16-bit outputs as two byte planes of four vectors, and the
- * interleaving indices. */
+void moe_cpu_lut16_plan(const uint16_t table[256], moe_cpu_dequant_plan *p) {
+  for (int c = 0; c < 256; c++) {
+    p->lo[c] = (uint8_t)table[c];
+    p->hi[c] = (uint8_t)(table[c] >> 8);
+  }
+}
+
+/* The plan's byte planes as four vectors each, and the interleaving indices. */
 typedef struct lut16 {
   __m512i lo[4], hi[4], i0, i1;
 } lut16;
 
-VBMI static lut16 lut16_of(const uint16_t table[256]) {
-  uint8_t lo[256], hi[256];
-  for (int c = 0; c < 256; c++) {
-    lo[c] = (uint8_t)table[c];
-    hi[c] = (uint8_t)(table[c] >> 8);
-  }
+VBMI ALWAYS_INLINE lut16 lut16_of(const moe_cpu_dequant_plan *p) {
   lut16 t;
   for (int k = 0; k < 4; k++) {
-    t.lo[k] = _mm512_loadu_si512(lo + 64 * k);
-    t.hi[k] = _mm512_loadu_si512(hi + 64 * k);
+    t.lo[k] = _mm512_loadu_si512(p->lo + 64 * k);
+    t.hi[k] = _mm512_loadu_si512(p->hi + 64 * k);
   }
   t.i0 = _mm512_loadu_si512(interleave[0]);
   t.i1 = _mm512_loadu_si512(interleave[1]);
@@ -97,8 +98,8 @@ VBMI ALWAYS_INLINE void lut16_lookup(const lut16 *t, __m512i c, __m512i y[2]) {
   y[1] = _mm512_permutex2var_epi8(l, t->i1, h);
 }
 
-VBMI size_t moe_cpu_lut16_avx512(const uint8_t *q, const uint16_t lut[256], size_t n, uint16_t *y) {
-  const lut16 t = lut16_of(lut);
+VBMI size_t moe_cpu_lut16_avx512(const uint8_t *q, const moe_cpu_dequant_plan *p, size_t n, uint16_t *y) {
+  const lut16 t = lut16_of(p);
   size_t i = 0;
   for (; i + 64 <= n; i += 64) {
     __m512i v[2];
@@ -145,38 +146,20 @@ V512 ALWAYS_INLINE void dequant_fp4(const uint8_t *q, size_t b0, size_t b1, cons
  * codes on normal floats, subnormal ones on subnormal floats, both exact),
  * so one exact multiply by 2^(127 - bias) scales them, and the sign is or-ed
  * in (as moe_e4m3fn_to_f32). Magnitudes from `special` on (NaN, inf: where
- * this differs from the table, found by fp8_special; 0x7F for e4m3fn, 0x7C
+ * this differs from the table; 0x7F for e4m3fn, 0x7C
  * for e5m2) take the table's value of their code by a vpermt2ps from the
- * table's codes 0x70-0x7F and 0xF0-0xFF, index (c & 0xF) | sign << 4.
+ * table's codes 0x70-0x7F and 0xF0-0xFF, index (c & 0xF) | sign << 4
+ * (moe_cpu_dequant_mx_plan finds `special` and refuses a format where it is
+ * below 0x70).
  * Branch-free: random codes (the bench's) hold a NaN in one vector in eight,
  * and a masked gather there cost more than the lookup everywhere. */
-typedef struct fp8_lanes {
-  int shift;    /* 23 - mbits */
-  float unbias; /* 2^(127 - bias) */
-  int special;  /* the least magnitude code decoded from the table */
-  __m512 hi[2]; /* the values of codes 0x70-0x7F, 0xF0-0xFF */
-} fp8_lanes;
-
-/* The least magnitude from which the lanes' decode (the same operations, in
- * scalar) and the table may differ for either sign; 128 when they agree. */
-V512 static fp8_lanes fp8_special(const moe_narrow_fmt *fmt, const float *value) {
-  fp8_lanes f = {23 - fmt->mbits,
-                 moe_pow2f(127 - fmt->bias),
-                 128,
-                 {_mm512_loadu_ps(value + 0x70), _mm512_loadu_ps(value + 0xF0)}};
-  for (int mag = 127; mag >= 0; mag--)
-    for (uint32_t sign = 0; sign < 2; sign++) {
-      const float m = moe_f32_from_bits((uint32_t)mag << f.shift) * f.unbias;
-      if ((moe_f32_bits(m) | sign << 31) != moe_f32_bits(value[(uint32_t)mag | sign << 7])) f.special = mag;
-    }
-  return f;
-}
-
 V512 ALWAYS_INLINE void dequant_fp8(const uint8_t *q, size_t b0, size_t b1, const uint8_t *scales,
-                                    const fp8_lanes *f, moe_dtype yt, void *y) {
+                                    const float *value, const moe_cpu_dequant_plan *f, moe_dtype yt,
+                                    void *y) {
   const __m512i mag_mask = _mm512_set1_epi32(0x7F << f->shift),
                 special = _mm512_set1_epi32(f->special << f->shift);
-  const __m512 unbias = _mm512_set1_ps(f->unbias), hi0 = f->hi[0], hi1 = f->hi[1];
+  const __m512 unbias = _mm512_set1_ps(f->unbias), hi0 = _mm512_loadu_ps(value + 0x70),
+               hi1 = _mm512_loadu_ps(value + 0xF0); /* the values of codes 0x70-0x7F, 0xF0-0xFF */
   for (size_t b = b0; b < b1; b++) {
     const __m512 s = _mm512_set1_ps(moe_e8m0_to_f32(scales[b]));
     for (size_t k = 0; k < BLOCK; k += 16) {
@@ -205,32 +188,24 @@ V512 ALWAYS_INLINE void dequant_fp8(const uint8_t *q, size_t b0, size_t b1, cons
  * NaN and inf keep their table value (times 2^k they stay what they are).
  * Pairs of such blocks (64 codes a lookup); any other block (the range left,
  * scale 0xFF's NaN) by dequant_fp8. */
+/* Whether scale byte s takes the exponent add: 2^k in the plan's bounds (0xFF, NaN, never). */
+static inline bool exponent_add(uint8_t s, const moe_cpu_dequant_plan *p) {
+  return s != 0xFF && (int)s - 127 >= p->kmin && (int)s - 127 <= p->kmax;
+}
+
 VBMI static void dequant_fp8_bf16(const uint8_t *q, size_t b0, size_t b1, const uint8_t *scales,
-                                  const float *value, const fp8_lanes *f, uint16_t *y) {
-  uint16_t table[256];
-  int emin = 255, emax = 0; /* over the finite nonzero codes' bf16 exponent fields */
-  for (int c = 0; c < 256; c++) {
-    table[c] = moe_f32_to_bf16(value[c]);
-    const int e = (table[c] >> 7) & 0xFF;
-    if ((table[c] & 0x7FFF) != 0 && e != 0xFF) {
-      emin = e < emin ? e : emin;
-      emax = e > emax ? e : emax;
-    }
-  }
-  const lut16 t = lut16_of(table);
-  const int kmin = 1 - emin, kmax = 254 - emax;
+                                  const float *value, const moe_cpu_dequant_plan *p, uint16_t *y) {
+  const lut16 t = lut16_of(p);
   size_t b = b0;
   while (b < b1) {
-    const int k0 = (int)scales[b] - 127, k1 = b + 1 < b1 ? (int)scales[b + 1] - 127 : kmax + 1;
-    if (scales[b] == 0xFF || k0 < kmin || k0 > kmax || scales[b + 1 < b1 ? b + 1 : b] == 0xFF || k1 < kmin ||
-        k1 > kmax) {
-      dequant_fp8(q, b, b + 1, scales, f, MOE_BF16, y);
+    if (b + 1 >= b1 || !exponent_add(scales[b], p) || !exponent_add(scales[b + 1], p)) {
+      dequant_fp8(q, b, b + 1, scales, value, p, MOE_BF16, y);
       b++;
       continue;
     }
     __m512i v[2];
     lut16_lookup(&t, _mm512_loadu_si512(q + b * BLOCK), v);
-    const int k[2] = {k0, k1};
+    const int k[2] = {(int)scales[b] - 127, (int)scales[b + 1] - 127};
     for (int h = 0; h < 2; h++) { /* the finite nonzero: 1 <= |bits| <= 0x7F7F */
       const __m512i a =
           _mm512_sub_epi16(_mm512_and_si512(v[h], _mm512_set1_epi16(0x7FFF)), _mm512_set1_epi16(1));
@@ -242,27 +217,56 @@ VBMI static void dequant_fp8_bf16(const uint8_t *q, size_t b0, size_t b1, const 
   }
 }
 
-V512 bool moe_cpu_dequant_mx_avx512(const uint8_t *q, const uint8_t *scales, const float *value,
-                                    const moe_narrow_fmt *fmt, bool vbmi, size_t b0, size_t b1, moe_dtype yt,
-                                    void *y) {
-  const bool fp4 = fmt->bits == 4;
-  fp8_lanes f;
-  if (!fp4) {
-    f = fp8_special(fmt, value);
-    if (f.special < 0x70) return false; /* specials outside the lookup's codes: no format of dequant.mx */
-    if (vbmi && yt == MOE_BF16) {
-      dequant_fp8_bf16(q, b0, b1, scales, value, &f, y);
-      return true;
+bool moe_cpu_dequant_mx_plan(const moe_narrow_fmt *fmt, const float *value, moe_dtype yt, bool vbmi,
+                             moe_cpu_dequant_plan *p) {
+  p->bf16_add = false;
+  if (fmt->bits == 4) return true;
+  /* the lane decode: the least magnitude from which it (the same operations,
+   * in scalar) and the table may differ for either sign; 128 when they agree */
+  p->shift = 23 - fmt->mbits;
+  p->unbias = moe_pow2f(127 - fmt->bias);
+  p->special = 128;
+  for (int mag = 127; mag >= 0; mag--)
+    for (uint32_t sign = 0; sign < 2; sign++) {
+      const float m = moe_f32_from_bits((uint32_t)mag << p->shift) * p->unbias;
+      if ((moe_f32_bits(m) | sign << 31) != moe_f32_bits(value[(uint32_t)mag | sign << 7])) p->special = mag;
     }
+  if (p->special < 0x70) return false; /* specials outside the lookup's codes: no format of dequant.mx */
+  if (!vbmi || yt != MOE_BF16) return true;
+  /* the exponent add: the bf16 of every code, and the bounds of k over the
+   * finite nonzero codes' bf16 exponent fields */
+  uint16_t table[256];
+  int emin = 255, emax = 0;
+  for (int c = 0; c < 256; c++) {
+    table[c] = moe_f32_to_bf16(value[c]);
+    const int e = (table[c] >> 7) & 0xFF;
+    if ((table[c] & 0x7FFF) != 0 && e != 0xFF) {
+      emin = e < emin ? e : emin;
+      emax = e > emax ? e : emax;
+    }
+  }
+  moe_cpu_lut16_plan(table, p);
+  p->kmin = 1 - emin;
+  p->kmax = 254 - emax;
+  p->bf16_add = true;
+  return true;
+}
+
+V512 void moe_cpu_dequant_mx_avx512(const uint8_t *q, const uint8_t *scales, const float *value,
+                                    const moe_narrow_fmt *fmt, const moe_cpu_dequant_plan *p, size_t b0,
+                                    size_t b1, moe_dtype yt, void *y) {
+  const bool fp4 = fmt->bits == 4;
+  if (p->bf16_add) {
+    dequant_fp8_bf16(q, b0, b1, scales, value, p, y);
+    return;
   }
   /* one straight loop per (format width, output dtype) */
 #define DEQUANT(YT)                                                                                          \
-  fp4 ? dequant_fp4(q, b0, b1, scales, value, YT, y) : dequant_fp8(q, b0, b1, scales, &f, YT, y)
+  fp4 ? dequant_fp4(q, b0, b1, scales, value, YT, y) : dequant_fp8(q, b0, b1, scales, value, p, YT, y)
   switch (yt) {
   case MOE_F16: DEQUANT(MOE_F16); break;
   case MOE_BF16: DEQUANT(MOE_BF16); break;
   default: DEQUANT(MOE_F32); break;
   }
 #undef DEQUANT
-  return true;
 }

@@ -112,7 +112,7 @@ VAVX2 size_t moe_cpu_encode_scaled_avx2(const void *x, moe_dtype xt, size_t unit
   lanes L;
   float hi, lo;
   const int out = moe_cpu_scaled_kind(int8, fmt, &hi, &lo);
-  if (out < 0) return 0;
+  if (out < 0 || out == MOE_SCALED_FP4) return 0; /* fp4: the AVX-512 encoder's alone */
   L.hi = _mm256_set1_ps(hi);
   L.lo = _mm256_set1_ps(lo);
   if (!int8) L.narrow = narrow_avx2_of(fmt);

@@ -173,14 +173,9 @@ VBMI size_t moe_cpu_encode_scaled_avx512(const void *x, moe_dtype xt, size_t uni
                                          moe_cpu_ahead ahead, bool stream, uint8_t *q) {
   lanes L;
   float hi, lo;
-  int out = moe_cpu_scaled_kind(int8, fmt, &hi, &lo);
-  const bool fp4 = out < 0 && !int8 && fmt->bits == 4 && fmt->mbits == 1 && !fmt->inf_codes;
-  if (fp4) { /* e2m1 (quant.mx's mxfp4): no NaN code; NaN blocks are zeroed by the caller */
-    if (g != 32 || (xt != MOE_BF16 && xt != MOE_F16)) return 0;
-    out = MOE_SCALED_FP4;
-    hi = lo = fmt->max_finite;
-  }
-  if (out < 0) return 0;
+  const int out = moe_cpu_scaled_kind(int8, fmt, &hi, &lo);
+  const bool fp4 = out == MOE_SCALED_FP4;
+  if (out < 0 || (fp4 && (g != 32 || (xt != MOE_BF16 && xt != MOE_F16)))) return 0;
   L.hi = _mm512_set1_ps(hi);
   L.nan = _mm512_set1_ps(lo);
   if (!int8) L.narrow = narrow_lanes_of(fmt);

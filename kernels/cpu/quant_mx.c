@@ -330,9 +330,9 @@ moe_status moe_cpu_quant_mx(moe_backend *b, moe_call *c, moe_error *err) {
   uint8_t *q = c->out[0].tensor.data, *scales = c->out[1].tensor.data;
   const moe_cpu_isa isa = moe_cpu_quant_isa(); /* read once per call */
   float hi, lo;
-  const bool pairs =
-      isa >= MOE_CPU_ISA_AVX512_VBMI && (x->dtype == MOE_BF16 || x->dtype == MOE_F16) && !a->half_up &&
-      (a->qdtype == MOE_FP4_E2M1 || moe_cpu_scaled_kind(false, &a->fmt, &hi, &lo) == MOE_SCALED_FP8_NEG_ZERO);
+  const int kind = moe_cpu_scaled_kind(false, &a->fmt, &hi, &lo);
+  const bool pairs = isa >= MOE_CPU_ISA_AVX512_VBMI && (x->dtype == MOE_BF16 || x->dtype == MOE_F16) &&
+                     !a->half_up && (kind == MOE_SCALED_FP8_NEG_ZERO || kind == MOE_SCALED_FP4);
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long g = 0; g < groups; g++) {
     size_t b0 = (size_t)g * GROUP, b1 = b0 + GROUP < blocks ? b0 + GROUP : blocks;
@@ -363,14 +363,15 @@ ALWAYS_INLINE void dequant_blocks_dtype(bool fp4, const float *value, const uint
     dequant_block(q + blk * qbytes, scales[blk], fp4, value, blk * BLOCK, yt, y);
 }
 
+/* `plan`: the AVX-512 lanes (NULL: the C loops) */
 MOE_CPU_HOT static void dequant_blocks(const moe_mx_args *a, const float *value, const uint8_t *q,
-                                       const uint8_t *scales, moe_cpu_isa isa, size_t b0, size_t b1,
-                                       void *y) {
+                                       const uint8_t *scales, const moe_cpu_dequant_plan *plan, size_t b0,
+                                       size_t b1, void *y) {
   const bool fp4 = a->qdtype == MOE_FP4_E2M1;
-  if (isa >= MOE_CPU_ISA_AVX512 &&
-      moe_cpu_dequant_mx_avx512(q, scales, value, &a->fmt, isa >= MOE_CPU_ISA_AVX512_VBMI, b0, b1,
-                                a->out_dtype, y))
+  if (plan) {
+    moe_cpu_dequant_mx_avx512(q, scales, value, &a->fmt, plan, b0, b1, a->out_dtype, y);
     return;
+  }
   switch (a->out_dtype) {
   case MOE_F16:
     if (fp4)
@@ -405,10 +406,14 @@ moe_status moe_cpu_dequant_mx(moe_backend *b, moe_call *c, moe_error *err) {
   for (int code = 0; code < (a->qdtype == MOE_FP4_E2M1 ? 16 : 256); code++)
     value[code] = moe_narrow_to_f32((uint8_t)code, &a->fmt);
   const moe_cpu_isa isa = moe_cpu_quant_isa(); /* read once per call */
+  moe_cpu_dequant_plan plan;                   /* once per call, read by every group */
+  const bool lanes =
+      isa >= MOE_CPU_ISA_AVX512 &&
+      moe_cpu_dequant_mx_plan(&a->fmt, value, a->out_dtype, isa >= MOE_CPU_ISA_AVX512_VBMI, &plan);
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long g = 0; g < groups; g++) {
     size_t b0 = (size_t)g * GROUP, b1 = b0 + GROUP < blocks ? b0 + GROUP : blocks;
-    dequant_blocks(a, value, q, scales, isa, b0, b1, y);
+    dequant_blocks(a, value, q, scales, lanes ? &plan : NULL, b0, b1, y);
   }
   return MOE_OK;
 }

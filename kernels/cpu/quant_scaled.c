@@ -282,10 +282,10 @@ static void decode_lut_build(const moe_scaled_args *a, decode_lut *lut) {
   }
 }
 
-MOE_CPU_HOT static void decode(const uint8_t *q, const decode_lut *lut, bool f32, moe_cpu_isa isa,
-                               size_t begin, size_t end, void *y) {
-  if (!f32 && isa >= MOE_CPU_ISA_AVX512_VBMI) /* 16-bit outputs by byte-plane lookups in lanes */
-    begin += moe_cpu_lut16_avx512(q + begin, lut->f16, end - begin, (uint16_t *)y + begin);
+/* `planes`: 16-bit outputs by byte-plane lookups in lanes (NULL: the C loop) */
+MOE_CPU_HOT static void decode(const uint8_t *q, const decode_lut *lut, bool f32,
+                               const moe_cpu_dequant_plan *planes, size_t begin, size_t end, void *y) {
+  if (planes) begin += moe_cpu_lut16_avx512(q + begin, planes, end - begin, (uint16_t *)y + begin);
   if (f32)
     for (size_t i = begin; i < end; i++)
       ((uint32_t *)y)[i] = lut->f32[q[i]];
@@ -303,11 +303,13 @@ moe_status moe_cpu_dequant_per_tensor(moe_backend *b, moe_call *c, moe_error *er
   void *y = c->out[0].tensor.data;
   decode_lut lut;
   decode_lut_build(a, &lut);
-  const moe_cpu_isa isa = moe_cpu_quant_isa(); /* read once per call */
+  const bool f32 = a->out_dtype == MOE_F32, lanes = !f32 && moe_cpu_quant_isa() >= MOE_CPU_ISA_AVX512_VBMI;
+  moe_cpu_dequant_plan planes;
+  if (lanes) moe_cpu_lut16_plan(lut.f16, &planes); /* once per call, read by every chunk */
 #pragma omp parallel for num_threads(moe_cpu_threads_for(b, n)) schedule(static)
   for (long ch = 0; ch < chunks; ch++) {
     size_t begin = (size_t)ch * CHUNK, end = begin + CHUNK < n ? begin + CHUNK : n;
-    decode(q, &lut, a->out_dtype == MOE_F32, isa, begin, end, y);
+    decode(q, &lut, f32, lanes ? &planes : NULL, begin, end, y);
   }
   return MOE_OK;
 }
